@@ -1,0 +1,209 @@
+"""The memplan-trace/1 format: the Trace type, its validation, and loading and saving it.
+
+A trace is columnar: buffer i has a requested size, a logical allocation time and a
+logical free time (live on [alloc, free)), a stream, labels and its original address.
+Logical time counts allocation and free events in the order the allocator saw them.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from traces.errors import TraceError
+from traces.files import atomic_write, read_bytes
+
+FORMAT = "memplan-trace/1"
+CATEGORIES = ("parameter", "gradient", "optimizer", "activation", "input", "temporary", "unknown")
+PHASES = ("forward", "backward", "optimizer", "other")
+INT_COLUMNS = ("size", "alloc", "free", "stream", "addr")
+STR_COLUMNS = ("category", "phase", "op", "module")
+COLUMNS = INT_COLUMNS + STR_COLUMNS
+
+
+@dataclass
+class Trace:
+    """Every buffer of one recorded step; integer columns are int64 arrays, labels are lists."""
+
+    size: np.ndarray
+    alloc: np.ndarray
+    free: np.ndarray
+    stream: np.ndarray
+    addr: np.ndarray  # original address, -1 when unknown
+    category: list[str]
+    phase: list[str]
+    op: list[str]
+    module: list[str]
+    syncs: list[tuple[int, int, int]] = field(default_factory=list)  # (time, from_stream, to_stream)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.size.shape[0])
+
+    @property
+    def end(self) -> int:
+        """The end of the recorded window: one past the last event."""
+        if len(self) == 0:
+            return 0
+        return int(max(self.free.max(), self.alloc.max() + 1))
+
+    @property
+    def streams(self) -> list[int]:
+        return sorted({int(s) for s in self.stream})
+
+    def live_bytes(self) -> np.ndarray:
+        """Bytes live during each logical step t in [0, end): live[t] = sum of sizes with alloc <= t < free."""
+        delta = np.zeros(self.end + 1, dtype=np.int64)
+        np.add.at(delta, self.alloc, self.size)
+        np.add.at(delta, self.free, -self.size)
+        return np.cumsum(delta)[:-1]
+
+    def peak(self) -> tuple[int, int]:
+        """(peak live bytes, first logical time at which it is reached)."""
+        if len(self) == 0:
+            return 0, 0
+        live = self.live_bytes()
+        t = int(np.argmax(live))
+        return int(live[t]), t
+
+    def live_at(self, t: int) -> np.ndarray:
+        """Indices of the buffers live at logical time t."""
+        return np.nonzero((self.alloc <= t) & (self.free > t))[0]
+
+    def subset(self, index: np.ndarray | list[int]) -> "Trace":
+        """A trace holding only the given buffers (times, syncs and meta unchanged)."""
+        index = np.asarray(index, dtype=np.int64)
+        pick = lambda col: [col[i] for i in index]  # noqa: E731
+        return Trace(
+            size=self.size[index], alloc=self.alloc[index], free=self.free[index],
+            stream=self.stream[index], addr=self.addr[index],
+            category=pick(self.category), phase=pick(self.phase), op=pick(self.op),
+            module=pick(self.module), syncs=list(self.syncs), meta=dict(self.meta),
+        )
+
+
+def make_trace(columns: dict[str, Any], syncs=(), meta=None) -> Trace:
+    """Build and validate a Trace from plain columns (lists or arrays); missing labels get defaults."""
+    buffers = {c: [int(x) for x in v] if c in INT_COLUMNS else list(v) for c, v in columns.items()}
+    data = {"format": FORMAT, "meta": dict(meta or {}), "buffers": buffers,
+            "syncs": [[int(x) for x in s] for s in syncs]}
+    return from_dict(data)
+
+
+def _int_column(name: str, values: Any, n: int | None) -> np.ndarray:
+    if not isinstance(values, list):
+        raise TraceError(f"buffers.{name}: expected a list, got {type(values).__name__}")
+    if n is not None and len(values) != n:
+        raise TraceError(f"buffers.{name}: has {len(values)} entries but buffers.size has {n}")
+    for i, v in enumerate(values):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TraceError(f"buffers.{name}[{i}]: expected an integer, got {v!r}")
+    arr = np.asarray(values, dtype=np.int64) if values else np.zeros(0, dtype=np.int64)
+    return arr
+
+
+def _str_column(name: str, values: Any, n: int) -> list[str]:
+    if not isinstance(values, list):
+        raise TraceError(f"buffers.{name}: expected a list, got {type(values).__name__}")
+    if len(values) != n:
+        raise TraceError(f"buffers.{name}: has {len(values)} entries but buffers.size has {n}")
+    for i, v in enumerate(values):
+        if not isinstance(v, str):
+            raise TraceError(f"buffers.{name}[{i}]: expected a string, got {v!r}")
+    return list(values)
+
+
+def from_dict(data: Any) -> Trace:
+    """Validate a decoded memplan-trace/1 document and return the Trace; errors name the field."""
+    if not isinstance(data, dict):
+        raise TraceError("trace: expected a JSON object at the top level")
+    fmt = data.get("format")
+    if fmt != FORMAT:
+        raise TraceError(f"format: unknown format version {fmt!r} (expected {FORMAT!r})")
+    meta = data.get("meta", {})
+    if not isinstance(meta, dict):
+        raise TraceError("meta: expected an object")
+    buffers = data.get("buffers")
+    if not isinstance(buffers, dict):
+        raise TraceError("buffers: missing or not an object")
+    for name in ("size", "alloc", "free"):
+        if name not in buffers:
+            raise TraceError(f"buffers.{name}: missing column")
+    unknown = set(buffers) - set(COLUMNS)
+    if unknown:
+        raise TraceError(f"buffers.{sorted(unknown)[0]}: unknown column")
+    size = _int_column("size", buffers["size"], None)
+    n = len(size)
+    cols: dict[str, Any] = {"size": size}
+    for name in INT_COLUMNS[1:]:
+        default = [0] * n if name == "stream" else [-1] * n
+        cols[name] = _int_column(name, buffers.get(name, default), n)
+    for name in STR_COLUMNS:
+        default = {"category": "unknown", "phase": "other"}.get(name, "")
+        cols[name] = _str_column(name, buffers.get(name, [default] * n), n)
+
+    for name in ("size", "alloc", "free"):
+        bad = np.nonzero(cols[name] < 0)[0]
+        if len(bad):
+            i = int(bad[0])
+            raise TraceError(f"buffers.{name}[{i}]: negative value {int(cols[name][i])}")
+    bad = np.nonzero(cols["free"] < cols["alloc"])[0]
+    if len(bad):
+        i = int(bad[0])
+        raise TraceError(f"buffers.free[{i}]: free at {int(cols['free'][i])} is before its allocation "
+                         f"at {int(cols['alloc'][i])}")
+    for name, allowed in (("category", CATEGORIES), ("phase", PHASES)):
+        for i, v in enumerate(cols[name]):
+            if v not in allowed:
+                raise TraceError(f"buffers.{name}[{i}]: unknown {name} {v!r} "
+                                 f"(expected one of {', '.join(allowed)})")
+
+    syncs_raw = data.get("syncs", [])
+    if not isinstance(syncs_raw, list):
+        raise TraceError("syncs: expected a list of [time, from_stream, to_stream]")
+    syncs = []
+    for i, s in enumerate(syncs_raw):
+        if (not isinstance(s, list) or len(s) != 3
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in s)):
+            raise TraceError(f"syncs[{i}]: expected [time, from_stream, to_stream] integers, got {s!r}")
+        if s[0] < 0:
+            raise TraceError(f"syncs[{i}]: negative time {s[0]}")
+        syncs.append((s[0], s[1], s[2]))
+    return Trace(syncs=syncs, meta=meta, **cols)
+
+
+def to_dict(trace: Trace) -> dict[str, Any]:
+    """The JSON-ready memplan-trace/1 document of a trace."""
+    buffers = {name: [int(x) for x in getattr(trace, name)] for name in INT_COLUMNS}
+    buffers.update({name: list(getattr(trace, name)) for name in STR_COLUMNS})
+    return {"format": FORMAT, "meta": trace.meta, "buffers": buffers,
+            "syncs": [list(s) for s in trace.syncs]}
+
+
+def load(path: str | os.PathLike) -> Trace:
+    """Read and validate a trace (.json or .json.gz)."""
+    name = os.fspath(path)
+    try:
+        raw = read_bytes(path)
+    except FileNotFoundError:
+        raise TraceError(f"{name}: no such file") from None
+    except OSError as e:
+        raise TraceError(f"{name}: cannot read ({e.strerror or e})") from None
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f" at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+        raise TraceError(f"{name}: not valid JSON{where} (truncated or not a trace?)") from None
+    try:
+        return from_dict(data)
+    except TraceError as e:
+        raise TraceError(f"{name}: {e}") from None
+
+
+def save(trace: Trace, path: str | os.PathLike) -> None:
+    """Write a trace atomically; gzipped when the name ends in .gz."""
+    from_dict(to_dict(trace))  # never write a trace that would not load back
+    atomic_write(path, json.dumps(to_dict(trace), separators=(",", ":")))
