@@ -3,6 +3,9 @@
 A trace is columnar: buffer i has a requested size, a logical allocation time and a
 logical free time (live on [alloc, free)), a stream, labels and its original address.
 Logical time counts allocation and free events in the order the allocator saw them.
+Time 0 stands for "before recording": buffers that already existed when recording began
+(parameters, optimizer state, blocks a CUDA snapshot shows only in its segments) have
+alloc 0, and the recorded events take times 1, 2, ... A buffer never freed has free = end.
 """
 from __future__ import annotations
 
@@ -49,6 +52,12 @@ class Trace:
         if len(self) == 0:
             return 0
         return int(max(self.free.max(), self.alloc.max() + 1))
+
+    @property
+    def recorded(self) -> np.ndarray:
+        """Indices of the buffers allocated during recording, in allocation order."""
+        idx = np.nonzero(self.alloc > 0)[0]
+        return idx[np.argsort(self.alloc[idx], kind="stable")]
 
     @property
     def streams(self) -> list[int]:

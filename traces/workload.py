@@ -1,0 +1,53 @@
+"""The Workload type: what a model file builds, and the one training step every stage runs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+
+def default_loss(output: Any, inputs: Any) -> torch.Tensor:
+    """Mean of the model's first output tensor (in fp32): a loss for models that bring none."""
+    if isinstance(output, torch.Tensor):
+        first = output
+    elif isinstance(output, dict) or hasattr(output, "values"):
+        first = next(v for v in output.values() if isinstance(v, torch.Tensor))
+    else:
+        first = next(v for v in output if isinstance(v, torch.Tensor))
+    return first.float().mean()
+
+
+@dataclass
+class Workload:
+    """A model, one input batch, a loss and an optimizer.
+
+    `inputs` is passed to the model as `model(*inputs)` for a tuple, `model(**inputs)` for a
+    dict, and `model(inputs)` otherwise. `loss_fn(output, inputs)` returns a scalar tensor.
+    """
+
+    model: nn.Module
+    inputs: Any
+    optimizer: torch.optim.Optimizer
+    loss_fn: Callable[[Any, Any], torch.Tensor] = default_loss
+    name: str = "workload"
+
+    def forward(self) -> Any:
+        if isinstance(self.inputs, tuple):
+            return self.model(*self.inputs)
+        if isinstance(self.inputs, dict):
+            return self.model(**self.inputs)
+        return self.model(self.inputs)
+
+    def step(self) -> torch.Tensor:
+        """One full training step: forward, loss, backward, optimizer step, then gradients set to None.
+
+        Gradients are released at the end of the step, so every step after the first (which creates
+        the optimizer state) allocates and frees the same buffers in the same order.
+        """
+        loss = self.loss_fn(self.forward(), self.inputs)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
