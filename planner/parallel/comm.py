@@ -1,0 +1,156 @@
+"""Megatron's tensor- and sequence-parallel collectives as autograd functions; dim 0 is the sequence.
+
+Each function pairs a forward collective with its adjoint in backward: copy (identity / all-reduce),
+reduce (all-reduce / identity), gather (all-gather / reduce-scatter or split), reduce-scatter
+(reduce-scatter / all-gather) and scatter (split / all-gather). Every collective runs on contiguous
+tensors of the given process group (gloo on CPU, NCCL on CUDA).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Function
+
+
+def world(group) -> int:
+    """The size of the tensor-parallel group (1 when torch.distributed is not initialised)."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def rank(group) -> int:
+    """This process's rank in the tensor-parallel group (0 when not initialised)."""
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """Concatenate every rank's x along dim 0 (a new tensor t times as long)."""
+    t = world(group)
+    if t == 1:
+        return x
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] * t,) + tuple(x.shape[1:]))
+    dist.all_gather_single(out, x, group=group)
+    return out
+
+
+def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum x over the ranks and keep this rank's 1/t slice of dim 0."""
+    t = world(group)
+    if t == 1:
+        return x
+    if x.shape[0] % t:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by the parallel size {t}")
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // t,) + tuple(x.shape[1:]))
+    dist.reduce_scatter_single(out, x, group=group)
+    return out
+
+
+def split_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's 1/t slice of dim 0, as its own tensor (a view would keep the whole input alive)."""
+    t = world(group)
+    if t == 1:
+        return x
+    if x.shape[0] % t:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by the parallel size {t}")
+    return x.chunk(t, dim=0)[rank(group)].clone()
+
+
+def all_reduce_(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum x over the ranks in place."""
+    if world(group) > 1:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+class _CopyToTensorParallel(Function):
+    """Enter a tensor-parallel region with a replicated input: identity, all-reduce of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce_(grad.clone(), ctx.group), None
+
+
+class _ReduceFromTensorParallel(Function):
+    """Leave a tensor-parallel region to a replicated output: all-reduce, identity gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.mark_dirty(x)  # the partial sums are summed in place, as Megatron does
+        return all_reduce_(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromSequenceParallel(Function):
+    """All-gather along the sequence; backward reduce-scatters (tensor-parallel consumer) or splits."""
+
+    @staticmethod
+    def forward(ctx, x, group, consumer_is_parallel):
+        ctx.group, ctx.parallel = group, consumer_is_parallel
+        return all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.parallel:
+            return reduce_scatter_seq(grad, ctx.group), None, None
+        return split_seq(grad, ctx.group), None, None
+
+
+class _ReduceScatterToSequenceParallel(Function):
+    """Leave a tensor-parallel region into the sequence-parallel one: reduce-scatter, all-gather back."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_seq(grad, ctx.group), None
+
+
+class _ScatterToSequenceParallel(Function):
+    """Enter the sequence-parallel region from a replicated tensor: keep this rank's slice, gather back."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return split_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_seq(grad, ctx.group), None
+
+
+def copy_to_tensor_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Identity forward, gradient all-reduced: the input of a column-parallel linear without SP."""
+    return _CopyToTensorParallel.apply(x, group) if world(group) > 1 else x
+
+
+def reduce_from_tensor_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
+    """All-reduce forward, identity gradient: the output of a row-parallel linear without SP."""
+    return _ReduceFromTensorParallel.apply(x, group) if world(group) > 1 else x
+
+
+def gather_from_sequence_parallel(x: torch.Tensor, group=None, consumer_is_parallel=True) -> torch.Tensor:
+    """All-gather the sequence shards; the gradient is reduce-scattered, or split when every rank
+    computes the same replicated function of the result (the model's head)."""
+    return _GatherFromSequenceParallel.apply(x, group, consumer_is_parallel) if world(group) > 1 else x
+
+
+def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Reduce-scatter forward, all-gather gradient: the output of a row-parallel linear with SP."""
+    return _ReduceScatterToSequenceParallel.apply(x, group) if world(group) > 1 else x
+
+
+def scatter_to_sequence_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Split forward, all-gather gradient: the embeddings entering the sequence-parallel region."""
+    return _ScatterToSequenceParallel.apply(x, group) if world(group) > 1 else x
