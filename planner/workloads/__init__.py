@@ -1,0 +1,1 @@
+"""Bundled plain-torch Transformer workloads (BERT, GPT-2) whose layers memplan measures and patches."""

@@ -1,0 +1,141 @@
+"""Transformer building blocks shared by the bundled BERT and GPT-2 (and their parallel variants).
+
+Written so that what autograd keeps for backward matches Megatron's accounting (REFERENCE §1):
+attention is spelled out (QKᵀ, softmax, dropout, ·V) and every dropout keeps a 1-byte mask
+(`torch.native_dropout`), on the CPU too. The patcher swaps `nn.GELU`, `nn.LayerNorm` and
+`AttentionCore` for memplan's memory-saving layers.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from traces.errors import MemplanError
+
+
+class WorkloadConfigError(MemplanError):
+    """A workload was asked for a shape its configuration cannot build."""
+
+
+class Dropout(nn.Module):
+    """Dropout that keeps a 1-byte bool mask for backward on every device (nn.Dropout on CPU keeps a noise tensor)."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        return torch.native_dropout(x, self.p, True)[0]
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+class AttentionCore(nn.Module):
+    """softmax(q·kᵀ·scale + bias) with dropout on the probabilities, times v; q, k, v are (batch, heads, seq, head_dim)."""
+
+    def __init__(self, dropout_p: float):
+        super().__init__()
+        self.dropout = Dropout(dropout_p)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
+        if bias is not None:
+            scores = scores + bias
+        probs = F.softmax(scores, dim=-1)
+        return torch.matmul(self.dropout(probs), v)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention: fused QKV projection, the attention core, output projection and its dropout."""
+
+    def __init__(self, hidden: int, heads: int, attn_dropout: float, hidden_dropout: float):
+        super().__init__()
+        if hidden % heads:
+            raise WorkloadConfigError(f"hidden size {hidden} is not a multiple of {heads} heads")
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.core = AttentionCore(attn_dropout)
+        self.proj = nn.Linear(hidden, hidden)
+        self.dropout = Dropout(hidden_dropout)
+
+    def split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, seq, hidden) -> (batch, heads, seq, head_dim), a view."""
+        b, s, h = x.shape
+        return x.view(b, s, self.heads, h // self.heads).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).split(h, dim=2)
+        context = self.core(self.split_heads(q), self.split_heads(k), self.split_heads(v), bias)
+        return self.dropout(self.proj(context.transpose(1, 2).reshape(b, s, h)))
+
+
+class MLP(nn.Module):
+    """Feed-forward block: Linear(h, 4h), GELU (erf or tanh form), Linear(4h, h), dropout."""
+
+    def __init__(self, hidden: int, ffn_hidden: int, dropout: float, gelu_approximate: str = "none"):
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, ffn_hidden)
+        self.act = nn.GELU(approximate=gelu_approximate)
+        self.fc2 = nn.Linear(ffn_hidden, hidden)
+        self.dropout = Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.fc2(self.act(self.fc1(x))))
+
+
+class PostLNLayer(nn.Module):
+    """BERT's layer: x = LN(x + attention(x)); x = LN(x + mlp(x))."""
+
+    def __init__(self, attention: nn.Module, mlp: nn.Module, hidden: int, eps: float):
+        super().__init__()
+        self.attention = attention
+        self.ln1 = nn.LayerNorm(hidden, eps=eps)
+        self.mlp = mlp
+        self.ln2 = nn.LayerNorm(hidden, eps=eps)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.ln1(x + self.attention(x, bias))
+        return self.ln2(x + self.mlp(x))
+
+
+class PreLNLayer(nn.Module):
+    """GPT-2's layer: x = x + attention(LN(x)); x = x + mlp(LN(x))."""
+
+    def __init__(self, attention: nn.Module, mlp: nn.Module, hidden: int, eps: float):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(hidden, eps=eps)
+        self.attention = attention
+        self.ln2 = nn.LayerNorm(hidden, eps=eps)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.ln1(x), bias)
+        return x + self.mlp(self.ln2(x))
+
+
+def init_weights(module: nn.Module, std: float = 0.02) -> None:
+    """BERT/GPT-2 initialisation: normal(0, std) for linear and embedding weights, zero biases, LayerNorm (1, 0)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+    if isinstance(module, nn.LayerNorm) and module.elementwise_affine:
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
+
+
+class TokenLoss:
+    """Cross-entropy of logits (batch, seq, vocab) against labels, ignoring label -100; computed in fp32."""
+
+    def __init__(self, labels: torch.Tensor):
+        self.labels = labels
+
+    def __call__(self, logits: torch.Tensor, inputs) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), self.labels.flatten(), ignore_index=-100)
