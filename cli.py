@@ -35,5 +35,46 @@ def main() -> None:
     """memplan: trace a training step, plan its memory, replay and simulate it, and plot it."""
 
 
+@main.command("trace")
+@click.argument("model_file", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", type=click.Path(dir_okay=False),
+              help="Trace file to write (default: <model>.<layers>.trace.json.gz).")
+@click.option("--batch", type=click.IntRange(min=1), default=2, show_default=True, help="Batch size passed to build().")
+@click.option("--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build().")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--layers", default="baseline", show_default=True,
+              help="Memory-saving layers applied to the model (baseline, or a mode of planner.layers).")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
+@click.option("--top", type=click.IntRange(min=0), default=5, show_default=True, help="Largest buffers to list.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def trace_command(model_file, output, batch, seq, dtype, layers, device, top, as_json):
+    """Record one training step of MODEL_FILE and write its trace.
+
+    Example: memplan trace examples/bert.py --batch 2 --seq 128 -o bert.trace.json.gz
+    """
+    from pathlib import Path
+
+    import torch
+
+    from traces.capture import capture_step
+    from traces.format import save
+    from traces.model_file import load_workload
+    from traces.summary import render, summarize
+
+    stem = Path(model_file).stem
+    output = output or f"{stem}.{layers}.trace.json.gz"
+    progress(f"building {model_file} (batch {batch}, seq {seq}, {dtype}, {device}, layers {layers})")
+    workload = load_workload(model_file, batch=batch, seq=seq, dtype=getattr(torch, dtype),
+                             device=device, layers=layers)
+    progress("recording one training step after a warm-up step")
+    trace = capture_step(workload, meta={"model": stem, "layers": layers, "batch": batch, "seq": seq,
+                                         "model_file": str(model_file)})
+    save(trace, output)
+    progress(f"wrote {output}")
+    summary = summarize(trace, top=top)
+    summary["output"] = str(output)
+    emit(summary, as_json, render(summary) + f"\nwritten to {output}")
+
+
 if __name__ == "__main__":
     sys.exit(main())

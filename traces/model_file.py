@@ -1,0 +1,176 @@
+"""The model-file protocol of `memplan trace`: a Python file whose `build()` returns the workload.
+
+A model file defines
+
+    def build(batch_size: int, seq_len: int, dtype: torch.dtype, device: str):
+        return {"model": nn.Module, "inputs": batch,          # required
+                "loss": callable(output, inputs) -> scalar,    # optional, default: mean of the output
+                "optimizer": Optimizer or callable(params)}    # optional, default: AdamW(lr=1e-3)
+
+or returns a `traces.workload.Workload`. `inputs` is a tensor, a tuple (passed positionally) or a
+dict (passed by keyword). memplan seeds torch with 0 before calling build(), casts a dict's model
+to `dtype` and `device`, and applies the requested memory-saving layers before the optimizer is made.
+Every breach of the protocol raises ModelFileError with one line naming what is wrong.
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from traces.errors import MemplanError, ModelFileError
+from traces.workload import Workload, default_loss
+
+BUILD = "build"
+BUILD_ARGS = ("batch_size", "seq_len", "dtype", "device")
+DICT_KEYS = ("model", "inputs", "loss", "optimizer", "name")
+
+
+class DeviceError(MemplanError):
+    """The requested device cannot be used on this machine."""
+
+
+def _one_line(text: str) -> str:
+    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
+    return lines[0] if lines else ""
+
+
+def _describe(exc: BaseException) -> str:
+    message = _one_line(str(exc))
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+def require_device(device: str) -> torch.device:
+    """Check that `device` ('cpu' or 'cuda[:n]') is usable here; DeviceError otherwise."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise DeviceError(f"--device {device}: not a device name (use cpu or cuda)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(f"--device {device}: CUDA is not available on this machine (torch {torch.__version__})")
+    if dev.type not in ("cpu", "cuda"):
+        raise DeviceError(f"--device {device}: only cpu and cuda are supported")
+    return dev
+
+
+def _import(path: Path) -> Any:
+    if not path.is_file():
+        raise ModelFileError(f"{path}: no such model file")
+    name = f"memplan_model_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ModelFileError(f"{path}: cannot be loaded as a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # the file is user code: any failure is reported in one line
+        sys.modules.pop(name, None)
+        raise ModelFileError(f"{path}: importing it raised {_describe(e)}") from None
+    return module
+
+
+def _build_function(path: Path, module: Any):
+    build = getattr(module, BUILD, None)
+    if build is None or not callable(build):
+        raise ModelFileError(f"{path}: defines no function {BUILD}({', '.join(BUILD_ARGS)})")
+    try:
+        inspect.signature(build).bind(**{a: None for a in BUILD_ARGS})
+    except TypeError:
+        raise ModelFileError(f"{path}: {BUILD}() must accept the arguments {', '.join(BUILD_ARGS)}") from None
+    except ValueError:
+        pass  # no signature available (builtin): let the call decide
+    return build
+
+
+def _optimizer(path: Path, spec: Any, model: nn.Module) -> torch.optim.Optimizer:
+    if spec is None:
+        return torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if isinstance(spec, torch.optim.Optimizer):
+        return spec
+    if callable(spec):
+        try:
+            opt = spec(model.parameters())
+        except Exception as e:
+            raise ModelFileError(f"{path}: {BUILD}()['optimizer'](params) raised {_describe(e)}") from None
+        if isinstance(opt, torch.optim.Optimizer):
+            return opt
+        raise ModelFileError(f"{path}: {BUILD}()['optimizer'](params) returned {type(opt).__name__}, "
+                             "not a torch.optim.Optimizer")
+    raise ModelFileError(f"{path}: {BUILD}()['optimizer'] is {type(spec).__name__}; expected a "
+                         "torch.optim.Optimizer or a callable taking the parameters")
+
+
+def _apply_layers(path: Path, model: nn.Module, layers: str) -> None:
+    if layers == "baseline":
+        return
+    try:
+        from planner.layers import patch
+    except ImportError:
+        raise ModelFileError(f"--layers {layers}: memory-saving layers are not available "
+                             "(planner.layers is missing); use --layers baseline") from None
+    patch(model, layers)
+
+
+def _from_dict(path: Path, built: dict, dtype: torch.dtype, device: torch.device, layers: str) -> Workload:
+    for key in ("model", "inputs"):
+        if key not in built:
+            raise ModelFileError(f"{path}: {BUILD}() returned a dict without the key '{key}'")
+    unknown = sorted(set(built) - set(DICT_KEYS))
+    if unknown:
+        raise ModelFileError(f"{path}: {BUILD}() returned an unknown key '{unknown[0]}' "
+                             f"(allowed: {', '.join(DICT_KEYS)})")
+    model = built["model"]
+    if not isinstance(model, nn.Module):
+        raise ModelFileError(f"{path}: {BUILD}()['model'] is {type(model).__name__}, not a torch.nn.Module")
+    loss = built.get("loss") or default_loss
+    if not callable(loss):
+        raise ModelFileError(f"{path}: {BUILD}()['loss'] is {type(loss).__name__}, not callable")
+    model.to(device=device, dtype=dtype)
+    _apply_layers(path, model, layers)
+    optimizer = _optimizer(path, built.get("optimizer"), model)
+    return Workload(model=model, inputs=built["inputs"], optimizer=optimizer, loss_fn=loss,
+                    name=str(built.get("name") or path.stem))
+
+
+def _check_placement(path: Path, workload: Workload, dtype: torch.dtype, device: torch.device) -> None:
+    params = list(workload.model.parameters())
+    if not params:
+        raise ModelFileError(f"{path}: the model has no parameters")
+    for name, p in workload.model.named_parameters():
+        if p.device.type != device.type:
+            raise ModelFileError(f"{path}: parameter {name} is on {p.device}, expected {device}")
+        if p.is_floating_point() and p.dtype != dtype:
+            raise ModelFileError(f"{path}: parameter {name} is {p.dtype}, expected {dtype}")
+
+
+def load_workload(path: str | os.PathLike, *, batch: int, seq: int, dtype: torch.dtype,
+                  device: str, layers: str = "baseline") -> Workload:
+    """Import a model file, call its build(), and return the Workload (with `layers` applied)."""
+    path = Path(path)
+    dev = require_device(device)
+    module = _import(path)
+    build = _build_function(path, module)
+    torch.manual_seed(0)
+    try:
+        built = build(batch_size=batch, seq_len=seq, dtype=dtype, device=str(dev))
+    except MemplanError:
+        raise
+    except Exception as e:
+        raise ModelFileError(f"{path}: {BUILD}() raised {_describe(e)}") from None
+    if isinstance(built, Workload):
+        _apply_layers(path, built.model, layers)
+        workload = built
+    elif isinstance(built, dict):
+        workload = _from_dict(path, built, dtype, dev, layers)
+    else:
+        raise ModelFileError(f"{path}: {BUILD}() returned {type(built).__name__}; expected a dict with "
+                             "'model' and 'inputs', or a traces.workload.Workload")
+    _check_placement(path, workload, dtype, dev)
+    return workload

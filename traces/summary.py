@@ -1,0 +1,65 @@
+"""A trace's summary: peak live bytes, when it happens, what is live then, and the largest buffers."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from traces.format import CATEGORIES, Trace
+
+
+def _buffer(trace: Trace, i: int) -> dict[str, Any]:
+    return {"index": int(i), "size": int(trace.size[i]), "alloc": int(trace.alloc[i]),
+            "free": int(trace.free[i]), "category": trace.category[i], "phase": trace.phase[i],
+            "module": trace.module[i], "op": trace.op[i]}
+
+
+def summarize(trace: Trace, top: int = 5) -> dict[str, Any]:
+    """Peak live bytes and its time, the phase, module and op of the allocation that reached it,
+    bytes by category live at the peak, totals by category, and the `top` largest buffers."""
+    peak, t = trace.peak()
+    live = trace.live_at(t) if len(trace) else np.zeros(0, dtype=np.int64)
+    at_peak = {c: 0 for c in CATEGORIES}
+    for i in live:
+        at_peak[trace.category[i]] += int(trace.size[i])
+    reached_by = np.nonzero(trace.alloc == t)[0] if t > 0 else np.zeros(0, dtype=np.int64)
+    largest = np.argsort(-trace.size, kind="stable")[:top]
+    return {
+        "model": trace.meta.get("model", ""), "layers": trace.meta.get("layers", ""),
+        "device": trace.meta.get("device", ""), "dtype": trace.meta.get("dtype", ""),
+        "buffers": len(trace), "recorded": int(len(trace.recorded)), "end": trace.end,
+        "peak_bytes": peak, "peak_time": t,
+        "peak_phase": trace.phase[reached_by[0]] if len(reached_by) else "other",
+        "peak_module": trace.module[reached_by[0]] if len(reached_by) else "",
+        "peak_op": trace.op[reached_by[0]] if len(reached_by) else "",
+        "at_peak_by_category": {c: b for c, b in at_peak.items() if b},
+        "largest": [_buffer(trace, int(i)) for i in largest],
+    }
+
+
+def _mib(n: int) -> str:
+    """Bytes in the largest binary unit that keeps the number at or above 1 (B, KiB, MiB, GiB)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n} B"
+
+
+def render(summary: dict[str, Any]) -> str:
+    """The summary as a few lines of text for the terminal."""
+    s = summary
+    lines = [
+        f"trace of {s['model']} ({s['layers']}, {s['device']}, {s['dtype']}): {s['buffers']} buffers, "
+        f"{s['recorded']} allocated during the step, {s['end'] - 1} events",
+        f"peak live: {_mib(s['peak_bytes'])} ({s['peak_bytes']:,} bytes) at time {s['peak_time']}, "
+        f"phase {s['peak_phase']}, module {s['peak_module'] or '-'}, op {s['peak_op'] or '-'}",
+        "live at the peak by category:",
+    ]
+    for cat, b in sorted(s["at_peak_by_category"].items(), key=lambda kv: -kv[1]):
+        share = 100.0 * b / s["peak_bytes"] if s["peak_bytes"] else 0.0
+        lines.append(f"  {cat:<11} {_mib(b):>14}  {share:5.1f}%")
+    lines.append("largest buffers:")
+    for b in s["largest"]:
+        lines.append(f"  {_mib(b['size']):>14}  {b['category']:<10} {b['phase']:<9} [{b['alloc']}, {b['free']})  "
+                     f"{b['module'] or '-'}  {b['op'] or '-'}")
+    return "\n".join(lines)
