@@ -1,0 +1,586 @@
+"""A simulator of PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp) and its replay of a trace.
+
+Rules kept from the source: 512 B rounding (or power-of-two divisions), a small pool (<= 1 MiB,
+2 MiB segments) and a large pool (< 10 MiB -> 20 MiB segment, else rounded to 2 MiB), best fit
+within one pool and one stream, splitting (small: >= 512 B left; large: request below
+max_split_size and > 1 MiB left), merging on free, oversize blocks, expandable segments, the
+garbage-collection threshold, and on a failed device allocation the retries (release oversize
+cached blocks, then every unsplit cached block). Free blocks are kept per (pool, stream) in a
+sorted list of integer keys (size, [segment id,] address) searched with bisect.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from planner.alloc_conf import AllocConf
+from traces.errors import MemplanError
+from traces.format import Trace
+
+MIN_BLOCK = 512
+SMALL_SIZE = 1 << 20  # largest small-pool request
+SMALL_BUFFER = 2 << 20  # small-pool segment
+MIN_LARGE_ALLOC = 10 << 20  # requests below this get a LARGE_BUFFER segment
+LARGE_BUFFER = 20 << 20
+ROUND_LARGE = 2 << 20
+ADDR_BITS = 50  # addresses below 2**50 (1 PiB); keys pack them under the size
+ADDR_MASK = (1 << ADDR_BITS) - 1
+SEG_BITS = 30
+FAKE_BASE = 1 << 40  # where invented segment addresses start
+
+
+class SimulatedOOM(MemplanError):
+    """The simulated device ran out of memory even after releasing cached segments."""
+
+
+def round_size(size: int, conf: AllocConf) -> int:
+    """The block size PyTorch uses for a request of `size` bytes."""
+    if size < MIN_BLOCK:
+        return MIN_BLOCK
+    div = conf.divisions_for(size)
+    if div > 1 and size > MIN_BLOCK * div:
+        if size & (size - 1) == 0:
+            return size
+        floor = 1 << (size.bit_length() - 1)
+        step = floor >> (div.bit_length() - 1)
+        if step == 0:
+            return floor << 1
+        low = size & ~(step - 1)
+        return size if low == size else low + step
+    return (size + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK
+
+
+def allocation_size(size: int) -> int:
+    """Size of the segment a rounded request would get from cudaMalloc."""
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return (size + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE
+
+
+class Segment:
+    """One cudaMalloc'd segment (or one expandable segment's reserved address range)."""
+
+    __slots__ = ("id", "addr", "size", "stream", "small", "expandable", "page")
+
+    def __init__(self, id, addr, size, stream, small, expandable=False, page=0):
+        self.id, self.addr, self.size, self.stream = id, addr, size, stream
+        self.small, self.expandable, self.page = small, expandable, page
+
+
+class Block:
+    """A piece of a segment: allocated, free (in its pool's free list) or unmapped (expandable only)."""
+
+    __slots__ = ("addr", "size", "seg", "prev", "next", "allocated", "mapped", "gc_base", "requested")
+
+    def __init__(self, addr, size, seg, prev=None, next=None):
+        self.addr, self.size, self.seg, self.prev, self.next = addr, size, seg, prev, next
+        self.allocated, self.mapped, self.gc_base, self.requested = False, True, 0, 0
+
+
+@dataclass
+class SegmentEvent:
+    """A change of reserved memory: cudaMalloc/cudaFree of a segment, or map/unmap of expandable pages."""
+
+    action: str  # segment_alloc | segment_free | segment_map | segment_unmap
+    addr: int
+    size: int
+    stream: int
+
+
+def bump_addresses(start: int = FAKE_BASE) -> Callable[[int, int, bool], int]:
+    """A segment-address source for simulations: fresh 2 MiB-aligned addresses, never reused."""
+    nxt = [start]
+
+    def take(size: int, stream: int, small: bool) -> int:
+        addr = nxt[0]
+        nxt[0] += (size + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE
+        return addr
+    return take
+
+
+class CachingAllocator:
+    """PyTorch's device caching allocator for one device: malloc, free and empty_cache on byte counts.
+
+    `capacity` (bytes, None = unlimited) bounds reserved memory like a full device or a memory
+    fraction; `segment_address(size, stream, small)` supplies the base address of each new segment.
+    """
+
+    def __init__(self, conf: AllocConf = AllocConf(), capacity: int | None = None,
+                 segment_address: Callable[[int, int, bool], int] | None = None):
+        self.conf = conf
+        self.capacity = capacity
+        self.segment_address = segment_address or bump_addresses()
+        self.free_lists: dict[tuple[bool, int], list[int]] = {}  # (small, stream) -> sorted keys
+        self.free_at: dict[int, Block] = {}  # address -> free mapped block
+        self.unmapped: dict[tuple[bool, int], list[int]] = {}  # (small, stream) -> sorted addresses
+        self.unmapped_at: dict[int, Block] = {}
+        self.active: dict[int, Block] = {}  # address -> allocated block
+        self.segments: dict[int, Segment] = {}  # segment id -> segment
+        self.next_segment_id = 0
+        self.allocated = 0  # bytes in allocated blocks (PyTorch's allocated_bytes)
+        self.reserved = 0  # bytes in segments / mapped pages (PyTorch's reserved_bytes)
+        self.events: list[SegmentEvent] = []
+        self.gc_calls = {True: 0, False: 0}
+        self.mss = conf.max_split_size if conf.max_split_size is not None else 1 << 62
+        self.oldest_first = conf.tie_break == "oldest_segment"
+        self.gc_on = conf.garbage_collection_threshold > 0.0 and capacity is not None
+
+    # -- free lists ---------------------------------------------------------------------------
+    def _key(self, b: Block) -> int:
+        if self.oldest_first:
+            return (((b.size << SEG_BITS) | b.seg.id) << ADDR_BITS) | b.addr
+        return (b.size << ADDR_BITS) | b.addr
+
+    def _size_key(self, size: int) -> int:
+        return size << (ADDR_BITS + SEG_BITS) if self.oldest_first else size << ADDR_BITS
+
+    def _insert_free(self, b: Block) -> None:
+        seg = b.seg
+        keys = self.free_lists.get((seg.small, seg.stream))
+        if keys is None:
+            keys = self.free_lists[(seg.small, seg.stream)] = []
+        insort(keys, self._key(b))
+        self.free_at[b.addr] = b
+        b.gc_base = self.gc_calls[seg.small]
+
+    def _remove_free(self, b: Block) -> None:
+        keys = self.free_lists[(b.seg.small, b.seg.stream)]
+        del keys[bisect_left(keys, self._key(b))]
+        del self.free_at[b.addr]
+
+    def _insert_unmapped(self, b: Block) -> None:
+        insort(self.unmapped.setdefault((b.seg.small, b.seg.stream), []), b.addr)
+        self.unmapped_at[b.addr] = b
+
+    def _remove_unmapped(self, b: Block) -> None:
+        addrs = self.unmapped[(b.seg.small, b.seg.stream)]
+        del addrs[bisect_left(addrs, b.addr)]
+        del self.unmapped_at[b.addr]
+
+    # -- segments -----------------------------------------------------------------------------
+    def _new_segment(self, addr, size, stream, small, expandable=False, page=0) -> Segment:
+        seg = Segment(self.next_segment_id, addr, size, stream, small, expandable, page)
+        self.next_segment_id += 1
+        self.segments[seg.id] = seg
+        return seg
+
+    def add_segment(self, addr: int, size: int, stream: int, small: bool,
+                    blocks: list[tuple[int, bool]]) -> None:
+        """Install an existing (non-expandable) segment: `blocks` = [(size, allocated)] in address order.
+
+        Adjacent free blocks are merged, as the allocator would have done.
+        """
+        if sum(s for s, _ in blocks) != size:
+            raise ValueError("block sizes do not add up to the segment size")
+        seg = self._new_segment(addr, size, stream, small)
+        self.reserved += size
+        merged: list[list] = []
+        for s, used in blocks:
+            if merged and not used and not merged[-1][1]:
+                merged[-1][0] += s
+            else:
+                merged.append([s, used])
+        prev, a = None, addr
+        for s, used in merged:
+            b = Block(a, s, seg, prev)
+            if prev is not None:
+                prev.next = b
+            if used:
+                b.allocated, b.requested = True, s
+                self.active[a] = b
+                self.allocated += s
+            prev, a = b, a + s
+        b = prev
+        while b is not None:
+            if not b.allocated:
+                self._insert_free(b)
+            b = b.prev
+
+    # -- malloc -------------------------------------------------------------------------------
+    def malloc(self, size: int, stream: int = 0) -> int:
+        """Serve a request of `size` bytes on `stream`; returns the block address or raises SimulatedOOM."""
+        rsize = round_size(size, self.conf)
+        small = rsize <= SMALL_SIZE
+        b = self._get_free_block(rsize, small, stream)
+        if b is None:
+            alloc = allocation_size(rsize)
+            if self.gc_on:
+                self._garbage_collect()
+            b = self._alloc_block(rsize, alloc, small, stream)
+            if b is None and self._release_available_cached_blocks(rsize, small, stream):
+                b = self._alloc_block(rsize, alloc, small, stream)
+            if b is None:
+                self.empty_cache()
+                b = self._alloc_block(rsize, alloc, small, stream)
+            if b is None:
+                raise SimulatedOOM(
+                    f"out of memory: tried to allocate {alloc} bytes ({size} requested) with "
+                    f"{self.allocated} allocated and {self.reserved} reserved of {self.capacity}")
+        # split the front off, if the rules allow
+        remaining = b.size - rsize
+        if (remaining >= MIN_BLOCK) if (small or b.seg.expandable) else (rsize < self.mss and remaining > SMALL_SIZE):
+            rest = Block(b.addr + rsize, remaining, b.seg, b, b.next)
+            if b.next is not None:
+                b.next.prev = rest
+            b.next = rest
+            b.size = rsize
+            self._insert_free(rest)
+        b.allocated = True
+        b.requested = size
+        self.active[b.addr] = b
+        self.allocated += b.size
+        return b.addr
+
+    def _get_free_block(self, size: int, small: bool, stream: int) -> Block | None:
+        if self.gc_on:
+            self.gc_calls[small] += 1
+        keys = self.free_lists.get((small, stream))
+        if not keys:
+            return None
+        i = bisect_left(keys, self._size_key(size))
+        if i == len(keys):
+            return None
+        b = self.free_at[keys[i] & ADDR_MASK]
+        if b.seg.expandable:  # best fit counts the unmapped space a block can grow into
+            def grow(x):
+                return x.size + (x.next.size if x.next is not None and not x.next.mapped else 0)
+            j = i + 1
+            while j < len(keys):
+                nb = self.free_at[keys[j] & ADDR_MASK]
+                if not b.seg.expandable or grow(nb) >= grow(b):
+                    break
+                b, i, j = nb, j, j + 1
+        if size < self.mss and b.size >= self.mss:
+            return None  # do not hand an oversize block to a small request
+        if size >= self.mss and b.size >= size + self.conf.max_non_split_rounding:
+            return None  # oversize blocks serve only requests close to their size
+        del keys[i]
+        del self.free_at[b.addr]
+        return b
+
+    def _alloc_block(self, size: int, alloc: int, small: bool, stream: int) -> Block | None:
+        if self.capacity is not None and self.reserved + alloc > self.capacity:
+            return None
+        if self.conf.expandable_segments:
+            return self._alloc_expandable(size, small, stream)
+        addr = self.segment_address(alloc, stream, small)
+        if addr > ADDR_MASK:
+            raise ValueError(f"segment address {addr:#x} beyond 2**{ADDR_BITS}")
+        seg = self._new_segment(addr, alloc, stream, small)
+        self.reserved += alloc
+        self.events.append(SegmentEvent("segment_alloc", addr, alloc, stream))
+        return Block(addr, alloc, seg)
+
+    # -- free ---------------------------------------------------------------------------------
+    def free(self, addr: int) -> None:
+        """Return the block at `addr` to its pool, merging it with free neighbours."""
+        b = self.active.pop(addr)
+        b.allocated = False
+        self.allocated -= b.size
+        p = b.prev
+        if p is not None and not p.allocated and p.mapped:
+            self._remove_free(p)
+            b.addr, b.size, b.prev = p.addr, p.size + b.size, p.prev
+            if p.prev is not None:
+                p.prev.next = b
+        n = b.next
+        if n is not None and not n.allocated and n.mapped:
+            self._remove_free(n)
+            b.size += n.size
+            b.next = n.next
+            if n.next is not None:
+                n.next.prev = b
+        self._insert_free(b)
+
+    # -- releasing cached memory --------------------------------------------------------------
+    def _release_block(self, b: Block) -> None:
+        """cudaFree a whole free (unsplit, non-expandable) segment."""
+        self._remove_free(b)
+        self.reserved -= b.size
+        del self.segments[b.seg.id]
+        self.events.append(SegmentEvent("segment_free", b.addr, b.size, b.seg.stream))
+
+    def _release_available_cached_blocks(self, size: int, small: bool, stream: int) -> bool:
+        """Free one oversize cached block big enough, or several of the largest ones."""
+        if self.conf.max_split_size is None:
+            return False
+        keys = self.free_lists.get((small, stream)) or []
+        want = max(size, self.mss)
+        i = bisect_left(keys, self._size_key(want))
+        if i < len(keys):
+            b = self.free_at[keys[i] & ADDR_MASK]
+            if b.seg.expandable or b.prev is not None or b.next is not None:
+                return False
+            self._release_block(b)
+            return True
+        released = 0
+        for key in reversed(list(keys)):
+            if released >= want:
+                break
+            b = self.free_at[key & ADDR_MASK]
+            if b.size < self.mss:
+                break
+            if not b.seg.expandable and b.prev is None and b.next is None:
+                released += b.size
+                self._release_block(b)
+        return released >= want
+
+    def empty_cache(self) -> None:
+        """Release every cached segment that is entirely free (and unmap free expandable pages)."""
+        for pool in sorted(self.free_lists):  # large pool first, then small, as release_cached_blocks
+            to_unmap = []
+            for key in list(self.free_lists[pool]):
+                b = self.free_at[key & ADDR_MASK]
+                if b.seg.expandable:
+                    to_unmap.append(b)
+                elif b.prev is None and b.next is None:
+                    self._release_block(b)
+            for b in to_unmap:
+                self._unmap_block(b)
+
+    def _garbage_collect(self) -> None:
+        """Release unsplit large cached blocks older than the average until below the threshold."""
+        threshold = int(self.conf.garbage_collection_threshold * self.capacity)
+        if self.reserved <= threshold:
+            return
+        target = self.reserved - threshold
+        calls = self.gc_calls[False]
+
+        def large_free():
+            out = []
+            for (small, stream) in sorted(k for k in self.free_lists if not k[0]):
+                out.extend(self.free_at[k & ADDR_MASK] for k in self.free_lists[(small, stream)])
+            return out
+        freeable = [b for b in large_free() if b.prev is None and b.next is None]
+        if not freeable:
+            return
+        total_age, count = sum(calls - b.gc_base for b in freeable), len(freeable)
+        reclaimed, freed = 0, True
+        while reclaimed < target and freed and count > 0:
+            age_threshold = total_age / count
+            freed = False
+            for b in large_free():
+                age = calls - b.gc_base
+                if b.prev is None and b.next is None and not b.seg.expandable and age >= age_threshold:
+                    freed = True
+                    reclaimed += b.size
+                    total_age -= age
+                    count -= 1
+                    self._release_block(b)
+
+    # -- expandable segments ------------------------------------------------------------------
+    def _alloc_expandable(self, size: int, small: bool, stream: int) -> Block | None:
+        c = self._find_expandable_block(size, small, stream)
+        if not c.mapped:
+            c = self._map_block(c, min(c.size, size))
+            if c is None:
+                return None
+        while c.size < size:
+            c = self._map_block(c.next, min(size - c.size, c.next.size))
+            if c is None:
+                return None
+        self._remove_free(c)
+        return c
+
+    def _find_expandable_block(self, size: int, small: bool, stream: int) -> Block:
+        def room(b):
+            total = 0
+            while total < size and b is not None and not b.allocated:
+                total += b.size
+                b = b.next
+            return total >= size
+        for addr in self.unmapped.get((small, stream), []):
+            c = self.unmapped_at[addr]
+            if c.prev is not None and not c.prev.allocated:
+                c = c.prev
+            if room(c):
+                return c
+        page = SMALL_BUFFER if small else LARGE_BUFFER
+        total = self.capacity if self.capacity is not None else 1 << 40
+        va = (total + total // 8 + page - 1) // page * page
+        seg = self._new_segment(self.segment_address(va, stream, small), va, stream, small, True, page)
+        c = Block(seg.addr, va, seg)
+        c.mapped = False
+        self._insert_unmapped(c)
+        return c
+
+    def _map_block(self, b: Block, size: int) -> Block | None:
+        """Map pages for the front `size` bytes of unmapped block `b`; returns the merged free block."""
+        seg = b.seg
+        start = b.addr - seg.addr
+        mapped = -(-(start + size) // seg.page) * seg.page - start
+        if self.capacity is not None and self.reserved + mapped > self.capacity:
+            return None
+        self._remove_unmapped(b)
+        b.mapped = True
+        if mapped < b.size:
+            rest = Block(b.addr + mapped, b.size - mapped, seg, b, b.next)
+            rest.mapped = False
+            if b.next is not None:
+                b.next.prev = rest
+            b.next = rest
+            b.size = mapped
+            self._insert_unmapped(rest)
+        p = b.prev
+        if p is not None and not p.allocated and p.mapped:
+            self._remove_free(p)
+            b.addr, b.size, b.prev = p.addr, p.size + b.size, p.prev
+            if p.prev is not None:
+                p.prev.next = b
+        n = b.next
+        if n is not None and not n.allocated and n.mapped:
+            self._remove_free(n)
+            b.size += n.size
+            b.next = n.next
+            if n.next is not None:
+                n.next.prev = b
+        self.reserved += mapped
+        self.events.append(SegmentEvent("segment_map", b.addr + b.size - mapped, mapped, seg.stream))
+        self._insert_free(b)
+        return b
+
+    def _unmap_block(self, b: Block) -> None:
+        """Unmap the whole free pages inside free block `b`; release the segment if nothing is left."""
+        seg = b.seg
+        first = -(-(b.addr - seg.addr) // seg.page)
+        last = (b.addr + b.size - seg.addr) // seg.page
+        if first >= last:
+            return
+        self._remove_free(b)
+        lo, hi = seg.addr + first * seg.page, seg.addr + last * seg.page
+        if lo > b.addr:
+            before = Block(b.addr, lo - b.addr, seg, b.prev, b)
+            if b.prev is not None:
+                b.prev.next = before
+            b.prev = before
+            self._insert_free(before)
+        if b.addr + b.size > hi:
+            after = Block(hi, b.addr + b.size - hi, seg, b, b.next)
+            if b.next is not None:
+                b.next.prev = after
+            b.next = after
+            self._insert_free(after)
+        b.addr, b.size, b.mapped = lo, hi - lo, False
+        for nb in (b.prev, b.next):
+            if nb is not None and not nb.mapped:
+                self._remove_unmapped(nb)
+                if nb is b.prev:
+                    b.addr, b.prev = nb.addr, nb.prev
+                    if nb.prev is not None:
+                        nb.prev.next = b
+                else:
+                    b.next = nb.next
+                    if nb.next is not None:
+                        nb.next.prev = b
+                b.size += nb.size
+        self.reserved -= hi - lo
+        self.events.append(SegmentEvent("segment_unmap", lo, hi - lo, seg.stream))
+        if b.prev is None and b.next is None:
+            del self.segments[seg.id]
+        else:
+            self._insert_unmapped(b)
+
+    # -- inspection ---------------------------------------------------------------------------
+    def segment_blocks(self) -> list[tuple[Segment, list[Block]]]:
+        """Every live segment with its blocks in address order (for checks and tests)."""
+        heads: dict[int, Block] = {}
+        for b in list(self.active.values()) + list(self.free_at.values()) + list(self.unmapped_at.values()):
+            while b.prev is not None:
+                b = b.prev
+            heads[b.seg.id] = b
+        out = []
+        for sid in sorted(heads):
+            blocks, b = [], heads[sid]
+            while b is not None:
+                blocks.append(b)
+                b = b.next
+            out.append((self.segments[sid], blocks))
+        return out
+
+
+@dataclass
+class SimResult:
+    """Per-event and total figures of a caching-allocator simulation of one trace.
+
+    `allocated[t]` and `reserved[t]` are the bytes after every event at logical time t
+    (allocated counts rounded block sizes, as torch.cuda.memory_allocated does).
+    """
+
+    allocated: np.ndarray
+    reserved: np.ndarray
+    peak_allocated: int
+    peak_reserved: int
+    segment_allocs: int  # cudaMalloc calls (or expandable-segment mappings)
+    fragmentation_at_peak: float  # 1 - allocated/reserved when reserved peaks
+    oom: dict | None  # {"time", "size", "buffer", "details"} of the first failed request, else None
+    addr: np.ndarray  # simulated address of every buffer (-1 if never placed)
+    conf: AllocConf = field(default_factory=AllocConf)
+
+    def summary(self) -> dict:
+        """The totals as a JSON-ready dict."""
+        return {"peak_allocated": self.peak_allocated, "peak_reserved": self.peak_reserved,
+                "segment_allocs": self.segment_allocs,
+                "fragmentation_at_peak": round(self.fragmentation_at_peak, 6), "oom": self.oom}
+
+
+def simulate_caching(trace: Trace, conf: AllocConf = AllocConf(), capacity: int | None = None) -> SimResult:
+    """Replay a trace's allocations and frees (frees first at equal times) through the caching allocator.
+
+    Buffers alive before recording (alloc 0) are allocated first, in index order. The
+    simulation stops at the first request that fails even after the out-of-memory retries.
+    """
+    n, end = len(trace), trace.end
+    a = CachingAllocator(conf, capacity)
+    # events sorted by (time, frees before allocations, buffer index)
+    times = np.concatenate([trace.free, trace.alloc])
+    # a buffer freed at its own allocation time is freed right after it is allocated
+    kinds = np.concatenate([np.where(trace.free == trace.alloc, 2, 0), np.ones(n, np.int64)])
+    order = np.lexsort((np.concatenate([np.arange(n), np.arange(n)]), kinds, times))
+    keep = ~((kinds[order] == 0) & (times[order] >= end))  # frees at the end never happen
+    order = order[keep]
+    ev_time = times[order].tolist()
+    ev_buf = (order % n).tolist() if n else []
+    ev_alloc = (order >= n).tolist()
+    sizes, streams = trace.size.tolist(), trace.stream.tolist()
+    addr = [-1] * n
+    alloc_at = np.zeros(end, np.int64)
+    res_at = np.zeros(end, np.int64)
+    t_idx, t_alloc, t_res = [], [], []
+    oom = None
+    malloc, free = a.malloc, a.free
+    for k in range(len(ev_buf)):
+        i = ev_buf[k]
+        if sizes[i] == 0:  # PyTorch serves empty tensors without the allocator
+            pass
+        elif ev_alloc[k]:
+            try:
+                addr[i] = malloc(sizes[i], streams[i])
+            except SimulatedOOM as e:
+                oom = {"time": ev_time[k], "size": sizes[i], "buffer": i, "details": str(e)}
+                t_idx.append(ev_time[k]), t_alloc.append(a.allocated), t_res.append(a.reserved)
+                break
+        else:
+            free(addr[i])
+        t_idx.append(ev_time[k]), t_alloc.append(a.allocated), t_res.append(a.reserved)
+    # the value at t is the last one recorded at a time <= t
+    if t_idx:
+        idx = np.asarray(t_idx, np.int64)
+        pos = np.searchsorted(idx, np.arange(end), side="right") - 1
+        have = pos >= 0
+        alloc_at[have] = np.asarray(t_alloc, np.int64)[pos[have]]
+        res_at[have] = np.asarray(t_res, np.int64)[pos[have]]
+        if oom is not None:
+            after = np.arange(end) > oom["time"]
+            alloc_at[after], res_at[after] = alloc_at[oom["time"]], res_at[oom["time"]]
+    peak_t = int(np.argmax(res_at)) if end else 0
+    peak_res = int(res_at[peak_t]) if end else 0
+    frag = 1.0 - alloc_at[peak_t] / peak_res if peak_res else 0.0
+    n_seg = sum(1 for e in a.events if e.action in ("segment_alloc", "segment_map"))
+    return SimResult(allocated=alloc_at, reserved=res_at, peak_allocated=int(alloc_at.max()) if end else 0,
+                     peak_reserved=peak_res, segment_allocs=n_seg, fragmentation_at_peak=float(frag),
+                     oom=oom, addr=np.asarray(addr, np.int64), conf=conf)

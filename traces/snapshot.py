@@ -1,0 +1,270 @@
+"""CUDA memory snapshots (`torch.cuda.memory._dump_snapshot`): safe loading and conversion to a Trace.
+
+A snapshot is a pickle; it is read with an unpickler that builds only dict, list, tuple, str,
+int, float, bool and None, so a file holding any object is refused before anything runs.
+The trace keeps one buffer per `alloc` entry plus one per block that was allocated before
+recording began (alloc time 0); times count the `alloc` and `free_completed` entries.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+from traces.errors import SnapshotError
+from traces.format import Trace, make_trace
+
+PLAIN_TYPES = (dict, list, tuple, str, int, float, bool, type(None))
+KEYS = ("segments", "device_traces")
+MiB = 1 << 20
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Refuses every global lookup and persistent id, so no class or callable can be reached."""
+
+    def find_class(self, module: str, name: str):
+        raise SnapshotError(f"refused: the pickle asks for {module}.{name}; a snapshot holds plain data only")
+
+    def persistent_load(self, pid):
+        raise SnapshotError("refused: the pickle holds a persistent reference; a snapshot holds plain data only")
+
+
+def _check_plain(obj: Any) -> None:
+    """Walk the decoded data and refuse any value outside the plain types (sets, bytes, ...)."""
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        t = type(x)
+        if t is dict:
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif t is list or t is tuple:
+            stack.extend(x)
+        elif t not in PLAIN_TYPES:
+            raise SnapshotError(f"refused: the pickle holds a {t.__name__}; a snapshot holds plain data only")
+
+
+def load_plain_pickle(data: bytes) -> Any:
+    """Decode pickle bytes that may hold only dict, list, tuple, str, int, float, bool and None."""
+    try:
+        obj = _PlainUnpickler(io.BytesIO(data)).load()
+    except SnapshotError:
+        raise
+    except Exception as e:  # any malformed pickle: truncated, bad opcode, ...
+        raise SnapshotError(f"not a readable pickle ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    _check_plain(obj)
+    return obj
+
+
+@dataclass
+class SnapshotEntry:
+    """One trace entry of a device: action, address, size (the request for alloc/free), stream, op."""
+
+    action: str
+    addr: int
+    size: int
+    stream: int
+    op: str
+    time_us: int
+
+
+@dataclass
+class SnapshotBlock:
+    """One block of a segment in the final snapshot state."""
+
+    addr: int
+    size: int
+    requested: int
+    state: str
+    op: str
+
+
+@dataclass
+class SnapshotSegment:
+    """One segment of the final snapshot state, with its blocks in address order."""
+
+    addr: int
+    size: int
+    stream: int
+    small: bool
+    expandable: bool
+    blocks: list[SnapshotBlock]
+
+
+@dataclass
+class Snapshot:
+    """The parts of a snapshot memplan uses, for one device."""
+
+    device: int
+    entries: list[SnapshotEntry]
+    segments: list[SnapshotSegment]
+    settings: dict[str, Any]
+    optimizer_windows: list[tuple[int, int]] = field(default_factory=list)  # (start_us, end_us)
+
+
+def top_user_frame(frames: Any) -> str:
+    """'file.py:LINE fn' of the innermost Python frame outside torch itself (else any Python frame)."""
+    if not isinstance(frames, list):
+        return ""
+    fallback = ""
+    for f in frames:
+        if not isinstance(f, dict):
+            continue
+        name, line = str(f.get("filename", "")), f.get("line", 0)
+        if not name.endswith(".py"):
+            continue
+        label = f"{os.path.basename(name)}:{line} {f.get('name', '')}"
+        if "/torch/" not in name.replace(os.sep, "/"):
+            return label
+        fallback = fallback or label
+    return fallback
+
+
+def _int(d: dict, key: str, where: str) -> int:
+    v = d.get(key)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise SnapshotError(f"{where}.{key}: expected an integer, got {v!r}")
+    return v
+
+
+def _optimizer_windows(annotations: Any, device: int) -> list[tuple[int, int]]:
+    """Time windows (µs) of `Optimizer.step` annotations on the device."""
+    windows, start = [], None
+    for a in annotations if isinstance(annotations, list) else []:
+        if not isinstance(a, dict) or a.get("device", device) != device:
+            continue
+        if not str(a.get("name", "")).startswith("Optimizer.step"):
+            continue
+        if a.get("stage") == "START":
+            start = a.get("time_us")
+        elif a.get("stage") == "END" and isinstance(start, int) and isinstance(a.get("time_us"), int):
+            windows.append((start, a["time_us"]))
+            start = None
+    return windows
+
+
+def parse_snapshot(raw: Any, device: int | None = None) -> Snapshot:
+    """Check the snapshot's shape and pick one device (default: the one with the most trace entries)."""
+    if not isinstance(raw, dict):
+        raise SnapshotError(f"snapshot: expected a dict at the top level, got {type(raw).__name__}")
+    for key in KEYS:
+        if not isinstance(raw.get(key), list):
+            raise SnapshotError(f"snapshot.{key}: missing or not a list (is this a torch.cuda.memory snapshot?)")
+    traces = raw["device_traces"]
+    if device is None:
+        counts = [len(t) if isinstance(t, list) else 0 for t in traces]
+        device = max(range(len(counts)), key=lambda i: counts[i]) if counts and max(counts) > 0 else 0
+    elif not 0 <= device < max(len(traces), 1):
+        raise SnapshotError(f"device {device}: the snapshot has traces for devices 0..{len(traces) - 1}")
+    entries_raw = traces[device] if device < len(traces) else []
+    if not isinstance(entries_raw, list):
+        raise SnapshotError(f"snapshot.device_traces[{device}]: expected a list")
+    entries = []
+    for i, e in enumerate(entries_raw):
+        where = f"device_traces[{device}][{i}]"
+        if not isinstance(e, dict) or not isinstance(e.get("action"), str):
+            raise SnapshotError(f"{where}: expected an entry with an 'action'")
+        entries.append(SnapshotEntry(
+            action=e["action"], addr=_int(e, "addr", where), size=_int(e, "size", where),
+            stream=_int(e, "stream", where) if "stream" in e else 0,
+            op=top_user_frame(e.get("frames")) if e["action"] == "alloc" else "",
+            time_us=e["time_us"] if isinstance(e.get("time_us"), int) else 0))
+    segments = []
+    for i, s in enumerate(raw["segments"]):
+        where = f"segments[{i}]"
+        if not isinstance(s, dict) or not isinstance(s.get("blocks"), list):
+            raise SnapshotError(f"{where}: expected a segment with 'blocks'")
+        if s.get("device", device) != device:
+            continue
+        blocks, addr = [], _int(s, "address", where)
+        for j, b in enumerate(s["blocks"]):
+            bw = f"{where}.blocks[{j}]"
+            if not isinstance(b, dict):
+                raise SnapshotError(f"{bw}: expected a dict")
+            size = _int(b, "size", bw)
+            blocks.append(SnapshotBlock(addr=b["address"] if isinstance(b.get("address"), int) else addr,
+                                        size=size, requested=b.get("requested_size", size) or 0,
+                                        state=str(b.get("state", "")), op=top_user_frame(b.get("frames"))))
+            addr = blocks[-1].addr + size
+        total = _int(s, "total_size", where)
+        small = s.get("segment_type") == "small" if "segment_type" in s else total == 2 * MiB
+        segments.append(SnapshotSegment(addr=_int(s, "address", where), size=total,
+                                        stream=_int(s, "stream", where) if "stream" in s else 0,
+                                        small=small, expandable=bool(s.get("is_expandable", False)),
+                                        blocks=blocks))
+    settings = raw.get("allocator_settings") if isinstance(raw.get("allocator_settings"), dict) else {}
+    return Snapshot(device=device, entries=entries, segments=sorted(segments, key=lambda s: s.addr),
+                    settings=settings, optimizer_windows=_optimizer_windows(raw.get("external_annotations"), device))
+
+
+def read_snapshot(path: str | os.PathLike, device: int | None = None) -> Snapshot:
+    """Load a snapshot file safely and parse it for one device."""
+    name = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise SnapshotError(f"{name}: no such file") from None
+    except OSError as e:
+        raise SnapshotError(f"{name}: cannot read ({e.strerror or e})") from None
+    try:
+        return parse_snapshot(load_plain_pickle(data), device)
+    except SnapshotError as e:
+        raise SnapshotError(f"{name}: {e}") from None
+
+
+def is_live_block(block: SnapshotBlock) -> bool:
+    """Whether a final-state block holds a tensor (allocated, or freed but awaiting stream events)."""
+    return block.state.startswith("active")
+
+
+def snapshot_to_trace(snap: Snapshot, source: str = "") -> Trace:
+    """One buffer per `alloc` entry plus one per block allocated before recording (alloc 0).
+
+    A buffer's free time is its `free_completed` entry (when the allocator got the memory back);
+    buffers never freed live to the end; pre-recording blocks come from frees without an
+    allocation in the trace and from final allocated blocks the trace never allocated.
+    """
+    size, alloc, free, stream, addr, op, phase = [], [], [], [], [], [], []
+    open_at: dict[int, int] = {}  # address -> buffer index of the live buffer there
+    windows = snap.optimizer_windows
+
+    def phase_of(t_us: int) -> str:
+        return "optimizer" if any(a <= t_us <= b for a, b in windows) else "other"
+
+    def add(sz, t_alloc, st, a, o, ph) -> int:
+        size.append(sz), alloc.append(t_alloc), free.append(-1), stream.append(st), addr.append(a)
+        op.append(o), phase.append(ph)
+        return len(size) - 1
+
+    t = 0
+    for e in snap.entries:
+        if e.action == "alloc":
+            t += 1
+            if e.addr in open_at:  # a free this ring buffer lost: close the old buffer here
+                free[open_at.pop(e.addr)] = t
+            open_at[e.addr] = add(e.size, t, e.stream, e.addr, e.op, phase_of(e.time_us))
+        elif e.action == "free_completed":
+            t += 1
+            i = open_at.pop(e.addr, None)
+            if i is None:  # allocated before recording began
+                i = add(e.size, 0, e.stream, e.addr, "", "other")
+            free[i] = t
+    end = t + 1
+    for seg in snap.segments:
+        for b in seg.blocks:
+            if is_live_block(b) and b.addr not in open_at:
+                add(b.requested, 0, seg.stream, b.addr, b.op, "other")
+    free = [end if f < 0 else f for f in free]
+    meta = {"source": "cuda-snapshot", "snapshot": source, "device": "cuda", "cuda_device": snap.device,
+            "alloc_conf": str(snap.settings.get("PYTORCH_CUDA_ALLOC_CONF", "") or "")}
+    return make_trace({"size": size, "alloc": alloc, "free": free, "stream": stream, "addr": addr,
+                       "op": op, "phase": phase}, meta=meta)
+
+
+def import_snapshot(path: str | os.PathLike, device: int | None = None) -> Trace:
+    """Read a snapshot file and return its trace for one device."""
+    snap = read_snapshot(path, device)
+    return snapshot_to_trace(snap, source=os.path.basename(os.fspath(path)))
