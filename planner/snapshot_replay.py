@@ -1,0 +1,167 @@
+"""Judge the caching-allocator simulator against a real CUDA snapshot, address by address.
+
+The segments that existed before recording are rebuilt from the snapshot's final `segments`
+(with the blocks allocated before recording in place), new segments get the base addresses of
+the trace's `segment_alloc` entries, and every `alloc` entry is replayed: the simulator must
+return the address the real allocator returned and create the same new segments at the same step.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import deque
+from dataclasses import dataclass, field
+
+from planner.alloc_conf import AllocConf, conf_from_snapshot_settings
+from planner.caching_allocator import MIN_BLOCK, SMALL_BUFFER, SMALL_SIZE, CachingAllocator, round_size
+from traces.snapshot import Snapshot, is_live_block
+
+
+@dataclass
+class ReplayReport:
+    """How closely the simulator reproduced a snapshot's allocator decisions."""
+
+    allocs: int  # alloc entries replayed
+    addr_matches: int  # of those, served at the real address
+    segment_decisions: int  # alloc entries for which the real allocator created segments
+    segment_matches: int  # of those, the simulator created the same segment sizes at the same step
+    extra_segments: int  # steps where the simulator created a segment and the real allocator did not
+    segments_before: int  # segments rebuilt as existing before recording
+    peak_allocated: int
+    peak_reserved: int
+    mismatches: list[dict] = field(default_factory=list)  # the first few, for diagnosis
+
+    @property
+    def exact(self) -> bool:
+        return (self.addr_matches == self.allocs and self.segment_matches == self.segment_decisions
+                and self.extra_segments == 0)
+
+    def summary(self) -> dict:
+        return {"allocs": self.allocs, "addr_matches": self.addr_matches,
+                "segment_decisions": self.segment_decisions, "segment_matches": self.segment_matches,
+                "extra_segments": self.extra_segments, "segments_before": self.segments_before,
+                "peak_allocated": self.peak_allocated, "peak_reserved": self.peak_reserved,
+                "exact": self.exact}
+
+
+def _blocks_before_recording(snap: Snapshot, conf: AllocConf) -> dict[int, tuple[int, bool]]:
+    """Blocks allocated before recording: address -> (block size, exact?).
+
+    Blocks still allocated at the end carry their exact size; blocks freed during recording
+    carry their request, rounded as the allocator would.
+    """
+    allocated_in_trace: set[int] = set()
+    before: dict[int, tuple[int, bool]] = {}
+    open_addrs: set[int] = set()
+    for e in snap.entries:
+        if e.action == "alloc":
+            open_addrs.add(e.addr)
+            allocated_in_trace.add(e.addr)
+        elif e.action == "free_completed":
+            if e.addr in open_addrs:
+                open_addrs.discard(e.addr)
+            elif e.addr not in before:
+                before[e.addr] = (round_size(e.size, conf), False)
+    for seg in snap.segments:
+        for b in seg.blocks:
+            if is_live_block(b) and b.addr not in open_addrs:
+                before[b.addr] = (b.size, True)
+    return before
+
+
+def _initial_layout(seg_addr: int, seg_size: int, small: bool, inside: list[tuple[int, int, bool]],
+                    used: list[int], conf: AllocConf) -> list[tuple[int, bool]]:
+    """Blocks [(size, allocated)] of a segment holding the given allocated blocks (addr, size, exact).
+
+    A block known only by its request is rounded, then keeps the leftover up to the next known
+    block start (the next such block, or an address the trace allocates later; `used` is sorted)
+    when that leftover is too small to be a block of its own (< 512 B small, <= 1 MiB large).
+    """
+    out, cursor = [], seg_addr
+    end = seg_addr + seg_size
+    mss = conf.max_split_size if conf.max_split_size is not None else 1 << 62
+    for k, (addr, size, exact) in enumerate(inside):
+        if addr > cursor:
+            out.append((addr - cursor, False))
+        nxt = inside[k + 1][0] if k + 1 < len(inside) else end
+        size = min(size, nxt - addr)  # a rounding that differs from the real one must not overlap
+        j = bisect_left(used, addr + size)
+        if j < len(used) and used[j] < nxt:
+            nxt = used[j]
+        gap = nxt - (addr + size)
+        if not exact and gap > 0:
+            split = gap >= MIN_BLOCK if small else (size < mss and gap > SMALL_SIZE)
+            if not split:
+                size += gap
+        out.append((size, True))
+        cursor = addr + size
+    if cursor < end:
+        out.append((end - cursor, False))
+    return out
+
+
+def replay_snapshot(snap: Snapshot, conf: AllocConf | None = None, keep_mismatches: int = 10) -> ReplayReport:
+    """Replay a snapshot's own trace through the simulator and count the matching decisions."""
+    conf = conf or conf_from_snapshot_settings(snap.settings)
+    new_bases = {e.addr for e in snap.entries if e.action == "segment_alloc"}
+    freed_first: dict[int, tuple[int, int]] = {}  # segments freed in the trace before any segment_alloc there
+    seen_alloc: set[int] = set()
+    for e in snap.entries:
+        if e.action == "segment_alloc":
+            seen_alloc.add(e.addr)
+        elif e.action == "segment_free" and e.addr not in seen_alloc and e.addr not in freed_first:
+            freed_first[e.addr] = (e.size, e.stream)
+
+    pending: deque[tuple[int, int]] = deque()  # segment_alloc entries not yet claimed
+    made: list[int] = []  # segment sizes the simulator created during the current malloc
+
+    def segment_address(size: int, stream: int, small: bool) -> int:
+        made.append(size)
+        if pending:
+            return pending.popleft()[0]
+        return fake.pop()
+
+    fake = [(1 << 49) + k * (1 << 36) for k in range(4096)]
+    a = CachingAllocator(conf, None, segment_address)
+
+    before = _blocks_before_recording(snap, conf)
+    initial = [(s.addr, s.size, s.stream, s.small) for s in snap.segments if s.addr not in new_bases]
+    initial += [(addr, size, stream, size == SMALL_BUFFER) for addr, (size, stream) in freed_first.items()]
+    starts = sorted(before)
+    used = sorted({e.addr for e in snap.entries if e.action == "alloc"})
+    for addr, size, stream, small in sorted(initial):
+        lo, hi = bisect_left(starts, addr), bisect_left(starts, addr + size)
+        inside = [(x, before[x][0], before[x][1]) for x in starts[lo:hi]]
+        a.add_segment(addr, size, stream, small, _initial_layout(addr, size, small, inside, used, conf))
+
+    sim_of: dict[int, int] = {}  # real address of a live buffer -> its simulated address
+    allocs = addr_ok = seg_dec = seg_ok = extra = 0
+    mismatches: list[dict] = []
+    peak_alloc, peak_res = a.allocated, a.reserved
+    for k, e in enumerate(snap.entries):
+        if e.action == "segment_alloc":
+            pending.append((e.addr, e.size))
+        elif e.action == "alloc":
+            real_segments = [s for _, s in pending]
+            made.clear()
+            got = a.malloc(e.size, e.stream)
+            pending.clear()
+            allocs += 1
+            addr_ok += got == e.addr
+            if real_segments:
+                seg_dec += 1
+                seg_ok += made == real_segments
+            elif made:
+                extra += 1
+            if (got != e.addr or made != real_segments) and len(mismatches) < keep_mismatches:
+                mismatches.append({"entry": k, "size": e.size, "real_addr": e.addr, "sim_addr": got,
+                                   "real_segments": real_segments, "sim_segments": list(made)})
+            sim_of[e.addr] = got
+            peak_alloc, peak_res = max(peak_alloc, a.allocated), max(peak_res, a.reserved)
+        elif e.action == "free_completed":
+            a.free(sim_of.pop(e.addr, e.addr))
+        elif e.action == "segment_free":
+            if any(s.addr == e.addr for s in a.segments.values()):
+                a.empty_cache()  # the real allocator released cached segments here
+    return ReplayReport(allocs=allocs, addr_matches=addr_ok, segment_decisions=seg_dec, segment_matches=seg_ok,
+                        extra_segments=extra, segments_before=len(initial), peak_allocated=peak_alloc,
+                        peak_reserved=peak_res, mismatches=mismatches)
