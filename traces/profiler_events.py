@@ -100,7 +100,9 @@ def step_events(tree, device_type: str) -> StepEvents:
         elif name.startswith(OPTIMIZER_RANGES[0]) and optimizer_start is None:
             optimizer_start, optimizer_end = e.start_time_ns, e.end_time_ns
         seq = e.extra_fields.sequence_number
-        if seq >= 0 and not name.startswith(EVALUATE_FUNCTION) and seq not in forward_module_of_seq:
+        if seq >= 0 and not name.startswith(EVALUATE_FUNCTION):
+            # Ops report the next sequence number until one creates the autograd node and takes it:
+            # the last forward op (in time order) with a number is the node's creator.
             ancestors = _ancestors(e)
             if not any(_is_op(a) and a.name.startswith(EVALUATE_FUNCTION) for a in ancestors):
                 forward_module_of_seq[seq] = _module_in_forward([e] + ancestors)

@@ -1,0 +1,187 @@
+"""Capture of a real training step: exact bytes of model state, peak against an independent counter,
+determinism of the allocation sequence, and labels (phase, category, module, op)."""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from planner.workloads import bert, gpt2
+from traces.capture import capture_step
+from traces.model_file import load_workload
+from traces.workload import Workload
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+class TinyNet(nn.Module):
+    """Embedding, two residual MLP blocks with LayerNorm and dropout, and a head tied to the embedding."""
+
+    def __init__(self, vocab: int = 50, hidden: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden), nn.GELU(),
+                          nn.Dropout(0.1), nn.Linear(4 * hidden, hidden)) for _ in range(2))
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def tiny_workload() -> Workload:
+    torch.manual_seed(0)
+    model = TinyNet()
+    ids = torch.randint(0, 50, (2, 8))
+    return Workload(model, (ids,), torch.optim.AdamW(model.parameters()), name="tiny")
+
+
+def model_state_bytes(model: nn.Module) -> tuple[int, int, int]:
+    """(parameter + buffer bytes, parameter bytes, number of parameters), tied parameters counted once."""
+    params = list(model.parameters())  # unique Parameter objects
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    return param_bytes + buffer_bytes, param_bytes, len(params)
+
+
+def bytes_by_category(trace) -> Counter:
+    totals: Counter = Counter()
+    for size, cat in zip(trace.size, trace.category):
+        totals[cat] += int(size)
+    return totals
+
+
+class LiveStorageCounter(TorchDispatchMode):
+    """Independent live-byte count: every storage an op returns, dropped when its weak reference expires."""
+
+    def __init__(self, resident: list[torch.Tensor]):
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        for t in resident:  # in-place ops return these storages: they must not count twice
+            self._add(t)
+        self.peak = self._live_bytes()
+
+    def _add(self, t: torch.Tensor) -> None:
+        ref = StorageWeakRef(t.untyped_storage())
+        if ref.cdata not in self.live:
+            self.live[ref.cdata] = (ref, t.untyped_storage().nbytes())
+
+    def _live_bytes(self) -> int:
+        return sum(n for _, n in self.live.values())
+
+    def _sweep(self) -> None:
+        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            del self.live[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._sweep()
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                self._add(t)
+        self.peak = max(self.peak, self._live_bytes())
+        return out
+
+
+def resident_tensors(w: Workload) -> list[torch.Tensor]:
+    tensors = list(w.model.parameters()) + list(w.model.buffers())
+    tensors += [t for s in w.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    tensors += [t for t in tree_leaves(w.inputs) if isinstance(t, torch.Tensor)]
+    tensors += [t for t in vars(w.loss_fn).values() if isinstance(t, torch.Tensor)] if hasattr(w.loss_fn, "__dict__") else []
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def bert_trace():
+    w = bert.build_workload(batch_size=2, seq_len=16)
+    return w, capture_step(w)
+
+
+@pytest.mark.parametrize("make", [tiny_workload, lambda: bert.build_workload(2, 16), lambda: gpt2.build_workload(2, 16)],
+                         ids=["tiny", "bert", "gpt2"])
+def test_model_state_bytes_match_the_model(make):
+    w = make()
+    trace = capture_step(w)
+    state, param_bytes, n_params = model_state_bytes(w.model)
+    got = bytes_by_category(trace)
+    assert got["parameter"] == state
+    assert got["gradient"] == param_bytes  # one gradient per parameter, same size
+    # AdamW: exp_avg and exp_avg_sq per parameter, plus one fp32 scalar `step` tensor per parameter.
+    assert got["optimizer"] == 2 * param_bytes + 4 * n_params
+    # every gradient buffer is freed by zero_grad(set_to_none=True) within the step
+    grads = [i for i, c in enumerate(trace.category) if c == "gradient"]
+    assert sorted(int(trace.size[i]) for i in grads) == sorted(p.numel() * p.element_size() for p in w.model.parameters())
+    assert all(trace.free[i] < trace.end and trace.phase[i] == "backward" for i in grads)
+
+
+def test_peak_agrees_with_an_independent_counter(bert_trace):
+    w, trace = bert_trace
+    counter = LiveStorageCounter(resident_tensors(w))
+    with counter:
+        w.step()
+    traced, _ = trace.peak()
+    assert abs(traced - counter.peak) <= 0.02 * counter.peak, (traced, counter.peak)
+
+
+def test_two_captures_allocate_the_same_sizes_in_the_same_order():
+    first = capture_step(bert.build_workload(2, 16))
+    w = bert.build_workload(2, 16)
+    second = capture_step(w)
+    third = capture_step(w, warmup=False)  # the step after `second`, already warm
+    sizes = [first.size[first.recorded].tolist() for _ in range(1)]
+    assert len(sizes[0]) > 100
+    for other in (second, third):
+        assert other.size[other.recorded].tolist() == sizes[0]
+        assert other.alloc.tolist() == first.alloc.tolist()
+        assert other.free.tolist() == first.free.tolist()
+
+
+def test_phases_follow_the_step_and_labels_name_modules_and_ops(bert_trace):
+    w, trace = bert_trace
+    order = {"forward": 0, "backward": 1, "optimizer": 2}
+    rec = trace.recorded
+    phases = [trace.phase[i] for i in rec if trace.phase[i] in order]
+    assert phases == sorted(phases, key=order.get)
+    assert set(phases) == set(order)
+    modules = {f"model.{n}" if n else "model" for n, _ in w.model.named_modules()}
+    labelled = {trace.module[i] for i in rec if trace.module[i]}
+    assert labelled <= modules and len(labelled) > 5
+    assert all(trace.op[i].startswith("aten::") or trace.op[i] == "python scalar" for i in rec)
+    # saved activations: allocated in forward and still live when backward starts
+    acts = [i for i in rec if trace.category[i] == "activation"]
+    assert acts and all(trace.phase[i] == "forward" for i in acts)
+    first_backward = min(trace.alloc[i] for i in rec if trace.phase[i] == "backward")
+    assert all(trace.free[i] >= first_backward for i in acts)
+    # the attention output projection of layer 0 holds a forward buffer named after its module
+    assert any(m.startswith("model.layers.0") for m in labelled)
+
+
+def test_untrained_optimizer_state_is_labelled_when_created_during_the_step():
+    w = tiny_workload()
+    trace = capture_step(w, warmup=False)  # the first step creates AdamW's moments and counters
+    _, param_bytes, n_params = model_state_bytes(w.model)
+    created = [i for i in trace.recorded if trace.category[i] == "optimizer"]
+    assert sum(int(trace.size[i]) for i in created) == 2 * param_bytes + 4 * n_params
+    assert all(trace.phase[i] == "optimizer" and trace.free[i] == trace.end for i in created)
+
+
+@pytest.mark.parametrize("name", ["hf_bert", "hf_gpt2"])
+def test_huggingface_model_files_capture_with_exact_state_bytes(name):
+    w = load_workload(EXAMPLES / f"{name}.py", batch=2, seq=16, dtype=torch.float32, device="cpu")
+    trace = capture_step(w)
+    state, param_bytes, n_params = model_state_bytes(w.model)
+    got = bytes_by_category(trace)
+    assert got["parameter"] == state
+    assert got["gradient"] == param_bytes
+    assert got["optimizer"] == 2 * param_bytes + 4 * n_params
+    assert got["activation"] > 0 and got["temporary"] > 0
