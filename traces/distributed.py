@@ -1,0 +1,150 @@
+"""Run a function on N processes with torch.distributed, and `memplan trace --nproc N`: one trace per rank.
+
+`launch` starts the ranks with torch.multiprocessing (spawn), joins them in one process group (gloo on
+the CPU, NCCL on CUDA; rendezvous through a file store in a private temporary folder) and returns each
+rank's JSON result. When a rank fails, the others are stopped and RankError carries the first failing
+rank's one-line error. `trace_ranks` writes FILE.rank{r}.json.gz for every rank, all or none: the ranks
+write into the temporary folder and the files are renamed into place only when every rank succeeded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+
+from traces.errors import MemplanError
+from traces.files import atomic_write
+
+TIMEOUT_S = 300  # a collective waiting longer than this fails the rank
+
+
+class RankError(MemplanError):
+    """A rank of a multi-process run failed; the message is that rank's own one-line error."""
+
+
+def one_line(exc: BaseException) -> str:
+    """The error as one line: memplan's own messages as they are, others prefixed by their type."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    if isinstance(exc, MemplanError):
+        return text or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def rank_path(output: str | os.PathLike, rank: int) -> Path:
+    """FILE.json.gz -> FILE.rank{r}.json.gz (also for .json; any other name gets .rank{r} appended)."""
+    path = Path(output)
+    for suffix in (".json.gz", ".json"):
+        if path.name.endswith(suffix):
+            return path.with_name(f"{path.name[:-len(suffix)]}.rank{rank}{suffix}")
+    return path.with_name(f"{path.name}.rank{rank}")
+
+
+def _rank_main(rank: int, fn: Callable, args: tuple, nproc: int, device: str, workdir: str) -> None:
+    """One process: join the group, run fn(workdir, *args), leave its result or its error in workdir."""
+    work = Path(workdir)
+    try:
+        if device == "cuda":
+            torch.cuda.set_device(rank)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{work / 'store'}",
+                                rank=rank, world_size=nproc, timeout=timedelta(seconds=TIMEOUT_S))
+        torch.manual_seed(0)  # the same stream on every rank: replicated dropouts stay replicated
+        result = fn(work, *args)
+        atomic_write(work / f"result{rank}.json", json.dumps(result))
+        dist.destroy_process_group()
+    except BaseException as e:  # the rank's error goes to the parent as one line, never as a traceback
+        atomic_write(work / f"error{rank}.json", json.dumps({"time": time.time(), "message": one_line(e)}))
+        raise SystemExit(1) from None
+
+
+def _first_error(work: Path, exitcodes: dict[int, int | None]) -> str:
+    errors = []
+    for path in work.glob("error*.json"):
+        info = json.loads(path.read_text())
+        errors.append((info["time"], int(path.stem[len("error"):]), info["message"]))
+    if errors:
+        _, rank, message = min(errors)
+        return f"rank {rank}: {message}"
+    failed = {r: c for r, c in exitcodes.items() if c not in (0, None)}
+    rank = min(failed) if failed else 0
+    return f"rank {rank}: exited with code {failed.get(rank)} without an error message"
+
+
+def launch(fn: Callable, args: tuple = (), nproc: int = 2, device: str = "cpu",
+           tmp_parent: str | os.PathLike | None = None, keep: Callable[[Path], None] | None = None) -> list[Any]:
+    """Run fn(workdir, *args) on `nproc` ranks of one process group and return their JSON results in
+    rank order. `keep(workdir)` runs in this process after every rank succeeded, before the private
+    folder is removed (to move files out of it). RankError when any rank fails."""
+    if nproc < 1:
+        raise RankError(f"--nproc {nproc}: need at least one process")
+    if device == "cuda" and torch.cuda.device_count() < nproc:
+        raise RankError(f"--nproc {nproc}: only {torch.cuda.device_count()} CUDA devices on this machine")
+    work = Path(tempfile.mkdtemp(prefix=".memplan-ranks-", dir=tmp_parent))
+    try:
+        ctx = mp.start_processes(_rank_main, args=(fn, args, nproc, device, str(work)), nprocs=nproc,
+                                 join=False, start_method="spawn")
+        try:
+            while not ctx.join():
+                pass
+        except ProcessException:
+            codes = {i: p.exitcode for i, p in enumerate(ctx.processes)}
+            raise RankError(_first_error(work, codes)) from None
+        results = [json.loads((work / f"result{r}.json").read_text()) for r in range(nproc)]
+        if keep is not None:
+            keep(work)
+        return results
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _trace_rank(work: Path, model_file: str, options: dict, meta: dict, top: int) -> dict:
+    """One rank of `memplan trace --nproc`: build the workload, capture its step, save, summarise."""
+    from traces.capture import capture_step
+    from traces.format import save
+    from traces.model_file import load_workload
+    from traces.summary import summarize
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = f"cuda:{rank}" if options["device"] == "cuda" else "cpu"
+    workload = load_workload(model_file, batch=options["batch"], seq=options["seq"],
+                             dtype=getattr(torch, options["dtype"]), device=device, layers=options["layers"])
+    trace = capture_step(workload, meta={**meta, "rank": rank, "world_size": world,
+                                         "backend": dist.get_backend()})
+    save(trace, work / f"rank{rank}.json.gz")
+    return summarize(trace, top=top)
+
+
+def trace_ranks(model_file: str, output: str | os.PathLike, nproc: int, *, batch: int, seq: int, dtype: str,
+                layers: str, device: str, meta: dict, top: int = 5) -> list[tuple[Path, dict]]:
+    """Trace one training step on each of `nproc` ranks; returns (file, summary) per rank. The files
+    FILE.rank{r}.json.gz appear only when every rank succeeded (RankError otherwise)."""
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    paths = [rank_path(output, r) for r in range(nproc)]
+
+    def keep(work: Path) -> None:
+        moved = []
+        try:
+            for r, path in enumerate(paths):
+                os.replace(work / f"rank{r}.json.gz", path)
+                moved.append(path)
+        except OSError as e:
+            for path in moved:
+                path.unlink(missing_ok=True)
+            raise RankError(f"{output}: cannot write the rank traces ({e.strerror or e})") from None
+
+    options = {"batch": batch, "seq": seq, "dtype": dtype, "layers": layers, "device": device}
+    summaries = launch(_trace_rank, (str(model_file), options, meta, top), nproc, device,
+                       tmp_parent=output.parent, keep=keep)
+    return list(zip(paths, summaries))
