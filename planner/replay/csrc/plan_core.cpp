@@ -1,0 +1,201 @@
+// The plan allocator's core and the registry that routes allocations and frees to it.
+#include "plan_core.h"
+
+#include <algorithm>
+#include <utility>
+
+namespace memplan {
+
+namespace {
+
+// True when [begin, end) overlaps an interval of `m` (intervals in `m` are pairwise disjoint).
+bool overlaps(const std::map<int64_t, int64_t>& m, int64_t begin, int64_t end) {
+  auto it = m.lower_bound(end);
+  if (it == m.begin()) return false;
+  --it;
+  return it->second > begin;
+}
+
+}  // namespace
+
+PlanCore::PlanCore(std::vector<int64_t> offsets, std::vector<int64_t> sizes,
+                   const std::vector<std::pair<int64_t, int64_t>>& reserved, int64_t arena_bytes,
+                   SystemMemory sys)
+    : offsets_(std::move(offsets)), sizes_(std::move(sizes)), arena_bytes_(arena_bytes), sys_(sys) {
+  if (arena_bytes_ > 0) base_ = static_cast<char*>(sys_.alloc(static_cast<size_t>(arena_bytes_)));
+  // Reserved slots are merged into disjoint intervals and stay in `live_` for good.
+  std::vector<std::pair<int64_t, int64_t>> slots;
+  for (const auto& r : reserved)
+    if (r.second > 0) slots.emplace_back(r.first, r.first + r.second);
+  std::sort(slots.begin(), slots.end());
+  for (const auto& s : slots) {
+    if (!live_.empty() && s.first <= live_.rbegin()->second) {
+      live_.rbegin()->second = std::max(live_.rbegin()->second, s.second);
+    } else {
+      live_.emplace(s.first, s.second);
+    }
+  }
+  reserved_count_ = static_cast<int64_t>(live_.size());
+  stats_.arena_bytes = arena_bytes_;
+  note_peak();
+}
+
+PlanCore::~PlanCore() {
+  for (auto& f : fallback_) sys_.free(f.first);
+  if (base_ != nullptr) sys_.free(base_);
+}
+
+void PlanCore::begin_step() {
+  in_step_ = true;
+  cursor_ = 0;
+}
+
+void PlanCore::end_step() {
+  if (cursor_ < offsets_.size()) stats_.missing += static_cast<int64_t>(offsets_.size() - cursor_);
+  in_step_ = false;
+  cursor_ = 0;
+  stats_.steps += 1;
+}
+
+bool PlanCore::overlaps_live(int64_t begin, int64_t end) const { return overlaps(live_, begin, end); }
+
+void PlanCore::note_peak() {
+  int64_t top = live_.empty() ? 0 : live_.rbegin()->second;
+  stats_.arena_top_peak = std::max(stats_.arena_top_peak, top);
+  stats_.fallback_peak = std::max(stats_.fallback_peak, fallback_live_);
+  stats_.peak_bytes = std::max(stats_.peak_bytes, top + fallback_live_);
+}
+
+void* PlanCore::fall_back(size_t nbytes, int64_t* reason) {
+  void* p = sys_.alloc(nbytes);
+  if (p == nullptr) return nullptr;
+  fallback_.emplace(p, static_cast<int64_t>(nbytes));
+  fallback_live_ += static_cast<int64_t>(nbytes);
+  stats_.fallback_count += 1;
+  stats_.fallback_bytes += static_cast<int64_t>(nbytes);
+  if (reason != nullptr) *reason += 1;
+  note_peak();
+  return p;
+}
+
+void* PlanCore::allocate(size_t nbytes) {
+  if (nbytes == 0) return nullptr;  // a size-0 request touches no memory and has no slot
+  if (!in_step_ || cursor_ >= offsets_.size()) return fall_back(nbytes, &stats_.extra);
+  size_t k = cursor_++;
+  if (sizes_[k] != static_cast<int64_t>(nbytes)) return fall_back(nbytes, &stats_.size_mismatch);
+  int64_t begin = offsets_[k], end = offsets_[k] + sizes_[k];
+  if (base_ == nullptr || begin < 0 || end > arena_bytes_ || overlaps_live(begin, end))
+    return fall_back(nbytes, &stats_.refused_in_use);
+  live_.emplace(begin, end);
+  stats_.planned_count += 1;
+  note_peak();
+  return base_ + begin;
+}
+
+bool PlanCore::owns(const void* ptr) const {
+  const char* p = static_cast<const char*>(ptr);
+  if (base_ != nullptr && p >= base_ && p < base_ + arena_bytes_) return true;
+  return fallback_.count(const_cast<void*>(ptr)) != 0;
+}
+
+void PlanCore::deallocate(void* ptr) {
+  char* p = static_cast<char*>(ptr);
+  if (base_ != nullptr && p >= base_ && p < base_ + arena_bytes_) {
+    live_.erase(static_cast<int64_t>(p - base_));
+    return;
+  }
+  auto it = fallback_.find(ptr);
+  if (it == fallback_.end()) return;
+  fallback_live_ -= it->second;
+  sys_.free(ptr);
+  fallback_.erase(it);
+}
+
+PlanStats PlanCore::stats() const {
+  PlanStats s = stats_;
+  s.live_blocks = static_cast<int64_t>(live_.size()) - reserved_count_ +
+                  static_cast<int64_t>(fallback_.size());
+  return s;
+}
+
+int64_t Registry::create(std::vector<int64_t> offsets, std::vector<int64_t> sizes,
+                         const std::vector<std::pair<int64_t, int64_t>>& reserved,
+                         int64_t arena_bytes) {
+  auto core = std::make_unique<PlanCore>(std::move(offsets), std::move(sizes), reserved,
+                                         arena_bytes, sys_);
+  if (!core->arena_ok()) return 0;
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t h = next_++;
+  plans_[h].core = std::move(core);
+  return h;
+}
+
+bool Registry::begin_step(int64_t handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = plans_.find(handle);
+  if (it == plans_.end() || it->second.released || open_ != 0) return false;
+  it->second.core->begin_step();
+  open_ = handle;
+  return true;
+}
+
+bool Registry::end_step(int64_t handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (open_ != handle || handle == 0) return false;
+  plans_.at(handle).core->end_step();
+  open_ = 0;
+  return true;
+}
+
+bool Registry::allocate_in_step(size_t nbytes, void** out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (open_ == 0) return false;
+  *out = plans_.at(open_).core->allocate(nbytes);
+  return true;
+}
+
+bool Registry::deallocate(void* ptr) {
+  if (ptr == nullptr) return true;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& entry : plans_) {
+    if (entry.second.core->owns(ptr)) {
+      entry.second.core->deallocate(ptr);
+      drop_if_done(entry.first);
+      return true;
+    }
+  }
+  return false;
+}
+
+bool Registry::stats(int64_t handle, PlanStats* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = plans_.find(handle);
+  if (it == plans_.end()) return false;
+  *out = it->second.core->stats();
+  return true;
+}
+
+bool Registry::release(int64_t handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = plans_.find(handle);
+  if (it == plans_.end() || it->second.released) return false;
+  if (open_ == handle) {
+    it->second.core->end_step();
+    open_ = 0;
+  }
+  it->second.released = true;
+  drop_if_done(handle);
+  return true;
+}
+
+size_t Registry::plans_alive() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return plans_.size();
+}
+
+void Registry::drop_if_done(int64_t handle) {
+  auto it = plans_.find(handle);
+  if (it != plans_.end() && it->second.released && it->second.core->idle()) plans_.erase(it);
+}
+
+}  // namespace memplan

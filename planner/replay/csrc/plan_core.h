@@ -1,0 +1,115 @@
+// The plan allocator's core: serves the k-th allocation of a step from base + offset[k] of one
+// arena, never hands out a range overlapping a live one, and falls back to the system allocator
+// (counted) on any divergence. One copy of this core sits behind every backend (CPU, CUDA, C).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace memplan {
+
+// Where the arena and the fallback blocks come from: malloc-like functions of one device.
+struct SystemMemory {
+  void* (*alloc)(size_t nbytes);  // returns nullptr on failure
+  void (*free)(void* ptr);
+};
+
+// Counters of one plan; every figure is in bytes or allocations.
+struct PlanStats {
+  int64_t arena_bytes = 0;       // size of the arena reserved for the plan
+  int64_t planned_count = 0;     // allocations served at their planned offset
+  int64_t fallback_count = 0;    // allocations inside a step served by the system allocator
+  int64_t fallback_bytes = 0;    // their total bytes
+  int64_t fallback_peak = 0;     // most fallback bytes live at once
+  int64_t refused_in_use = 0;    // fallbacks because the planned range overlapped a live block
+  int64_t size_mismatch = 0;     // fallbacks because the size differed from the plan's
+  int64_t extra = 0;             // fallbacks because the step had more allocations than the plan
+  int64_t missing = 0;           // planned allocations a step never asked for
+  int64_t arena_top_peak = 0;    // highest arena byte in use at any moment (reserved slots included)
+  int64_t peak_bytes = 0;        // most of (arena top + fallback bytes live) at any moment
+  int64_t steps = 0;             // steps ended
+  int64_t live_blocks = 0;       // blocks (arena or fallback) not yet freed
+};
+
+// One plan over one arena. Not synchronised itself: the Registry serialises every call.
+class PlanCore {
+ public:
+  // offsets/sizes: the plan's slot of the k-th allocation of a step. reserved: slots of buffers
+  // that predate the step (they live elsewhere; their slots are never handed out).
+  PlanCore(std::vector<int64_t> offsets, std::vector<int64_t> sizes,
+           const std::vector<std::pair<int64_t, int64_t>>& reserved, int64_t arena_bytes,
+           SystemMemory sys);
+  ~PlanCore();
+  PlanCore(const PlanCore&) = delete;
+  PlanCore& operator=(const PlanCore&) = delete;
+
+  bool arena_ok() const { return arena_bytes_ == 0 || base_ != nullptr; }
+  void begin_step();
+  void end_step();
+  bool in_step() const { return in_step_; }
+  void* allocate(size_t nbytes);  // nullptr only when the system allocator fails too
+  bool owns(const void* ptr) const;
+  void deallocate(void* ptr);     // ptr must be owned
+  bool idle() const {
+    return static_cast<int64_t>(live_.size()) == reserved_count_ && fallback_.empty();
+  }
+  PlanStats stats() const;
+
+ private:
+  bool overlaps_live(int64_t begin, int64_t end) const;
+  void note_peak();
+  void* fall_back(size_t nbytes, int64_t* reason);
+
+  std::vector<int64_t> offsets_, sizes_;
+  int64_t arena_bytes_;
+  SystemMemory sys_;
+  char* base_ = nullptr;
+  bool in_step_ = false;
+  size_t cursor_ = 0;                         // index of the next planned allocation in the step
+  std::map<int64_t, int64_t> live_;           // arena blocks and reserved slots: begin -> end
+  std::unordered_map<void*, int64_t> fallback_;  // fallback blocks -> bytes
+  int64_t fallback_live_ = 0;
+  int64_t reserved_count_ = 0;
+  PlanStats stats_;
+};
+
+// Every live plan of one process, behind one mutex: creates and releases plans, opens and closes
+// steps, and routes each allocation to the open step's plan and each free back to its owner.
+class Registry {
+ public:
+  explicit Registry(SystemMemory sys) : sys_(sys) {}
+  // Returns a handle > 0, or 0 when the arena could not be allocated.
+  int64_t create(std::vector<int64_t> offsets, std::vector<int64_t> sizes,
+                 const std::vector<std::pair<int64_t, int64_t>>& reserved, int64_t arena_bytes);
+  bool begin_step(int64_t handle);  // false for an unknown handle or when a step is open
+  bool end_step(int64_t handle);
+  // Allocation inside the open step goes to its plan; returns false when no step is open.
+  bool allocate_in_step(size_t nbytes, void** out);
+  // Frees a block of any plan (even a released one); returns false when no plan owns it.
+  bool deallocate(void* ptr);
+  bool stats(int64_t handle, PlanStats* out);
+  // The owner lets go of the plan; its arena is freed once its last block is gone.
+  bool release(int64_t handle);
+  size_t plans_alive();
+  SystemMemory system() const { return sys_; }
+
+ private:
+  void drop_if_done(int64_t handle);
+
+  SystemMemory sys_;
+  std::mutex mu_;
+  int64_t next_ = 1;
+  int64_t open_ = 0;  // handle of the plan whose step is open, 0 when none
+  struct Entry {
+    std::unique_ptr<PlanCore> core;
+    bool released = false;
+  };
+  std::map<int64_t, Entry> plans_;
+};
+
+}  // namespace memplan
