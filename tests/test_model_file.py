@@ -1,0 +1,134 @@
+"""The model-file protocol and the `memplan trace` command: good files trace, bad ones give one line."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cli import main
+from traces.errors import ModelFileError
+from traces.format import load
+from traces.model_file import DeviceError, load_workload
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+GOOD = '''
+import torch
+from torch import nn
+
+def build(batch_size, seq_len, dtype, device):
+    model = nn.Sequential(nn.Embedding(32, 8), nn.Linear(8, 32))
+    ids = torch.randint(0, 32, (batch_size, seq_len), device=device)
+    return {"model": model, "inputs": ids,
+            "loss": lambda out, ids: nn.functional.cross_entropy(out.flatten(0, 1).float(), ids.flatten()),
+            "optimizer": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)}
+'''
+
+BAD = {
+    "no_function": ("import torch\nMODEL = None\n", "defines no function build(batch_size, seq_len, dtype, device)"),
+    "wrong_signature": ("def build(batch):\n    return None\n", "must accept the arguments"),
+    "raises": ("def build(batch_size, seq_len, dtype, device):\n    raise ValueError('no GPU here\\nsecond line')\n",
+               "build() raised ValueError: no GPU here"),
+    "import_fails": ("import no_such_module_for_memplan\n", "importing it raised ModuleNotFoundError"),
+    "wrong_return": ("def build(batch_size, seq_len, dtype, device):\n    return [1, 2]\n", "build() returned list"),
+    "missing_inputs": ("from torch import nn\ndef build(batch_size, seq_len, dtype, device):\n"
+                       "    return {'model': nn.Linear(2, 2)}\n", "without the key 'inputs'"),
+    "not_a_module": ("def build(batch_size, seq_len, dtype, device):\n    return {'model': 3, 'inputs': 1}\n",
+                     "build()['model'] is int, not a torch.nn.Module"),
+    "bad_optimizer": ("import torch\nfrom torch import nn\ndef build(batch_size, seq_len, dtype, device):\n"
+                      "    return {'model': nn.Linear(2, 2), 'inputs': torch.ones(1, 2), 'optimizer': 'adam'}\n",
+                      "build()['optimizer'] is str"),
+}
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / f"{name}.py"
+    path.write_text(text)
+    return path
+
+
+def one_error_line(result) -> str:
+    """The single `Error: ...` line of a failed command (stderr also carries progress lines)."""
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in result.output and result.stdout == ""
+    return errors[0]
+
+
+def test_a_good_model_file_builds_the_workload_it_describes(tmp_path):
+    w = load_workload(write(tmp_path, "good", GOOD), batch=3, seq=5, dtype=torch.bfloat16, device="cpu")
+    assert w.inputs.shape == (3, 5)
+    assert isinstance(w.optimizer, torch.optim.SGD)
+    assert all(p.dtype == torch.bfloat16 for p in w.model.parameters())
+    assert w.name == "good"
+    assert torch.isfinite(w.step())
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_a_broken_model_file_gives_one_line_naming_the_problem(tmp_path, case):
+    text, expected = BAD[case]
+    with pytest.raises(ModelFileError) as err:
+        load_workload(write(tmp_path, case, text), batch=2, seq=4, dtype=torch.float32, device="cpu")
+    message = str(err.value)
+    assert expected in message and "\n" not in message
+
+
+def test_a_missing_model_file_is_named(tmp_path):
+    with pytest.raises(ModelFileError, match="no such model file"):
+        load_workload(tmp_path / "absent.py", batch=2, seq=4, dtype=torch.float32, device="cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_on_a_machine_without_it_is_refused_before_building(tmp_path):
+    with pytest.raises(DeviceError, match="CUDA is not available"):
+        load_workload(write(tmp_path, "good", GOOD), batch=2, seq=4, dtype=torch.float32, device="cuda")
+    out = tmp_path / "t.json.gz"
+    result = CliRunner().invoke(main, ["trace", str(tmp_path / "good.py"), "--device", "cuda", "-o", str(out)])
+    assert result.exit_code != 0 and not out.exists()
+    assert one_error_line(result) and "CUDA is not available" in result.stderr
+
+
+def test_layers_other_than_baseline_need_the_layers_package_or_a_known_mode(tmp_path):
+    with pytest.raises(Exception) as err:
+        load_workload(write(tmp_path, "good", GOOD), batch=2, seq=4, dtype=torch.float32, device="cpu",
+                      layers="no-such-mode")
+    assert "\n" not in str(err.value) and "no-such-mode" in str(err.value)
+
+
+def test_cli_without_build_function_exits_nonzero_with_one_line_and_writes_nothing(tmp_path):
+    model = write(tmp_path, "nobuild", BAD["no_function"][0])
+    out = tmp_path / "nobuild.trace.json.gz"
+    result = CliRunner().invoke(main, ["trace", str(model), "-o", str(out)])
+    assert result.exit_code != 0
+    assert not out.exists() and not list(tmp_path.glob("*.gz")) and not list(tmp_path.glob(".*tmp"))
+    assert "defines no function build" in one_error_line(result)
+
+
+def test_cli_traces_a_model_file_and_prints_the_summary_as_json(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = write(tmp_path, "good", GOOD)
+    result = CliRunner().invoke(main, ["trace", str(model), "--batch", "2", "--seq", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    out = tmp_path / "good.baseline.trace.json.gz"
+    assert summary["output"] == "good.baseline.trace.json.gz" and out.exists()
+    trace = load(out)
+    assert summary["peak_bytes"] == trace.peak()[0] and summary["buffers"] == len(trace)
+    assert trace.meta["batch"] == 2 and trace.meta["seq"] == 4 and trace.meta["model"] == "good"
+    assert set(summary["at_peak_by_category"]) <= {"parameter", "gradient", "optimizer", "activation",
+                                                    "input", "temporary"}
+    assert sum(summary["at_peak_by_category"].values()) == summary["peak_bytes"]
+    assert [b["size"] for b in summary["largest"]] == sorted(trace.size.tolist(), reverse=True)[:5]
+    # SGD with momentum: one momentum buffer per parameter, no step counters
+    params = 32 * 8 * 4 + (8 * 32 + 32) * 4
+    assert sum(int(s) for s, c in zip(trace.size, trace.category) if c == "optimizer") == params
+
+
+def test_cli_text_summary_of_the_bundled_bert(tmp_path):
+    out = tmp_path / "bert.trace.json.gz"
+    result = CliRunner().invoke(main, ["trace", str(EXAMPLES / "bert.py"), "--seq", "16", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "peak live:" in result.stdout and "largest buffers:" in result.stdout
+    assert load(out).meta["model"] == "bert"
