@@ -1,0 +1,117 @@
+"""Attention cores with less held for backward: Tempo's sub-layer dropout recomputation and Megatron's selective recomputation.
+
+Both compute softmax(q·kᵀ·scale + bias), dropout (1-byte mask), times v, exactly like
+`planner.workloads.blocks.AttentionCore`; q, k, v are (batch, heads, seq, head_dim).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+def attention_scores(q, k, scale: float, bias):
+    """q·kᵀ·scale (+ bias), before the softmax."""
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    return scores if bias is None else scores + bias
+
+
+def baseline_attention(q, k, v, bias, scale: float, dropout_p: float, training: bool):
+    """The reference core: what autograd keeps is Megatron's baseline (Q, K, softmax out, 1-byte mask, dropout out, V)."""
+    probs = F.softmax(attention_scores(q, k, scale, bias), dim=-1)
+    if training and dropout_p > 0.0:
+        probs = torch.native_dropout(probs, dropout_p, True)[0]
+    return torch.matmul(probs, v)
+
+
+class DropoutMatmulFunction(torch.autograd.Function):
+    """dropout(probs)·v holding probs (the softmax keeps it anyway), the 1-byte mask and v; the dropout output is rebuilt."""
+
+    @staticmethod
+    def forward(ctx, probs, v, p: float):
+        dropped, mask = torch.native_dropout(probs, p, True)
+        v = v.contiguous()
+        ctx.scale = 1.0 / (1.0 - p)
+        ctx.save_for_backward(probs, mask, v)
+        return torch.matmul(dropped, v)
+
+    @staticmethod
+    def backward(ctx, grad):
+        probs, mask, v = ctx.saved_tensors
+        dropped = probs * mask * ctx.scale
+        grad_v = torch.matmul(dropped.transpose(-2, -1), grad) if ctx.needs_input_grad[1] else None
+        grad_probs = torch.matmul(grad, v.transpose(-2, -1)) * mask * ctx.scale
+        return grad_probs, grad_v, None
+
+
+def tempo_attention(q, k, v, bias, scale: float, dropout_p: float, training: bool):
+    """The core with sub-layer dropout recomputation: saves p·as²b bytes per layer against the baseline."""
+    probs = F.softmax(attention_scores(q, k, scale, bias), dim=-1)
+    if not training or dropout_p == 0.0:
+        return torch.matmul(probs, v)
+    return DropoutMatmulFunction.apply(probs, v, dropout_p)
+
+
+class RecomputedAttentionFunction(torch.autograd.Function):
+    """The whole core recomputed in backward from q, k, v and the RNG state saved before the dropout (same mask)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, scale: float, dropout_p: float, training: bool):
+        ctx.device = q.device
+        ctx.rng = rng_state(q.device)
+        ctx.args = (scale, dropout_p, training)
+        ctx.save_for_backward(q, k, v, bias)
+        with torch.no_grad():
+            return baseline_attention(q, k, v, bias, scale, dropout_p, training)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, bias = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3])]
+        devices = [ctx.device] if ctx.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=ctx.device.type), torch.enable_grad():
+            set_rng_state(ctx.device, ctx.rng)
+            out = baseline_attention(*inputs, bias, *ctx.args)
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad)) if wanted else iter(())
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None, None)
+
+
+def rng_state(device: torch.device) -> torch.Tensor:
+    """The generator state dropout on `device` will draw from next."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    """Restore the generator state of `device` (inside a fork_rng block)."""
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def selective_attention(q, k, v, bias, scale: float, dropout_p: float, training: bool):
+    """The core under selective recomputation: holds only q, k and v (the layer's QKV output)."""
+    if not torch.is_grad_enabled():
+        return baseline_attention(q, k, v, bias, scale, dropout_p, training)
+    return RecomputedAttentionFunction.apply(q, k, v, bias, scale, dropout_p, training)
+
+
+CORES = {"baseline": baseline_attention, "tempo": tempo_attention, "selective": selective_attention}
+
+
+class PatchedAttentionCore(nn.Module):
+    """Drop-in for `blocks.AttentionCore` computing the core with one of CORES (tempo or selective)."""
+
+    def __init__(self, dropout_p: float, kind: str):
+        super().__init__()
+        self.dropout_p = dropout_p
+        self.kind = kind
+
+    def forward(self, q, k, v, bias=None):
+        return CORES[self.kind](q, k, v, bias, 1.0 / math.sqrt(q.size(-1)), self.dropout_p, self.training)
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind!r}, dropout_p={self.dropout_p}"
