@@ -76,5 +76,103 @@ def trace_command(model_file, output, batch, seq, dtype, layers, device, top, as
     emit(summary, as_json, render(summary) + f"\nwritten to {output}")
 
 
+ALLOC_CONF_HELP = ("PYTORCH_CUDA_ALLOC_CONF string for the simulated caching allocator, e.g. "
+                   "'max_split_size_mb:128,roundup_power2_divisions:4' (default: PyTorch's defaults).")
+
+
+@main.command("simulate")
+@click.argument("trace_file", type=click.Path(dir_okay=False))
+@click.option("--plan", "plan_file", type=click.Path(dir_okay=False),
+              help="Plan of this trace (from memplan solve): checked against the trace, arena reported.")
+@click.option("--alloc-conf", default="", help=ALLOC_CONF_HELP)
+@click.option("--capacity", type=click.IntRange(min=1), default=None,
+              help="Device capacity in bytes: the allocator's out-of-memory retry and failure are simulated.")
+@click.option("--timeline", type=click.Path(dir_okay=False),
+              help="Write the per-event series (time, phase, live, allocated, reserved, plan) as CSV.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def simulate_command(trace_file, plan_file, alloc_conf, capacity, timeline, as_json):
+    """Simulate TRACE_FILE on PyTorch's caching allocator (and on a plan): bound, arena, peaks.
+
+    Example: memplan simulate bert.trace.json.gz --plan bert.plan.json --timeline bert.csv
+    """
+    from planner.memory_report import build_report, report_summary, report_text, timeline_csv
+    from planner.plan import load_plan
+    from traces.files import atomic_write
+    from traces.format import load
+
+    trace = load(trace_file)
+    plan = load_plan(plan_file) if plan_file else None
+    progress(f"simulating {trace_file} ({len(trace):,} buffers, {trace.end:,} events)")
+    report = build_report(trace, trace_file, plan=plan, plan_name=plan_file, alloc_conf=alloc_conf,
+                          capacity=capacity)
+    if timeline:
+        atomic_write(timeline, timeline_csv(report))
+        progress(f"wrote {timeline}")
+    summary = report_summary(report, timeline=timeline)
+    emit(summary, as_json, report_text(summary))
+
+
+def load_traces_and_plans(trace_files, plan_files):
+    """The named traces and plans of a multi-trace command, in the order given."""
+    from planner.plan import load_plan
+    from traces.format import load
+
+    return [(f, load(f)) for f in trace_files], [(f, load_plan(f)) for f in plan_files]
+
+
+@main.command("plot")
+@click.argument("trace_files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--plan", "plan_files", multiple=True, type=click.Path(dir_okay=False),
+              help="Plan of one of the traces (matched by trace digest); repeat for several.")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Figure to write: .png or .svg.")
+@click.option("--address-space", is_flag=True, help="Also draw each plan's buffers as rectangles (time by offset).")
+@click.option("--alloc-conf", default="", help=ALLOC_CONF_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def plot_command(trace_files, plan_files, output, address_space, alloc_conf, as_json):
+    """Plot memory over time: live bytes by category, phases, caching allocator and plan; traces side by side.
+
+    Example: memplan plot bert.baseline.trace.json.gz bert.tempo.trace.json.gz -o bert.png
+    """
+    from planner.memory_report import build_report
+    from planner.plan_memory import match_plans
+    from planner.plots import figure_format, plot_reports
+
+    figure_format(output)
+    traces, plans = load_traces_and_plans(trace_files, plan_files)
+    reports = []
+    for (name, trace), given in zip(traces, match_plans(traces, plans)):
+        progress(f"simulating {name} ({len(trace):,} buffers)")
+        plan_name, plan = given if given else (None, None)
+        reports.append(build_report(trace, name, plan=plan, plan_name=plan_name, alloc_conf=alloc_conf))
+    plot_reports(reports, output, address_space=address_space)
+    progress(f"wrote {output}")
+    summary = {"output": output, "traces": list(trace_files), "plans": list(plan_files),
+               "address_space": address_space}
+    emit(summary, as_json, f"wrote {output}")
+
+
+@main.command("compare")
+@click.argument("trace_files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--plan", "plan_files", multiple=True, type=click.Path(dir_okay=False),
+              help="Plan of one of the traces (matched by trace digest); traces without one get a plan solved here.")
+@click.option("--method", type=click.Choice(["auto", "greedy"]), default="auto", show_default=True,
+              help="Solver for traces without a plan.")
+@click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
+              help="Seconds per trace for the solver.")
+@click.option("--alloc-conf", default="", help=ALLOC_CONF_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
+def compare_command(trace_files, plan_files, method, time_limit, alloc_conf, as_json):
+    """Compare traces in one table: peak live, by category at the peak, caching reserved, plan arena, bound.
+
+    Example: memplan compare bert.baseline.trace.json.gz bert.tempo.trace.json.gz --method greedy
+    """
+    from planner.compare import compare_summary, compare_text, compare_traces
+
+    traces, plans = load_traces_and_plans(trace_files, plan_files)
+    rows = compare_traces(traces, plans, alloc_conf=alloc_conf, method=method, time_limit=time_limit,
+                          progress=progress)
+    emit(compare_summary(rows), as_json, compare_text(rows))
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,107 @@
+"""`memplan compare`: one table across traces (baseline against tempo, or one row per rank).
+
+Per trace: peak live bytes and what is live at that peak by category, the caching allocator's peak
+reserved, the plan's arena (a given plan, or one solved on the spot under a short time limit) and
+the best lower bound known.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from planner.memory_report import MemoryReport, build_report, human_bytes, phase_at_times, trace_title
+from planner.plan import Plan
+from planner.plan_memory import match_plans
+from traces.format import CATEGORIES, PHASES, Trace
+
+
+@dataclass
+class CompareRow:
+    """The figures of one trace in the comparison; bytes unless said otherwise."""
+
+    name: str
+    title: str  # model · layers · rank, from the trace's meta
+    buffers: int
+    peak_live: int
+    peak_live_time: int
+    peak_live_phase: str
+    at_peak: dict[str, int]  # bytes live at the peak, by category (every category of any trace)
+    caching_peak_allocated: int
+    caching_peak_reserved: int
+    plan_arena: int
+    plan_status: str
+    plan_source: str  # the plan file, or "solved: METHOD" when solved here
+    bound: int  # the best lower bound known: max-live, or the solver's if higher
+
+
+def solve_plan(trace: Trace, method: str, time_limit: float) -> Plan:
+    """A plan for `trace` from the solver portfolio (greedy or auto) under `time_limit` seconds."""
+    from planner.problem import problem_from_trace
+    from solvers import solve
+
+    return solve(problem_from_trace(trace), method=method, time_limit=time_limit)
+
+
+def row_from_report(report: MemoryReport, categories: list[str], plan_source: str) -> CompareRow:
+    """The comparison row of one simulated trace (which must have a plan)."""
+    trace = report.trace
+    peak, peak_t = trace.peak()
+    live = trace.live_at(peak_t) if len(trace) else np.zeros(0, dtype=np.int64)
+    at_peak = {c: 0 for c in categories}
+    for i in live:
+        at_peak[trace.category[i]] += int(trace.size[i])
+    return CompareRow(
+        name=report.name, title=trace_title(trace, report.name), buffers=len(trace), peak_live=peak, peak_live_time=peak_t,
+        peak_live_phase=PHASES[phase_at_times(trace)[peak_t]] if trace.end else "other", at_peak=at_peak,
+        caching_peak_allocated=int(report.caching.peak_allocated),
+        caching_peak_reserved=int(report.caching.peak_reserved), plan_arena=report.plan_memory.arena,
+        plan_status=report.plan.status, plan_source=plan_source, bound=max(report.bound, report.plan.bound))
+
+
+def compare_traces(traces: list[tuple[str, Trace]], plans: list[tuple[str, Plan]] = (), alloc_conf: str = "",
+                   method: str = "auto", time_limit: float = 5.0, progress=lambda msg: None) -> list[CompareRow]:
+    """Compare `traces` (name, trace); each uses the plan made for it among `plans`, else one solved here."""
+    matched = match_plans(traces, list(plans))
+    categories = [c for c in CATEGORIES if any(c in t.category for _, t in traces)]
+    rows = []
+    for (name, trace), given in zip(traces, matched):
+        if given is None:
+            progress(f"{name}: solving a plan ({method}, at most {time_limit:g} s)")
+            plan, plan_name, source = solve_plan(trace, method, time_limit), None, f"solved: {method}"
+        else:
+            plan_name, plan = given
+            source = plan_name
+        progress(f"{name}: simulating the caching allocator")
+        report = build_report(trace, name, plan=plan, plan_name=plan_name, alloc_conf=alloc_conf)
+        rows.append(row_from_report(report, categories, source))
+    return rows
+
+
+def compare_summary(rows: list[CompareRow]) -> dict:
+    """The JSON document of `memplan compare`: one object per trace, in the order given."""
+    return {"traces": [asdict(r) for r in rows]}
+
+
+def _change(value: int, first: int) -> str:
+    return f" ({(value - first) / first:+.1%})" if first else ""
+
+
+def compare_text(rows: list[CompareRow]) -> str:
+    """The comparison as a text table: one column per trace, changes relative to the first trace."""
+    def bytes_row(label, get):
+        return [label] + [human_bytes(get(r)) + (_change(get(r), get(rows[0])) if k else "")
+                          for k, r in enumerate(rows)]
+
+    table = [[""] + [r.name for r in rows], ["workload"] + [r.title for r in rows],
+             ["buffers"] + [f"{r.buffers:,}" for r in rows],
+             bytes_row("peak live", lambda r: r.peak_live),
+             ["  at event"] + [f"{r.peak_live_time:,} ({r.peak_live_phase})" for r in rows]]
+    table += [bytes_row(f"  {c}", lambda r, c=c: r.at_peak[c]) for c in rows[0].at_peak]
+    table += [bytes_row("caching peak allocated", lambda r: r.caching_peak_allocated),
+              bytes_row("caching peak reserved", lambda r: r.caching_peak_reserved),
+              bytes_row("plan arena", lambda r: r.plan_arena),
+              bytes_row("lower bound", lambda r: r.bound),
+              ["plan"] + [f"{r.plan_status}, {r.plan_source}" for r in rows]]
+    widths = [max(len(row[k]) for row in table) for k in range(len(table[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table)

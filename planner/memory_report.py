@@ -1,0 +1,166 @@
+"""What `memplan simulate` measures on one trace: max-live bound, plan footprint, caching allocator.
+
+One MemoryReport per trace feeds the simulate summary, the per-event timeline CSV, the plots and
+the compare table, so every view shows the same numbers.
+"""
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from planner.caching_allocator import SimResult
+from planner.plan import Plan
+from planner.plan_memory import PlanMemory, simulate_plan
+from traces.format import PHASES, Trace
+
+
+@dataclass
+class MemoryReport:
+    """One trace simulated: its bound, the caching allocator's result and (optionally) its plan's footprint."""
+
+    name: str  # what the user called the trace (its path)
+    trace: Trace
+    bound: int  # max-live lower bound on any plan's arena (sizes aligned to 512 bytes)
+    caching: SimResult
+    alloc_conf: str
+    capacity: int | None
+    plan: Plan | None = None
+    plan_name: str | None = None
+    plan_memory: PlanMemory | None = None
+
+    @cached_property
+    def live(self) -> np.ndarray:
+        """Requested bytes live at each logical time."""
+        return self.trace.live_bytes()
+
+
+def human_bytes(n: int | float) -> str:
+    """Bytes as B, KiB, MiB or GiB, whichever reads best."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def trace_title(trace: Trace, name: str) -> str:
+    """A trace's title from its meta (model, layers, rank/world size), else its file name."""
+    meta = trace.meta
+    parts = [str(meta[k]) for k in ("model", "layers") if meta.get(k)]
+    if meta.get("rank") is not None and meta.get("world_size") is not None:
+        parts.append(f"rank {meta['rank']}/{meta['world_size']}")
+    return " · ".join(parts) if parts else Path(name).name
+
+
+def build_report(trace: Trace, name: str, plan=None, plan_name: str | None = None,
+                 alloc_conf: str = "", capacity: int | None = None) -> MemoryReport:
+    """Simulate `trace` on the caching allocator and, when given, on `plan` (checked to belong to it)."""
+    from planner.alloc_conf import parse_alloc_conf
+    from planner.caching_allocator import simulate_caching
+    from planner.problem import problem_from_trace
+
+    conf = parse_alloc_conf(alloc_conf)
+    plan_memory = simulate_plan(trace, plan, name, plan_name or "plan") if plan is not None else None
+    return MemoryReport(
+        name=name, trace=trace, bound=problem_from_trace(trace).max_live(),
+        caching=simulate_caching(trace, conf, capacity=capacity), alloc_conf=alloc_conf, capacity=capacity,
+        plan=plan, plan_name=plan_name, plan_memory=plan_memory)
+
+
+def phase_at_times(trace: Trace) -> np.ndarray:
+    """Index into PHASES of the phase each logical time falls in: that of the latest allocation so far."""
+    out = np.full(trace.end, PHASES.index("other"), dtype=np.int64)
+    rec = trace.recorded
+    if not len(rec):
+        return out
+    codes = np.array([PHASES.index(trace.phase[i]) for i in rec], dtype=np.int64)
+    rank = np.full(trace.end, -1, dtype=np.int64)
+    rank[trace.alloc[rec]] = np.arange(len(rec))  # recorded is in allocation order
+    latest = np.maximum.accumulate(rank)
+    seen = latest >= 0
+    out[seen] = codes[latest[seen]]
+    return out
+
+
+def report_summary(report: MemoryReport, timeline: str | None = None) -> dict:
+    """The JSON summary of `memplan simulate` (keys documented in the README)."""
+    trace, sim = report.trace, report.caching
+    peak, peak_t = trace.peak()
+    plan = None
+    if report.plan is not None:
+        plan = {"path": report.plan_name, "arena": report.plan_memory.arena, "status": report.plan.status,
+                "gap": report.plan.gap, "bound": report.plan.bound, "solver": report.plan.solver,
+                "peak_in_use": report.plan_memory.peak_in_use}
+    return {
+        "trace": report.name, "buffers": len(trace), "events": trace.end,
+        "peak_live": peak, "peak_live_time": peak_t,
+        "peak_live_phase": PHASES[phase_at_times(trace)[peak_t]] if trace.end else "other",
+        "bound": report.bound,
+        "plan": plan,
+        "caching": {"alloc_conf": report.alloc_conf, "capacity": report.capacity,
+                    "peak_allocated": int(sim.peak_allocated), "peak_reserved": int(sim.peak_reserved),
+                    "fragmentation_at_peak": float(sim.fragmentation_at_peak),
+                    "segment_allocs": int(sim.segment_allocs), "oom": sim.oom},
+        "timeline": timeline,
+    }
+
+
+def report_text(s: dict) -> str:
+    """The human-readable summary of `memplan simulate`."""
+    ratio = lambda n: f" ({n / s['bound']:.3f}x bound)" if s["bound"] else ""  # noqa: E731
+    c = s["caching"]
+    lines = [
+        f"trace              {s['trace']} ({s['buffers']:,} buffers, {s['events']:,} events)",
+        f"peak live          {human_bytes(s['peak_live'])} at event {s['peak_live_time']:,} "
+        f"({s['peak_live_phase']})",
+        f"max-live bound     {human_bytes(s['bound'])}",
+    ]
+    p = s["plan"]
+    if p is None:
+        lines.append("plan arena         - (pass --plan PLAN)")
+    else:
+        gap = "" if p["status"] == "optimal" else f", gap {p['gap']:.2%} to its bound {human_bytes(p['bound'])}"
+        lines.append(f"plan arena         {human_bytes(p['arena'])}{ratio(p['arena'])} "
+                     f"[{p['status']}{gap}; {p['solver']}]")
+    conf = c["alloc_conf"] or "default"
+    cap = f", capacity {human_bytes(c['capacity'])}" if c["capacity"] else ""
+    lines += [
+        f"caching allocator  (alloc-conf: {conf}{cap})",
+        f"  peak allocated   {human_bytes(c['peak_allocated'])}",
+        f"  peak reserved    {human_bytes(c['peak_reserved'])}{ratio(c['peak_reserved'])}",
+        f"  fragmentation    {c['fragmentation_at_peak']:.1%} of reserved at its peak",
+        f"  segment allocs   {c['segment_allocs']:,}",
+        f"  out of memory    {oom_text(c['oom'])}",
+    ]
+    if s["timeline"]:
+        lines.append(f"timeline           {s['timeline']}")
+    return "\n".join(lines)
+
+
+def oom_text(oom: dict | None) -> str:
+    """Where the simulated allocator ran out of memory, or "no"."""
+    if oom is None:
+        return "no"
+    return (f"YES at event {oom['time']:,}: buffer {oom['buffer']} of {human_bytes(oom['size'])} "
+            f"could not be served ({oom['details']})")
+
+
+TIMELINE_COLUMNS = ("time", "phase", "live", "allocated", "reserved", "plan_arena", "plan_in_use")
+
+
+def timeline_csv(report: MemoryReport) -> str:
+    """Per-event series as CSV (TIMELINE_COLUMNS); the plan columns are empty without a plan."""
+    end = report.trace.end
+    columns = [range(end), np.array(PHASES)[phase_at_times(report.trace)].tolist(), report.live.tolist(),
+               report.caching.allocated.tolist(), report.caching.reserved.tolist()]
+    pm = report.plan_memory
+    columns += [[""] * end] * 2 if pm is None else [[pm.arena] * end, pm.in_use.tolist()]
+    out = io.StringIO()
+    w = csv.writer(out, lineterminator="\n")
+    w.writerow(TIMELINE_COLUMNS)
+    w.writerows(zip(*columns))
+    return out.getvalue()

@@ -1,0 +1,70 @@
+"""Plan simulator: the memory a step holds when it runs on a plan, checked against its trace first.
+
+A memplan-plan/1 plan places every buffer of its trace, so the step's footprint is the arena,
+reserved for the whole step; what varies is how much of the arena is in use (aligned live bytes).
+The plan is re-checked with the independent verifier, so a hand-edited or foreign plan is refused.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.plan import Plan, PlanError, trace_digest
+from planner.problem import problem_from_trace
+from planner.verify import verify_plan
+from traces.errors import MemplanError
+from traces.format import Trace
+
+
+class PlanMismatchError(MemplanError):
+    """A plan was made for another trace (its digest differs)."""
+
+
+@dataclass
+class PlanMemory:
+    """Per-event memory of a trace run on a plan."""
+
+    arena: int  # bytes reserved for the whole step
+    in_use: np.ndarray  # per logical time: aligned bytes of the live buffers, all inside the arena
+
+    @property
+    def peak_in_use(self) -> int:
+        return int(self.in_use.max(initial=0))
+
+
+def simulate_plan(trace: Trace, plan: Plan, trace_name: str = "trace", plan_name: str = "plan") -> PlanMemory:
+    """The memory of `trace` run on `plan`; PlanMismatchError/PlanError if the plan is not valid for it."""
+    if plan.digest != trace_digest(trace):
+        raise PlanMismatchError(f"{plan_name}: plan was made for another trace, not {trace_name} "
+                                f"(trace digest differs); solve {trace_name} again")
+    problem = problem_from_trace(trace, alignment=plan.alignment)
+    try:
+        verify_plan(problem, plan.offsets, plan.arena)
+    except PlanError as e:
+        raise PlanError(f"{plan_name}: invalid for {trace_name}: {e}") from None
+    active = problem.active
+    delta = np.zeros(trace.end + 1, dtype=np.int64)
+    np.add.at(delta, problem.alloc[active], problem.size[active])
+    np.add.at(delta, problem.free[active], -problem.size[active])
+    return PlanMemory(arena=int(plan.arena), in_use=np.cumsum(delta)[:-1])
+
+
+def match_plans(traces: list[tuple[str, Trace]], plans: list[tuple[str, Plan]]) -> list[tuple[str, Plan] | None]:
+    """For each trace, the (name, plan) made for it among `plans` (by trace digest), or None.
+
+    A plan made for none of the traces, or a second plan for one trace, raise PlanMismatchError.
+    """
+    digests = [trace_digest(t) for _, t in traces]
+    matched: list[tuple[str, Plan] | None] = [None] * len(traces)
+    for plan_name, plan in plans:
+        hits = [k for k, d in enumerate(digests) if d == plan.digest]
+        if not hits:
+            raise PlanMismatchError(f"{plan_name}: plan was made for none of the given traces "
+                                    f"(trace digest differs)")
+        for k in hits:
+            if matched[k] is not None:
+                raise PlanMismatchError(f"{plan_name}: a second plan for {traces[k][0]} "
+                                        f"(already planned by {matched[k][0]})")
+            matched[k] = (plan_name, plan)
+    return matched
