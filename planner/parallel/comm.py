@@ -11,6 +11,12 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
+from traces.errors import MemplanError
+
+
+class ParallelError(MemplanError):
+    """A shape or option that tensor or sequence parallelism cannot split over the ranks."""
+
 
 def world(group) -> int:
     """The size of the tensor-parallel group (1 when torch.distributed is not initialised)."""
@@ -39,7 +45,7 @@ def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     if t == 1:
         return x
     if x.shape[0] % t:
-        raise ValueError(f"sequence length {x.shape[0]} is not divisible by the parallel size {t}")
+        raise ParallelError(f"sequence length {x.shape[0]} is not divisible by the parallel size {t}")
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // t,) + tuple(x.shape[1:]))
     dist.reduce_scatter_single(out, x, group=group)
@@ -52,8 +58,8 @@ def split_seq(x: torch.Tensor, group) -> torch.Tensor:
     if t == 1:
         return x
     if x.shape[0] % t:
-        raise ValueError(f"sequence length {x.shape[0]} is not divisible by the parallel size {t}")
-    return x.chunk(t, dim=0)[rank(group)].clone()
+        raise ParallelError(f"sequence length {x.shape[0]} is not divisible by the parallel size {t}")
+    return x.chunk(t, dim=0)[rank(group)].clone(memory_format=torch.contiguous_format)
 
 
 def all_reduce_(x: torch.Tensor, group) -> torch.Tensor:

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from planner.parallel import comm
-from planner.parallel.linear import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
+from planner.parallel.linear import (ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel,
+                                     sync_sequence_parallel_grads)
 from planner.workloads.blocks import AttentionCore, Dropout, PreLNLayer
 
 
@@ -24,7 +25,7 @@ class ParallelSelfAttention(nn.Module):
         super().__init__()
         t = comm.world(group)
         if hidden % heads or heads % t:
-            raise ValueError(f"{heads} heads of hidden size {hidden} cannot be split over {t} ranks")
+            raise comm.ParallelError(f"{heads} heads of hidden size {hidden} cannot be split over {t} ranks")
         self.heads, self.local_heads, self.hidden = heads, heads // t, hidden
         self.qkv = ColumnParallelLinear(hidden, 3 * hidden, group=group, sequence_parallel=sequence_parallel)
         self.core = AttentionCore(attn_dropout)
@@ -89,6 +90,7 @@ class ParallelGPT2Layer(PreLNLayer):
         if sequence_parallel:
             for p in (*self.ln1.parameters(), *self.ln2.parameters()):
                 mark_sequence_parallel(p)
+        sync_sequence_parallel_grads(self, group)
 
     @classmethod
     def from_layer(cls, full: PreLNLayer, group=None, sequence_parallel: bool = False) -> "ParallelGPT2Layer":

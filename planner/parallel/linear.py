@@ -26,16 +26,18 @@ def mark_sequence_parallel(param: nn.Parameter) -> nn.Parameter:
 
 def sync_sequence_parallel_grads(module: nn.Module, group=None) -> int:
     """Sum the gradient of every flagged parameter over the ranks as backward produces it (a tensor
-    hook, so accumulation over micro-batches stays right); returns how many parameters it hooks."""
+    hook, so accumulation over micro-batches stays right); returns how many parameters it newly hooks."""
     if comm.world(group) == 1:
         return 0
 
     def reduce(grad: torch.Tensor) -> torch.Tensor:
         return comm.all_reduce_(grad.clone(), group)
 
-    hooked = [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
+    hooked = [p for p in module.parameters()
+              if getattr(p, "sequence_parallel", False) and not getattr(p, "_grad_synced", False)]
     for p in hooked:
         p.register_hook(reduce)
+        p._grad_synced = True  # hooked once, however many enclosing modules ask
     return len(hooked)
 
 
@@ -71,7 +73,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         t = comm.world(group)
         if out_features % t:
-            raise ValueError(f"{out_features} output features are not divisible by the parallel size {t}")
+            raise comm.ParallelError(f"{out_features} output features are not divisible by the parallel size {t}")
         self.group, self.sequence_parallel = group, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features // t, in_features, device=device, dtype=dtype))
@@ -103,7 +105,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         t = comm.world(group)
         if in_features % t:
-            raise ValueError(f"{in_features} input features are not divisible by the parallel size {t}")
+            raise comm.ParallelError(f"{in_features} input features are not divisible by the parallel size {t}")
         self.group, self.sequence_parallel = group, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features // t, device=device, dtype=dtype))

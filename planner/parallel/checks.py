@@ -1,0 +1,99 @@
+"""Rank-side checks of the parallel GPT-2 layer, run under `traces.distributed.launch` by tests and benchmarks.
+
+`layer_bytes` measures what one rank holds for backward for one layer next to the formula;
+`layer_errors` compares the parallel layer's output and gradients with the single-process layer's
+on the same weights and input. Both return JSON-ready dicts.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from planner.layers.memory import LayerShape, saved_bytes
+from planner.layers.patch import patch
+from planner.parallel import comm
+from planner.parallel.formulas import parallel_formula
+from planner.parallel.layer import ParallelGPT2Layer
+from planner.workloads.gpt2 import GPT2Config, GPT2Layer
+
+DTYPES = {4: torch.float32, 2: torch.bfloat16}
+
+
+def _full_layer(shape: LayerShape, dropout: float, seed: int) -> GPT2Layer:
+    torch.manual_seed(seed)
+    layer = GPT2Layer(GPT2Config(hidden=shape.h, heads=shape.a, dropout=dropout, attn_dropout=dropout))
+    with torch.no_grad():  # non-trivial LayerNorm affine parameters, so their gradients are tested too
+        for ln in (layer.ln1, layer.ln2):
+            ln.weight.normal_(1.0, 0.2)
+            ln.bias.normal_(0.0, 0.2)
+    return layer.to(DTYPES[shape.p])
+
+
+def _causal(s: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full((s, s), float("-inf"), dtype=dtype).triu(1)
+
+
+def layer_bytes(shape: LayerShape, mode: str, sequence_parallel: bool, dropout: float = 0.1,
+                group=None, seed: int = 0) -> dict:
+    """Bytes this rank's share of one layer holds for backward (the causal mask, a buffer, not counted)."""
+    t, dtype = comm.world(group), DTYPES[shape.p]
+    layer = ParallelGPT2Layer.from_layer(_full_layer(shape, dropout, seed), group, sequence_parallel).train()
+    patch(layer, mode)
+    holder = nn.Module()
+    holder.layer = layer
+    holder.register_buffer("causal", _causal(shape.s, dtype))
+    s_local = shape.s // t if sequence_parallel else shape.s
+    x = torch.randn(s_local, shape.b, shape.h, dtype=dtype, requires_grad=True)
+    measured = saved_bytes(holder, lambda: layer(x, holder.causal))
+    formula = parallel_formula(shape, mode, t, sequence_parallel)
+    return {"rank": comm.rank(group), "t": t, "mode": mode, "sequence_parallel": sequence_parallel,
+            "measured": measured, "formula": formula, "ratio": measured / formula}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+
+
+def layer_errors(shape: LayerShape, mode: str, sequence_parallel: bool, group=None, seed: int = 0) -> dict:
+    """Largest relative difference between the parallel layer (this rank's share, under `mode`) and the
+    plain single-process layer: output, input gradient and every parameter gradient (dropout 0)."""
+    t, r = comm.world(group), comm.rank(group)
+    full = _full_layer(shape, 0.0, seed).train()
+    causal = _causal(shape.s, DTYPES[shape.p])
+    x = torch.randn(shape.b, shape.s, shape.h, dtype=DTYPES[shape.p])
+    grad_y = torch.randn_like(x)
+    x_full = x.clone().requires_grad_()
+    y = full(x_full, causal)
+    y.backward(grad_y)
+
+    layer = ParallelGPT2Layer.from_layer(full, group, sequence_parallel).train()
+    patch(layer, mode)
+    seq = lambda z: z.transpose(0, 1).chunk(t if sequence_parallel else 1, dim=0)[r if sequence_parallel else 0]  # noqa: E731
+    x_par = seq(x).contiguous().requires_grad_()
+    y_par = layer(x_par, causal)
+    y_par.backward(seq(grad_y).contiguous())
+
+    h, n4 = shape.h // t, layer.mlp.fc1.weight.shape[0]
+    qkv_rows = torch.cat([torch.arange(i * shape.h + r * h, i * shape.h + (r + 1) * h) for i in range(3)])
+    pairs = {
+        "output": (y_par, seq(y)), "input_grad": (x_par.grad, seq(x_full.grad)),
+        "ln1.weight": (layer.ln1.weight.grad, full.ln1.weight.grad),
+        "ln1.bias": (layer.ln1.bias.grad, full.ln1.bias.grad),
+        "ln2.weight": (layer.ln2.weight.grad, full.ln2.weight.grad),
+        "qkv.weight": (layer.attention.qkv.weight.grad, full.attention.qkv.weight.grad[qkv_rows]),
+        "qkv.bias": (layer.attention.qkv.bias.grad, full.attention.qkv.bias.grad[qkv_rows]),
+        "proj.weight": (layer.attention.proj.weight.grad, full.attention.proj.weight.grad[:, r * h:(r + 1) * h]),
+        "proj.bias": (layer.attention.proj.bias.grad, full.attention.proj.bias.grad),
+        "fc1.weight": (layer.mlp.fc1.weight.grad, full.mlp.fc1.weight.grad[r * n4:(r + 1) * n4]),
+        "fc2.weight": (layer.mlp.fc2.weight.grad, full.mlp.fc2.weight.grad[:, r * n4:(r + 1) * n4]),
+        "fc2.bias": (layer.mlp.fc2.bias.grad, full.mlp.fc2.bias.grad),
+    }
+    return {"rank": r, "t": t, "mode": mode, "sequence_parallel": sequence_parallel,
+            "errors": {name: _rel(a.detach(), b.detach()) for name, (a, b) in pairs.items()}}
+
+
+def run_cases(work, cases: list[dict]) -> list[dict]:
+    """The rank function for `launch`: each case is {"check": "bytes"|"errors", "shape": [s, b, h, a, p],
+    "mode": ..., "sequence_parallel": ...}; returns one result per case."""
+    checks = {"bytes": layer_bytes, "errors": layer_errors}
+    return [checks[c["check"]](LayerShape(*c["shape"]), c["mode"], c["sequence_parallel"]) for c in cases]
