@@ -76,6 +76,35 @@ def trace_command(model_file, output, batch, seq, dtype, layers, device, top, as
     emit(summary, as_json, render(summary) + f"\nwritten to {output}")
 
 
+@main.command("import")
+@click.argument("snapshot", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", type=click.Path(dir_okay=False),
+              help="Trace file to write (default: <snapshot>.trace.json.gz).")
+@click.option("--device", "cuda_device", type=click.IntRange(min=0), default=None,
+              help="CUDA device whose trace to import (default: the one with the most entries).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def import_command(snapshot, output, cuda_device, as_json):
+    """Turn a CUDA memory snapshot (torch.cuda.memory._dump_snapshot) into a trace.
+
+    The pickle is read with a restricted unpickler: plain containers and scalars only.
+
+    Example: memplan import snapshot.pickle -o step.trace.json.gz
+    """
+    from pathlib import Path
+
+    from traces.format import save
+    from traces.snapshot import import_snapshot, import_summary, render_import_summary
+
+    output = output or f"{Path(snapshot).stem}.trace.json.gz"
+    progress(f"reading {snapshot}")
+    trace = import_snapshot(snapshot, cuda_device)
+    save(trace, output)
+    progress(f"wrote {output}")
+    summary = import_summary(trace)
+    summary["output"] = str(output)
+    emit(summary, as_json, render_import_summary(summary) + f"\nwritten to {output}")
+
+
 ALLOC_CONF_HELP = ("PYTORCH_CUDA_ALLOC_CONF string for the simulated caching allocator, e.g. "
                    "'max_split_size_mb:128,roundup_power2_divisions:4' (default: PyTorch's defaults).")
 

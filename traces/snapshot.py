@@ -268,3 +268,22 @@ def import_snapshot(path: str | os.PathLike, device: int | None = None) -> Trace
     """Read a snapshot file and return its trace for one device."""
     snap = read_snapshot(path, device)
     return snapshot_to_trace(snap, source=os.path.basename(os.fspath(path)))
+
+
+def import_summary(trace: Trace) -> dict:
+    """Short JSON-ready description of an imported trace: counts, streams and the peak."""
+    peak, when = trace.peak()
+    before = int((trace.alloc == 0).sum())
+    return {"buffers": len(trace), "allocated_in_trace": len(trace) - before, "before_recording": before,
+            "never_freed": int((trace.free == trace.end).sum()), "events_end": trace.end,
+            "streams": trace.streams, "peak_live_bytes": peak, "peak_time": when,
+            "cuda_device": trace.meta.get("cuda_device"), "alloc_conf": trace.meta.get("alloc_conf", "")}
+
+
+def render_import_summary(s: dict) -> str:
+    """The import summary as a few human-readable lines."""
+    gib = s["peak_live_bytes"] / 2**30
+    return (f"buffers: {s['buffers']} ({s['allocated_in_trace']} allocated while recording, "
+            f"{s['before_recording']} alive before, {s['never_freed']} never freed)\n"
+            f"device cuda:{s['cuda_device']}, streams {s['streams']}, {s['events_end'] - 1} events\n"
+            f"peak live: {s['peak_live_bytes']} bytes ({gib:.2f} GiB) at time {s['peak_time']}")
