@@ -50,3 +50,14 @@ class LayerShape:
         if mode == "tempo+selective":
             return sbh * (10 * p + 6)
         raise ValueError(f"no formula for mode {mode!r}")
+
+
+def held_for_backward(trace) -> int:
+    """Bytes a captured step holds from forward into backward: forward-phase buffers still live when backward begins."""
+    backward = [i for i, phase in enumerate(trace.phase) if phase == "backward"]
+    if not backward:
+        raise ValueError("the trace has no backward phase")
+    start = int(trace.alloc[backward].min())
+    forward = [i for i, phase in enumerate(trace.phase) if phase == "forward"]
+    live = [i for i in forward if trace.alloc[i] < start < trace.free[i]]
+    return int(trace.size[live].sum())
