@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from planner.alloc_conf import AllocConf, conf_from_snapshot_settings
 from planner.caching_allocator import MIN_BLOCK, SMALL_BUFFER, SMALL_SIZE, CachingAllocator, round_size
-from traces.snapshot import Snapshot, is_live_block
+from traces.errors import MemplanError
+from traces.snapshot import FREE_ACTIONS, Snapshot, is_live_block
 
 
 @dataclass
@@ -56,7 +57,7 @@ def _blocks_before_recording(snap: Snapshot, conf: AllocConf) -> dict[int, tuple
         if e.action == "alloc":
             open_addrs.add(e.addr)
             allocated_in_trace.add(e.addr)
-        elif e.action == "free_completed":
+        elif e.action in FREE_ACTIONS:
             if e.addr in open_addrs:
                 open_addrs.discard(e.addr)
             elif e.addr not in before:
@@ -99,9 +100,15 @@ def _initial_layout(seg_addr: int, seg_size: int, small: bool, inside: list[tupl
     return out
 
 
+class ReplayError(MemplanError):
+    """A snapshot the address-by-address replay cannot rebuild."""
+
+
 def replay_snapshot(snap: Snapshot, conf: AllocConf | None = None, keep_mismatches: int = 10) -> ReplayReport:
     """Replay a snapshot's own trace through the simulator and count the matching decisions."""
     conf = conf or conf_from_snapshot_settings(snap.settings)
+    if conf.expandable_segments or any(s.expandable for s in snap.segments):
+        raise ReplayError("replaying a snapshot recorded with expandable segments is not supported")
     new_bases = {e.addr for e in snap.entries if e.action == "segment_alloc"}
     freed_first: dict[int, tuple[int, int]] = {}  # segments freed in the trace before any segment_alloc there
     seen_alloc: set[int] = set()
@@ -157,7 +164,7 @@ def replay_snapshot(snap: Snapshot, conf: AllocConf | None = None, keep_mismatch
                                    "real_segments": real_segments, "sim_segments": list(made)})
             sim_of[e.addr] = got
             peak_alloc, peak_res = max(peak_alloc, a.allocated), max(peak_res, a.reserved)
-        elif e.action == "free_completed":
+        elif e.action in FREE_ACTIONS:
             a.free(sim_of.pop(e.addr, e.addr))
         elif e.action == "segment_free":
             if any(s.addr == e.addr for s in a.segments.values()):

@@ -12,7 +12,7 @@ from planner.caching_allocator import (CachingAllocator, SimulatedOOM, allocatio
                                        simulate_caching)
 from planner.snapshot_replay import replay_snapshot
 from traces.format import make_trace
-from traces.snapshot import read_snapshot
+from traces.snapshot import parse_snapshot, read_snapshot
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -224,3 +224,40 @@ def test_real_snapshot_is_reproduced_address_by_address(shared, name):
     if name == "gpt_ctx128_fullstep":
         other = replay_snapshot(snap, AllocConf(tie_break="oldest_segment"))
         assert other.addr_matches < other.allocs
+
+
+def _hand_made_snapshot(third_addr_offset: int) -> dict:
+    base, base2 = 1 << 34, 1 << 35
+
+    def e(action, addr, size):
+        return {"action": action, "addr": addr, "size": size, "stream": 0, "frames": []}
+
+    def blk(addr, size, state):
+        return {"address": addr, "size": size, "requested_size": size, "state": state, "frames": []}
+    return {
+        "segments": [
+            {"address": base, "total_size": 20 * MiB, "stream": 0, "segment_type": "large",
+             "blocks": [blk(base, 4 * MiB, "active_allocated")]
+             + ([blk(base + 4 * MiB, third_addr_offset - 4 * MiB, "inactive")] if third_addr_offset > 4 * MiB else [])
+             + [blk(base + third_addr_offset, 2 * MiB, "active_allocated"),
+                blk(base + third_addr_offset + 2 * MiB, 18 * MiB - third_addr_offset, "inactive")]},
+            {"address": base2, "total_size": 16 * MiB, "stream": 0, "segment_type": "large",
+             "blocks": [blk(base2, 16 * MiB, "active_allocated")]}],
+        "device_traces": [[
+            e("alloc", base + 4 * MiB, 2 * MiB),
+            e("segment_alloc", base2, 16 * MiB),
+            e("alloc", base2, 15 * MiB),
+            e("free_requested", base + 4 * MiB, 2 * MiB),
+            e("free_completed", base + 4 * MiB, 2 * MiB),
+            e("alloc", base + third_addr_offset, 2 * MiB)]],
+        "allocator_settings": {"max_split_size": -1, "expandable_segments": False},
+    }
+
+
+def test_replay_of_a_hand_made_snapshot():
+    good = replay_snapshot(parse_snapshot(_hand_made_snapshot(4 * MiB)))
+    assert good.exact
+    assert (good.allocs, good.addr_matches, good.segment_decisions, good.segments_before) == (3, 3, 1, 1)
+    wrong = replay_snapshot(parse_snapshot(_hand_made_snapshot(8 * MiB)))  # a placement PyTorch would not make
+    assert (wrong.addr_matches, wrong.exact) == (2, False)
+    assert wrong.mismatches[0]["sim_addr"] == (1 << 34) + 4 * MiB

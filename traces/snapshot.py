@@ -19,6 +19,7 @@ from traces.format import Trace, make_trace
 PLAIN_TYPES = (dict, list, tuple, str, int, float, bool, type(None))
 KEYS = ("segments", "device_traces")
 MiB = 1 << 20
+FREE_ACTIONS = ("free_completed", "free")  # when the allocator gets a block back ("free": old snapshots)
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -246,7 +247,7 @@ def snapshot_to_trace(snap: Snapshot, source: str = "") -> Trace:
             if e.addr in open_at:  # a free this ring buffer lost: close the old buffer here
                 free[open_at.pop(e.addr)] = t
             open_at[e.addr] = add(e.size, t, e.stream, e.addr, e.op, phase_of(e.time_us))
-        elif e.action == "free_completed":
+        elif e.action in FREE_ACTIONS:
             t += 1
             i = open_at.pop(e.addr, None)
             if i is None:  # allocated before recording began
