@@ -116,7 +116,6 @@ def _categorize(buffers: list[_Buffer], step: StepEvents, marks: StepMarks) -> N
 
 def _record(workload: Workload, device: torch.device) -> tuple[StepEvents, StepMarks]:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    gc.collect()
     gc.disable()  # no cycle collection in the middle of the step: frees happen where the program drops them
     try:
         with marked_step(workload) as marks:

@@ -21,7 +21,8 @@ ALLOCATION_HELPERS = frozenset({
     "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty",
     "aten::new_empty_strided", "aten::resize_", "aten::zeros", "aten::zero_",
 })
-SCALAR_OP = "python scalar"  # an allocation outside any op: a Python number wrapped as a tensor
+SCALAR_OP = "python scalar"
+MEMORY_EVENT = "[memory]"  # the profiler's name for an allocation or free  # an allocation outside any op: a Python number wrapped as a tensor
 
 
 @dataclass
@@ -46,40 +47,25 @@ class StepEvents:
     optimizer_end_ns: int | None
 
 
-def _is_op(event) -> bool:
-    return event.tag == _EventType.TorchOp
+# The context an event inherits from its ancestors, carried down the tree in one pass as a tuple:
+# (innermost memplan module range, sequence number of the innermost autograd evaluate_function or -1,
+#  inside the memplan backward range, inside Optimizer.step/zero_grad,
+#  innermost aten op that is not an allocation helper, innermost aten op).
+_ROOT = ("", -1, False, False, "", "")
 
 
-def _ancestors(event) -> list:
-    chain = []
-    parent = event.parent
-    while parent is not None:
-        chain.append(parent)
-        parent = parent.parent
-    return chain  # innermost first
-
-
-def _op_name(ancestors: list) -> str:
-    aten = [a.name for a in ancestors if _is_op(a) and a.name.startswith("aten::")]
-    for name in aten:
-        if name not in ALLOCATION_HELPERS:
-            return name
-    return aten[0] if aten else SCALAR_OP
-
-
-def _module_in_forward(ancestors: list) -> str:
-    for a in ancestors:
-        if _is_op(a) and a.name.startswith(MODULE_RANGE):
-            return a.name[len(MODULE_RANGE):]
-    return ""
-
-
-def _walk(roots):
-    stack = list(reversed(roots))
-    while stack:
-        e = stack.pop()
-        yield e
-        stack.extend(reversed(e.children))
+def _enter(ctx: tuple, name: str, event) -> tuple:
+    """The context of a non-aten op's children (aten ops are handled inline, they are most events)."""
+    module, evaluate_seq, backward, optimizer, op, any_op = ctx
+    if name.startswith(MODULE_RANGE):
+        return (name[len(MODULE_RANGE):], evaluate_seq, backward, optimizer, op, any_op)
+    if name.startswith(EVALUATE_FUNCTION):
+        return (module, event.extra_fields.sequence_number, backward, optimizer, op, any_op)
+    if name == BACKWARD_RANGE:
+        return (module, evaluate_seq, True, optimizer, op, any_op)
+    if name.startswith(OPTIMIZER_RANGES):
+        return (module, evaluate_seq, backward, True, op, any_op)
+    return ctx
 
 
 def step_events(tree, device_type: str) -> StepEvents:
@@ -87,43 +73,53 @@ def step_events(tree, device_type: str) -> StepEvents:
     forward_module_of_seq: dict[int, str] = {}
     allocations = []
     backward_start = optimizer_start = optimizer_end = None
-    for order, e in enumerate(_walk(tree)):
-        if e.tag == _EventType.Allocation:
-            if e.extra_fields.device.type == device_type:
-                allocations.append((e.start_time_ns, order, e))
-            continue
-        if not _is_op(e):
-            continue
+    op_tag = _EventType.TorchOp
+    stack = [(e, _ROOT) for e in reversed(tree)]
+    pop, push = stack.pop, stack.append
+    order = 0
+    while stack:
+        e, ctx = pop()
+        order += 1
         name = e.name
-        if name == BACKWARD_RANGE and backward_start is None:
-            backward_start = e.start_time_ns
-        elif name.startswith(OPTIMIZER_RANGES[0]) and optimizer_start is None:
-            optimizer_start, optimizer_end = e.start_time_ns, e.end_time_ns
-        seq = e.extra_fields.sequence_number
-        if seq >= 0 and not name.startswith(EVALUATE_FUNCTION):
-            # Ops report the next sequence number until one creates the autograd node and takes it:
-            # the last forward op (in time order) with a number is the node's creator.
-            ancestors = _ancestors(e)
-            if not any(_is_op(a) and a.name.startswith(EVALUATE_FUNCTION) for a in ancestors):
-                forward_module_of_seq[seq] = _module_in_forward([e] + ancestors)
+        if name == MEMORY_EVENT:
+            fields = e.extra_fields
+            if fields.device.type == device_type:
+                allocations.append((e.start_time_ns, order, fields, ctx))
+            continue
+        if name.startswith("aten::"):
+            if ctx[1] < 0:
+                # Forward ops report the next sequence number until one creates the autograd node and
+                # takes it: the last forward op (in time order) with a number is the node's creator.
+                seq = e.extra_fields.sequence_number
+                if seq >= 0:
+                    forward_module_of_seq[seq] = ctx[0]
+            if name in ALLOCATION_HELPERS:
+                ctx = ctx[:5] + (name,)
+            else:
+                ctx = ctx[:4] + (name, name)
+        elif e.tag == op_tag:
+            if name == BACKWARD_RANGE and backward_start is None:
+                backward_start = e.start_time_ns
+            elif name.startswith(OPTIMIZER_RANGES[0]) and optimizer_start is None:
+                optimizer_start, optimizer_end = e.start_time_ns, e.end_time_ns
+            ctx = _enter(ctx, name, e)
+        children = e.children
+        if children:
+            for c in reversed(children):
+                push((c, ctx))
 
     allocations.sort(key=lambda x: (x[0], x[1]))
     events = []
-    for time_ns, _, e in allocations:
-        ancestors = _ancestors(e)
-        names = [a.name for a in ancestors if _is_op(a)]
-        evaluate = next((a for a in ancestors if _is_op(a) and a.name.startswith(EVALUATE_FUNCTION)), None)
-        if any(n.startswith(OPTIMIZER_RANGES) for n in names):
+    for time_ns, _, fields, (module, evaluate_seq, backward, optimizer, op, any_op) in allocations:
+        if optimizer:
             phase, module = "optimizer", ""
-        elif evaluate is not None or BACKWARD_RANGE in names:
+        elif evaluate_seq >= 0 or backward:
             phase = "backward"
-            seq = evaluate.extra_fields.sequence_number if evaluate is not None else -1
-            module = forward_module_of_seq.get(seq, "")
+            module = forward_module_of_seq.get(evaluate_seq, "") if evaluate_seq >= 0 else ""
         elif backward_start is None or time_ns < backward_start:
-            phase, module = "forward", _module_in_forward(ancestors)
+            phase = "forward"
         else:
             phase, module = "other", ""
-        events.append(MemoryEvent(time_ns=time_ns, size=int(e.extra_fields.alloc_size),
-                                  addr=int(e.extra_fields.ptr), phase=phase, module=module,
-                                  op=_op_name(ancestors)))
+        events.append(MemoryEvent(time_ns, int(fields.alloc_size), int(fields.ptr), phase, module,
+                                  op or any_op or SCALAR_OP))
     return StepEvents(events, backward_start, optimizer_start, optimizer_end)

@@ -1,0 +1,64 @@
+"""Overhead of tracing: median time of a plain training step and of a traced one (capture_step) on the
+bundled BERT, and their ratio (target: traced / plain <= 3).
+
+Usage: .venv/bin/python benchmarks/trace_overhead.py [--preset tiny] [--batch 2] [--seq 128] [--repeats 15]
+The traced step is `capture_step(workload, warmup=False)`: the profiled step plus building the labelled trace.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from planner.workloads.bert import PRESETS, build_workload
+from traces.capture import capture_step
+from traces.step_marks import marked_step
+
+
+def median_seconds(fn, repeats: int) -> tuple[float, float]:
+    """Median wall-clock and median process-CPU seconds of `fn()` (CPU time is steadier on a shared machine)."""
+    wall, cpu = [], []
+    for _ in range(repeats):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        fn()
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return statistics.median(wall), statistics.median(cpu)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    workload = build_workload(args.batch, args.seq, config=PRESETS[args.preset])
+    for _ in range(3):
+        workload.step()
+
+    def profiled_step():
+        with marked_step(workload), profile(activities=[ProfilerActivity.CPU], profile_memory=True):
+            workload.step()
+
+    plain = median_seconds(workload.step, args.repeats)
+    profiled = median_seconds(profiled_step, args.repeats)
+    traced = median_seconds(lambda: capture_step(workload, warmup=False), args.repeats)
+    trace = capture_step(workload, warmup=False)
+    print(f"bert preset {args.preset}, batch {args.batch}, seq {args.seq}, {args.threads} thread(s), "
+          f"median of {args.repeats}; {len(trace.recorded)} allocations per step")
+    print(f"{'':34} {'wall ms':>9} {'ratio':>6}   {'cpu ms':>9} {'ratio':>6}")
+    for label, (wall, cpu) in (("plain step", plain), ("profiled step (events only)", profiled),
+                               ("traced step (capture_step)", traced)):
+        print(f"{label:34} {wall * 1e3:9.2f} {wall / plain[0]:6.2f}   {cpu * 1e3:9.2f} {cpu / plain[1]:6.2f}")
+    print(f"traced / plain: {traced[0] / plain[0]:.2f} wall, {traced[1] / plain[1]:.2f} cpu (target <= 3)")
+
+
+if __name__ == "__main__":
+    main()
