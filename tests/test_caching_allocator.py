@@ -25,18 +25,21 @@ def _blocks(a: CachingAllocator):
 def _check_invariants(a: CachingAllocator) -> None:
     assert a.reserved >= a.allocated >= 0
     spans = []
-    allocated = 0
+    allocated = mapped = 0
     for seg, blocks in a.segment_blocks():
         cursor = seg.addr
         for b in blocks:
             assert b.addr == cursor, "blocks of a segment must tile it"
+            assert b.mapped or not b.allocated
+            assert b.prev is None or b.prev.allocated or b.allocated or b.prev.mapped != b.mapped, "unmerged"
             cursor += b.size
             allocated += b.size if b.allocated else 0
+            mapped += b.size if b.mapped else 0
         assert cursor == seg.addr + seg.size
         spans.append((seg.addr, seg.addr + seg.size))
     spans.sort()
     assert all(e1 <= s2 for (_, e1), (s2, _) in zip(spans, spans[1:])), "segments overlap"
-    assert allocated == a.allocated
+    assert allocated == a.allocated and mapped == a.reserved
 
 
 def test_rounding_and_segment_sizes():
