@@ -46,12 +46,24 @@ def main() -> None:
               help="Memory-saving layers applied to the model (baseline, or a mode of planner.layers).")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
 @click.option("--top", type=click.IntRange(min=0), default=5, show_default=True, help="Largest buffers to list.")
+@click.option("--nproc", type=click.IntRange(min=1), default=None,
+              help="Run N processes under torch.distributed (gloo on cpu, NCCL on cuda) and write one trace "
+                   "per rank, FILE.rank{r}.json.gz; all or none.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def trace_command(model_file, output, batch, seq, dtype, layers, device, top, as_json):
+def trace_command(model_file, output, batch, seq, dtype, layers, device, top, nproc, as_json):
     """Record one training step of MODEL_FILE and write its trace.
 
     Example: memplan trace examples/bert.py --batch 2 --seq 128 -o bert.trace.json.gz
+
+    Example (tensor + sequence parallel, one trace per rank):
+    MEMPLAN_PARALLEL=tp+sp memplan trace examples/gpt2_parallel.py --nproc 2 --seq 64 -o gpt2.json.gz
     """
+    if nproc is not None:
+        from traces.distributed import trace_command_ranks
+
+        summary, text = trace_command_ranks(model_file, output, nproc, batch=batch, seq=seq, dtype=dtype,
+                                            layers=layers, device=device, top=top, progress=progress)
+        return emit(summary, as_json, text)
     from pathlib import Path
 
     import torch
@@ -201,6 +213,33 @@ def compare_command(trace_files, plan_files, method, time_limit, alloc_conf, as_
     rows = compare_traces(traces, plans, alloc_conf=alloc_conf, method=method, time_limit=time_limit,
                           progress=progress)
     emit(compare_summary(rows), as_json, compare_text(rows))
+
+
+@main.command("replay")
+@click.argument("plan_file", type=click.Path(dir_okay=False))
+@click.argument("model_file", type=click.Path(dir_okay=False))
+@click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None,
+              help="The trace the plan was made from (default on cpu: capture the step now; it must be the plan's).")
+@click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True, help="Consecutive steps to replay.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--batch", type=click.IntRange(min=1), default=2, show_default=True, help="Batch size passed to build().")
+@click.option("--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build().")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--layers", default="baseline", show_default=True, help="Memory-saving layers applied to the model.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq, dtype, layers, as_json):
+    """Run a model's training steps with the plan allocator and check them bitwise against the default one.
+
+    Reports the arena, fallbacks to the system allocator, the measured peak and whether loss, every
+    gradient and the parameters are bitwise equal to a run with the reference allocator.
+
+    Example: memplan replay bert.plan.json examples/bert.py --batch 2 --seq 128 --steps 3
+    """
+    from planner.replay.model_replay import replay_model_file
+
+    report = replay_model_file(plan_file, model_file, trace_file=trace_file, steps=steps, device=device,
+                               batch=batch, seq=seq, dtype=dtype, layers=layers, progress=progress)
+    emit(report.summary(), as_json, report.text())
 
 
 if __name__ == "__main__":

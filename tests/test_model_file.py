@@ -9,7 +9,7 @@ import torch
 from click.testing import CliRunner
 
 from cli import main
-from traces.errors import ModelFileError
+from traces.errors import MemplanError, ModelFileError
 from traces.format import load
 from traces.model_file import DeviceError, load_workload
 
@@ -90,8 +90,12 @@ def test_cuda_on_a_machine_without_it_is_refused_before_building(tmp_path):
     assert one_error_line(result) and "CUDA is not available" in result.stderr
 
 
-def test_layers_other_than_baseline_need_the_layers_package_or_a_known_mode(tmp_path):
-    with pytest.raises(Exception) as err:
+def test_layers_mode_is_applied_to_the_built_model_and_unknown_modes_are_refused(tmp_path):
+    w = load_workload(EXAMPLES / "bert.py", batch=2, seq=8, dtype=torch.float32, device="cpu", layers="tempo")
+    kinds = {type(m).__module__ for m in w.model.modules()}
+    assert any(k.startswith("planner.layers") for k in kinds)
+    assert {id(p) for g in w.optimizer.param_groups for p in g["params"]} == {id(p) for p in w.model.parameters()}
+    with pytest.raises(MemplanError) as err:
         load_workload(write(tmp_path, "good", GOOD), batch=2, seq=4, dtype=torch.float32, device="cpu",
                       layers="no-such-mode")
     assert "\n" not in str(err.value) and "no-such-mode" in str(err.value)

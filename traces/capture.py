@@ -5,6 +5,8 @@ initialisation), then records exactly one `workload.step()` with the PyTorch pro
 events (REFERENCE §5). The recorded buffers, in allocation order, are the allocation calls the
 allocator served during that step (allocations of 0 bytes are not served and not recorded);
 storages that already existed (parameters, optimizer state, inputs) are buffers with alloc 0.
+On CUDA the same profiler events give order, addresses and labels, and the caching allocator's
+history of the step gives the requested (unrounded) sizes.
 """
 from __future__ import annotations
 
@@ -114,19 +116,39 @@ def _categorize(buffers: list[_Buffer], step: StepEvents, marks: StepMarks) -> N
             b.category = "temporary"
 
 
+def _use_requested_sizes(step: StepEvents, requested: list[int]) -> None:
+    """On CUDA the profiler reports rounded block sizes; put back the sizes the program requested,
+    taken in order from the caching allocator's history of the same step."""
+    allocs = [e for e in step.events if e.size > 0]
+    if len(allocs) != len(requested):
+        raise CaptureError(f"the CUDA allocator history holds {len(requested)} allocations but the profiler "
+                           f"saw {len(allocs)}: cannot recover the requested sizes")
+    for event, size in zip(allocs, requested):
+        event.size = size
+
+
 def _record(workload: Workload, device: torch.device) -> tuple[StepEvents, StepMarks]:
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.memory._record_memory_history(max_entries=10_000_000)
     gc.disable()  # no cycle collection in the middle of the step: frees happen where the program drops them
     try:
         with marked_step(workload) as marks:
             with profile(activities=activities, profile_memory=True) as prof:
                 workload.step()
-                if device.type == "cuda":
+                if cuda:
                     torch.cuda.synchronize(device)
+        if cuda:
+            history = torch.cuda.memory._snapshot()["device_traces"][device.index or torch.cuda.current_device()]
     finally:
         gc.enable()
-    tree = prof.profiler.kineto_results.experimental_event_tree()
-    return step_events(tree, device.type), marks
+        if cuda:
+            torch.cuda.memory._record_memory_history(enabled=None)
+    step = step_events(prof.profiler.kineto_results.experimental_event_tree(), device.type)
+    if cuda:
+        _use_requested_sizes(step, [int(e["size"]) for e in history if e["action"] == "alloc"])
+    return step, marks
 
 
 def capture_step(workload: Workload, *, warmup: bool = True, meta: dict | None = None) -> Trace:

@@ -18,7 +18,7 @@ def load_library(path: str | Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.memplan_stats_fields.restype = _I64
     lib.memplan_plan_create.restype = _I64
-    lib.memplan_plan_create.argtypes = [_P, _P, _I64, _P, _P, _I64, _I64]
+    lib.memplan_plan_create.argtypes = [_P, _P, _I64, _P, _P, _I64, _I64, _I64]
     lib.memplan_step_begin.argtypes = [_I64]
     lib.memplan_step_end.argtypes = [_I64]
     lib.memplan_alloc.restype = ctypes.c_void_p
@@ -37,10 +37,11 @@ def _array(values) -> ctypes.Array:
     return (ctypes.c_int64 * max(len(values), 1))(*values)
 
 
-def create_plan(lib: ctypes.CDLL, offsets, sizes, reserved_offsets=(), reserved_sizes=(), arena_bytes=0) -> int:
+def create_plan(lib: ctypes.CDLL, offsets, sizes, reserved_offsets=(), reserved_sizes=(), arena_bytes=0,
+                alignment=1) -> int:
     """A plan handle (> 0) over a new arena; 0 when the arena cannot be allocated."""
     return lib.memplan_plan_create(_array(offsets), _array(sizes), len(sizes), _array(reserved_offsets),
-                                   _array(reserved_sizes), len(reserved_sizes), int(arena_bytes))
+                                   _array(reserved_sizes), len(reserved_sizes), int(arena_bytes), int(alignment))
 
 
 def plan_stats(lib: ctypes.CDLL, handle: int) -> dict[str, int]:

@@ -17,11 +17,12 @@ int64_t memplan_stats_fields() { return sizeof(memplan::PlanStats) / sizeof(int6
 
 int64_t memplan_plan_create(const int64_t* offsets, const int64_t* sizes, int64_t n,
                             const int64_t* reserved_offsets, const int64_t* reserved_sizes,
-                            int64_t n_reserved, int64_t arena_bytes) {
+                            int64_t n_reserved, int64_t arena_bytes, int64_t alignment) {
   std::vector<std::pair<int64_t, int64_t>> reserved;
   for (int64_t i = 0; i < n_reserved; ++i)
     reserved.emplace_back(reserved_offsets[i], reserved_sizes[i]);
-  return memplan::registry().create(copy_of(offsets, n), copy_of(sizes, n), reserved, arena_bytes);
+  return memplan::registry().create(copy_of(offsets, n), copy_of(sizes, n), reserved, arena_bytes,
+                                    alignment);
 }
 
 int memplan_step_begin(int64_t handle) { return memplan::registry().begin_step(handle) ? 1 : 0; }

@@ -14,10 +14,11 @@ extern "C" {
 // Number of int64 counters memplan_plan_stats writes, in PlanStats' field order.
 int64_t memplan_stats_fields();
 // A plan of n planned allocations (offset, size) and n_reserved slots of buffers that predate the
-// step, over an arena of arena_bytes. Returns a handle > 0, or 0 when the arena cannot be had.
+// step, over an arena of arena_bytes; each block holds its size rounded up to `alignment`.
+// Returns a handle > 0, or 0 when the arena cannot be had.
 int64_t memplan_plan_create(const int64_t* offsets, const int64_t* sizes, int64_t n,
                             const int64_t* reserved_offsets, const int64_t* reserved_sizes,
-                            int64_t n_reserved, int64_t arena_bytes);
+                            int64_t n_reserved, int64_t arena_bytes, int64_t alignment);
 int memplan_step_begin(int64_t handle);  // 1 on success, 0 for unknown handle or open step
 int memplan_step_end(int64_t handle);
 // Inside a step: from the plan (or its counted fallback). Outside: straight from the system.

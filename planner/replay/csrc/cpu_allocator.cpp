@@ -61,12 +61,12 @@ bool installed() { return c10::GetCPUAllocator() == &plan_allocator(); }
 
 int64_t create(const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes,
                const std::vector<int64_t>& reserved_offsets, const std::vector<int64_t>& reserved_sizes,
-               int64_t arena_bytes) {
+               int64_t arena_bytes, int64_t alignment) {
   TORCH_CHECK(offsets.size() == sizes.size(), "offsets and sizes differ in length");
   TORCH_CHECK(reserved_offsets.size() == reserved_sizes.size(), "reserved offsets and sizes differ in length");
   return memplan_plan_create(offsets.data(), sizes.data(), static_cast<int64_t>(offsets.size()),
                              reserved_offsets.data(), reserved_sizes.data(),
-                             static_cast<int64_t>(reserved_offsets.size()), arena_bytes);
+                             static_cast<int64_t>(reserved_offsets.size()), arena_bytes, alignment);
 }
 
 std::vector<int64_t> stats(int64_t handle) {

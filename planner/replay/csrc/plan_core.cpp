@@ -20,13 +20,17 @@ bool overlaps(const std::map<int64_t, int64_t>& m, int64_t begin, int64_t end) {
 
 PlanCore::PlanCore(std::vector<int64_t> offsets, std::vector<int64_t> sizes,
                    const std::vector<std::pair<int64_t, int64_t>>& reserved, int64_t arena_bytes,
-                   SystemMemory sys)
-    : offsets_(std::move(offsets)), sizes_(std::move(sizes)), arena_bytes_(arena_bytes), sys_(sys) {
+                   int64_t alignment, SystemMemory sys)
+    : offsets_(std::move(offsets)),
+      sizes_(std::move(sizes)),
+      arena_bytes_(arena_bytes),
+      alignment_(alignment > 0 ? alignment : 1),
+      sys_(sys) {
   if (arena_bytes_ > 0) base_ = static_cast<char*>(sys_.alloc(static_cast<size_t>(arena_bytes_)));
   // Reserved slots are merged into disjoint intervals and stay in `live_` for good.
   std::vector<std::pair<int64_t, int64_t>> slots;
   for (const auto& r : reserved)
-    if (r.second > 0) slots.emplace_back(r.first, r.first + r.second);
+    if (r.second > 0) slots.emplace_back(r.first, r.first + extent(r.second));
   std::sort(slots.begin(), slots.end());
   for (const auto& s : slots) {
     if (!live_.empty() && s.first <= live_.rbegin()->second) {
@@ -83,7 +87,7 @@ void* PlanCore::allocate(size_t nbytes) {
   if (!in_step_ || cursor_ >= offsets_.size()) return fall_back(nbytes, &stats_.extra);
   size_t k = cursor_++;
   if (sizes_[k] != static_cast<int64_t>(nbytes)) return fall_back(nbytes, &stats_.size_mismatch);
-  int64_t begin = offsets_[k], end = offsets_[k] + sizes_[k];
+  int64_t begin = offsets_[k], end = offsets_[k] + extent(sizes_[k]);
   if (base_ == nullptr || begin < 0 || end > arena_bytes_ || overlaps_live(begin, end))
     return fall_back(nbytes, &stats_.refused_in_use);
   live_.emplace(begin, end);
@@ -120,9 +124,9 @@ PlanStats PlanCore::stats() const {
 
 int64_t Registry::create(std::vector<int64_t> offsets, std::vector<int64_t> sizes,
                          const std::vector<std::pair<int64_t, int64_t>>& reserved,
-                         int64_t arena_bytes) {
+                         int64_t arena_bytes, int64_t alignment) {
   auto core = std::make_unique<PlanCore>(std::move(offsets), std::move(sizes), reserved,
-                                         arena_bytes, sys_);
+                                         arena_bytes, alignment, sys_);
   if (!core->arena_ok()) return 0;
   std::lock_guard<std::mutex> lock(mu_);
   int64_t h = next_++;

@@ -40,10 +40,11 @@ struct PlanStats {
 class PlanCore {
  public:
   // offsets/sizes: the plan's slot of the k-th allocation of a step. reserved: slots of buffers
-  // that predate the step (they live elsewhere; their slots are never handed out).
+  // that predate the step (they live elsewhere; their slots are never handed out). A block holds
+  // its size rounded up to `alignment` bytes (the plan's alignment), as the plan assumed.
   PlanCore(std::vector<int64_t> offsets, std::vector<int64_t> sizes,
            const std::vector<std::pair<int64_t, int64_t>>& reserved, int64_t arena_bytes,
-           SystemMemory sys);
+           int64_t alignment, SystemMemory sys);
   ~PlanCore();
   PlanCore(const PlanCore&) = delete;
   PlanCore& operator=(const PlanCore&) = delete;
@@ -64,9 +65,11 @@ class PlanCore {
   bool overlaps_live(int64_t begin, int64_t end) const;
   void note_peak();
   void* fall_back(size_t nbytes, int64_t* reason);
+  int64_t extent(int64_t nbytes) const { return (nbytes + alignment_ - 1) / alignment_ * alignment_; }
 
   std::vector<int64_t> offsets_, sizes_;
   int64_t arena_bytes_;
+  int64_t alignment_;
   SystemMemory sys_;
   char* base_ = nullptr;
   bool in_step_ = false;
@@ -85,7 +88,8 @@ class Registry {
   explicit Registry(SystemMemory sys) : sys_(sys) {}
   // Returns a handle > 0, or 0 when the arena could not be allocated.
   int64_t create(std::vector<int64_t> offsets, std::vector<int64_t> sizes,
-                 const std::vector<std::pair<int64_t, int64_t>>& reserved, int64_t arena_bytes);
+                 const std::vector<std::pair<int64_t, int64_t>>& reserved, int64_t arena_bytes,
+                 int64_t alignment);
   bool begin_step(int64_t handle);  // false for an unknown handle or when a step is open
   bool end_step(int64_t handle);
   // Allocation inside the open step goes to its plan; returns false when no step is open.

@@ -1,0 +1,50 @@
+"""The plan allocator behind PyTorch's CPU allocator for a block of replayed steps.
+
+`with CPUPlanAllocator(schedule) as alloc:` installs it (c10::SetCPUAllocator) and restores the
+previous allocator on exit; `with alloc.step():` opens and closes one planned step. Tensors made
+inside keep their own deleter, so they stay valid after the steps and after the plan is released.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from planner.replay import build
+from planner.replay.native import STATS_FIELDS
+from planner.replay.schedule import ReplayError, Schedule
+
+
+class CPUPlanAllocator:
+    """One plan's arena on the CPU; counters readable with stats() until the context exits."""
+
+    def __init__(self, schedule: Schedule):
+        self.schedule = schedule
+        self.ext = build.cpu_extension()
+        self.handle = 0
+        self.final_stats: dict[str, int] | None = None
+
+    def __enter__(self) -> "CPUPlanAllocator":
+        s = self.schedule
+        self.handle = self.ext.create(s.offsets, s.sizes, s.reserved_offsets, s.reserved_sizes, s.arena, s.alignment)
+        if self.handle == 0:
+            raise ReplayError(f"cannot allocate an arena of {s.arena} bytes")
+        self.ext.install()
+        return self
+
+    @contextmanager
+    def step(self):
+        if not self.ext.begin_step(self.handle):
+            raise ReplayError("a planned step is already open")
+        try:
+            yield
+        finally:
+            self.ext.end_step(self.handle)
+
+    def stats(self) -> dict[str, int]:
+        if self.final_stats is not None:
+            return dict(self.final_stats)
+        return dict(zip(STATS_FIELDS, self.ext.stats(self.handle)))
+
+    def __exit__(self, *exc) -> None:
+        self.ext.restore()
+        self.final_stats = self.stats()
+        self.ext.release(self.handle)

@@ -1,0 +1,71 @@
+"""Bitwise fingerprints of training steps: the loss, every gradient, and the parameters after the steps.
+
+Gradients are read by an optimizer step pre-hook (the moment they are complete, before the update
+and before Workload.step() sets them to None). Bytes are read with ctypes, so taking a fingerprint
+allocates no tensor memory and leaves the allocation sequence of the step unchanged.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+from traces.workload import Workload
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 of the tensor's bytes (its whole storage span when not contiguous)."""
+    if t.is_contiguous():
+        ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    else:
+        storage = t.untyped_storage()
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    if t.device.type != "cpu":
+        return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+    return hashlib.sha256(ctypes.string_at(ptr, nbytes) if nbytes else b"").hexdigest()
+
+
+@dataclass
+class RunPrints:
+    """Per step: the loss digest and each named gradient's digest; at the end: each parameter's digest."""
+
+    losses: list[str] = field(default_factory=list)
+    grads: list[dict[str, str]] = field(default_factory=list)
+    params: dict[str, str] = field(default_factory=dict)
+
+
+def watch_gradients(workload: Workload, prints: RunPrints):
+    """Record every gradient's digest at each optimizer step; returns the hook handle (remove() it)."""
+    names = {id(p): n for n, p in workload.model.named_parameters()}
+
+    def hook(optimizer, args, kwargs):
+        prints.grads.append({names.get(id(p), f"param{i}"): tensor_digest(p.grad)
+                             for group in optimizer.param_groups for i, p in enumerate(group["params"])
+                             if p.grad is not None})
+
+    return workload.optimizer.register_step_pre_hook(hook)
+
+
+def record_params(workload: Workload, prints: RunPrints) -> None:
+    prints.params = {n: tensor_digest(p.detach()) for n, p in workload.model.named_parameters()}
+
+
+def first_difference(a: RunPrints, b: RunPrints) -> str | None:
+    """Where two runs first differ ('step 2 loss', 'step 1 gradient of x', 'parameter x'), None if bitwise equal."""
+    if len(a.losses) != len(b.losses) or len(a.grads) != len(b.grads):
+        return "number of steps"
+    for k, (la, lb) in enumerate(zip(a.losses, b.losses), start=1):
+        if la != lb:
+            return f"step {k} loss"
+    for k, (ga, gb) in enumerate(zip(a.grads, b.grads), start=1):
+        if ga.keys() != gb.keys():
+            return f"step {k} set of gradients"
+        for name in ga:
+            if ga[name] != gb[name]:
+                return f"step {k} gradient of {name}"
+    for name in a.params:
+        if a.params[name] != b.params.get(name):
+            return f"parameter {name}"
+    return None

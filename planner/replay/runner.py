@@ -1,0 +1,85 @@
+"""Replay: run a workload's steps with the plan allocator and again with the reference allocator.
+
+Both runs start from the same state: the workload is built afresh (load_workload seeds torch), one
+warm-up step runs with the default allocator (it creates the optimizer state), and torch is seeded
+again before the measured steps. Loss, every gradient and the parameters after the steps are
+compared bitwise.
+"""
+from __future__ import annotations
+
+import gc
+import time
+from contextlib import nullcontext
+from typing import Callable
+
+import torch
+
+from planner.replay.fingerprint import RunPrints, first_difference, record_params, tensor_digest, watch_gradients
+from planner.replay.report import ReplayReport
+from planner.replay.schedule import Schedule
+from traces.workload import Workload
+
+SEED = 1234
+
+
+def warm_up(workload: Workload) -> None:
+    """One step with the current (default) allocator, then a fixed seed for the measured steps."""
+    workload.step()
+    torch.manual_seed(SEED)
+
+
+def run_steps(workload: Workload, steps: int, step_context: Callable, prints: RunPrints, sync=None) -> list[float]:
+    """Run `steps` steps, each inside `step_context()`, fingerprinting them; returns each step's seconds.
+
+    The cycle collector is off during a step, so tensors die where the program drops them (as in capture).
+    """
+    seconds = []
+    hook = watch_gradients(workload, prints)
+    try:
+        for _ in range(steps):
+            gc.collect()
+            gc.disable()
+            try:
+                start = time.perf_counter()
+                with step_context():
+                    loss = workload.step()
+                    if sync is not None:
+                        sync()
+                seconds.append(time.perf_counter() - start)
+            finally:
+                gc.enable()
+            prints.losses.append(tensor_digest(loss))
+            del loss
+    finally:
+        hook.remove()
+    record_params(workload, prints)
+    return seconds
+
+
+def replay(schedule: Schedule, make_workload: Callable[[], Workload], plan_allocator, *, steps: int = 3,
+           device: str = "cpu", reference: str = "PyTorch's default CPU allocator") -> ReplayReport:
+    """Replay `steps` steps under `plan_allocator` (a context manager with step() and stats()) and compare."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else None
+    planned, ref = RunPrints(), RunPrints()
+    workload = make_workload()
+    name = workload.name
+    warm_up(workload)
+    with plan_allocator as alloc:
+        plan_seconds = run_steps(workload, steps, alloc.step, planned, sync)
+    stats = alloc.stats()
+    del workload
+    gc.collect()
+    workload = make_workload()
+    warm_up(workload)
+    ref_seconds = run_steps(workload, steps, nullcontext, ref, sync)
+    del workload
+    diff = first_difference(planned, ref)
+    return ReplayReport(
+        workload=name, device=device, steps=steps, reference=reference, planned_per_step=len(schedule),
+        arena_bytes=schedule.arena, bound=schedule.bound,
+        **{k: stats[k] for k in ("planned_count", "fallback_count", "fallback_bytes", "fallback_peak",
+                                 "refused_in_use", "size_mismatch", "extra", "missing", "arena_top_peak",
+                                 "peak_bytes")},
+        loss_equal=planned.losses == ref.losses, grads_equal=planned.grads == ref.grads,
+        params_equal=planned.params == ref.params, first_difference=diff,
+        plan_step_seconds=plan_seconds, reference_step_seconds=ref_seconds)
