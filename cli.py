@@ -242,5 +242,32 @@ def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq,
     emit(report.summary(), as_json, report.text())
 
 
+@main.command("replay")
+@click.argument("plan_file", type=click.Path(dir_okay=False))
+@click.argument("model_file", type=click.Path(dir_okay=False))
+@click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None,
+              help="The trace the plan was made from (default on cpu: capture the step now; it must be the plan's).")
+@click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True, help="Consecutive steps to replay.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--batch", type=click.IntRange(min=1), default=2, show_default=True, help="Batch size passed to build().")
+@click.option("--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build().")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--layers", default="baseline", show_default=True, help="Memory-saving layers applied to the model.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq, dtype, layers, as_json):
+    """Run a model's training steps with the plan allocator and check them bitwise against the default one.
+
+    Reports the arena, fallbacks to the system allocator, the measured peak and whether loss, every
+    gradient and the parameters are bitwise equal to a run with the reference allocator.
+
+    Example: memplan replay bert.plan.json examples/bert.py --batch 2 --seq 128 --steps 3
+    """
+    from planner.replay.model_replay import replay_model_file
+
+    report = replay_model_file(plan_file, model_file, trace_file=trace_file, steps=steps, device=device,
+                               batch=batch, seq=seq, dtype=dtype, layers=layers, progress=progress)
+    emit(report.summary(), as_json, report.text())
+
+
 if __name__ == "__main__":
     sys.exit(main())
