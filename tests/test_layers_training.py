@@ -1,0 +1,25 @@
+"""100 training steps of the small BERT: memplan's layers follow the baseline's losses within 1% at every step."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from planner.layers import patch
+from planner.workloads import bert
+
+
+@functools.cache
+def losses(mode: str, steps: int = 100) -> tuple[float, ...]:
+    workload = bert.build_workload(batch_size=2, seq_len=16, seed=11, lr=1e-3)
+    patch(workload.model, mode)
+    torch.manual_seed(0)  # the same dropout masks in every run
+    return tuple(float(workload.step()) for _ in range(steps))
+
+
+@pytest.mark.parametrize("mode", ["tempo", "tempo+selective"])
+def test_losses_track_baseline_for_100_steps(mode):
+    base, other = losses("baseline"), losses(mode)
+    assert base[-1] < 0.8 * base[0]  # it does train
+    assert all(abs(o - b) <= 0.01 * abs(b) for b, o in zip(base, other))
