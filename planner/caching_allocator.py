@@ -128,6 +128,8 @@ class CachingAllocator:
         self.gc_calls = {True: 0, False: 0}
         self.mss = conf.max_split_size if conf.max_split_size is not None else 1 << 62
         self.oldest_first = conf.tie_break == "oldest_segment"
+        self.size_shift = ADDR_BITS + SEG_BITS if self.oldest_first else ADDR_BITS
+        self.plain_rounding = all(d <= 1 for d in conf.roundup_power2_divisions)
         self.gc_on = conf.garbage_collection_threshold > 0.0 and capacity is not None
 
     # -- free lists ---------------------------------------------------------------------------
@@ -137,14 +139,14 @@ class CachingAllocator:
         return (b.size << ADDR_BITS) | b.addr
 
     def _size_key(self, size: int) -> int:
-        return size << (ADDR_BITS + SEG_BITS) if self.oldest_first else size << ADDR_BITS
+        return size << self.size_shift
 
     def _insert_free(self, b: Block) -> None:
         seg = b.seg
         keys = self.free_lists.get((seg.small, seg.stream))
         if keys is None:
             keys = self.free_lists[(seg.small, seg.stream)] = []
-        insort(keys, self._key(b))
+        insort(keys, self._key(b) if self.oldest_first else (b.size << ADDR_BITS) | b.addr)
         self.free_at[b.addr] = b
         b.gc_base = self.gc_calls[seg.small]
 
@@ -204,7 +206,10 @@ class CachingAllocator:
     # -- malloc -------------------------------------------------------------------------------
     def malloc(self, size: int, stream: int = 0) -> int:
         """Serve a request of `size` bytes on `stream`; returns the block address or raises SimulatedOOM."""
-        rsize = round_size(size, self.conf)
+        if self.plain_rounding:
+            rsize = MIN_BLOCK if size < MIN_BLOCK else (size + MIN_BLOCK - 1) & -MIN_BLOCK
+        else:
+            rsize = round_size(size, self.conf)
         small = rsize <= SMALL_SIZE
         b = self._get_free_block(rsize, small, stream)
         if b is None:
@@ -242,7 +247,7 @@ class CachingAllocator:
         keys = self.free_lists.get((small, stream))
         if not keys:
             return None
-        i = bisect_left(keys, self._size_key(size))
+        i = bisect_left(keys, size << self.size_shift)
         if i == len(keys):
             return None
         b = self.free_at[keys[i] & ADDR_MASK]
@@ -548,35 +553,30 @@ def simulate_caching(trace: Trace, conf: AllocConf = AllocConf(), capacity: int 
     ev_alloc = (order >= n).tolist()
     sizes, streams = trace.size.tolist(), trace.stream.tolist()
     addr = [-1] * n
-    alloc_at = np.zeros(end, np.int64)
-    res_at = np.zeros(end, np.int64)
-    t_idx, t_alloc, t_res = [], [], []
+    after_alloc, after_res = [-1] * end, [-1] * end  # value after the last event at each time, -1: none
     oom = None
     malloc, free = a.malloc, a.free
-    for k in range(len(ev_buf)):
-        i = ev_buf[k]
-        if sizes[i] == 0:  # PyTorch serves empty tensors without the allocator
-            pass
-        elif ev_alloc[k]:
-            try:
-                addr[i] = malloc(sizes[i], streams[i])
-            except SimulatedOOM as e:
-                oom = {"time": ev_time[k], "size": sizes[i], "buffer": i, "details": str(e)}
-                t_idx.append(ev_time[k]), t_alloc.append(a.allocated), t_res.append(a.reserved)
-                break
-        else:
-            free(addr[i])
-        t_idx.append(ev_time[k]), t_alloc.append(a.allocated), t_res.append(a.reserved)
-    # the value at t is the last one recorded at a time <= t
-    if t_idx:
-        idx = np.asarray(t_idx, np.int64)
-        pos = np.searchsorted(idx, np.arange(end), side="right") - 1
-        have = pos >= 0
-        alloc_at[have] = np.asarray(t_alloc, np.int64)[pos[have]]
-        res_at[have] = np.asarray(t_res, np.int64)[pos[have]]
-        if oom is not None:
-            after = np.arange(end) > oom["time"]
-            alloc_at[after], res_at[after] = alloc_at[oom["time"]], res_at[oom["time"]]
+    for t, i, is_alloc in zip(ev_time, ev_buf, ev_alloc):
+        size = sizes[i]
+        if size:  # PyTorch serves empty tensors without the allocator
+            if is_alloc:
+                try:
+                    addr[i] = malloc(size, streams[i])
+                except SimulatedOOM as e:
+                    oom = {"time": t, "size": size, "buffer": i, "details": str(e)}
+                    after_alloc[t], after_res[t] = a.allocated, a.reserved
+                    break
+            else:
+                free(addr[i])
+        after_alloc[t] = a.allocated
+        after_res[t] = a.reserved
+    # times without an event (and every time after an OOM) keep the last value
+    alloc_at, res_at = np.asarray(after_alloc, np.int64), np.asarray(after_res, np.int64)
+    valid = np.flatnonzero(alloc_at >= 0)
+    pos = np.searchsorted(valid, np.arange(end), side="right") - 1
+    have = pos >= 0
+    alloc_at = np.where(have, alloc_at[valid[np.maximum(pos, 0)]] if len(valid) else 0, 0)
+    res_at = np.where(have, res_at[valid[np.maximum(pos, 0)]] if len(valid) else 0, 0)
     peak_t = int(np.argmax(res_at)) if end else 0
     peak_res = int(res_at[peak_t]) if end else 0
     frag = 1.0 - alloc_at[peak_t] / peak_res if peak_res else 0.0
