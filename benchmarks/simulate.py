@@ -31,6 +31,7 @@ def events_of(trace: Trace) -> int:
 
 
 def speed(trace: Trace, repeat: int) -> tuple[float, object]:
+    """(events per second over the median of `repeat` runs, the last SimResult)."""
     times, result = [], None
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -40,6 +41,7 @@ def speed(trace: Trace, repeat: int) -> tuple[float, object]:
 
 
 def row(name: str, trace: Trace, repeat: int, match: str) -> str:
+    """One table line: events, speed, snapshot match, peaks, bound, fragmentation."""
     rate, sim = speed(trace, repeat)
     bound = trace.peak()[0]
     return (f"{name:<32} {events_of(trace):>8,} {rate:>12,.0f} {match:>30} "

@@ -33,10 +33,12 @@ class ReplayReport:
 
     @property
     def exact(self) -> bool:
+        """Every address and every new-segment decision reproduced."""
         return (self.addr_matches == self.allocs and self.segment_matches == self.segment_decisions
                 and self.extra_segments == 0)
 
     def summary(self) -> dict:
+        """The counts as a JSON-ready dict."""
         return {"allocs": self.allocs, "addr_matches": self.addr_matches,
                 "segment_decisions": self.segment_decisions, "segment_matches": self.segment_matches,
                 "extra_segments": self.extra_segments, "segments_before": self.segments_before,
