@@ -163,3 +163,16 @@ def test_cuda_plugin_compiles_and_exports_the_pluggable_allocator_symbols():
     exported = {line.split()[-1] for line in out.splitlines() if " T " in line}
     assert {"memplan_malloc", "memplan_free", "memplan_plan_create", "memplan_step_begin",
             "memplan_step_end", "memplan_plan_stats", "memplan_plan_release"} <= exported
+
+
+def test_build_without_a_compiler_says_what_to_install(tmp_path):
+    import os
+    import sys
+
+    venv_bin = os.path.dirname(sys.executable)
+    env = {"PATH": venv_bin, "MEMPLAN_CACHE": str(tmp_path), "HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "planner.replay.build"], capture_output=True, text=True, env=env,
+                          cwd=build.CSRC.parents[2])
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == ["memplan: no C++ compiler found: install g++ "
+                                                "(e.g. `apt-get install g++`) or set CXX"]

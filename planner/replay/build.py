@@ -75,6 +75,8 @@ def core_library() -> Path:
     """The core with CPU memory behind its C interface (for ctypes): libmemplan_core-<hash>.so."""
     names = CORE_SOURCES + ("cpu_memory.cpp",)
     out = cache_dir() / f"libmemplan_core-{_digest(names + HEADERS)}.so"
+    if out.exists():
+        return out
     cxx = _compiler()
     srcs = [str(CSRC / n) for n in names]
     return _link_shared(out, lambda tmp: [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-pthread",
