@@ -18,15 +18,18 @@ from traces.capture import capture_step
 from traces.step_marks import marked_step
 
 
-def median_seconds(fn, repeats: int) -> tuple[float, float]:
-    """Median wall-clock and median process-CPU seconds of `fn()` (CPU time is steadier on a shared machine)."""
-    wall, cpu = [], []
+def median_seconds(fns: dict, repeats: int) -> dict[str, tuple[float, float]]:
+    """Median wall-clock and process-CPU seconds of each function, run interleaved so that load from
+    other processes hits every variant alike (CPU time is the steadier figure on a shared machine)."""
+    wall: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        fn()
-        wall.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - start_cpu)
-    return statistics.median(wall), statistics.median(cpu)
+        for name, fn in fns.items():
+            start, start_cpu = time.perf_counter(), time.process_time()
+            fn()
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    return {k: (statistics.median(wall[k]), statistics.median(cpu[k])) for k in fns}
 
 
 def main() -> None:
@@ -47,18 +50,19 @@ def main() -> None:
         with marked_step(workload), profile(activities=[ProfilerActivity.CPU], profile_memory=True):
             workload.step()
 
-    plain = median_seconds(workload.step, args.repeats)
-    profiled = median_seconds(profiled_step, args.repeats)
-    traced = median_seconds(lambda: capture_step(workload, warmup=False), args.repeats)
+    timings = median_seconds({"plain step": workload.step,
+                              "profiled step (events only)": profiled_step,
+                              "traced step (capture_step)": lambda: capture_step(workload, warmup=False)},
+                             args.repeats)
     trace = capture_step(workload, warmup=False)
     print(f"bert preset {args.preset}, batch {args.batch}, seq {args.seq}, {args.threads} thread(s), "
           f"median of {args.repeats}; {len(trace.recorded)} allocations per step")
     print(f"{'':34} {'wall ms':>9} {'ratio':>6}   {'cpu ms':>9} {'ratio':>6}")
-    for label, (wall, cpu) in (("plain step", plain), ("profiled step (events only)", profiled),
-                               ("traced step (capture_step)", traced)):
+    plain = timings["plain step"]
+    for label, (wall, cpu) in timings.items():
         print(f"{label:34} {wall * 1e3:9.2f} {wall / plain[0]:6.2f}   {cpu * 1e3:9.2f} {cpu / plain[1]:6.2f}")
+    traced = timings["traced step (capture_step)"]
     print(f"traced / plain: {traced[0] / plain[0]:.2f} wall, {traced[1] / plain[1]:.2f} cpu (target <= 3)")
-
 
 if __name__ == "__main__":
     main()
