@@ -1,0 +1,128 @@
+"""The allocation problem: aligned sizes, lifetimes, the conflict relation, contiguous groups, fixed offsets.
+
+Buffer i is live on [alloc_i, free_i) on its stream. Two buffers conflict (may not share a byte) unless
+the free of one happens before the allocation of the other (planner.safety). Buffers of size 0 or with
+an empty lifetime conflict with nothing. Indices are the trace's buffer indices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from planner.safety import conflicts_with, release_matrix
+from traces.errors import MemplanError
+from traces.format import Trace
+
+
+class ProblemError(MemplanError):
+    """An allocation problem cannot be built: bad alignment, groups or fixed offsets."""
+
+
+@dataclass
+class Problem:
+    """Everything a solver needs; `release` (n x streams) encodes the conflict relation."""
+
+    size: np.ndarray        # bytes, rounded up to the alignment
+    requested: np.ndarray   # bytes as given
+    alloc: np.ndarray
+    free: np.ndarray
+    stream: np.ndarray      # dense stream index 0..nstreams-1
+    release: np.ndarray     # release[i, s]: first time on stream s ordered after i's free
+    alignment: int
+    digest: str             # digest of the source (trace or CSV) the problem was built from
+    ids: list[str]          # buffer names (CSV ids, or the trace index)
+    syncs: list[tuple[int, int, int]] = field(default_factory=list)  # (time, from, to), dense stream ids
+    groups: list[list[int]] = field(default_factory=list)  # back to back, in the given order
+    fixed: dict[int, int] = field(default_factory=dict)    # buffer index -> required offset
+
+    def __len__(self) -> int:
+        return int(self.size.shape[0])
+
+    @property
+    def nstreams(self) -> int:
+        return int(self.release.shape[1])
+
+    @property
+    def active(self) -> np.ndarray:
+        """Buffers that occupy bytes at some time: positive size and a non-empty lifetime."""
+        return (self.size > 0) & (self.alloc < self.free)
+
+    def conflicts_with(self, i: int, others: np.ndarray) -> np.ndarray:
+        """Boolean mask over `others`: which of them may not share a byte with buffer i."""
+        return conflicts_with(self.alloc, self.stream, self.release, self.active, i, np.asarray(others))
+
+    def conflict(self, i: int, j: int) -> bool:
+        """True when buffers i and j (i != j) may not share a byte."""
+        return i != j and bool(self.conflicts_with(i, np.array([j]))[0])
+
+    def max_live(self) -> int:
+        """The most aligned bytes live at one time (counting only active buffers)."""
+        act = self.active
+        if not act.any():
+            return 0
+        times = np.concatenate([self.alloc[act], self.free[act]])
+        deltas = np.concatenate([self.size[act], -self.size[act]])
+        order = np.lexsort((deltas, times))  # at equal times frees (negative) come first
+        return int(max(0, np.cumsum(deltas[order]).max()))
+
+
+def align_up(size: np.ndarray, alignment: int) -> np.ndarray:
+    """Round every size up to a multiple of the alignment (0 stays 0)."""
+    return (size + alignment - 1) // alignment * alignment
+
+
+def build_problem(size, alloc, free, *, stream=None, syncs=(), alignment: int = 512, digest: str = "",
+                  ids=None, groups=(), fixed=None) -> Problem:
+    """Validate and assemble a Problem from columns; `stream`/`syncs` use the caller's stream ids."""
+    if not isinstance(alignment, (int, np.integer)) or alignment < 1:
+        raise ProblemError(f"alignment must be a positive integer, got {alignment!r}")
+    alignment = int(alignment)
+    requested = np.asarray(size, dtype=np.int64)
+    alloc = np.asarray(alloc, dtype=np.int64)
+    free = np.asarray(free, dtype=np.int64)
+    n = len(requested)
+    raw_stream = np.zeros(n, dtype=np.int64) if stream is None else np.asarray(stream, dtype=np.int64)
+    names = sorted({int(s) for s in raw_stream} | {int(s[k]) for s in syncs for k in (1, 2)}) or [0]
+    dense = {s: k for k, s in enumerate(names)}
+    dstream = np.array([dense[int(s)] for s in raw_stream], dtype=np.int64)
+    dsyncs = [(int(t), dense[int(a)], dense[int(b)]) for t, a, b in syncs]
+    never = int(max(free.max(initial=0), alloc.max(initial=0)) + 1)
+    release = release_matrix(alloc, free, dstream, len(names), dsyncs, never)
+    ids = [str(i) for i in range(n)] if ids is None else [str(x) for x in ids]
+    problem = Problem(size=align_up(requested, alignment), requested=requested, alloc=alloc, free=free,
+                      stream=dstream, release=release, alignment=alignment, digest=digest, ids=ids,
+                      syncs=dsyncs, groups=[[int(i) for i in g] for g in groups],
+                      fixed={int(k): int(v) for k, v in (fixed or {}).items()})
+    _check_groups_and_fixed(problem)
+    return problem
+
+
+def _check_groups_and_fixed(p: Problem) -> None:
+    n = len(p)
+    seen: set[int] = set()
+    for g, members in enumerate(p.groups):
+        if not members:
+            raise ProblemError(f"contiguous group {g} is empty")
+        for i in members:
+            if not 0 <= i < n:
+                raise ProblemError(f"contiguous group {g}: buffer {i} does not exist ({n} buffers)")
+            if i in seen:
+                raise ProblemError(f"contiguous group {g}: buffer {i} is in more than one group")
+            seen.add(i)
+    for i, off in p.fixed.items():
+        if not 0 <= i < n:
+            raise ProblemError(f"fixed offset for buffer {i}: no such buffer ({n} buffers)")
+        if off < 0 or off % p.alignment:
+            raise ProblemError(f"fixed offset {off} of buffer {i} is negative or not a multiple of "
+                               f"the alignment {p.alignment}")
+    for g, members in enumerate(p.groups):
+        bases = {p.fixed[i] - int(p.size[members[:k]].sum()) for k, i in enumerate(members) if i in p.fixed}
+        if len(bases) > 1 or min(bases, default=0) < 0:
+            raise ProblemError(f"contiguous group {g}: its fixed offsets do not put its buffers back to back")
+
+def problem_from_trace(trace: Trace, alignment: int = 512, groups=(), fixed=None) -> Problem:
+    """The allocation problem of a trace: sizes rounded up to `alignment`, streams and syncs kept."""
+    from planner.plan import trace_digest
+    return build_problem(trace.size, trace.alloc, trace.free, stream=trace.stream, syncs=trace.syncs,
+                         alignment=alignment, digest=trace_digest(trace), groups=groups, fixed=fixed)

@@ -1,0 +1,184 @@
+"""Exact placement with OR-Tools CP-SAT: minimise the arena, or decide whether it fits in a capacity.
+
+NoOverlap2D over fixed lifetimes equals one NoOverlap per maximal set of mutually conflicting buffers
+(maximal cliques of the interval graph on one stream; every conflicting pair with several streams).
+Sizes are divided by their GCD, buffers that conflict with every other one are stacked at the bottom
+outside the model, the lower bound is in the arena variable's domain, the greedy plan is the hint, and
+identical buffers are ordered to break symmetry. Contiguous groups are rigid blocks, fixed offsets constants.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from planner.problem import Problem
+from solvers.items import make_items
+
+MAX_TERMS = 400_000  # clique memberships beyond which the model is too big to help within seconds
+
+
+@dataclass
+class CpResult:
+    """What CP-SAT achieved: status optimal|feasible|infeasible|unknown, a placement if any, a proven bound."""
+
+    status: str
+    offsets: np.ndarray | None
+    arena: int | None
+    bound: int
+
+
+def _cliques(p: Problem, active: np.ndarray) -> list[np.ndarray]:
+    """Sets of buffers covering every conflicting pair, each set mutually conflicting."""
+    if p.nstreams == 1:
+        events = sorted([(int(p.free[i]), 0, i) for i in active] + [(int(p.alloc[i]), 1, i) for i in active])
+        live: set[int] = set()
+        out, grew = [], False
+        for _, kind, i in events:
+            if kind == 1:
+                live.add(i)
+                grew = True
+            else:
+                if grew:
+                    out.append(np.fromiter(live, dtype=np.int64))
+                grew = False
+                live.discard(i)
+        return out
+    out = []
+    for k, i in enumerate(active):
+        others = active[k + 1:]
+        for j in others[p.conflicts_with(int(i), others)]:
+            out.append(np.array([i, j], dtype=np.int64))
+    return out
+
+
+def model_terms(p: Problem) -> int:
+    """Clique memberships the model would hold (a size estimate, to skip hopeless models)."""
+    active = np.nonzero(p.active)[0]
+    if p.nstreams > 1:
+        return len(active) ** 2 // 2
+    times = np.concatenate([p.alloc[active], p.free[active]])
+    delta = np.concatenate([np.ones(len(active)), -np.ones(len(active))])
+    order = np.lexsort((delta, times))
+    live = np.cumsum(delta[order])
+    rising = np.nonzero(np.diff(np.concatenate([[-1], delta[order]])) < 0)[0]  # alloc followed by a free
+    return int(live[rising - 1].sum()) if len(rising) else int(live.max(initial=0))
+
+
+def cpsat_place(p: Problem, bound: int, seconds: float, hint: np.ndarray | None = None,
+                capacity: int | None = None, workers: int = 2, on_solution=None) -> CpResult:
+    """Minimise the arena (or find one within `capacity`) in `seconds`; on_solution(arena) as it improves."""
+    items, preset = make_items(p)
+    act = p.active
+    offsets = np.where(preset >= 0, preset, 0).astype(np.int64)
+    # Buffers that conflict with every other active buffer go to the bottom, outside the model.
+    active = np.nonzero(act)[0]
+    bottom: list[int] = []
+    if p.nstreams == 1 and not p.fixed and len(active) > 1:
+        single = np.zeros(len(p), dtype=bool)
+        one = np.diff(items.start) == 1
+        single[items.members[items.start[:-1][one]]] = True
+        whole = single & act & (p.alloc <= p.alloc[active].min()) & (p.free >= p.free[active].max())
+        bottom = np.nonzero(whole)[0].tolist()
+    base = int(p.size[bottom].sum())
+    cursor = 0
+    for i in bottom:
+        offsets[i] = cursor
+        cursor += int(p.size[i])
+    in_bottom = np.zeros(len(p), dtype=bool)
+    in_bottom[bottom] = True
+    model_active = np.nonzero(act & ~in_bottom)[0]
+    placed_items = [k for k in range(len(items))
+                    if any(act[b] and not in_bottom[b] for b in items.members[items.start[k]:items.start[k + 1]])]
+    values = [int(p.size[i]) for i in model_active] + [int(x) for x in items.rel]
+    values += [int(preset[i]) - base for i in model_active if preset[i] >= 0]
+    if capacity is not None:
+        values.append(capacity - base)
+    g = 0
+    for v in values:
+        g = math.gcd(g, v)
+    g = max(g, 1)
+    fixed_tops = [int(preset[i] + p.size[i]) for i in model_active if preset[i] >= 0]
+    ub = int(p.size[model_active].sum()) + max(fixed_tops, default=0)
+    hint_y = None
+    if hint is not None:
+        # Squeeze the bottom buffers' bytes out of the hint (they overlap nothing), keeping it valid.
+        hint = np.asarray(hint, dtype=np.int64)
+        below = np.sort(hint[bottom])
+        shift = np.concatenate([[0], np.cumsum(p.size[bottom][np.argsort(hint[bottom])])])
+        hint_y = hint - shift[np.searchsorted(below, hint, side="left")]
+        ub = min(ub, int((hint_y + p.size)[model_active].max(initial=0)))
+    lo = max(bound - base, 0)
+    hi = ub if capacity is None else min(ub, capacity - base)
+    if hi < lo:
+        hi = lo
+    m = cp_model.CpModel()
+    arena = m.new_int_var(-(-lo // g), hi // g, "arena")
+    x = {}
+    for k in placed_items:
+        x[k] = m.new_int_var(0, max(hi // g - int(items.size[k]) // g, 0), f"x{k}")
+        m.add(x[k] + int(items.size[k]) // g <= arena)
+    interval = {}
+    for k in placed_items:
+        for pos in range(items.start[k], items.start[k + 1]):
+            b = int(items.members[pos])
+            if act[b]:
+                interval[b] = m.new_fixed_size_interval_var(x[k] + int(items.rel[pos]) // g, int(p.size[b]) // g,
+                                                            f"b{b}")
+    for i in model_active:
+        if preset[i] >= 0:
+            interval[int(i)] = m.new_fixed_size_interval_var((int(preset[i]) - base) // g, int(p.size[i]) // g,
+                                                             f"f{i}")
+    for clique in _cliques(p, model_active):
+        if len(clique) > 1:
+            m.add_no_overlap([interval[int(b)] for b in clique])
+    # Symmetry: identical single buffers keep their order.
+    key_of = {}
+    for k in placed_items:
+        if items.start[k + 1] - items.start[k] == 1:
+            b = int(items.members[items.start[k]])
+            key_of.setdefault((int(p.alloc[b]), int(p.free[b]), int(p.stream[b]), int(p.size[b])), []).append(k)
+    hint_x = None
+    if hint_y is not None and all(int(hint_y[items.members[items.start[k]]]) % g == 0 for k in placed_items):
+        hint_x = {k: int(hint_y[items.members[items.start[k]]]) // g for k in placed_items}
+    for same in key_of.values():
+        if len(same) > 1:
+            for a, b in zip(same, same[1:]):
+                m.add(x[a] <= x[b])
+            if hint_x is not None:
+                for k, v in zip(same, sorted(hint_x[k] for k in same)):
+                    hint_x[k] = v
+    if hint_x is not None:
+        for k in placed_items:
+            m.add_hint(x[k], hint_x[k])
+        m.add_hint(arena, max((hint_x[k] + int(items.size[k]) // g for k in placed_items), default=0))
+    if capacity is None:
+        m.minimize(arena)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(seconds, 0.01)
+    solver.parameters.num_workers = workers
+
+    class Report(cp_model.CpSolverSolutionCallback):
+        def on_solution_callback(self):
+            if on_solution is not None:
+                on_solution(int(self.value(arena)) * g + base)
+
+    status = solver.solve(m, Report())
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        for k in placed_items:
+            for pos in range(items.start[k], items.start[k + 1]):
+                offsets[int(items.members[pos])] = int(solver.value(x[k])) * g + int(items.rel[pos]) + base
+        arena_bytes = int(solver.value(arena)) * g + base
+        if capacity is not None:
+            proven = bound
+        elif status == cp_model.OPTIMAL:
+            proven = arena_bytes
+        else:
+            proven = max(bound, int(math.ceil(solver.best_objective_bound)) * g + base)
+        return CpResult("optimal" if proven >= arena_bytes else "feasible", offsets, arena_bytes,
+                        min(proven, arena_bytes))
+    if status == cp_model.INFEASIBLE:
+        return CpResult("infeasible", None, None, bound if capacity is None else capacity + 1)
+    return CpResult("unknown", None, None, bound)

@@ -1,0 +1,62 @@
+"""Greedy placement: several item orders (size, lifetime, area, allocation time, pressure) with best fit
+and first fit, run side by side in the native kernel; the smallest arena wins (SOMAS-style).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from planner.problem import Problem
+from solvers.items import Items, make_items
+from solvers.native import library
+from solvers.ranges import range_max
+
+
+def pressure(p: Problem, items: Items) -> np.ndarray:
+    """For each item, the most bytes live at any time of its span (max-live restricted to its span)."""
+    act = p.active
+    times = np.unique(np.concatenate([p.alloc[act], p.free[act], items.alloc, items.free]))
+    if len(times) == 0:
+        return np.zeros(len(items), dtype=np.int64)
+    delta = np.zeros(len(times) + 1, dtype=np.int64)
+    np.add.at(delta, np.searchsorted(times, p.alloc[act]), p.size[act])
+    np.add.at(delta, np.searchsorted(times, p.free[act]), -p.size[act])
+    live = np.cumsum(delta)[:-1]
+    return range_max(live, np.searchsorted(times, items.alloc), np.searchsorted(times, items.free))
+
+
+def orders(p: Problem, items: Items) -> dict[str, np.ndarray]:
+    """Named item orders to try; every key sorts descending except allocation time."""
+    size, length = items.size, items.free - items.alloc
+    area, press = size * length, pressure(p, items)
+    return {
+        "size": np.lexsort((-length, -size)),
+        "pressure": np.lexsort((-size, -press)),
+        "area": np.lexsort((-size, -area)),
+        "lifetime": np.lexsort((-size, -length)),
+        "alloc": np.lexsort((-size, items.alloc)),
+    }
+
+
+def place(p: Problem, items: Items, preset: np.ndarray, order: np.ndarray, best_fit: bool) -> tuple[np.ndarray, int]:
+    """Place the items in `order` on top of the preset offsets; returns (offsets, arena)."""
+    offsets = preset.copy()
+    arena = library().mp_greedy(
+        len(p), p.nstreams, p.alloc, p.stream, np.ascontiguousarray(p.release), p.size, len(items),
+        items.start, items.members, items.rel, np.ascontiguousarray(order, dtype=np.int32), int(best_fit),
+        offsets)
+    offsets[offsets < 0] = 0
+    return offsets, int(arena)
+
+
+def greedy(p: Problem, stop_at: int | None = None) -> tuple[np.ndarray, int, str]:
+    """Best of every order x {best fit, first fit}: (offsets, arena, name); stops early at `stop_at`."""
+    items, preset = make_items(p)
+    best = None
+    for name, order in orders(p, items).items():
+        for best_fit in (True, False):
+            offsets, arena = place(p, items, preset, order, best_fit)
+            if best is None or arena < best[1]:
+                best = (offsets, arena, f"greedy-{name}-{'best' if best_fit else 'first'}-fit")
+            if stop_at is not None and best[1] <= stop_at:
+                return best
+    return best

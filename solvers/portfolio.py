@@ -1,0 +1,110 @@
+"""The `auto` portfolio and the single-method entry points, all returning a planner.plan.Plan.
+
+auto: greedy orders first; at the bound (or within the capacity) the search stops. Otherwise, on one stream
+without groups or fixed offsets, the exact canonical search decides "fits at the bound?" (or at the
+capacity); CP-SAT then minimises with the rest of the time, hinted with the best plan so far.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from planner.plan import Plan
+from planner.problem import Problem
+from solvers.bounds import lower_bound
+from solvers.cpsat import MAX_TERMS, cpsat_place, model_terms
+from solvers.greedy import greedy
+from solvers.search import FITS, INFEASIBLE, applicable, search_fit
+from traces.errors import MemplanError
+
+METHODS = ("auto", "greedy", "cpsat")
+SEARCH_MAX_BUFFERS = 5000  # the exact search is hopeless beyond this (MiniMalloc-style DFS)
+
+
+class CapacityError(MemplanError):
+    """The problem cannot be placed within the requested capacity (or no such plan was found in time)."""
+
+
+@dataclass
+class Progress:
+    """One progress report: best arena so far, best lower bound, seconds since the start, and by whom."""
+
+    best: int
+    bound: int
+    seconds: float
+    solver: str
+
+
+class _Best:
+    def __init__(self, p: Problem, bound: int, start: float, report: Callable | None):
+        self.p, self.bound, self.start, self.report = p, bound, start, report
+        self.offsets: np.ndarray | None = None
+        self.arena: int | None = None
+        self.solver = ""
+
+    def offer(self, offsets: np.ndarray, arena: int, solver: str) -> None:
+        if self.arena is None or arena < self.arena:
+            self.offsets, self.arena, self.solver = offsets, arena, solver
+        self.tell(solver)
+
+    def tell(self, solver: str, arena: int | None = None) -> None:
+        if self.report is not None:
+            best = self.arena if arena is None else min(arena, self.arena or arena)
+            self.report(Progress(best, self.bound, time.monotonic() - self.start, solver))
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def plan(self, capacity: int | None) -> Plan:
+        arena, bound = int(self.arena), int(min(self.bound, self.arena))
+        return Plan(digest=self.p.digest, alignment=self.p.alignment, offsets=[int(x) for x in self.offsets],
+                    arena=arena, bound=bound, status="optimal" if arena == bound else "feasible",
+                    gap=(arena / bound - 1.0) if bound else 0.0, solver=self.solver,
+                    seconds=round(self.elapsed(), 3), capacity=capacity)
+
+
+def solve(problem: Problem, method: str = "auto", time_limit: float = 10.0, capacity: int | None = None,
+          progress: Callable[[Progress], None] | None = None) -> Plan:
+    """Place every buffer of `problem`; with `capacity`, stop at the first plan that fits (error if none)."""
+    if method not in METHODS:
+        raise MemplanError(f"unknown method {method!r} (expected one of {', '.join(METHODS)})")
+    start = time.monotonic()
+    p = problem
+    bound = lower_bound(p)
+    if capacity is not None and bound > capacity:
+        raise CapacityError(f"cannot fit in {capacity} bytes: the lower bound is {bound} bytes")
+    best = _Best(p, bound, start, progress)
+    goal = capacity if capacity is not None else bound
+    offsets, arena, name = greedy(p, stop_at=goal)
+    best.offer(offsets, arena, name)
+    if method != "greedy" and best.arena > goal:
+        if method == "auto" and applicable(p) and int(p.active.sum()) <= SEARCH_MAX_BUFFERS:
+            share = time_limit - best.elapsed()
+            share = share if capacity is not None else share / 2
+            status, offs, _ = search_fit(p, goal, max(share, 0.0))
+            if status == FITS:
+                top = int((offs + p.size)[p.size > 0].max(initial=0))
+                best.offer(offs, top, "search")
+            elif status == INFEASIBLE:
+                if capacity is not None:
+                    raise CapacityError(f"cannot fit in {capacity} bytes: no placement exists "
+                                        f"(proven by search; lower bound {bound} bytes)")
+                best.bound = goal + 1
+                best.tell("search")
+        left = time_limit - best.elapsed()
+        if best.arena > goal and left > 0.05 and model_terms(p) <= MAX_TERMS:
+            res = cpsat_place(p, best.bound, left, hint=best.offsets, capacity=capacity,
+                              on_solution=lambda a: best.tell("cpsat", a))
+            if res.offsets is not None:
+                best.offer(res.offsets, res.arena, "cpsat")
+            if res.status == "infeasible" and capacity is not None:
+                raise CapacityError(f"cannot fit in {capacity} bytes: no placement exists "
+                                    f"(proven by CP-SAT; lower bound {bound} bytes)")
+            best.bound = max(best.bound, res.bound if res.status != "infeasible" else best.bound)
+    if capacity is not None and best.arena > capacity:
+        raise CapacityError(f"no plan within {capacity} bytes found in {best.elapsed():.1f} s "
+                            f"(best {best.arena} bytes, lower bound {best.bound} bytes)")
+    return best.plan(capacity)
