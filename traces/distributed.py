@@ -148,3 +148,25 @@ def trace_ranks(model_file: str, output: str | os.PathLike, nproc: int, *, batch
     summaries = launch(_trace_rank, (str(model_file), options, meta, top), nproc, device,
                        tmp_parent=output.parent, keep=keep)
     return list(zip(paths, summaries))
+
+
+def trace_command_ranks(model_file: str, output: str | None, nproc: int, *, batch: int, seq: int, dtype: str,
+                        layers: str, device: str, top: int, progress: Callable[[str], None]) -> tuple[dict, str]:
+    """`memplan trace --nproc N`: trace every rank and return the summary (JSON keys: world_size, ranks,
+    each rank's summary with rank and output) and its text."""
+    from traces.summary import render
+
+    stem = Path(model_file).stem
+    output = output or f"{stem}.{layers}.trace.json.gz"
+    backend = "nccl" if device == "cuda" else "gloo"
+    progress(f"starting {nproc} ranks ({backend}): {model_file} (batch {batch}, seq {seq}, {dtype}, "
+             f"layers {layers}), one training step each after a warm-up step")
+    meta = {"model": stem, "layers": layers, "batch": batch, "seq": seq, "model_file": str(model_file)}
+    results = trace_ranks(model_file, output, nproc, batch=batch, seq=seq, dtype=dtype, layers=layers,
+                          device=device, meta=meta, top=top)
+    ranks, texts = [], []
+    for r, (path, summary) in enumerate(results):
+        progress(f"wrote {path}")
+        ranks.append({**summary, "rank": r, "output": str(path)})
+        texts.append(f"rank {r} of {nproc}:\n{render(summary)}\nwritten to {path}")
+    return {"world_size": nproc, "ranks": ranks}, "\n\n".join(texts)

@@ -92,8 +92,28 @@ def layer_errors(shape: LayerShape, mode: str, sequence_parallel: bool, group=No
             "errors": {name: _rel(a.detach(), b.detach()) for name, (a, b) in pairs.items()}}
 
 
+def model_errors(sequence_parallel: bool, seq_len: int = 16, group=None) -> dict:
+    """Relative difference of the loss and of the (replicated) embedding gradients between the tiny
+    parallel GPT-2 and the single-process one built from the same seed (dropout 0)."""
+    from planner.parallel.model import build_workload as build_parallel
+    from planner.workloads.gpt2 import build_workload
+
+    config = GPT2Config(dropout=0.0, attn_dropout=0.0)
+    plain = build_workload(2, seq_len, config=config)
+    plain.loss_fn(plain.forward(), plain.inputs).backward()
+    par = build_parallel(2, seq_len, config=config, sequence_parallel=sequence_parallel, group=group)
+    loss = par.loss_fn(par.forward(), par.inputs)
+    loss.backward()
+    reference = plain.loss_fn(plain.forward(), plain.inputs).detach()
+    return {"rank": comm.rank(group), "loss": _rel(loss.detach(), reference),
+            "wte": _rel(par.model.wte.weight.grad, plain.model.wte.weight.grad),
+            "wpe": _rel(par.model.wpe.weight.grad, plain.model.wpe.weight.grad),
+            "ln_f": _rel(par.model.ln_f.weight.grad, plain.model.ln_f.weight.grad)}
+
+
 def run_cases(work, cases: list[dict]) -> list[dict]:
-    """The rank function for `launch`: each case is {"check": "bytes"|"errors", "shape": [s, b, h, a, p],
-    "mode": ..., "sequence_parallel": ...}; returns one result per case."""
+    """The rank function for `launch`: each case is {"check": "bytes"|"errors"|"model", "shape": [s, b, h, a, p],
+    "mode": ..., "sequence_parallel": ...} ("model" needs only the last); returns one result per case."""
     checks = {"bytes": layer_bytes, "errors": layer_errors}
-    return [checks[c["check"]](LayerShape(*c["shape"]), c["mode"], c["sequence_parallel"]) for c in cases]
+    return [model_errors(c["sequence_parallel"]) if c["check"] == "model"
+            else checks[c["check"]](LayerShape(*c["shape"]), c["mode"], c["sequence_parallel"]) for c in cases]

@@ -7,6 +7,8 @@ tensors of the given process group (gloo on CPU, NCCL on CUDA).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch.autograd import Function
@@ -16,6 +18,33 @@ from traces.errors import MemplanError
 
 class ParallelError(MemplanError):
     """A shape or option that tensor or sequence parallelism cannot split over the ranks."""
+
+
+RELEASE_TIMEOUT_S = 60.0
+
+
+def _collective(op, *tensors: torch.Tensor) -> None:
+    """Run a blocking collective op(*tensors) and return only once the backend has let go of them.
+
+    gloo runs collectives on its own worker threads, and a worker can hold the last reference to a
+    tensor for a moment after the collective completed; a tensor freed there is freed on a thread the
+    profiler does not record, and the trace would keep it live. So the collective gets fresh views
+    (their own TensorImpls, each counted by the storage) and this waits until those are gone.
+    """
+    if not dist.is_initialized() or dist.get_backend() != "gloo":
+        op(*tensors)
+        return
+    storages = [t.untyped_storage() for t in tensors]
+    held = [torch._C._storage_Use_Count(s._cdata) for s in storages]
+    views = [t.view_as(t) for t in tensors]
+    op(*views)
+    del views
+    deadline = time.monotonic() + RELEASE_TIMEOUT_S
+    while any(torch._C._storage_Use_Count(s._cdata) > n for s, n in zip(storages, held)):
+        if time.monotonic() > deadline:
+            raise ParallelError(f"the {dist.get_backend()} backend still holds a tensor "
+                                f"{RELEASE_TIMEOUT_S:.0f} s after its collective completed")
+        time.sleep(0)
 
 
 def world(group) -> int:
@@ -35,20 +64,29 @@ def all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = x.new_empty((x.shape[0] * t,) + tuple(x.shape[1:]))
-    dist.all_gather_single(out, x, group=group)
+    _collective(lambda o, i: dist.all_gather_single(o, i, group=group), out, x)
     return out
 
 
-def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """Sum x over the ranks and keep this rank's 1/t slice of dim 0."""
+def reduce_scatter_seq(x: torch.Tensor, group, scratch: bool = False) -> torch.Tensor:
+    """Sum x over the ranks and keep this rank's 1/t slice of dim 0 (`scratch`: x may be overwritten).
+
+    On gloo this is an all-reduce followed by taking the slice: gloo's own reduce-scatter leaves
+    internal temporaries to its worker threads, freed where the profiler cannot see them. The
+    all-reduce runs in place on x when x is scratch, else on a copy (one more transient buffer of x's
+    size, visible in the trace as a temporary).
+    """
     t = world(group)
     if t == 1:
         return x
     if x.shape[0] % t:
         raise ParallelError(f"sequence length {x.shape[0]} is not divisible by the parallel size {t}")
+    if dist.get_backend(group) == "gloo":
+        total = all_reduce_(x.contiguous() if scratch else x.clone(memory_format=torch.contiguous_format), group)
+        return total.chunk(t, dim=0)[rank(group)].clone()
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // t,) + tuple(x.shape[1:]))
-    dist.reduce_scatter_single(out, x, group=group)
+    _collective(lambda o, i: dist.reduce_scatter_single(o, i, group=group), out, x)
     return out
 
 
@@ -65,7 +103,7 @@ def split_seq(x: torch.Tensor, group) -> torch.Tensor:
 def all_reduce_(x: torch.Tensor, group) -> torch.Tensor:
     """Sum x over the ranks in place."""
     if world(group) > 1:
-        dist.all_reduce(x, group=group)
+        _collective(lambda t: dist.all_reduce(t, group=group), x)
     return x
 
 
@@ -116,7 +154,7 @@ class _ReduceScatterToSequenceParallel(Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return reduce_scatter_seq(x, group)
+        return reduce_scatter_seq(x, group, scratch=True)  # x: the row-parallel linear's partial sums
 
     @staticmethod
     def backward(ctx, grad):
