@@ -211,7 +211,8 @@ def legend_handles(reports: list[MemoryReport]) -> list:
     """Legend entries: the categories present, the phases, and the lines drawn."""
     present = {c for r in reports for c in r.trace.category}
     handles = [Patch(color=CATEGORY_COLORS[c], label=c) for c in CATEGORIES if c in present]
-    handles += [Patch(color=PHASE_COLORS[p], label=f"{p} phase") for p in PHASE_COLORS]
+    phases = {p for r in reports for p in r.trace.phase}
+    handles += [Patch(color=PHASE_COLORS[p], label=f"{p} phase") for p in PHASE_COLORS if p in phases]
     handles += [Line2D([], [], color=RESERVED_COLOR, linewidth=1.4, label="caching allocator: reserved"),
                 Line2D([], [], color=ALLOCATED_COLOR, linewidth=1.0, linestyle=(0, (4, 2)),
                        label="caching allocator: allocated")]
