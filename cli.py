@@ -242,30 +242,28 @@ def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq,
     emit(report.summary(), as_json, report.text())
 
 
-@main.command("replay")
-@click.argument("plan_file", type=click.Path(dir_okay=False))
-@click.argument("model_file", type=click.Path(dir_okay=False))
-@click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None,
-              help="The trace the plan was made from (default on cpu: capture the step now; it must be the plan's).")
-@click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True, help="Consecutive steps to replay.")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--batch", type=click.IntRange(min=1), default=2, show_default=True, help="Batch size passed to build().")
-@click.option("--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build().")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
-@click.option("--layers", default="baseline", show_default=True, help="Memory-saving layers applied to the model.")
+@main.command("solve")
+@click.argument("source", metavar="TRACE_OR_CSV", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="Write the verified plan here (memplan-plan/1 JSON; MiniMalloc CSV with offsets if it ends in .csv).")
+@click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="Seconds for the whole solve.")
+@click.option("--capacity", type=click.IntRange(min=0), default=None,
+              help="Bytes the plan must fit in; stop at the first plan that fits, exit 1 if none.")
+@click.option("--method", type=click.Choice(["auto", "greedy", "cpsat"]), default="auto", show_default=True,
+              help="auto: greedy, then exact search and CP-SAT while above the bound.")
+@click.option("--alignment", type=click.IntRange(min=1), default=None,
+              help="Round sizes and offsets to this many bytes [default: 512 for traces, 1 for CSV].")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq, dtype, layers, as_json):
-    """Run a model's training steps with the plan allocator and check them bitwise against the default one.
+def solve_command(source, output, time_limit, capacity, method, alignment, as_json):
+    """Assign every buffer of a trace (or MiniMalloc CSV) a byte offset; print arena, bound and status.
 
-    Reports the arena, fallbacks to the system allocator, the measured peak and whether loss, every
-    gradient and the parameters are bitwise equal to a run with the reference allocator.
-
-    Example: memplan replay bert.plan.json examples/bert.py --batch 2 --seq 128 --steps 3
+    Example: memplan solve bert.trace.json.gz -o bert.plan.json --time-limit 5
     """
-    from planner.replay.model_replay import replay_model_file
+    from solvers.solve_file import solve_file
 
-    report = replay_model_file(plan_file, model_file, trace_file=trace_file, steps=steps, device=device,
-                               batch=batch, seq=seq, dtype=dtype, layers=layers, progress=progress)
+    report = solve_file(source, output, method=method, time_limit=time_limit, capacity=capacity,
+                        alignment=alignment, progress=progress)
     emit(report.summary(), as_json, report.text())
 
 

@@ -1,0 +1,78 @@
+"""`memplan solve` without the CLI: read a trace or MiniMalloc CSV, solve it, write the verified plan."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from planner.plan import Plan, save_plan
+from planner.problem import Problem, problem_from_trace
+from planner.verify import verify_plan
+from solvers.portfolio import Progress, solve
+
+TRACE_ALIGNMENT, CSV_ALIGNMENT = 512, 1
+
+
+@dataclass
+class SolveReport:
+    """The outcome of solving one input file: the plan and where it was written."""
+
+    source: str
+    plan: Plan
+    output: str | None
+
+    def summary(self) -> dict:
+        p = self.plan
+        return {"input": self.source, "output": self.output, "buffers": p.buffers, "bound": p.bound,
+                "arena": p.arena, "ratio": round(p.arena / p.bound, 6) if p.bound else 1.0,
+                "status": p.status, "gap": round(p.gap, 6), "solver": p.solver, "seconds": p.seconds,
+                "capacity": p.capacity, "alignment": p.alignment}
+
+    def text(self) -> str:
+        s = self.summary()
+        status = "optimal" if s["status"] == "optimal" else f"feasible (gap {100 * s['gap']:.3f}%)"
+        lines = [f"buffers      {s['buffers']}", f"bound        {s['bound']:,} B", f"arena        {s['arena']:,} B",
+                 f"arena/bound  {s['ratio']:.4f}", f"status       {status}",
+                 f"seconds      {s['seconds']:.2f} ({s['solver']})"]
+        if self.output:
+            lines.append(f"plan         {self.output}")
+        return "\n".join(lines)
+
+
+def load_problem(path: str, alignment: int | None = None) -> Problem:
+    """A Problem from a MiniMalloc CSV (alignment 1 by default) or a memplan trace (alignment 512)."""
+    if os.fspath(path).endswith(".csv"):
+        from planner.minimalloc_csv import read_csv
+        return read_csv(path, alignment=alignment or CSV_ALIGNMENT)[0]
+    from traces.format import load
+    return problem_from_trace(load(path), alignment=alignment or TRACE_ALIGNMENT)
+
+
+def throttled(report: Callable[[str], None], every: float = 0.5) -> Callable[[Progress], None]:
+    """A progress callback printing at most one line per `every` seconds, plus each new best arena."""
+    last = {"t": -every, "best": None}
+
+    def tell(p: Progress) -> None:
+        now = time.monotonic()
+        if p.best != last["best"] or now - last["t"] >= every:
+            last.update(t=now, best=p.best)
+            report(f"best {p.best:,} B  bound {p.bound:,} B  {p.seconds:.1f} s  ({p.solver})")
+    return tell
+
+
+def solve_file(path: str, output: str | None = None, *, method: str = "auto", time_limit: float = 10.0,
+               capacity: int | None = None, alignment: int | None = None,
+               progress: Callable[[str], None] | None = None) -> SolveReport:
+    """Solve one trace or CSV; write the plan (JSON, or CSV with offsets when `output` ends in .csv)."""
+    problem = load_problem(path, alignment)
+    plan = solve(problem, method=method, time_limit=time_limit, capacity=capacity,
+                 progress=throttled(progress) if progress else None)
+    if output is not None:
+        if os.fspath(output).endswith(".csv"):
+            from planner.minimalloc_csv import write_csv
+            verify_plan(problem, plan.offsets, plan.arena, plan.capacity)
+            write_csv(output, problem, plan.offsets)
+        else:
+            save_plan(plan, problem, output)
+    return SolveReport(os.fspath(path), plan, None if output is None else os.fspath(output))
