@@ -1,0 +1,146 @@
+"""Replay of plans through the C++ allocator behind PyTorch's CPU allocator, on the bundled workloads."""
+from __future__ import annotations
+
+import json
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cli import main
+from planner.plan import save_plan
+from planner.problem import problem_from_trace
+from planner.replay import build
+from planner.replay.cpu_session import CPUPlanAllocator
+from planner.replay.fingerprint import RunPrints, first_difference
+from planner.replay.runner import replay, run_steps, warm_up
+from planner.replay.schedule import ReplayError, Schedule, schedule_from
+from solvers import solve
+from traces.capture import capture_step
+from traces.format import save
+from traces.model_file import load_workload
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {"bert": ROOT / "examples" / "bert.py", "gpt2": ROOT / "examples" / "gpt2.py"}
+SEQ = 32
+
+
+def maker(model: str, batch: int):
+    return lambda: load_workload(MODELS[model], batch=batch, seq=SEQ, dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def planned(request):
+    """(model name, trace, problem, plan) for the model's step at batch 2, solved by the portfolio."""
+    trace = capture_step(maker(request.param, 2)())
+    problem = problem_from_trace(trace)
+    return request.param, trace, problem, solve(problem, method="auto", time_limit=5.0)
+
+
+def test_three_steps_served_by_the_plan_alone_and_bitwise_equal(planned):
+    model, trace, _, plan = planned
+    schedule = schedule_from(plan, trace)
+    report = replay(schedule, maker(model, 2), CPUPlanAllocator(schedule), steps=3)
+    assert report.fallback_count == 0 and report.fallback_bytes == 0 and report.missing == 0
+    assert report.planned_count == 3 * len(schedule) > 0
+    assert report.peak_bytes == report.arena_top_peak == plan.arena
+    assert report.loss_equal and report.grads_equal and report.params_equal and report.bitwise_equal
+    assert report.first_difference is None
+    assert not build.cpu_extension().installed()  # the default CPU allocator is back
+
+
+def test_plan_for_another_batch_size_falls_back_and_stays_bitwise_equal(planned):
+    model, trace, _, plan = planned
+    schedule = schedule_from(plan, trace)
+    report = replay(schedule, maker(model, 3), CPUPlanAllocator(schedule), steps=2)
+    assert report.fallback_count > 0 and report.fallback_bytes > 0
+    assert report.peak_bytes > report.arena_top_peak
+    assert report.bitwise_equal, report.first_difference
+
+
+def test_plan_does_not_replay_on_a_different_trace(planned):
+    model, trace, _, plan = planned
+    other = capture_step(maker(model, 1)())
+    with pytest.raises(ReplayError, match="different trace"):
+        schedule_from(plan, other)
+
+
+def test_fingerprints_tell_different_runs_apart():
+    runs = []
+    for seed in (1, 2):
+        workload = maker("bert", 1)()
+        warm_up(workload)
+        torch.manual_seed(seed)  # different dropout masks from the first step on
+        prints = RunPrints()
+        run_steps(workload, 1, nullcontext, prints)
+        runs.append(prints)
+    assert first_difference(runs[0], runs[0]) is None
+    assert first_difference(runs[0], runs[1]) == "step 1 loss"
+
+
+def test_tensors_made_in_a_step_outlive_the_plan_and_the_allocator_is_restored():
+    ext = build.cpu_extension()
+    default = torch.empty(16)  # made by the default allocator before the swap
+    schedule = Schedule(offsets=[0], sizes=[4096], reserved_offsets=[], reserved_sizes=[], arena=4096, bound=4096,
+                        alignment=64)
+    alive_before = ext.plans_alive()
+    with CPUPlanAllocator(schedule) as alloc:
+        assert ext.installed()
+        with alloc.step():
+            kept = torch.full((1024,), 7.0)  # 4096 bytes: the planned slot
+            extra = torch.full((10,), 3.0)   # beyond the plan: served by the fallback
+        between = torch.ones(3)              # outside a step: the previous allocator
+    assert not ext.installed()
+    stats = alloc.stats()
+    assert (stats["planned_count"], stats["fallback_count"], stats["extra"]) == (1, 1, 1)
+    assert ext.plans_alive() == alive_before + 1  # released, but its arena still holds `kept`
+    assert torch.equal(kept, torch.full((1024,), 7.0)) and torch.equal(extra, torch.full((10,), 3.0))
+    kept += 1
+    del kept, extra, between, default
+    assert ext.plans_alive() == alive_before
+
+
+@pytest.fixture(scope="module")
+def bert_files(tmp_path_factory):
+    """A BERT batch-2 trace and its saved plan, written as `memplan trace` and `memplan solve` would."""
+    folder = tmp_path_factory.mktemp("replay")
+    trace = capture_step(maker("bert", 2)())
+    problem = problem_from_trace(trace)
+    plan = solve(problem, method="greedy", time_limit=5.0)
+    save(trace, folder / "bert.trace.json.gz")
+    save_plan(plan, problem, folder / "bert.plan.json")
+    return folder, plan
+
+
+def test_cli_replay_json(bert_files):
+    folder, plan = bert_files
+    result = CliRunner().invoke(main, ["replay", str(folder / "bert.plan.json"), str(MODELS["bert"]), "--batch", "2",
+                                       "--seq", str(SEQ), "--steps", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["fallback_count"] == 0 and summary["bitwise_equal"] is True
+    assert summary["arena_bytes"] == plan.arena == summary["peak_bytes"]
+
+
+def test_cli_replay_other_batch_needs_the_trace_then_falls_back(bert_files):
+    folder, _ = bert_files
+    args = ["replay", str(folder / "bert.plan.json"), str(MODELS["bert"]), "--batch", "3", "--seq", str(SEQ),
+            "--steps", "1"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1
+    assert "pass the plan's trace with --trace" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(main, args + ["--trace", str(folder / "bert.trace.json.gz"), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["fallback_count"] > 0 and summary["bitwise_equal"] is True
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given when no GPU is present")
+def test_cli_replay_cuda_without_gpu_fails_in_one_line(bert_files):
+    folder, _ = bert_files
+    result = CliRunner().invoke(main, ["replay", str(folder / "bert.plan.json"), str(MODELS["bert"]),
+                                       "--device", "cuda", "--trace", str(folder / "bert.trace.json.gz")])
+    assert result.exit_code == 1
+    assert "no CUDA GPU is available" in result.output and len(result.output.strip().splitlines()) == 1
