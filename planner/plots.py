@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.collections import PolyCollection
+from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
@@ -119,8 +120,9 @@ def draw_timeline(ax, report: MemoryReport, scale: int) -> None:
         ax.axhline(report.plan_memory.arena / scale, color=PLAN_COLOR, linewidth=1.6, zorder=5)
     peak, peak_t = trace.peak()
     ax.plot([peak_t], [peak / scale], marker="v", color="black", markersize=5, zorder=6)
+    where = peak_t / max(trace.end, 1)
     ax.annotate(f"peak live {human_bytes(peak)}", (peak_t, peak / scale), textcoords="offset points",
-                xytext=(0, 7), ha="center", fontsize=8, zorder=7,
+                xytext=(0, 7), ha="right" if where > 0.85 else "left" if where < 0.15 else "center", fontsize=8, zorder=7,
                 bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="none", alpha=0.85))
     stats = [f"reserved {human_bytes(sim.peak_reserved)}"]
     if report.plan_memory is not None:
@@ -155,7 +157,9 @@ def draw_address_space(ax, report: MemoryReport, scale: int) -> None:
     y1 = (offsets[idx] + trace.size[idx]) / scale
     verts = np.stack([np.stack([x0, y0], 1), np.stack([x0, y1], 1),
                       np.stack([x1, y1], 1), np.stack([x1, y0], 1)], axis=1)
-    colors = [CATEGORY_COLORS[trace.category[i]] for i in idx]
+    # neighbours of one category get slightly different shades so that single buffers stand out
+    shade = 1.0 - 0.12 * (np.arange(len(idx)) % 3)[:, None]
+    colors = np.array([to_rgb(CATEGORY_COLORS[trace.category[i]]) for i in idx]).reshape(-1, 3) * shade
     edge = dict(edgecolors="white", linewidths=0.3) if len(idx) <= 3000 else dict(edgecolors="none")
     ax.add_collection(PolyCollection(verts, facecolors=colors, antialiased=len(idx) <= 3000, **edge))
     ax.axhline(pm.arena / scale, color=PLAN_COLOR, linewidth=1.2)
@@ -199,7 +203,9 @@ def plot_reports(reports: list[MemoryReport], path: str | os.PathLike, address_s
         for ax2 in plotted[1:]:
             ax2.sharey(plotted[0])
         plotted[0].set_ylabel(f"offset in the arena ({unit})")
-    fig.legend(handles=legend_handles(reports), loc="outside lower center", ncol=7, fontsize=8, frameon=False)
+    handles = legend_handles(reports)
+    ncol = min(len(handles), max(3, int(fig.get_figwidth() / 1.9)))
+    fig.legend(handles=handles, loc="outside lower center", ncol=ncol, fontsize=8, frameon=False)
     if cols > 1 or address_space:
         fig.suptitle("Device memory over one training step", fontsize=12)
     buf = io.BytesIO()
