@@ -72,42 +72,39 @@ def step_events(tree, device_type: str) -> StepEvents:
     """Collect the labelled memory events of `device_type` ('cpu' or 'cuda') from an event tree."""
     forward_module_of_seq: dict[int, str] = {}
     allocations = []
-    backward_start = optimizer_start = optimizer_end = None
+    marks: dict[str, int | None] = {"backward": None, "optimizer": None, "optimizer_end": None}
     op_tag = _EventType.TorchOp
-    stack = [(e, _ROOT) for e in reversed(tree)]
-    pop, push = stack.pop, stack.append
-    order = 0
-    while stack:
-        e, ctx = pop()
-        order += 1
-        name = e.name
-        if name == MEMORY_EVENT:
-            fields = e.extra_fields
-            if fields.device.type == device_type:
-                allocations.append((e.start_time_ns, order, fields, ctx))
-            continue
-        if name.startswith("aten::"):
-            if ctx[1] < 0:
-                # Forward ops report the next sequence number until one creates the autograd node and
-                # takes it: the last forward op (in time order) with a number is the node's creator.
-                seq = e.extra_fields.sequence_number
-                if seq >= 0:
-                    forward_module_of_seq[seq] = ctx[0]
-            if name in ALLOCATION_HELPERS:
-                ctx = ctx[:5] + (name,)
-            else:
-                ctx = ctx[:4] + (name, name)
-        elif e.tag == op_tag:
-            if name == BACKWARD_RANGE and backward_start is None:
-                backward_start = e.start_time_ns
-            elif name.startswith(OPTIMIZER_RANGES[0]) and optimizer_start is None:
-                optimizer_start, optimizer_end = e.start_time_ns, e.end_time_ns
-            ctx = _enter(ctx, name, e)
-        children = e.children
-        if children:
-            for c in reversed(children):
-                push((c, ctx))
 
+    def visit(events, ctx: tuple) -> None:  # recursion is cheaper than an explicit stack here
+        for e in events:
+            name = e.name
+            if name == MEMORY_EVENT:
+                fields = e.extra_fields
+                if fields.device.type == device_type:
+                    allocations.append((e.start_time_ns, len(allocations), fields, ctx))
+                continue
+            if name.startswith("aten::"):
+                if ctx[1] < 0:
+                    # Forward ops report the next sequence number until one creates the autograd node
+                    # and takes it: the last forward op (in time order) with a number is its creator.
+                    seq = e.extra_fields.sequence_number
+                    if seq >= 0:
+                        forward_module_of_seq[seq] = ctx[0]
+                inner = ctx[:5] + (name,) if name in ALLOCATION_HELPERS else ctx[:4] + (name, name)
+            elif e.tag == op_tag:
+                if name == BACKWARD_RANGE and marks["backward"] is None:
+                    marks["backward"] = e.start_time_ns
+                elif name.startswith(OPTIMIZER_RANGES[0]) and marks["optimizer"] is None:
+                    marks["optimizer"], marks["optimizer_end"] = e.start_time_ns, e.end_time_ns
+                inner = _enter(ctx, name, e)
+            else:
+                inner = ctx
+            children = e.children
+            if children:
+                visit(children, inner)
+
+    visit(tree, _ROOT)
+    backward_start = marks["backward"]
     allocations.sort(key=lambda x: (x[0], x[1]))
     events = []
     for time_ns, _, fields, (module, evaluate_seq, backward, optimizer, op, any_op) in allocations:
@@ -122,4 +119,4 @@ def step_events(tree, device_type: str) -> StepEvents:
             phase, module = "other", ""
         events.append(MemoryEvent(time_ns, int(fields.alloc_size), int(fields.ptr), phase, module,
                                   op or any_op or SCALAR_OP))
-    return StepEvents(events, backward_start, optimizer_start, optimizer_end)
+    return StepEvents(events, backward_start, marks["optimizer"], marks["optimizer_end"])
