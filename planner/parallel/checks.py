@@ -1,6 +1,7 @@
 """Rank-side checks of the parallel GPT-2 layer, run under `traces.distributed.launch` by tests and benchmarks.
 
-`layer_bytes` measures what one rank holds for backward for one layer next to the formula;
+`layer_bytes` counts what one rank's share of a layer saves for backward (autograd's saved tensors) and
+`traced_layer_bytes` measures it with the tracer (two layers minus one), each next to the formula;
 `layer_errors` compares the parallel layer's output and gradients with the single-process layer's
 on the same weights and input. Both return JSON-ready dicts.
 """
@@ -48,6 +49,26 @@ def layer_bytes(shape: LayerShape, mode: str, sequence_parallel: bool, dropout: 
     formula = parallel_formula(shape, mode, t, sequence_parallel)
     return {"rank": comm.rank(group), "t": t, "mode": mode, "sequence_parallel": sequence_parallel,
             "measured": measured, "formula": formula, "ratio": measured / formula}
+
+
+def traced_layer_bytes(shape: LayerShape, mode: str, sequence_parallel: bool, group=None) -> dict:
+    """Bytes one layer holds for backward on this rank, from the tracer: what a captured training step of
+    the parallel GPT-2 holds into backward with two layers minus with one (REFERENCE §1's measure)."""
+    from planner.layers.memory import held_for_backward
+    from planner.parallel.model import build_workload
+    from traces.capture import capture_step
+
+    held = []
+    for layers in (1, 2):
+        config = GPT2Config(hidden=shape.h, heads=shape.a, layers=layers)
+        workload = build_workload(shape.b, shape.s, DTYPES[shape.p], config=config,
+                                  sequence_parallel=sequence_parallel, group=group)
+        patch(workload.model, mode)
+        held.append(held_for_backward(capture_step(workload)))
+    t = comm.world(group)
+    formula = parallel_formula(shape, mode, t, sequence_parallel)
+    return {"rank": comm.rank(group), "t": t, "mode": mode, "sequence_parallel": sequence_parallel,
+            "measured": held[1] - held[0], "formula": formula, "ratio": (held[1] - held[0]) / formula}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -112,8 +133,8 @@ def model_errors(sequence_parallel: bool, seq_len: int = 16, group=None) -> dict
 
 
 def run_cases(work, cases: list[dict]) -> list[dict]:
-    """The rank function for `launch`: each case is {"check": "bytes"|"errors"|"model", "shape": [s, b, h, a, p],
+    """The rank function for `launch`: each case is {"check": "bytes"|"traced"|"errors"|"model", "shape": [s, b, h, a, p],
     "mode": ..., "sequence_parallel": ...} ("model" needs only the last); returns one result per case."""
-    checks = {"bytes": layer_bytes, "errors": layer_errors}
+    checks = {"bytes": layer_bytes, "traced": traced_layer_bytes, "errors": layer_errors}
     return [model_errors(c["sequence_parallel"]) if c["check"] == "model"
             else checks[c["check"]](LayerShape(*c["shape"]), c["mode"], c["sequence_parallel"]) for c in cases]
