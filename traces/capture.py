@@ -39,6 +39,7 @@ class _Buffer:
     module: str
     op: str
     category: str = ""
+    stream: int = 0
 
 
 def workload_device(workload: Workload) -> torch.device:
@@ -72,7 +73,7 @@ def _pair(step: StepEvents, resident: dict[int, ResidentStorage]) -> list[_Buffe
             if ev.addr in open_at:
                 raise CaptureError(f"allocation at time {t} reuses live address {ev.addr:#x}: events are inconsistent")
             open_at[ev.addr] = len(buffers)
-            buffers.append(_Buffer(ev.size, t, None, ev.addr, ev.phase, ev.module, ev.op))
+            buffers.append(_Buffer(ev.size, t, None, ev.addr, ev.phase, ev.module, ev.op, stream=ev.stream))
         elif ev.size < 0:
             if ev.addr in open_at:
                 buffers[open_at.pop(ev.addr)].free = t
@@ -116,15 +117,17 @@ def _categorize(buffers: list[_Buffer], step: StepEvents, marks: StepMarks) -> N
             b.category = "temporary"
 
 
-def _use_requested_sizes(step: StepEvents, requested: list[int]) -> None:
-    """On CUDA the profiler reports rounded block sizes; put back the sizes the program requested,
-    taken in order from the caching allocator's history of the same step."""
+def _use_allocator_history(step: StepEvents, allocs_in_history: list[dict]) -> None:
+    """On CUDA the profiler reports rounded block sizes and no stream; put back the sizes the program
+    requested and the streams, taken in order from the caching allocator's history of the same step."""
     allocs = [e for e in step.events if e.size > 0]
-    if len(allocs) != len(requested):
-        raise CaptureError(f"the CUDA allocator history holds {len(requested)} allocations but the profiler "
-                           f"saw {len(allocs)}: cannot recover the requested sizes")
-    for event, size in zip(allocs, requested):
-        event.size = size
+    if len(allocs) != len(allocs_in_history):
+        raise CaptureError(f"the CUDA allocator history holds {len(allocs_in_history)} allocations but the "
+                           f"profiler saw {len(allocs)}: cannot recover the requested sizes")
+    for event, entry in zip(allocs, allocs_in_history):
+        if int(entry["addr"]) != event.addr:
+            raise CaptureError(f"the CUDA allocator history and the profiler disagree at address {event.addr:#x}")
+        event.size, event.stream = int(entry["size"]), int(entry.get("stream", 0))
 
 
 def _record(workload: Workload, device: torch.device) -> tuple[StepEvents, StepMarks]:
@@ -147,7 +150,7 @@ def _record(workload: Workload, device: torch.device) -> tuple[StepEvents, StepM
             torch.cuda.memory._record_memory_history(enabled=None)
     step = step_events(prof.profiler.kineto_results.experimental_event_tree(), device.type)
     if cuda:
-        _use_requested_sizes(step, [int(e["size"]) for e in history if e["action"] == "alloc"])
+        _use_allocator_history(step, [e for e in history if e["action"] == "alloc"])
     return step, marks
 
 
@@ -169,7 +172,7 @@ def capture_step(workload: Workload, *, warmup: bool = True, meta: dict | None =
     info.update(meta or {})
     columns = {
         "size": [b.size for b in buffers], "alloc": [b.alloc for b in buffers],
-        "free": [b.free for b in buffers], "stream": [0] * len(buffers),
+        "free": [b.free for b in buffers], "stream": [b.stream for b in buffers],
         "addr": [b.addr for b in buffers], "category": [b.category for b in buffers],
         "phase": [b.phase for b in buffers], "op": [b.op for b in buffers],
         "module": [b.module for b in buffers],

@@ -35,6 +35,7 @@ class MemoryEvent:
     phase: str
     module: str
     op: str
+    stream: int = 0  # the CUDA stream, from the caching allocator's history (0 on the CPU)
 
 
 @dataclass
