@@ -134,7 +134,8 @@ def _record(workload: Workload, device: torch.device) -> tuple[StepEvents, StepM
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
-        torch.cuda.memory._record_memory_history(max_entries=10_000_000)
+        torch.cuda.memory._record_memory_history(context=None, max_entries=10_000_000, device=device,
+                                                 clear_history=True)
     gc.disable()  # no cycle collection in the middle of the step: frees happen where the program drops them
     try:
         with marked_step(workload) as marks:
@@ -147,7 +148,7 @@ def _record(workload: Workload, device: torch.device) -> tuple[StepEvents, StepM
     finally:
         gc.enable()
         if cuda:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            torch.cuda.memory._record_memory_history(enabled=None, device=device)
     step = step_events(prof.profiler.kineto_results.experimental_event_tree(), device.type)
     if cuda:
         _use_allocator_history(step, [e for e in history if e["action"] == "alloc"])
