@@ -159,9 +159,11 @@ def draw_address_space(ax, report: MemoryReport, scale: int) -> None:
                       np.stack([x1, y1], 1), np.stack([x1, y0], 1)], axis=1)
     # neighbours of one category get slightly different shades so that single buffers stand out
     shade = 1.0 - 0.12 * (np.arange(len(idx)) % 3)[:, None]
-    colors = np.array([to_rgb(CATEGORY_COLORS[trace.category[i]]) for i in idx]).reshape(-1, 3) * shade
+    palette = np.array([to_rgb(CATEGORY_COLORS[c]) for c in CATEGORIES])
+    code = {c: k for k, c in enumerate(CATEGORIES)}
+    colors = palette[np.array([code[trace.category[i]] for i in idx], dtype=np.int64)].reshape(-1, 3) * shade
     edge = dict(edgecolors="white", linewidths=0.3) if len(idx) <= 3000 else dict(edgecolors="none")
-    ax.add_collection(PolyCollection(verts, facecolors=colors, antialiased=len(idx) <= 3000, **edge))
+    ax.add_collection(PolyCollection(verts, facecolors=colors, antialiased=len(idx) <= 3000, **edge), autolim=False)
     ax.axhline(pm.arena / scale, color=PLAN_COLOR, linewidth=1.2)
     status = report.plan.status if report.plan.status == "optimal" else f"{report.plan.status}, gap {report.plan.gap:.2%}"
     ax.set_title(f"plan address space: arena {human_bytes(pm.arena)} ({status})", fontsize=10)

@@ -84,3 +84,11 @@ def test_axis_unit_follows_magnitude():
     assert byte_unit(3 << 30) == ("GiB", 1 << 30)
     assert byte_unit(5 << 20) == ("MiB", 1 << 20)
     assert byte_unit(4000) == ("KiB", 1 << 10)
+
+
+def test_titles_come_from_meta_with_rank():
+    from planner.memory_report import trace_title
+
+    meta = {"model": "gpt2_parallel", "layers": "tempo", "rank": 1, "world_size": 2}
+    assert trace_title(step_trace(layers=2, meta=meta), "x.json") == "gpt2_parallel · tempo · rank 1/2"
+    assert trace_title(step_trace(layers=2, meta={}), "/some/dir/x.json.gz") == "x.json.gz"
