@@ -94,7 +94,8 @@ def report_summary(report: MemoryReport, timeline: str | None = None) -> dict:
     if report.plan is not None:
         plan = {"path": report.plan_name, "arena": report.plan_memory.arena, "status": report.plan.status,
                 "gap": report.plan.gap, "bound": report.plan.bound, "solver": report.plan.solver,
-                "peak_in_use": report.plan_memory.peak_in_use}
+                "peak_in_use": report.plan_memory.peak_in_use,
+                "fits_capacity": None if report.capacity is None else report.plan_memory.arena <= report.capacity}
     return {
         "trace": report.name, "buffers": len(trace), "events": trace.end,
         "peak_live": peak, "peak_live_time": peak_t,
@@ -126,6 +127,8 @@ def report_text(s: dict) -> str:
         gap = "" if p["status"] == "optimal" else f", gap {p['gap']:.2%} to its bound {human_bytes(p['bound'])}"
         lines.append(f"plan arena         {human_bytes(p['arena'])}{ratio(p['arena'])} "
                      f"[{p['status']}{gap}; {p['solver']}]")
+        if p["fits_capacity"] is not None:
+            lines.append(f"  within capacity  {'yes' if p['fits_capacity'] else 'NO'}")
     conf = c["alloc_conf"] or "default"
     cap = f", capacity {human_bytes(c['capacity'])}" if c["capacity"] else ""
     lines += [

@@ -104,6 +104,8 @@ def test_capacity_reports_where_memory_ran_out(files):
     oom = json.loads(r.stdout)["caching"]["oom"]
     assert oom is not None and 0 <= oom["time"] < a.end and oom["size"] == int(a.size[oom["buffer"]])
     assert "YES at event" in run("simulate", tmp / "a.json", "--capacity", capacity).stdout
+    r = run("simulate", tmp / "a.json", "--plan", tmp / "a.plan.json", "--capacity", capacity, "--json")
+    assert json.loads(r.stdout)["plan"]["fits_capacity"] is False
 
 
 @pytest.mark.parametrize("args, message", [
