@@ -31,6 +31,7 @@ class CompareRow:
     caching_peak_reserved: int
     plan_arena: int
     plan_status: str
+    plan_gap: float  # arena / the solver's bound - 1
     plan_source: str  # the plan file, or "solved: METHOD" when solved here
     bound: int  # the best lower bound known: max-live, or the solver's if higher
 
@@ -56,7 +57,7 @@ def row_from_report(report: MemoryReport, categories: list[str], plan_source: st
         peak_live_phase=PHASES[phase_at_times(trace)[peak_t]] if trace.end else "other", at_peak=at_peak,
         caching_peak_allocated=int(report.caching.peak_allocated),
         caching_peak_reserved=int(report.caching.peak_reserved), plan_arena=report.plan_memory.arena,
-        plan_status=report.plan.status, plan_source=plan_source, bound=max(report.bound, report.plan.bound))
+        plan_status=report.plan.status, plan_gap=report.plan.gap, plan_source=plan_source, bound=max(report.bound, report.plan.bound))
 
 
 def compare_traces(traces: list[tuple[str, Trace]], plans: list[tuple[str, Plan]] = (), alloc_conf: str = "",
@@ -87,6 +88,11 @@ def _change(value: int, first: int) -> str:
     return f" ({(value - first) / first:+.1%})" if first else ""
 
 
+def plan_cell(r: CompareRow) -> str:
+    gap = "" if r.plan_status == "optimal" else f" (gap {r.plan_gap:.2%})"
+    return f"{r.plan_status}{gap}, {r.plan_source}"
+
+
 def compare_text(rows: list[CompareRow]) -> str:
     """The comparison as a text table: one column per trace, changes relative to the first trace."""
     def bytes_row(label, get):
@@ -102,6 +108,6 @@ def compare_text(rows: list[CompareRow]) -> str:
               bytes_row("caching peak reserved", lambda r: r.caching_peak_reserved),
               bytes_row("plan arena", lambda r: r.plan_arena),
               bytes_row("lower bound", lambda r: r.bound),
-              ["plan"] + [f"{r.plan_status}, {r.plan_source}" for r in rows]]
+              ["plan"] + [plan_cell(r) for r in rows]]
     widths = [max(len(row[k]) for row in table) for k in range(len(table[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table)
