@@ -176,9 +176,9 @@ def plot_command(trace_files, plan_files, output, address_space, alloc_conf, as_
     """
     from planner.memory_report import build_report
     from planner.plan_memory import match_plans
-    from planner.plots import figure_format, plot_reports
+    from planner.plots import check_request, plot_reports
 
-    figure_format(output)
+    check_request(output, address_space, bool(plan_files))
     traces, plans = load_traces_and_plans(trace_files, plan_files)
     reports = []
     for (name, trace), given in zip(traces, match_plans(traces, plans)):

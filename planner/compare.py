@@ -53,11 +53,13 @@ def row_from_report(report: MemoryReport, categories: list[str], plan_source: st
     for i in live:
         at_peak[trace.category[i]] += int(trace.size[i])
     return CompareRow(
-        name=report.name, title=trace_title(trace, report.name), buffers=len(trace), peak_live=peak, peak_live_time=peak_t,
+        name=report.name, title=trace_title(trace, report.name), buffers=len(trace),
+        peak_live=peak, peak_live_time=peak_t,
         peak_live_phase=PHASES[phase_at_times(trace)[peak_t]] if trace.end else "other", at_peak=at_peak,
         caching_peak_allocated=int(report.caching.peak_allocated),
         caching_peak_reserved=int(report.caching.peak_reserved), plan_arena=report.plan_memory.arena,
-        plan_status=report.plan.status, plan_gap=report.plan.gap, plan_source=plan_source, bound=max(report.bound, report.plan.bound))
+        plan_status=report.plan.status, plan_gap=report.plan.gap, plan_source=plan_source,
+        bound=max(report.bound, report.plan.bound))
 
 
 def compare_traces(traces: list[tuple[str, Trace]], plans: list[tuple[str, Plan]] = (), alloc_conf: str = "",

@@ -48,6 +48,14 @@ def figure_format(path: str | os.PathLike) -> str:
     return fmt
 
 
+def check_request(path: str | os.PathLike, address_space: bool, have_plan: bool) -> str:
+    """The figure's format, after checking the request can be drawn (PlotError otherwise)."""
+    fmt = figure_format(path)
+    if address_space and not have_plan:
+        raise PlotError("--address-space needs a plan: pass --plan PLAN for at least one trace")
+    return fmt
+
+
 def byte_unit(largest: float) -> tuple[str, int]:
     """The axis unit for values up to `largest` bytes: GiB, MiB or KiB."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20)):
@@ -99,12 +107,13 @@ def draw_timeline(ax, report: MemoryReport, scale: int) -> None:
     keep, w = pool_points(live, MAX_POINTS)
     x = keep.astype(float)
     step = "post" if w == 1 else None
-    codes = phase_at_times(trace)[keep]
+    phases = phase_at_times(trace)
+    codes = phases[keep]
     for code, phase in enumerate(PHASES):
         if phase in PHASE_COLORS and (codes == code).any():
             ax.fill_between(x, 0, 1, where=codes == code, step=step, transform=ax.get_xaxis_transform(),
                             color=PHASE_COLORS[phase], linewidth=0, zorder=0)
-    label_phases(ax, phase_at_times(trace), trace.end)
+    label_phases(ax, phases, trace.end)
     lower = np.zeros(len(keep))
     for cat, series in category_live(trace).items():
         upper = lower + series[keep] / scale
@@ -121,8 +130,9 @@ def draw_timeline(ax, report: MemoryReport, scale: int) -> None:
     peak, peak_t = trace.peak()
     ax.plot([peak_t], [peak / scale], marker="v", color="black", markersize=5, zorder=6)
     where = peak_t / max(trace.end, 1)
+    align = "right" if where > 0.85 else "left" if where < 0.15 else "center"
     ax.annotate(f"peak live {human_bytes(peak)}", (peak_t, peak / scale), textcoords="offset points",
-                xytext=(0, 7), ha="right" if where > 0.85 else "left" if where < 0.15 else "center", fontsize=8, zorder=7,
+                xytext=(0, 7), ha=align, fontsize=8, zorder=7,
                 bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="none", alpha=0.85))
     stats = [f"reserved {human_bytes(sim.peak_reserved)}"]
     if report.plan_memory is not None:
@@ -163,9 +173,11 @@ def draw_address_space(ax, report: MemoryReport, scale: int) -> None:
     code = {c: k for k, c in enumerate(CATEGORIES)}
     colors = palette[np.array([code[trace.category[i]] for i in idx], dtype=np.int64)].reshape(-1, 3) * shade
     edge = dict(edgecolors="white", linewidths=0.3) if len(idx) <= 3000 else dict(edgecolors="none")
-    ax.add_collection(PolyCollection(verts, facecolors=colors, antialiased=len(idx) <= 3000, **edge), autolim=False)
+    rects = PolyCollection(verts, facecolors=colors, antialiased=len(idx) <= 3000, **edge)
+    ax.add_collection(rects, autolim=False)  # limits are set below; autoscaling a million paths is slow
     ax.axhline(pm.arena / scale, color=PLAN_COLOR, linewidth=1.2)
-    status = report.plan.status if report.plan.status == "optimal" else f"{report.plan.status}, gap {report.plan.gap:.2%}"
+    plan = report.plan
+    status = plan.status if plan.status == "optimal" else f"{plan.status}, gap {plan.gap:.2%}"
     ax.set_title(f"plan address space: arena {human_bytes(pm.arena)} ({status})", fontsize=10)
     ax.set_xlim(0, max(trace.end, 1))
     ax.set_ylim(0, pm.arena / scale * 1.04 if pm.arena else 1)
@@ -175,9 +187,7 @@ def draw_address_space(ax, report: MemoryReport, scale: int) -> None:
 
 def plot_reports(reports: list[MemoryReport], path: str | os.PathLike, address_space: bool = False) -> None:
     """Draw the timelines of `reports` side by side (and their plans' address space) into `path`."""
-    fmt = figure_format(path)
-    if address_space and not any(r.plan is not None for r in reports):
-        raise PlotError("--address-space needs a plan: pass --plan PLAN for at least one trace")
+    fmt = check_request(path, address_space, any(r.plan is not None for r in reports))
     largest = max(max(int(r.live.max(initial=0)), int(r.caching.peak_reserved),
                       r.plan_memory.arena if r.plan_memory is not None else 0) for r in reports)
     unit, scale = byte_unit(largest)
