@@ -134,6 +134,7 @@ ALLOC_CONF_HELP = ("PYTORCH_CUDA_ALLOC_CONF string for the simulated caching all
 def simulate_command(trace_file, plan_file, alloc_conf, capacity, timeline, as_json):
     """Simulate TRACE_FILE on PyTorch's caching allocator (and on a plan): bound, arena, peaks.
 
+    \b
     Example: memplan simulate bert.trace.json.gz --plan bert.plan.json --timeline bert.csv
     """
     from planner.memory_report import build_report, report_summary, report_text, timeline_csv
@@ -172,6 +173,7 @@ def load_traces_and_plans(trace_files, plan_files):
 def plot_command(trace_files, plan_files, output, address_space, alloc_conf, as_json):
     """Plot memory over time: live bytes by category, phases, caching allocator and plan; traces side by side.
 
+    \b
     Example: memplan plot bert.baseline.trace.json.gz bert.tempo.trace.json.gz -o bert.png
     """
     from planner.memory_report import build_report
@@ -205,6 +207,7 @@ def plot_command(trace_files, plan_files, output, address_space, alloc_conf, as_
 def compare_command(trace_files, plan_files, method, time_limit, alloc_conf, as_json):
     """Compare traces in one table: peak live, by category at the peak, caching reserved, plan arena, bound.
 
+    \b
     Example: memplan compare bert.baseline.trace.json.gz bert.tempo.trace.json.gz --method greedy
     """
     from planner.compare import compare_summary, compare_text, compare_traces
