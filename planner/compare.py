@@ -39,7 +39,7 @@ class CompareRow:
 def solve_plan(trace: Trace, method: str, time_limit: float) -> Plan:
     """A plan for `trace` from the solver portfolio (greedy or auto) under `time_limit` seconds."""
     from planner.problem import problem_from_trace
-    from solvers import solve
+    from solvers.portfolio import solve
 
     return solve(problem_from_trace(trace), method=method, time_limit=time_limit)
 
