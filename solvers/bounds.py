@@ -5,7 +5,7 @@ the pairs not ordered by happens-before, so the bound is the heaviest set of mut
 Such a set is exactly the set of buffers allocated but not yet freed at some consistent cut of the event
 graph (per-stream program order plus sync edges), so the bound is a maximum-weight closure: +size on each
 allocation event, -size on each free event, solved as a minimum cut with OR-Tools' max flow.
-Fixed offsets and the largest buffer bound the arena too.
+Fixed offsets, the largest buffer and the largest contiguous group bound the arena too.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def heaviest_unordered(p: Problem, syncs: list[tuple[int, int, int]]) -> int:
 def lower_bound(p: Problem) -> int:
     """The best cheap lower bound on the arena of any valid placement of p."""
     fixed_top = max((off + int(p.size[i]) for i, off in p.fixed.items() if p.size[i] > 0), default=0)
-    biggest = int(p.size.max(initial=0))
+    biggest = max([int(p.size.max(initial=0))] + [int(p.size[g].sum()) for g in p.groups])
     if p.nstreams == 1:
         live = p.max_live()
     else:

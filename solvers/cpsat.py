@@ -90,9 +90,8 @@ def cpsat_place(p: Problem, bound: int, seconds: float, hint: np.ndarray | None 
     in_bottom = np.zeros(len(p), dtype=bool)
     in_bottom[bottom] = True
     model_active = np.nonzero(act & ~in_bottom)[0]
-    placed_items = [k for k in range(len(items))
-                    if any(act[b] and not in_bottom[b] for b in items.members[items.start[k]:items.start[k + 1]])]
-    values = [int(p.size[i]) for i in model_active] + [int(x) for x in items.rel]
+    placed_items = [k for k in range(len(items)) if not in_bottom[items.members[items.start[k]:items.start[k + 1]]].any()]
+    values = [int(p.size[i]) for i in model_active] + [int(x) for x in items.rel] + [int(x) for x in items.size]
     values += [int(preset[i]) - base for i in model_active if preset[i] >= 0]
     if capacity is not None:
         values.append(capacity - base)
@@ -111,9 +110,10 @@ def cpsat_place(p: Problem, bound: int, seconds: float, hint: np.ndarray | None 
         hint_y = hint - shift[np.searchsorted(below, hint, side="left")]
         ub = min(ub, int((hint_y + p.size)[model_active].max(initial=0)))
     lo = max(bound - base, 0)
+    ub = max(ub, lo)
     hi = ub if capacity is None else min(ub, capacity - base)
     if hi < lo:
-        hi = lo
+        return CpResult("infeasible", None, None, bound if capacity is None else capacity + 1)
     m = cp_model.CpModel()
     arena = m.new_int_var(-(-lo // g), hi // g, "arena")
     x = {}
@@ -166,6 +166,8 @@ def cpsat_place(p: Problem, bound: int, seconds: float, hint: np.ndarray | None 
                 on_solution(int(self.value(arena)) * g + base)
 
     status = solver.solve(m, Report())
+    if status == cp_model.MODEL_INVALID:
+        raise RuntimeError(f"CP-SAT rejected the placement model: {m.validate()}")
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         for k in placed_items:
             for pos in range(items.start[k], items.start[k + 1]):
