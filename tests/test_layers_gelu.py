@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from planner.layers.gelu import MINIMA, InplaceGELU, InplaceGELUFunction, recover_input
+from planner.layers.gelu import TABLES, InplaceGELU, InplaceGELUFunction, recover_input
 from planner.layers.memory import saved_bytes
 
 FORMS = ["none", "tanh"]
@@ -25,14 +25,14 @@ def test_fp32_matches_nn_gelu_everywhere(form):
     ref_out, ref_grad = grads(torch.nn.GELU(approximate=form), x, dy)
     out, grad = grads(InplaceGELU(form), x, dy)
     assert torch.equal(out, ref_out)
-    far = (x - MINIMA[form].x).abs() > 0.01
+    far = (x - TABLES[form].x_min).abs() > 0.01
     # fp32 within 1e-5 relative; torch's own fp32 output has ~1e-6 absolute rounding in the far left tail.
     torch.testing.assert_close(grad[far], ref_grad[far], rtol=1e-5, atol=1e-5 * dy.abs().max().item())
 
 
 @pytest.mark.parametrize("form", FORMS)
 def test_derivative_near_minimum_within_1e_3(form):
-    x = MINIMA[form].x + torch.linspace(-0.05, 0.05, 100_001)
+    x = TABLES[form].x_min + torch.linspace(-0.05, 0.05, 100_001)
     _, grad = grads(InplaceGELU(form), x, torch.ones_like(x))
     x64 = x.double().requires_grad_()
     F.gelu(x64, approximate=form).sum().backward()
@@ -42,11 +42,11 @@ def test_derivative_near_minimum_within_1e_3(form):
 @pytest.mark.parametrize("form", FORMS)
 def test_input_recovered_on_the_masked_branch(form):
     x = torch.linspace(-4, 4, 8001)
-    right = x >= MINIMA[form].x
-    rec = recover_input(F.gelu(x, approximate=form), right, form)
-    far = (x - MINIMA[form].x).abs() > 0.05
+    right = x >= TABLES[form].x_min
+    rec = recover_input(F.gelu(x, approximate=form), right, form).view(x.shape)
+    far = (x - TABLES[form].x_min).abs() > 0.05
     assert (rec - x)[far].abs().max() < 2e-3
-    assert (rec[right] >= MINIMA[form].x).all() and (rec[~right] <= MINIMA[form].x).all()
+    assert (rec[right] >= TABLES[form].x_min).all() and (rec[~right] <= TABLES[form].x_min).all()
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -60,7 +60,7 @@ def test_bf16_within_bf16_rounding(form):
     x64 = x.double().requires_grad_()
     F.gelu(x64, approximate=form).backward(dy.double())
     err = (grad.double() - x64.grad).abs()
-    dist = (x.double() - MINIMA[form].x).abs()
+    dist = (x.double() - TABLES[form].x_min).abs()
     scale = dy.double().abs()
     # A bf16 output pins the input to within half an ulp of y, so the derivative is uncertain by about
     # ulp(y)/(2|x - x*|): a few bf16 ulps far from the minimum, up to ~0.05 right at it.

@@ -65,9 +65,13 @@ class SelfAttention(nn.Module):
         self.dropout = Dropout(hidden_dropout)
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """(batch, seq, hidden) -> (batch, heads, seq, head_dim), a view."""
+        """(batch, seq, hidden) -> (batch, heads, seq, head_dim), contiguous.
+
+        The copy is the one matmul would make anyway; made here, Q, K and V each own their storage
+        for any batch size (with views, batch 1 would keep the whole fused QKV output alive).
+        """
         b, s, h = x.shape
-        return x.view(b, s, self.heads, h // self.heads).transpose(1, 2)
+        return x.view(b, s, self.heads, h // self.heads).transpose(1, 2).contiguous()
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         b, s, h = x.shape

@@ -1,0 +1,93 @@
+"""Bytes per Transformer layer of each memory-saving mode next to REFERENCE §1's formulas, and CPU step-time ratios.
+
+Part 1 measures the BERT-Large layer shape (h=1024, a=16) at s = 128 and 512: the bytes held for
+backward by a stack of 2 layers minus a stack of 1 (captured with memplan's tracer, or counted
+with saved-tensor hooks with --method saved), per mode and dtype, next to the formula.
+Part 2 times training steps of a small BERT per mode on the CPU (median of several, interleaved).
+
+    .venv/bin/python benchmarks/layers.py
+    .venv/bin/python benchmarks/layers.py --seqs 128 --dtypes bf16 --method saved --steps 5
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import torch
+
+from planner.layers import MODES, patch
+from planner.layers.memory import LayerShape, held_for_backward, saved_bytes
+from planner.workloads import bert
+from traces.capture import capture_step
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def held(mode: str, layers: int, seq: int, batch: int, dtype: torch.dtype, method: str) -> int:
+    """Bytes one BERT-Large-shaped stack of `layers` holds for backward under `mode` (small vocabulary: it cancels)."""
+    config = dataclasses.replace(bert.LARGE, vocab_size=1024, layers=layers)
+    workload = bert.build_workload(batch_size=batch, seq_len=seq, dtype=dtype, config=config)
+    patch(workload.model, mode)
+    if method == "saved":
+        return saved_bytes(workload.model, workload.forward)
+    return held_for_backward(capture_step(workload))
+
+
+def memory_table(seqs, dtypes, batch: int, method: str) -> None:
+    print(f"bytes per layer, BERT-Large shape (h=1024, a=16), b={batch}, measured by {method} (L=2 minus L=1)")
+    print(f"{'s':>4} {'dtype':>5} {'mode':>16} {'measured':>12} {'formula':>12} {'meas/form':>9} {'saving':>7} {'formula saving':>14}")
+    for seq in seqs:
+        for name in dtypes:
+            dtype = DTYPES[name]
+            shape = LayerShape(s=seq, b=batch, h=1024, a=16, p=torch.finfo(dtype).bits // 8)
+            base = None
+            for mode in MODES:
+                per_layer = held(mode, 2, seq, batch, dtype, method) - held(mode, 1, seq, batch, dtype, method)
+                formula = shape.formula(mode)
+                base = per_layer if base is None else base
+                saving, formula_saving = 1 - per_layer / base, 1 - formula / shape.formula("baseline")
+                print(f"{seq:>4} {name:>5} {mode:>16} {per_layer:>12,} {formula:>12,} {per_layer / formula:>9.4f} "
+                      f"{saving:>7.1%} {formula_saving:>14.1%}", flush=True)
+
+
+def step_times(seq: int, batch: int, hidden: int, heads: int, layers: int, steps: int) -> None:
+    config = dataclasses.replace(bert.TINY, hidden=hidden, heads=heads, layers=layers)
+    print(f"\nCPU step time, BERT h={hidden} a={heads} L={layers} s={seq} b={batch} fp32, "
+          f"{torch.get_num_threads()} thread(s), median of {steps} interleaved steps")
+    workloads = {}
+    for mode in MODES:
+        workloads[mode] = bert.build_workload(batch_size=batch, seq_len=seq, config=config)
+        patch(workloads[mode].model, mode)
+        workloads[mode].step()
+    times = {mode: [] for mode in MODES}
+    for _ in range(steps):
+        for mode, workload in workloads.items():
+            start = time.perf_counter()
+            workload.step()
+            times[mode].append(time.perf_counter() - start)
+    base = statistics.median(times["baseline"])
+    for mode in MODES:
+        median = statistics.median(times[mode])
+        print(f"{mode:>16} {median * 1e3:8.1f} ms  {median / base:6.3f}x baseline")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[128, 512])
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
+    parser.add_argument("--batch", type=int, default=1, help="micro-batch of the memory part")
+    parser.add_argument("--method", choices=["tracer", "saved"], default="tracer")
+    parser.add_argument("--steps", type=int, default=9, help="timed steps per mode (0 skips the timing part)")
+    parser.add_argument("--time-shape", type=int, nargs=5, default=[128, 4, 256, 4, 2], metavar=("S", "B", "H", "A", "L"))
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    memory_table(args.seqs, args.dtypes, args.batch, args.method)
+    if args.steps:
+        step_times(*args.time_shape, steps=args.steps)
+
+
+if __name__ == "__main__":
+    main()
