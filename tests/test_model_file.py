@@ -75,6 +75,12 @@ def test_a_broken_model_file_gives_one_line_naming_the_problem(tmp_path, case):
     assert expected in message and "\n" not in message
 
 
+def test_an_unknown_preset_of_a_bundled_model_file_is_reported(monkeypatch):
+    monkeypatch.setenv("MEMPLAN_PRESET", "huge")
+    with pytest.raises(ModelFileError, match=r"build\(\) raised ValueError: MEMPLAN_PRESET='huge' is not one of"):
+        load_workload(EXAMPLES / "gpt2.py", batch=2, seq=4, dtype=torch.float32, device="cpu")
+
+
 def test_a_missing_model_file_is_named(tmp_path):
     with pytest.raises(ModelFileError, match="no such model file"):
         load_workload(tmp_path / "absent.py", batch=2, seq=4, dtype=torch.float32, device="cpu")
