@@ -1,8 +1,8 @@
 """Megatron's tensor- and sequence-parallel collectives as autograd functions; dim 0 is the sequence.
 
 Each function pairs a forward collective with its adjoint in backward: copy (identity / all-reduce),
-reduce (all-reduce / identity), gather (all-gather / reduce-scatter or split), reduce-scatter
-(reduce-scatter / all-gather) and scatter (split / all-gather). Every collective runs on contiguous
+reduce (all-reduce / identity), gather (all-gather / split), reduce-scatter (reduce-scatter /
+all-gather) and scatter (split / all-gather). Every collective runs on contiguous
 tensors of the given process group (gloo on CPU, NCCL on CUDA).
 """
 from __future__ import annotations
@@ -68,23 +68,22 @@ def all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def reduce_scatter_seq(x: torch.Tensor, group, scratch: bool = False) -> torch.Tensor:
-    """Sum x over the ranks and keep this rank's 1/t slice of dim 0 (`scratch`: x may be overwritten).
+def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum x over the ranks and keep this rank's 1/t slice of dim 0; x is scratch (callers pass partial
+    sums they drop) and may be overwritten.
 
-    On gloo this is an all-reduce followed by taking the slice: gloo's own reduce-scatter leaves
-    internal temporaries to its worker threads, freed where the profiler cannot see them. The
-    all-reduce runs in place on x when x is scratch, else on a copy (one more transient buffer of x's
-    size, visible in the trace as a temporary).
+    On gloo this is an in-place all-reduce of x followed by a copy of the slice: gloo's own
+    reduce-scatter leaves internal temporaries to its worker threads, freed where the profiler cannot
+    see them. Memory is the same as a reduce-scatter's (x, then the slice); the traffic is twice.
     """
     t = world(group)
     if t == 1:
         return x
     if x.shape[0] % t:
         raise ParallelError(f"sequence length {x.shape[0]} is not divisible by the parallel size {t}")
-    if dist.get_backend(group) == "gloo":
-        total = all_reduce_(x.contiguous() if scratch else x.clone(memory_format=torch.contiguous_format), group)
-        return total.chunk(t, dim=0)[rank(group)].clone()
     x = x.contiguous()
+    if dist.get_backend(group) == "gloo":
+        return all_reduce_(x, group).chunk(t, dim=0)[rank(group)].clone()
     out = x.new_empty((x.shape[0] // t,) + tuple(x.shape[1:]))
     _collective(lambda o, i: dist.reduce_scatter_single(o, i, group=group), out, x)
     return out
@@ -134,18 +133,16 @@ class _ReduceFromTensorParallel(Function):
 
 
 class _GatherFromSequenceParallel(Function):
-    """All-gather along the sequence; backward reduce-scatters (tensor-parallel consumer) or splits."""
+    """All-gather along the sequence for a replicated consumer; backward keeps this rank's slice."""
 
     @staticmethod
-    def forward(ctx, x, group, consumer_is_parallel):
-        ctx.group, ctx.parallel = group, consumer_is_parallel
+    def forward(ctx, x, group):
+        ctx.group = group
         return all_gather_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.parallel:
-            return reduce_scatter_seq(grad, ctx.group), None, None
-        return split_seq(grad, ctx.group), None, None
+        return split_seq(grad, ctx.group), None
 
 
 class _ReduceScatterToSequenceParallel(Function):
@@ -154,7 +151,7 @@ class _ReduceScatterToSequenceParallel(Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return reduce_scatter_seq(x, group, scratch=True)  # x: the row-parallel linear's partial sums
+        return reduce_scatter_seq(x, group)  # x: the row-parallel linear's partial sums
 
     @staticmethod
     def backward(ctx, grad):
@@ -184,10 +181,11 @@ def reduce_from_tensor_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
     return _ReduceFromTensorParallel.apply(x, group) if world(group) > 1 else x
 
 
-def gather_from_sequence_parallel(x: torch.Tensor, group=None, consumer_is_parallel=True) -> torch.Tensor:
-    """All-gather the sequence shards; the gradient is reduce-scattered, or split when every rank
-    computes the same replicated function of the result (the model's head)."""
-    return _GatherFromSequenceParallel.apply(x, group, consumer_is_parallel) if world(group) > 1 else x
+def gather_from_sequence_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
+    """All-gather the sequence shards for a consumer every rank computes alike (the model's head): the
+    gradient of the whole is the same on every rank, so backward keeps this rank's slice. (Before a
+    column-parallel linear the gather is fused into the linear, whose backward reduce-scatters.)"""
+    return _GatherFromSequenceParallel.apply(x, group) if world(group) > 1 else x
 
 
 def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group=None) -> torch.Tensor:

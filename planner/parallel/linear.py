@@ -56,7 +56,7 @@ class _GatherLinear(Function):
         x, weight = ctx.saved_tensors
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = comm.reduce_scatter_seq(grad.matmul(weight), ctx.group, scratch=True)
+            grad_x = comm.reduce_scatter_seq(grad.matmul(weight), ctx.group)
         if ctx.needs_input_grad[1]:
             total = comm.all_gather_seq(x, ctx.group)
             grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(total.reshape(-1, total.shape[-1]))

@@ -48,7 +48,7 @@ class ParallelGPT2(nn.Module):
             x = layer(x, causal)
         x = self.ln_f(x)
         if self.sequence_parallel:
-            x = comm.gather_from_sequence_parallel(x, self.group, consumer_is_parallel=False)
+            x = comm.gather_from_sequence_parallel(x, self.group)
         return F.linear(x.transpose(0, 1), self.wte.weight)
 
 
