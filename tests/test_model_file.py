@@ -116,6 +116,15 @@ def test_cli_without_build_function_exits_nonzero_with_one_line_and_writes_nothi
     assert "defines no function build" in one_error_line(result)
 
 
+def test_cli_reports_a_failing_training_step_in_one_line(tmp_path):
+    text = GOOD.replace('"loss": lambda out, ids: nn.functional.cross_entropy(out.flatten(0, 1).float(), ids.flatten()),',
+                        '"loss": lambda out, ids: out.float().view(7, -1).mean(),')
+    out = tmp_path / "t.json.gz"
+    result = CliRunner().invoke(main, ["trace", str(write(tmp_path, "badloss", text)), "--seq", "4", "-o", str(out)])
+    assert result.exit_code != 0 and not out.exists()
+    assert "badloss: the warm-up step raised RuntimeError: shape '[7, -1]' is invalid" in one_error_line(result)
+
+
 def test_cli_traces_a_model_file_and_prints_the_summary_as_json(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     model = write(tmp_path, "good", GOOD)

@@ -117,6 +117,18 @@ def _categorize(buffers: list[_Buffer], step: StepEvents, marks: StepMarks) -> N
             b.category = "temporary"
 
 
+def _run_step(workload: Workload, when: str) -> None:
+    """One workload step; an exception from the user's model, loss or optimizer becomes one line."""
+    try:
+        workload.step()
+    except MemplanError:
+        raise
+    except Exception as e:
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+        raise CaptureError(f"{workload.name}: the {when} step raised {type(e).__name__}"
+                           + (f": {first}" if first else "")) from None
+
+
 def _use_allocator_history(step: StepEvents, allocs_in_history: list[dict]) -> None:
     """On CUDA the profiler reports rounded block sizes and no stream; put back the sizes the program
     requested and the streams, taken in order from the caching allocator's history of the same step."""
@@ -140,7 +152,7 @@ def _record(workload: Workload, device: torch.device) -> tuple[StepEvents, StepM
     try:
         with marked_step(workload) as marks:
             with profile(activities=activities, profile_memory=True) as prof:
-                workload.step()
+                _run_step(workload, "recorded")
                 if cuda:
                     torch.cuda.synchronize(device)
         if cuda:
@@ -159,7 +171,7 @@ def capture_step(workload: Workload, *, warmup: bool = True, meta: dict | None =
     """Record one `workload.step()` (after a warm-up step unless `warmup=False`) as a labelled Trace."""
     device = workload_device(workload)
     if warmup:
-        workload.step()
+        _run_step(workload, "warm-up")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     resident = resident_storages(workload, device.type)
