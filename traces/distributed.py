@@ -9,6 +9,7 @@ write into the temporary folder and the files are renamed into place only when e
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -91,6 +92,8 @@ def launch(fn: Callable, args: tuple = (), nproc: int = 2, device: str = "cpu",
     if device == "cuda" and torch.cuda.device_count() < nproc:
         raise RankError(f"--nproc {nproc}: only {torch.cuda.device_count()} CUDA devices on this machine")
     work = Path(tempfile.mkdtemp(prefix=".memplan-ranks-", dir=tmp_parent))
+    # torch logs a warning when it stops the other ranks after a failure; the RankError says it all
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
         ctx = mp.start_processes(_rank_main, args=(fn, args, nproc, device, str(work)), nprocs=nproc,
                                  join=False, start_method="spawn")
