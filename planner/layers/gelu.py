@@ -10,6 +10,7 @@ polynomials instead, with a sign error and fp32 cancellation (REFERENCE §2). Bo
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -82,9 +83,14 @@ def build_tables(approximate: str) -> InverseTables:
 TABLES = {form: build_tables(form) for form in FORMS}
 
 
+@functools.lru_cache(maxsize=None)
+def table_on(approximate: str, which: str, device: torch.device) -> torch.Tensor:
+    """One of the inverse tables ("main" or "tail") on `device`, copied there once."""
+    return getattr(TABLES[approximate], which).to(device)
+
+
 def interpolate(table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """Linear interpolation in a uniform table at fractional positions `pos` (consumed: clamped and reused in place)."""
-    table = table.to(pos.device)
     pos = pos.clamp_(0.0, table.numel() - 1.001)
     index = pos.long()
     frac = pos.frac_()
@@ -104,10 +110,10 @@ def recover_input(y: torch.Tensor, right: torch.Tensor, approximate: str) -> tor
     s = torch.sub(y, t.y_min).clamp_(min=0.0).sqrt_().mul_(sign)  # signed ±sqrt(y - y*)
     pos = s.sub_(t.main_start).div_(t.main_step)
     tail = (pos < 0).nonzero().squeeze(1)  # left branch with y > Y_TAIL: before the main table starts
-    x = interpolate(t.main, pos).add_(y)
+    x = interpolate(table_on(approximate, "main", y.device), pos).add_(y)
     if tail.numel():
         magnitude = y.index_select(0, tail).neg_()
-        far = interpolate(t.tail, magnitude.clamp(min=1e-38).log_().sub_(LOG_Y_MIN).div_(t.tail_step))
+        far = interpolate(table_on(approximate, "tail", y.device), magnitude.clamp(min=1e-38).log_().sub_(LOG_Y_MIN).div_(t.tail_step))
         x.index_copy_(0, tail, far.masked_fill_(magnitude == 0, -40.0))
     return x
 
