@@ -85,9 +85,10 @@ def step_events(tree, device_type: str) -> StepEvents:
                     allocations.append((e.start_time_ns, len(allocations), fields, ctx))
                 continue
             if name.startswith("aten::"):
-                if ctx[1] < 0:
+                if ctx[1] < 0 and not ctx[2] and not ctx[3]:
                     # Forward ops report the next sequence number until one creates the autograd node
                     # and takes it: the last forward op (in time order) with a number is its creator.
+                    # (Backward and optimizer ops create no node anyone asks about: not read, it is slow.)
                     seq = e.extra_fields.sequence_number
                     if seq >= 0:
                         forward_module_of_seq[seq] = ctx[0]
