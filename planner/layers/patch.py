@@ -15,15 +15,15 @@ from torch import nn
 from planner.layers.attention import CORES, PatchedAttentionCore
 from planner.layers.gelu import InplaceGELU
 from planner.layers.layernorm import InplaceLayerNorm
-from planner.workloads.blocks import AttentionCore, Dropout, SelfAttention
+from planner.workloads.blocks import AttentionCore, Dropout
 from traces.errors import MemplanError
 
 MODES = ("baseline", "tempo", "selective", "tempo+selective")
 HF_GELU_FORMS = {"GELUActivation": "none", "NewGELUActivation": "tanh", "GELUTanh": "tanh"}
 HF_ATTENTION = {"BertSelfAttention", "GPT2Attention"}
 HF_CONTAINERS = {"BertAttention"}
-NEUTRAL = (nn.Linear, nn.Embedding, nn.Identity, nn.Tanh, Dropout, InplaceGELU, InplaceLayerNorm, PatchedAttentionCore, AttentionCore, SelfAttention)
-NEUTRAL_NAMES = {"Conv1D"}
+NEUTRAL = (nn.Linear, nn.Embedding, nn.Identity, nn.Tanh, Dropout, InplaceGELU, InplaceLayerNorm, PatchedAttentionCore, AttentionCore)
+NEUTRAL_NAMES = {"Conv1D", "ColumnParallelLinear", "RowParallelLinear", "ParallelSelfAttention"}  # parallel: planner.parallel
 STATE = "_memplan_patch"
 
 
@@ -81,8 +81,8 @@ def is_known(module: nn.Module) -> bool:
         return True
     if type(module) in (nn.Dropout, nn.GELU, nn.LayerNorm) or name in HF_GELU_FORMS:
         return True
-    if "Attention" in name:
-        return False
+    if "Attention" in name:  # an attention block is known when its core is memplan's
+        return any(isinstance(c, (AttentionCore, PatchedAttentionCore)) for c in module.children())
     return next(module.children(), None) is not None
 
 
