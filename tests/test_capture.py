@@ -183,3 +183,27 @@ def test_example_model_files_capture_with_exact_state_bytes(name):
     assert got["gradient"] == param_bytes
     assert got["optimizer"] == 2 * param_bytes + 4 * n_params
     assert got["activation"] > 0 and got["temporary"] > 0
+
+
+def test_a_plain_step_allocates_exactly_the_recorded_sequence():
+    """The k-th allocation of a plain (unprofiled) step is the k-th recorded buffer, with its exact size:
+    the replay allocator, given one slot per recorded buffer, sees no size mismatch, extra or missing request."""
+    from planner.replay.cpu_session import CPUPlanAllocator
+    from planner.replay.schedule import CPU_ALIGNMENT, Schedule
+
+    w = load_workload(EXAMPLES / "gpt2.py", batch=2, seq=16, dtype=torch.float32, device="cpu", layers="tempo")
+    trace = capture_step(w)
+    sizes = [int(trace.size[i]) for i in trace.recorded]
+    offsets = [0]
+    for size in sizes[:-1]:
+        offsets.append(offsets[-1] + -(-size // CPU_ALIGNMENT) * CPU_ALIGNMENT)
+    arena = offsets[-1] + -(-sizes[-1] // CPU_ALIGNMENT) * CPU_ALIGNMENT
+    schedule = Schedule(offsets=offsets, sizes=sizes, reserved_offsets=[], reserved_sizes=[], arena=arena,
+                        bound=arena, alignment=CPU_ALIGNMENT)
+    with CPUPlanAllocator(schedule) as allocator:
+        for _ in range(2):
+            with allocator.step():
+                w.step()
+        stats = allocator.stats()
+    assert stats["planned_count"] == 2 * len(sizes)
+    assert stats["size_mismatch"] == stats["extra"] == stats["missing"] == stats["fallback_count"] == 0
