@@ -1,7 +1,9 @@
-"""Greedy placement: several item orders (size, lifetime, area, allocation time, pressure) with best fit
-and first fit, run side by side in the native kernel; the smallest arena wins (SOMAS-style).
+"""Greedy placement: several item orders (pressure over the lifetime, size, area, lifetime, allocation time)
+with best fit and first fit, run side by side in the native kernel; the smallest arena wins (SOMAS-style).
 """
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -25,12 +27,13 @@ def pressure(p: Problem, items: Items) -> np.ndarray:
 
 
 def orders(p: Problem, items: Items) -> dict[str, np.ndarray]:
-    """Named item orders to try; every key sorts descending except allocation time."""
+    """Named item orders to try (ties in pressure are common, so the tie-breaks matter)."""
     size, length = items.size, items.free - items.alloc
     area, press = size * length, pressure(p, items)
     return {
+        "pressure-late": np.lexsort((-items.alloc, -size, -press)),
+        "pressure": np.lexsort((items.alloc, -size, -press)),
         "size": np.lexsort((-length, -size)),
-        "pressure": np.lexsort((-size, -press)),
         "area": np.lexsort((-size, -area)),
         "lifetime": np.lexsort((-size, -length)),
         "alloc": np.lexsort((-size, items.alloc)),
@@ -48,8 +51,12 @@ def place(p: Problem, items: Items, preset: np.ndarray, order: np.ndarray, best_
     return offsets, int(arena)
 
 
-def greedy(p: Problem, stop_at: int | None = None) -> tuple[np.ndarray, int, str]:
-    """Best of every order x {best fit, first fit}: (offsets, arena, name); stops early at `stop_at`."""
+def greedy(p: Problem, stop_at: int | None = None, deadline: float | None = None) -> tuple[np.ndarray, int, str]:
+    """Best of every order x {best fit, first fit}: (offsets, arena, name).
+
+    Stops early once the arena reaches `stop_at`, or when time.monotonic() passes `deadline` (after
+    at least one placement).
+    """
     items, preset = make_items(p)
     best = None
     for name, order in orders(p, items).items():
@@ -57,6 +64,6 @@ def greedy(p: Problem, stop_at: int | None = None) -> tuple[np.ndarray, int, str
             offsets, arena = place(p, items, preset, order, best_fit)
             if best is None or arena < best[1]:
                 best = (offsets, arena, f"greedy-{name}-{'best' if best_fit else 'first'}-fit")
-            if stop_at is not None and best[1] <= stop_at:
+            if (stop_at is not None and best[1] <= stop_at) or (deadline is not None and time.monotonic() > deadline):
                 return best
     return best

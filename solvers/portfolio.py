@@ -78,7 +78,7 @@ def solve(problem: Problem, method: str = "auto", time_limit: float = 10.0, capa
         raise CapacityError(f"cannot fit in {capacity} bytes: the lower bound is {bound} bytes")
     best = _Best(p, bound, start, progress)
     goal = capacity if capacity is not None else bound
-    offsets, arena, name = greedy(p, stop_at=goal)
+    offsets, arena, name = greedy(p, stop_at=goal, deadline=start + time_limit / 2)
     best.offer(offsets, arena, name)
     if method != "greedy" and best.arena > goal:
         if method == "auto" and applicable(p) and int(p.active.sum()) <= SEARCH_MAX_BUFFERS:

@@ -26,9 +26,41 @@ inline bool conflict(int i, int j, int S, const i64* alloc, const i64* stream, c
 extern "C" i64 mp_greedy(int n, int S, const i64* alloc, const i64* stream, const i64* release,
                          const i64* size, int m, const int* item_start, const int* members,
                          const i64* rel, const int* order, int best_fit, i64* offsets) {
-  std::vector<int> placed;
+  // Conflicting buffers overlap on [alloc, latest release). Placed buffers are indexed twice: a segment
+  // tree over time finds those live at a point, per-time lists those allocated within a window.
+  // Times are compressed to ranks so the index size follows the buffer count, not the time values.
+  std::vector<i64> from(n), until(n, 0), times;
+  for (int i = 0; i < n; ++i) {
+    for (int s = 0; s < S; ++s) until[i] = std::max(until[i], release[(i64)i * S + s]);
+    times.push_back(alloc[i]);
+    times.push_back(until[i]);
+  }
+  std::sort(times.begin(), times.end());
+  times.erase(std::unique(times.begin(), times.end()), times.end());
+  for (int i = 0; i < n; ++i) {
+    from[i] = std::lower_bound(times.begin(), times.end(), alloc[i]) - times.begin();
+    until[i] = std::lower_bound(times.begin(), times.end(), until[i]) - times.begin();
+  }
+  const i64 horizon = (i64)times.size() + 1;
+  i64 leaves = 1;
+  while (leaves < horizon) leaves *= 2;
+  std::vector<std::vector<int>> node(2 * leaves), starts(horizon);
+  auto add = [&](int i) {
+    if (!active(i, S, alloc, stream, release, size)) return;
+    for (i64 l = from[i] + leaves, r = until[i] + leaves; l < r; l >>= 1, r >>= 1) {
+      if (l & 1) node[l++].push_back(i);
+      if (r & 1) node[--r].push_back(i);
+    }
+    starts[from[i]].push_back(i);
+  };
+  auto each_overlapping = [&](int b, auto&& visit) {
+    for (i64 x = from[b] + leaves; x >= 1; x >>= 1)
+      for (const int c : node[x]) visit(c);
+    for (i64 t = from[b] + 1; t < until[b]; ++t)
+      for (const int c : starts[t]) visit(c);
+  };
   for (int i = 0; i < n; ++i)
-    if (offsets[i] >= 0 && active(i, S, alloc, stream, release, size)) placed.push_back(i);
+    if (offsets[i] >= 0) add(i);
   std::vector<std::pair<i64, i64>> forbidden;
   for (int q = 0; q < m; ++q) {
     const int item = order[q];
@@ -36,12 +68,12 @@ extern "C" i64 mp_greedy(int n, int S, const i64* alloc, const i64* stream, cons
     for (int k = item_start[item]; k < item_start[item + 1]; ++k) {
       const int b = members[k];
       if (!active(b, S, alloc, stream, release, size)) continue;
-      for (const int c : placed) {
-        if (!conflict(b, c, S, alloc, stream, release)) continue;
+      each_overlapping(b, [&](int c) {
+        if (!conflict(b, c, S, alloc, stream, release)) return;
         i64 lo = offsets[c] - rel[k] - size[b] + 1, hi = offsets[c] + size[c] - rel[k];
         if (lo < 0) lo = 0;
         if (hi > lo) forbidden.emplace_back(lo, hi);
-      }
+      });
     }
     std::sort(forbidden.begin(), forbidden.end());
     i64 cur = 0, best = -1, best_slack = -1;
@@ -56,7 +88,7 @@ extern "C" i64 mp_greedy(int n, int S, const i64* alloc, const i64* stream, cons
     const i64 x = best >= 0 ? best : cur;
     for (int k = item_start[item]; k < item_start[item + 1]; ++k) {
       offsets[members[k]] = x + rel[k];
-      if (active(members[k], S, alloc, stream, release, size)) placed.push_back(members[k]);
+      add(members[k]);
     }
   }
   i64 arena = 0;
@@ -137,7 +169,7 @@ struct Search {
 
   Result place_next(const Part& part, i64 last_off, int last_rank) {
     if (nodes_left-- <= 0) return ABORTED;
-    if ((++nodes & 255) == 0 && std::chrono::steady_clock::now() > deadline) return TIMEOUT;
+    ++nodes;
     std::vector<std::pair<std::pair<i64, int>, int>> cand;
     i64 min_height = -1;
     for (int b : part.buffers)
@@ -156,6 +188,7 @@ struct Search {
       const int r = cd.first.second, b = cd.second;
       if (o < last_off || (o == last_off && r < last_rank)) continue;
       if (o >= min_height) break;  // a gap below would fit another buffer entirely: dominated
+      if (std::chrono::steady_clock::now() > deadline) return TIMEOUT;
       const i64 top = o + size[b];
       off[b] = o;
       std::vector<std::pair<int, i64>> off_changes, floor_changes;
@@ -180,7 +213,9 @@ struct Search {
       // only when the cheap check passes, then the sections it raised are checked again.
       bool ok = check(part, o);
       if (ok) {
+        int visited = 0;
         for (int s : affected) {
+          if ((++visited & 63) == 0 && std::chrono::steady_clock::now() > deadline) { ok = false; break; }
           i64 lowest = -1;
           for (int c : secmem[s])
             if (off[c] < 0 && (lowest < 0 || minoff[c] < lowest)) lowest = minoff[c];
@@ -203,6 +238,7 @@ struct Search {
       for (auto it = off_changes.rbegin(); it != off_changes.rend(); ++it) minoff[it->first] = it->second;
       off[b] = -1;
       if (res != NOTFOUND) return res;
+      if (std::chrono::steady_clock::now() > deadline) return TIMEOUT;
       if (hatless) break;  // the other candidates lead to the same failure
     }
     return NOTFOUND;
