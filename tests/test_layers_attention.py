@@ -67,3 +67,24 @@ def test_held_bytes_per_core(tensors):
     assert held("tempo") == 3 * elems * 4 + scores * (4 + 1)
     assert held("selective") == 3 * elems * 4
     assert baseline_attention is CORES["baseline"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_byte_dropout_draws_the_same_mask_as_nn_dropout(dtype):
+    from planner.workloads.blocks import Dropout
+
+    x, dy = torch.randn(64, 257).to(dtype), torch.randn(64, 257).to(dtype)
+    results = []
+    for module in (torch.nn.Dropout(0.3), Dropout(0.3)):
+        xx = x.clone().requires_grad_()
+        torch.manual_seed(3)
+        out = module(xx)
+        out.backward(dy)
+        results.append((out, xx.grad))
+    (out_ref, grad_ref), (out, grad) = results
+    assert torch.equal(out, out_ref) and torch.equal(grad == 0, grad_ref == 0)
+    # nn.Dropout's bf16 noise tensor holds 1/(1-p) rounded to bf16; the 1-byte mask scales in fp32.
+    torch.testing.assert_close(grad, grad_ref, rtol=0 if dtype == torch.float32 else 2**-7, atol=0)
+    xx = x.clone().requires_grad_()
+    held = saved_bytes(torch.nn.Identity(), lambda: Dropout(0.3)(xx * 1))
+    assert held == 64 * 257  # a bool mask, where nn.Dropout on the CPU keeps a noise tensor of x's dtype
