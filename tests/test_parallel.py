@@ -28,6 +28,7 @@ def ranks():
     """Every rank-side check in one 2-process run (starting processes is the slow part)."""
     cases = [{"check": "errors", "shape": SMALL, "mode": m, "sequence_parallel": sp} for m in MODES for sp in (False, True)]
     cases += [{"check": "model", "sequence_parallel": sp} for sp in (False, True)]
+    cases += [{"check": "frees"}]
     cases += [{"check": "bytes", "shape": SHAPE, "mode": m, "sequence_parallel": sp} for m, sp in BYTE_CASES]
     cases += [{"check": "traced", "shape": SHAPE, "mode": m, "sequence_parallel": sp} for m, sp in TRACED_CASES]
     results = launch(run_cases, (cases,), nproc=2)
@@ -61,6 +62,14 @@ def test_per_rank_layer_bytes_within_3_percent_of_formulas(ranks, check):
     for case, result in measured:
         # LayerNorm's mean and rstd (and, traced, the selective core's RNG state) are the allowed excess.
         assert result["formula"] <= result["measured"] <= 1.03 * result["formula"], (case, result)
+
+
+def test_collectives_free_their_tensors_on_the_traced_thread(ranks):
+    # gloo's worker threads must never drop the last reference: the profiler would miss that free.
+    counted = _results(ranks, "frees")
+    assert len(counted) == 2
+    for _, result in counted:
+        assert result["allocations"] == result["frees"] > 0, result
 
 
 def test_sequence_parallel_divides_the_tensor_parallel_remainder():

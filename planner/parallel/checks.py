@@ -132,9 +132,28 @@ def model_errors(sequence_parallel: bool, seq_len: int = 16, group=None) -> dict
             "ln_f": _rel(par.model.ln_f.weight.grad, plain.model.ln_f.weight.grad)}
 
 
+def collective_frees(repeats: int = 20, group=None) -> dict:
+    """Profile `repeats` rounds of every collective on fresh temporaries and count the allocations the
+    profiler saw and the frees it saw: equal when no tensor is freed on the backend's own threads."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from traces.profiler_events import step_events
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for _ in range(repeats):
+            comm.all_gather_seq(torch.randn(8, 2, 16), group)
+            comm.reduce_scatter_seq(torch.randn(8, 2, 16), group)
+            comm.all_reduce_(torch.randn(8, 2, 16), group)
+    events = step_events(prof.profiler.kineto_results.experimental_event_tree(), "cpu").events
+    return {"rank": comm.rank(group), "allocations": sum(e.size > 0 for e in events),
+            "frees": sum(e.size < 0 for e in events)}
+
+
 def run_cases(work, cases: list[dict]) -> list[dict]:
-    """The rank function for `launch`: each case is {"check": "bytes"|"traced"|"errors"|"model", "shape": [s, b, h, a, p],
-    "mode": ..., "sequence_parallel": ...} ("model" needs only the last); returns one result per case."""
+    """The rank function for `launch`: each case is {"check": "bytes"|"traced"|"errors"|"model"|"frees",
+    "shape": [s, b, h, a, p], "mode": ..., "sequence_parallel": ...} ("model" needs only the last, "frees"
+    nothing); returns one result per case."""
     checks = {"bytes": layer_bytes, "traced": traced_layer_bytes, "errors": layer_errors}
-    return [model_errors(c["sequence_parallel"]) if c["check"] == "model"
+    special = {"model": lambda c: model_errors(c["sequence_parallel"]), "frees": lambda c: collective_frees()}
+    return [special[c["check"]](c) if c["check"] in special
             else checks[c["check"]](LayerShape(*c["shape"]), c["mode"], c["sequence_parallel"]) for c in cases]

@@ -23,15 +23,15 @@ class ParallelError(MemplanError):
 RELEASE_TIMEOUT_S = 60.0
 
 
-def _collective(op, *tensors: torch.Tensor) -> None:
-    """Run a blocking collective op(*tensors) and return only once the backend has let go of them.
+def _collective(group, op, *tensors: torch.Tensor) -> None:
+    """Run a blocking collective op(*tensors) on `group` and return only once the backend has let go of them.
 
     gloo runs collectives on its own worker threads, and a worker can hold the last reference to a
     tensor for a moment after the collective completed; a tensor freed there is freed on a thread the
     profiler does not record, and the trace would keep it live. So the collective gets fresh views
     (their own TensorImpls, each counted by the storage) and this waits until those are gone.
     """
-    if not dist.is_initialized() or dist.get_backend() != "gloo":
+    if dist.get_backend(group) != "gloo":
         op(*tensors)
         return
     storages = [t.untyped_storage() for t in tensors]
@@ -42,7 +42,7 @@ def _collective(op, *tensors: torch.Tensor) -> None:
     deadline = time.monotonic() + RELEASE_TIMEOUT_S
     while any(torch._C._storage_Use_Count(s._cdata) > n for s, n in zip(storages, held)):
         if time.monotonic() > deadline:
-            raise ParallelError(f"the {dist.get_backend()} backend still holds a tensor "
+            raise ParallelError(f"the gloo backend still holds a tensor "
                                 f"{RELEASE_TIMEOUT_S:.0f} s after its collective completed")
         time.sleep(0)
 
@@ -64,7 +64,7 @@ def all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = x.new_empty((x.shape[0] * t,) + tuple(x.shape[1:]))
-    _collective(lambda o, i: dist.all_gather_single(o, i, group=group), out, x)
+    _collective(group, lambda o, i: dist.all_gather_single(o, i, group=group), out, x)
     return out
 
 
@@ -85,7 +85,7 @@ def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     if dist.get_backend(group) == "gloo":
         return all_reduce_(x, group).chunk(t, dim=0)[rank(group)].clone()
     out = x.new_empty((x.shape[0] // t,) + tuple(x.shape[1:]))
-    _collective(lambda o, i: dist.reduce_scatter_single(o, i, group=group), out, x)
+    _collective(group, lambda o, i: dist.reduce_scatter_single(o, i, group=group), out, x)
     return out
 
 
@@ -102,7 +102,7 @@ def split_seq(x: torch.Tensor, group) -> torch.Tensor:
 def all_reduce_(x: torch.Tensor, group) -> torch.Tensor:
     """Sum x over the ranks in place."""
     if world(group) > 1:
-        _collective(lambda t: dist.all_reduce(t, group=group), x)
+        _collective(group, lambda t: dist.all_reduce(t, group=group), x)
     return x
 
 
