@@ -7,6 +7,7 @@ from torch.nn import functional as F
 
 from planner.layers.gelu import TABLES, InplaceGELU, InplaceGELUFunction, recover_input
 from planner.layers.memory import saved_bytes
+from traces.errors import MemplanError
 
 FORMS = ["none", "tanh"]
 
@@ -77,5 +78,5 @@ def test_holds_output_and_a_one_byte_mask_only():
 
 
 def test_unknown_form_rejected():
-    with pytest.raises(ValueError):
+    with pytest.raises(MemplanError, match="unknown GELU form"):
         InplaceGELU("cubic")

@@ -62,3 +62,15 @@ def test_bad_shapes_raise_memplan_errors():
         bert.build_workload(seq_len=10_000)
     with pytest.raises(MemplanError, match="multiple"):
         gpt2.build_workload(config=dataclasses.replace(gpt2.TINY, heads=5))
+
+
+def test_formula_and_measure_errors_are_memplan_errors():
+    from planner.layers.memory import LayerShape, held_for_backward
+    from traces.format import make_trace
+
+    with pytest.raises(MemplanError, match="no formula"):
+        LayerShape(s=1, b=1, h=1, a=1, p=4).formula("full")
+    trace = make_trace({"size": [8], "alloc": [1], "free": [2], "stream": [0], "addr": [-1],
+                        "category": ["activation"], "phase": ["forward"], "op": ["x"], "module": ["m"]})
+    with pytest.raises(MemplanError, match="no backward phase"):
+        held_for_backward(trace)

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from traces.errors import MemplanError
+
 FORMS = ("none", "tanh")
 Y_LINEAR = 10.0  # beyond this output GELU(x) = x in fp32: the main table ends there
 Y_TAIL = -0.05  # left-branch outputs closer to zero use the log(-y) table (x below about -2)
@@ -118,6 +120,10 @@ def recover_input(y: torch.Tensor, right: torch.Tensor, approximate: str) -> tor
     return x
 
 
+class GELUFormError(MemplanError):
+    """A GELU form other than "none" (erf) or "tanh" was asked for."""
+
+
 class InplaceGELUFunction(torch.autograd.Function):
     """GELU whose backward needs only its output and a bool mask (x ≥ x*), not its input."""
 
@@ -143,7 +149,7 @@ class InplaceGELU(nn.Module):
     def __init__(self, approximate: str = "none"):
         super().__init__()
         if approximate not in FORMS:
-            raise ValueError(f"unknown GELU form {approximate!r}")
+            raise GELUFormError(f"unknown GELU form {approximate!r}; expected 'none' or 'tanh'")
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,12 @@ from typing import Callable
 import torch
 from torch import nn
 
+from traces.errors import MemplanError
+
+
+class MeasureError(MemplanError):
+    """A measurement was asked of something it does not apply to (unknown mode, trace without backward)."""
+
 
 def saved_bytes(model: nn.Module, forward: Callable[[], object]) -> int:
     """Bytes of the distinct non-parameter storages autograd saves while `forward()` runs (the graph is kept until return)."""
@@ -49,14 +55,14 @@ class LayerShape:
             return sbh * (16 * p + 2)
         if mode == "tempo+selective":
             return sbh * (10 * p + 6)
-        raise ValueError(f"no formula for mode {mode!r}")
+        raise MeasureError(f"no formula for layers mode {mode!r}")
 
 
 def held_for_backward(trace) -> int:
     """Bytes a captured step holds from forward into backward: forward-phase buffers still live when backward begins."""
     backward = [i for i, phase in enumerate(trace.phase) if phase == "backward"]
     if not backward:
-        raise ValueError("the trace has no backward phase")
+        raise MeasureError("the trace has no backward phase: nothing is held for backward")
     start = int(trace.alloc[backward].min())
     forward = [i for i, phase in enumerate(trace.phase) if phase == "forward"]
     live = [i for i in forward if trace.alloc[i] < start < trace.free[i]]
