@@ -31,6 +31,8 @@ class CaptureError(MemplanError):
 
 @dataclass
 class _Buffer:
+    """One buffer while the trace is assembled (free is None until its free event is seen)."""
+
     size: int
     alloc: int
     free: int | None
