@@ -41,7 +41,7 @@ def library() -> ctypes.CDLL:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        proc = subprocess.run([cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-o", tmp, str(SOURCE)],
+        proc = subprocess.run([cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-pthread", "-o", tmp, str(SOURCE)],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             os.unlink(tmp)

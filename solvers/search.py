@@ -4,7 +4,8 @@ Depth-first over canonical placements: every buffer sits at 0 or on top of a con
 placed in nondecreasing offset order; time is cut into sections, a section whose floor plus its unplaced
 bytes exceeds C prunes the node, a buffer whose offset would leave room below for an entire other buffer
 is skipped, and the problem splits into independent parts whenever no unplaced buffer crosses a section
-boundary. Three static orders (re-ranked in every independent part) take turns with doubling node limits.
+boundary. Three static orders (re-ranked in every independent part) search in parallel threads; the first
+to find a placement or prove that none exists wins.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from solvers.native import library
 
 FITS, INFEASIBLE, TIMEOUT = "fits", "infeasible", "timeout"
 # Static orders, most significant key first, all descending: W lifetime, A area, T section pressure, Z size.
-HEURISTICS = ("WAT", "TAW", "TWA")
+HEURISTICS = ("TWA", "TAW", "WAT")
 
 
 def applicable(p: Problem) -> bool:

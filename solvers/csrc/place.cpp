@@ -2,10 +2,13 @@
 //   mp_greedy: place items (single buffers or rigid contiguous blocks) in a given order, best or first fit.
 //   mp_search: decide "fits in capacity?" for interval buffers by a canonical depth-first search
 //              (each buffer at the lowest offset its placed neighbours allow, offsets nondecreasing),
-//              with section inference, gap dominance and dynamic decomposition into independent parts.
+//              with section inference, gap dominance and dynamic decomposition into independent parts,
+//              one thread per static buffer order.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -99,19 +102,25 @@ extern "C" i64 mp_greedy(int n, int S, const i64* alloc, const i64* stream, cons
 
 namespace {
 
-enum Result { FOUND = 1, NOTFOUND = 0, ABORTED = -1, TIMEOUT = -2 };
+enum Result { FOUND = 1, NOTFOUND = 0, TIMEOUT = -2 };
 
 struct Search {
   int n, nsec;
   const i64* size;
   const int *slo, *shi;
   i64 cap;
-  std::vector<std::vector<int>> adj, secmem;
+  const std::vector<std::vector<int>>* adj;     // shared by all workers: overlapping buffers
+  const std::vector<std::vector<int>>* secmem;  // shared by all workers: buffers of each section
   std::vector<i64> minoff, off, sol, floor_, total;
   std::vector<int> rank, cuts, stamp;
   int generation = 0;
   std::chrono::steady_clock::time_point deadline;
-  i64 nodes_left = 0, nodes = 0;
+  std::atomic<bool>* stop;  // set when another worker has finished
+  i64 nodes = 0;
+
+  bool expired() const {
+    return stop->load(std::memory_order_relaxed) || std::chrono::steady_clock::now() > deadline;
+  }
 
   struct Part { std::vector<int> buffers; int lo, hi; };
   const i64 *lower, *upper;
@@ -168,7 +177,6 @@ struct Search {
   }
 
   Result place_next(const Part& part, i64 last_off, int last_rank) {
-    if (nodes_left-- <= 0) return ABORTED;
     ++nodes;
     std::vector<std::pair<std::pair<i64, int>, int>> cand;
     i64 min_height = -1;
@@ -188,16 +196,16 @@ struct Search {
       const int r = cd.first.second, b = cd.second;
       if (o < last_off || (o == last_off && r < last_rank)) continue;
       if (o >= min_height) break;  // a gap below would fit another buffer entirely: dominated
-      if (std::chrono::steady_clock::now() > deadline) return TIMEOUT;
+      if (expired()) return TIMEOUT;
       const i64 top = o + size[b];
       off[b] = o;
       std::vector<std::pair<int, i64>> off_changes, floor_changes;
       std::vector<int> affected;
       ++generation;
       bool hatless = true;  // nothing unplaced overlaps b: its placement constrains no one
-      for (int c : adj[b])
+      for (int c : (*adj)[b])
         if (off[c] < 0) hatless = false;
-      for (int c : adj[b])
+      for (int c : (*adj)[b])
         if (off[c] < 0 && minoff[c] < top) {
           off_changes.push_back({c, minoff[c]});
           minoff[c] = top;
@@ -215,9 +223,9 @@ struct Search {
       if (ok) {
         int visited = 0;
         for (int s : affected) {
-          if ((++visited & 63) == 0 && std::chrono::steady_clock::now() > deadline) { ok = false; break; }
+          if ((++visited & 63) == 0 && expired()) { ok = false; break; }
           i64 lowest = -1;
-          for (int c : secmem[s])
+          for (int c : (*secmem)[s])
             if (off[c] < 0 && (lowest < 0 || minoff[c] < lowest)) lowest = minoff[c];
           if (lowest > floor_[s]) {
             floor_changes.push_back({s, floor_[s]});
@@ -238,7 +246,7 @@ struct Search {
       for (auto it = off_changes.rbegin(); it != off_changes.rend(); ++it) minoff[it->first] = it->second;
       off[b] = -1;
       if (res != NOTFOUND) return res;
-      if (std::chrono::steady_clock::now() > deadline) return TIMEOUT;
+      if (expired()) return TIMEOUT;
       if (hatless) break;  // the other candidates lead to the same failure
     }
     return NOTFOUND;
@@ -247,45 +255,53 @@ struct Search {
 
 }  // namespace
 
-// Buffers are live on [lower, upper), section ranges [slo, shi); heuristics name the static orders to try.
+// Buffers are live on [lower, upper), section ranges [slo, shi). Each heuristic (a static order) runs in
+// its own thread; the first to find a placement or prove there is none stops the others.
 // Returns 1 (fits; offsets written), 0 (proven not to fit), -2 (time limit). *nodes_out counts nodes.
 extern "C" int mp_search(int n, int nsec, const i64* size, const i64* lower, const i64* upper,
                          const int* slo, const int* shi, i64 cap, int nheur, const char* const* heuristics,
                          double seconds, i64* offsets, i64* nodes_out) {
-  Search st;
-  st.lower = lower; st.upper = upper;
-  st.rank.assign(n, 0);
-  st.n = n; st.nsec = nsec; st.size = size; st.slo = slo; st.shi = shi; st.cap = cap;
-  st.deadline = std::chrono::steady_clock::now() +
-                std::chrono::microseconds((i64)(seconds * 1e6));
-  st.adj.assign(n, {});
-  st.secmem.assign(nsec, {});
-  st.minoff.assign(n, 0); st.off.assign(n, -1); st.sol.assign(n, -1);
-  st.floor_.assign(nsec, 0); st.total.assign(nsec, 0); st.cuts.assign(nsec, 0);
-  st.stamp.assign(nsec, 0);
+  std::vector<std::vector<int>> adj(n), secmem(nsec);
+  std::vector<i64> total(nsec, 0);
+  std::vector<int> cuts(nsec, 0);
   for (int b = 0; b < n; ++b) {
-    for (int s = slo[b]; s < shi[b]; ++s) { st.secmem[s].push_back(b); st.total[s] += size[b]; }
-    for (int s = slo[b]; s + 1 < shi[b]; ++s) ++st.cuts[s];
+    for (int s = slo[b]; s < shi[b]; ++s) { secmem[s].push_back(b); total[s] += size[b]; }
+    for (int s = slo[b]; s + 1 < shi[b]; ++s) ++cuts[s];
   }
+  *nodes_out = 0;
+  for (int s = 0; s < nsec; ++s)
+    if (total[s] > cap) return 0;
   for (int b = 0; b < n; ++b)
     for (int c = b + 1; c < n; ++c)
-      if (slo[b] < shi[c] && slo[c] < shi[b]) { st.adj[b].push_back(c); st.adj[c].push_back(b); }
-  for (int s = 0; s < nsec; ++s)
-    if (st.total[s] > cap) { *nodes_out = 0; return 0; }
+      if (slo[b] < shi[c] && slo[c] < shi[b]) { adj[b].push_back(c); adj[c].push_back(b); }
   Search::Part all;
   all.lo = 0; all.hi = nsec;
   for (int b = 0; b < n; ++b) all.buffers.push_back(b);
-  i64 limit = std::max(n, 64);
-  Result res = ABORTED;
-  while (res == ABORTED) {
-    limit *= 2;
-    for (int h = 0; h < nheur && (res == ABORTED); ++h) {
-      st.heuristic = heuristics[h];
-      st.nodes_left = nheur == 1 ? (i64)1 << 62 : limit;
-      res = st.solve(all, 0, -1, true);
-    }
+  std::atomic<bool> stop(false);
+  std::atomic<int> winner(-1);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds((i64)(seconds * 1e6));
+  std::vector<Search> workers(nheur);
+  std::vector<Result> results(nheur, TIMEOUT);
+  std::vector<std::thread> threads;
+  for (int h = 0; h < nheur; ++h) {
+    Search& st = workers[h];
+    st.n = n; st.nsec = nsec; st.size = size; st.slo = slo; st.shi = shi; st.cap = cap;
+    st.lower = lower; st.upper = upper; st.heuristic = heuristics[h];
+    st.adj = &adj; st.secmem = &secmem; st.stop = &stop; st.deadline = deadline;
+    st.rank.assign(n, 0); st.minoff.assign(n, 0); st.off.assign(n, -1); st.sol.assign(n, -1);
+    st.floor_.assign(nsec, 0); st.total = total; st.cuts = cuts; st.stamp.assign(nsec, 0);
+    threads.emplace_back([&, h]() {
+      results[h] = workers[h].solve(all, 0, -1, true);
+      if (results[h] == FOUND || results[h] == NOTFOUND) {
+        int none = -1;
+        if (winner.compare_exchange_strong(none, h)) stop.store(true);
+      }
+    });
   }
-  *nodes_out = st.nodes;
-  if (res == FOUND) for (int b = 0; b < n; ++b) offsets[b] = st.sol[b];
-  return res == FOUND ? 1 : (res == NOTFOUND ? 0 : -2);
+  for (auto& t : threads) t.join();
+  for (const auto& st : workers) *nodes_out += st.nodes;
+  const int w = winner.load();
+  if (w < 0) return -2;
+  if (results[w] == FOUND) for (int b = 0; b < n; ++b) offsets[b] = workers[w].sol[b];
+  return results[w] == FOUND ? 1 : 0;
 }
