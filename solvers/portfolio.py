@@ -22,6 +22,7 @@ from traces.errors import MemplanError
 
 METHODS = ("auto", "greedy", "cpsat")
 SEARCH_MAX_BUFFERS = 5000  # the exact search is hopeless beyond this (MiniMalloc-style DFS)
+SEARCH_SHARE = 0.7  # when minimising, the fraction of the time limit the exact search may use
 
 
 class CapacityError(MemplanError):
@@ -66,6 +67,34 @@ class _Best:
                     seconds=round(self.elapsed(), 3), capacity=capacity)
 
 
+def _search_at(best: _Best, target: int, seconds: float, capacity: int | None) -> str:
+    """Run the exact search at one target; record a placement or a proof. Returns its status."""
+    status, offs, _ = search_fit(best.p, target, max(seconds, 0.0))
+    if status == FITS:
+        best.offer(offs, int((offs + best.p.size)[best.p.size > 0].max(initial=0)), "search")
+    elif status == INFEASIBLE:
+        if capacity is not None:
+            raise CapacityError(f"cannot fit in {capacity} bytes: no placement exists "
+                                f"(proven by search; lower bound {best.bound} bytes)")
+        best.bound = max(best.bound, target + 1)
+        best.tell("search")
+    return status
+
+
+def _search_down(best: _Best, deadline: float) -> None:
+    """Minimise with the search: the bound first, then bisect between the bound and the best arena."""
+    if _search_at(best, best.bound, (deadline - time.monotonic()) / 3, None) == FITS:
+        return
+    low = best.bound
+    while best.arena > best.bound and time.monotonic() < deadline - 0.05:
+        target = (low + best.arena - 1) // 2
+        if target < low:
+            break
+        status = _search_at(best, target, max((deadline - time.monotonic()) / 3, 0.05), None)
+        if status != FITS:
+            low = target + 1  # proven (infeasible) or given up (timeout): look higher
+
+
 def solve(problem: Problem, method: str = "auto", time_limit: float = 10.0, capacity: int | None = None,
           progress: Callable[[Progress], None] | None = None) -> Plan:
     """Place every buffer of `problem`; with `capacity`, stop at the first plan that fits (error if none)."""
@@ -82,19 +111,12 @@ def solve(problem: Problem, method: str = "auto", time_limit: float = 10.0, capa
     best.offer(offsets, arena, name)
     if method != "greedy" and best.arena > goal:
         if method == "auto" and applicable(p) and int(p.active.sum()) <= SEARCH_MAX_BUFFERS:
-            share = time_limit - best.elapsed()
-            share = share if capacity is not None else share / 2
-            status, offs, _ = search_fit(p, goal, max(share, 0.0))
-            if status == FITS:
-                top = int((offs + p.size)[p.size > 0].max(initial=0))
-                best.offer(offs, top, "search")
-            elif status == INFEASIBLE:
-                if capacity is not None:
-                    raise CapacityError(f"cannot fit in {capacity} bytes: no placement exists "
-                                        f"(proven by search; lower bound {bound} bytes)")
-                best.bound = goal + 1
-                best.tell("search")
+            if capacity is not None:
+                _search_at(best, capacity, time_limit - best.elapsed(), capacity)
+            else:
+                _search_down(best, start + SEARCH_SHARE * time_limit)
         left = time_limit - best.elapsed()
+        goal = capacity if capacity is not None else best.bound
         if best.arena > goal and left > 0.05 and model_terms(p) <= MAX_TERMS:
             res = cpsat_place(p, best.bound, left, hint=best.offsets, capacity=capacity,
                               on_solution=lambda a: best.tell("cpsat", a))
@@ -103,7 +125,8 @@ def solve(problem: Problem, method: str = "auto", time_limit: float = 10.0, capa
             if res.status == "infeasible" and capacity is not None:
                 raise CapacityError(f"cannot fit in {capacity} bytes: no placement exists "
                                     f"(proven by CP-SAT; lower bound {bound} bytes)")
-            best.bound = max(best.bound, res.bound if res.status != "infeasible" else best.bound)
+            if res.status in ("optimal", "feasible"):
+                best.bound = max(best.bound, res.bound)
     if capacity is not None and best.arena > capacity:
         raise CapacityError(f"no plan within {capacity} bytes found in {best.elapsed():.1f} s "
                             f"(best {best.arena} bytes, lower bound {best.bound} bytes)")
