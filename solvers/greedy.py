@@ -27,16 +27,24 @@ def pressure(p: Problem, items: Items) -> np.ndarray:
 
 
 def orders(p: Problem, items: Items) -> dict[str, np.ndarray]:
-    """Named item orders to try (ties in pressure are common, so the tie-breaks matter)."""
+    """Named item orders to try, most often best first (ties in pressure are common: tie-breaks matter).
+
+    `pressure` is the most bytes live during the item's lifetime; then size, allocation or free time.
+    """
     size, length = items.size, items.free - items.alloc
     area, press = size * length, pressure(p, items)
+    alloc, free = items.alloc, items.free
     return {
-        "pressure-late": np.lexsort((-items.alloc, -size, -press)),
-        "pressure": np.lexsort((items.alloc, -size, -press)),
+        "pressure-late": np.lexsort((-alloc, -size, -press)),
+        "pressure-long": np.lexsort((-size, -free, -press)),
+        "pressure": np.lexsort((alloc, -size, -press)),
+        "pressure-early": np.lexsort((-size, alloc, -press)),
+        "pressure-lifetime": np.lexsort((-size, -length, -press)),
+        "pressure-area": np.lexsort((-area, -press)),
         "size": np.lexsort((-length, -size)),
         "area": np.lexsort((-size, -area)),
         "lifetime": np.lexsort((-size, -length)),
-        "alloc": np.lexsort((-size, items.alloc)),
+        "alloc": np.lexsort((-size, alloc)),
     }
 
 
