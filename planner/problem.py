@@ -116,6 +116,15 @@ def _check_groups_and_fixed(p: Problem) -> None:
         if off < 0 or off % p.alignment:
             raise ProblemError(f"fixed offset {off} of buffer {i} is negative or not a multiple of "
                                f"the alignment {p.alignment}")
+    pinned = np.array(sorted(p.fixed), dtype=np.int64)
+    for k, i in enumerate(pinned[:-1]):
+        others = pinned[k + 1:]
+        off = np.array([p.fixed[int(j)] for j in others], dtype=np.int64)
+        clash = p.conflicts_with(int(i), others) & (off < p.fixed[int(i)] + p.size[i]) & \
+            (p.fixed[int(i)] < off + p.size[others])
+        if clash.any():
+            raise ProblemError(f"fixed offsets of buffers {int(i)} and {int(others[clash][0])} overlap while "
+                               f"both may be live")
     for g, members in enumerate(p.groups):
         bases = {p.fixed[i] - int(p.size[members[:k]].sum()) for k, i in enumerate(members) if i in p.fixed}
         if len(bases) > 1 or min(bases, default=0) < 0:

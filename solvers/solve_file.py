@@ -31,7 +31,7 @@ class SolveReport:
 
     def text(self) -> str:
         s = self.summary()
-        status = "optimal" if s["status"] == "optimal" else f"feasible (gap {100 * s['gap']:.3f}%)"
+        status = "optimal" if s["status"] == "optimal" else f"feasible (gap {100 * s['gap']:.3g}%)"
         lines = [f"buffers      {s['buffers']}", f"bound        {s['bound']:,} B", f"arena        {s['arena']:,} B",
                  f"arena/bound  {s['ratio']:.4f}", f"status       {status}",
                  f"seconds      {s['seconds']:.2f} ({s['solver']})"]

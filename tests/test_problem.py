@@ -44,6 +44,7 @@ def test_digest_follows_the_columns():
     ({"groups": [[0, 1], [1, 3]]}, "more than one group"),
     ({"fixed": {0: 100}}, "multiple of the alignment"),
     ({"fixed": {0: 0, 1: 4096}, "groups": [[0, 1]]}, "back to back"),
+    ({"fixed": {0: 0, 3: 0}}, "buffers 0 and 3 overlap while both may be live"),
 ])
 def test_bad_groups_and_fixed_offsets_are_one_line_errors(kwargs, message):
     with pytest.raises(ProblemError, match=message) as e:
