@@ -4,6 +4,7 @@ with best fit and first fit, run side by side in the native kernel; the smallest
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -59,8 +60,19 @@ def place(p: Problem, items: Items, preset: np.ndarray, order: np.ndarray, best_
     return offsets, int(arena)
 
 
-def greedy(p: Problem, stop_at: int | None = None, deadline: float | None = None) -> tuple[np.ndarray, int, str]:
-    """Best of every order x {best fit, first fit}: (offsets, arena, name).
+@dataclass
+class GreedyResult:
+    """The best greedy placement and how it was made (the order can seed an improvement phase)."""
+
+    offsets: np.ndarray
+    arena: int
+    name: str
+    order: np.ndarray
+    best_fit: bool
+
+
+def greedy(p: Problem, stop_at: int | None = None, deadline: float | None = None) -> GreedyResult:
+    """Best of every order x {best fit, first fit}.
 
     Stops early once the arena reaches `stop_at`, or when time.monotonic() passes `deadline` (after
     at least one placement).
@@ -70,8 +82,38 @@ def greedy(p: Problem, stop_at: int | None = None, deadline: float | None = None
     for name, order in orders(p, items).items():
         for best_fit in (True, False):
             offsets, arena = place(p, items, preset, order, best_fit)
-            if best is None or arena < best[1]:
-                best = (offsets, arena, f"greedy-{name}-{'best' if best_fit else 'first'}-fit")
-            if (stop_at is not None and best[1] <= stop_at) or (deadline is not None and time.monotonic() > deadline):
+            if best is None or arena < best.arena:
+                best = GreedyResult(offsets, arena, f"greedy-{name}-{'best' if best_fit else 'first'}-fit",
+                                    order, best_fit)
+            if (stop_at is not None and best.arena <= stop_at) or (deadline is not None and time.monotonic() > deadline):
                 return best
     return best
+
+
+def squeaky_wheel(p: Problem, start: GreedyResult, bound: int, deadline: float,
+                  boost: float = 0.01, patience: int = 100) -> tuple[np.ndarray, int]:
+    """Improve a greedy placement by moving the items that end above the bound earlier, again and again.
+
+    Each round re-places everything in an order where an item's position drops by boost x items x its
+    accumulated blame (how far above the bound it ended, relative to the excess). Returns the best
+    (offsets, arena); stops at the bound, the deadline, a fixed point, or `patience` rounds without gain.
+    """
+    items, preset = make_items(p)
+    m = len(items)
+    rank = np.empty(m, dtype=np.float64)
+    rank[start.order] = np.arange(m)
+    blame = np.zeros(m)
+    first = items.start[:-1]
+    best_offsets, best_arena = start.offsets, start.arena
+    offsets, arena, order, stale = start.offsets, start.arena, start.order, 0
+    while arena > bound and stale < patience and time.monotonic() < deadline:
+        top = offsets[items.members[first]] - items.rel[first] + items.size
+        blame += np.maximum(top - bound, 0) / (arena - bound)
+        previous, order = order, np.argsort(rank - boost * m * blame, kind="stable")
+        if np.array_equal(order, previous):
+            break
+        offsets, arena = place(p, items, preset, order, start.best_fit)
+        stale += 1
+        if arena < best_arena:
+            best_offsets, best_arena, stale = offsets, arena, 0
+    return best_offsets, best_arena

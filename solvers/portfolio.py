@@ -1,8 +1,11 @@
 """The `auto` portfolio and the single-method entry points, all returning a planner.plan.Plan.
 
 auto: greedy orders first; at the bound (or within the capacity) the search stops. Otherwise, on one stream
-without groups or fixed offsets, the exact canonical search decides "fits at the bound?" (or at the
-capacity); CP-SAT then minimises with the rest of the time, hinted with the best plan so far.
+without groups or fixed offsets (and at most SEARCH_MAX_BUFFERS buffers), the exact canonical search
+decides "fits at the capacity?", or bisects between the bound and the best arena; on other problems a
+squeaky-wheel loop re-runs the best greedy order with the buffers that end above the bound moved earlier.
+CP-SAT then minimises (or decides the capacity) in the rest of the time, hinted with the best plan so far,
+when its model is small enough to help.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from planner.plan import Plan
 from planner.problem import Problem
 from solvers.bounds import lower_bound
 from solvers.cpsat import MAX_TERMS, cpsat_place, model_terms
-from solvers.greedy import greedy
+from solvers.greedy import greedy, squeaky_wheel
 from solvers.search import FITS, INFEASIBLE, applicable, search_fit
 from traces.errors import MemplanError
 
@@ -107,17 +110,22 @@ def solve(problem: Problem, method: str = "auto", time_limit: float = 10.0, capa
         raise CapacityError(f"cannot fit in {capacity} bytes: the lower bound is {bound} bytes")
     best = _Best(p, bound, start, progress)
     goal = capacity if capacity is not None else bound
-    offsets, arena, name = greedy(p, stop_at=goal, deadline=start + time_limit / 2)
-    best.offer(offsets, arena, name)
+    first = greedy(p, stop_at=goal, deadline=start + time_limit / 2)
+    best.offer(first.offsets, first.arena, first.name)
     if method != "greedy" and best.arena > goal:
+        model_fits = model_terms(p) <= MAX_TERMS
         if method == "auto" and applicable(p) and int(p.active.sum()) <= SEARCH_MAX_BUFFERS:
             if capacity is not None:
                 _search_at(best, capacity, time_limit - best.elapsed(), capacity)
             else:
                 _search_down(best, start + SEARCH_SHARE * time_limit)
+        elif method == "auto":
+            until = start + (SEARCH_SHARE if model_fits else 1.0) * time_limit
+            offsets, arena = squeaky_wheel(p, first, goal, until)
+            best.offer(offsets, arena, "greedy+squeaky-wheel")
         left = time_limit - best.elapsed()
         goal = capacity if capacity is not None else best.bound
-        if best.arena > goal and left > 0.05 and model_terms(p) <= MAX_TERMS:
+        if best.arena > goal and left > 0.05 and model_fits:
             res = cpsat_place(p, best.bound, left, hint=best.offsets, capacity=capacity,
                               on_solution=lambda a: best.tell("cpsat", a))
             if res.offsets is not None:

@@ -116,9 +116,9 @@ def test_contiguous_group_is_placed_back_to_back_with_fixed_neighbour():
 
 def test_greedy_alone_is_a_valid_feasible_plan():
     p = hard_instance()
-    offsets, arena, name = greedy(p)
-    verify_plan(p, offsets, arena)
-    assert name.startswith("greedy-") and arena >= 4
+    res = greedy(p)
+    verify_plan(p, res.offsets, res.arena)
+    assert res.name.startswith("greedy-") and res.arena >= 4
 
 
 def test_minimalloc_instance_fits_capacity(shared):
