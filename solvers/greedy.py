@@ -15,14 +15,15 @@ from solvers.ranges import range_max
 
 
 def pressure(p: Problem, items: Items) -> np.ndarray:
-    """For each item, the most bytes live at any time of its span (max-live restricted to its span)."""
+    """For each item, the most bytes held at any time of its span (max-live restricted to its span)."""
     act = p.active
-    times = np.unique(np.concatenate([p.alloc[act], p.free[act], items.alloc, items.free]))
+    until = p.release.max(axis=1)[act]  # with several streams a buffer blocks others until its release
+    times = np.unique(np.concatenate([p.alloc[act], until, items.alloc, items.free]))
     if len(times) == 0:
         return np.zeros(len(items), dtype=np.int64)
     delta = np.zeros(len(times) + 1, dtype=np.int64)
     np.add.at(delta, np.searchsorted(times, p.alloc[act]), p.size[act])
-    np.add.at(delta, np.searchsorted(times, p.free[act]), -p.size[act])
+    np.add.at(delta, np.searchsorted(times, until), -p.size[act])
     live = np.cumsum(delta)[:-1]
     return range_max(live, np.searchsorted(times, items.alloc), np.searchsorted(times, items.free))
 

@@ -20,7 +20,7 @@ class Items:
     rel: np.ndarray      # int64 offset of each member inside its item
     size: np.ndarray     # int64 bytes of each item
     alloc: np.ndarray    # int64 earliest allocation among the members
-    free: np.ndarray     # int64 latest free among the members
+    free: np.ndarray     # int64 latest time a member still blocks another stream (its free on one stream)
 
     def __len__(self) -> int:
         return len(self.size)
@@ -54,7 +54,7 @@ def make_items(p: Problem) -> tuple[Items, np.ndarray]:
     size = (csum[start[1:]] - csum[start[:-1]]).astype(np.int64)
     if len(blocks):
         alloc = np.minimum.reduceat(p.alloc[members], start[:-1]) if len(members) else np.zeros(0, np.int64)
-        free = np.maximum.reduceat(p.free[members], start[:-1])
+        free = np.maximum.reduceat(p.release.max(axis=1)[members], start[:-1])
     else:
         alloc = free = np.zeros(0, dtype=np.int64)
     return Items(start, members, rel, size, alloc.astype(np.int64), free.astype(np.int64)), preset
