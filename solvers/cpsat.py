@@ -1,7 +1,8 @@
 """Exact placement with OR-Tools CP-SAT: minimise the arena, or decide whether it fits in a capacity.
 
-NoOverlap2D over fixed lifetimes equals one NoOverlap per maximal set of mutually conflicting buffers
-(maximal cliques of the interval graph on one stream; every conflicting pair with several streams).
+NoOverlap2D over fixed lifetimes equals one NoOverlap per maximal set of buffers live at one time (the
+maximal cliques of the interval graph); with several streams, conflicting pairs never live at one time
+(no sync orders them) get a NoOverlap each.
 Sizes are divided by their GCD, buffers that conflict with every other one are stacked at the bottom
 outside the model, the lower bound is in the arena variable's domain, the greedy plan is the hint, and
 identical buffers are ordered to break symmetry. Contiguous groups are rigid blocks, fixed offsets constants.
@@ -18,6 +19,7 @@ from planner.problem import Problem
 from solvers.items import make_items
 
 MAX_TERMS = 400_000  # clique memberships beyond which the model is too big to help within seconds
+MAX_PAIRWISE_BUFFERS = 5000  # several streams: beyond this, listing unordered pairs costs too much
 
 
 @dataclass
@@ -30,41 +32,56 @@ class CpResult:
     bound: int
 
 
-def _cliques(p: Problem, active: np.ndarray) -> list[np.ndarray]:
-    """Sets of buffers covering every conflicting pair, each set mutually conflicting."""
+def _live_cliques(p: Problem, active: np.ndarray) -> list[np.ndarray]:
+    """Maximal sets of buffers live at one time; they conflict pairwise on any number of streams."""
+    events = sorted([(int(p.free[i]), 0, i) for i in active] + [(int(p.alloc[i]), 1, i) for i in active])
+    live: set[int] = set()
+    out, grew = [], False
+    for _, kind, i in events:
+        if kind == 1:
+            live.add(i)
+            grew = True
+        else:
+            if grew:
+                out.append(np.fromiter(live, dtype=np.int64))
+            grew = False
+            live.discard(i)
+    return out
+
+
+def _unordered_pairs(p: Problem, active: np.ndarray, limit: int) -> list[np.ndarray] | None:
+    """Conflicting pairs never live at one time (several streams without a sync); None beyond `limit`."""
+    out: list[np.ndarray] = []
     if p.nstreams == 1:
-        events = sorted([(int(p.free[i]), 0, i) for i in active] + [(int(p.alloc[i]), 1, i) for i in active])
-        live: set[int] = set()
-        out, grew = [], False
-        for _, kind, i in events:
-            if kind == 1:
-                live.add(i)
-                grew = True
-            else:
-                if grew:
-                    out.append(np.fromiter(live, dtype=np.int64))
-                grew = False
-                live.discard(i)
         return out
-    out = []
+    if len(active) > MAX_PAIRWISE_BUFFERS:
+        return None
     for k, i in enumerate(active):
         others = active[k + 1:]
-        for j in others[p.conflicts_with(int(i), others)]:
+        apart = (p.alloc[others] >= p.free[i]) | (p.alloc[i] >= p.free[others])
+        for j in others[apart & p.conflicts_with(int(i), others)]:
             out.append(np.array([i, j], dtype=np.int64))
+        if len(out) > limit:
+            return None
     return out
+
+
+def _cliques(p: Problem, active: np.ndarray) -> list[np.ndarray]:
+    """Sets of mutually conflicting buffers that together cover every conflicting pair."""
+    return _live_cliques(p, active) + (_unordered_pairs(p, active, MAX_TERMS) or [])
 
 
 def model_terms(p: Problem) -> int:
     """Clique memberships the model would hold (a size estimate, to skip hopeless models)."""
     active = np.nonzero(p.active)[0]
-    if p.nstreams > 1:
-        return len(active) ** 2 // 2
     times = np.concatenate([p.alloc[active], p.free[active]])
     delta = np.concatenate([np.ones(len(active)), -np.ones(len(active))])
     order = np.lexsort((delta, times))
     live = np.cumsum(delta[order])
     rising = np.nonzero(np.diff(np.concatenate([[-1], delta[order]])) < 0)[0]  # alloc followed by a free
-    return int(live[rising - 1].sum()) if len(rising) else int(live.max(initial=0))
+    terms = int(live[rising - 1].sum()) if len(rising) else int(live.max(initial=0))
+    pairs = _unordered_pairs(p, active, MAX_TERMS // 2) if terms <= MAX_TERMS else None
+    return MAX_TERMS + 1 if pairs is None else terms + 2 * len(pairs)
 
 
 def cpsat_place(p: Problem, bound: int, seconds: float, hint: np.ndarray | None = None,
