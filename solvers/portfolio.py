@@ -43,6 +43,8 @@ class Progress:
 
 
 class _Best:
+    """The best placement so far and the best proven bound, reported to the progress callback."""
+
     def __init__(self, p: Problem, bound: int, start: float, report: Callable | None):
         self.p, self.bound, self.start, self.report = p, bound, start, report
         self.offsets: np.ndarray | None = None
