@@ -270,5 +270,35 @@ def solve_command(source, output, time_limit, capacity, method, alignment, as_js
     emit(report.summary(), as_json, report.text())
 
 
+@main.command("fit")
+@click.argument("model_file", type=click.Path(dir_okay=False))
+@click.option("--memory", required=True, help="Device memory: 11GiB, 16GB, 512MiB or a number of bytes.")
+@click.option("--layers", "modes", multiple=True,
+              help="Layer mode to fit (baseline, tempo, selective, tempo+selective); repeat for several "
+                   "[default: all four].")
+@click.option("--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build().")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--alloc-conf", default="", help=ALLOC_CONF_HELP)
+@click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
+              help="Seconds for each solve.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def fit_command(model_file, memory, modes, seq, dtype, alloc_conf, time_limit, as_json):
+    """The largest batch size whose training step fits --memory, under the caching allocator and under a plan.
+
+    Traces batch 1, 2 and 4, fits memory as affine in the batch, predicts, then traces around the
+    prediction until the answer b is proven: b fits and b+1 does not, both by direct trace.
+
+    \b
+    Example: MEMPLAN_PRESET=tiny memplan fit examples/bert.py --memory 64MiB --seq 64 --layers baseline --layers tempo
+    """
+    from planner.fit import fit_model, parse_size
+    from planner.layers import MODES
+
+    size = parse_size(memory)
+    result = fit_model(model_file, size, modes=tuple(modes) or MODES, seq=seq, dtype=dtype,
+                       alloc_conf=alloc_conf, time_limit=time_limit, progress=progress)
+    emit(result.summary(), as_json, result.text())
+
+
 if __name__ == "__main__":
     sys.exit(main())

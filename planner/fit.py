@@ -1,0 +1,252 @@
+"""`memplan fit`: the largest batch size whose training step fits a memory size, per layer mode.
+
+Memory is measured on real traces: a few batch sizes are traced, memory is fitted as affine in the
+batch, the largest fitting batch is predicted, and the boundary is then proven by tracing: batch b
+fits and b+1 does not, both under the same allocator model (PyTorch's caching allocator simulated
+with the size as its capacity, so its out-of-memory retry applies; or a plan from the solvers).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from traces.errors import MemplanError
+
+MEASURE_BATCHES = (1, 2, 4)
+MAX_BATCH = 1 << 16
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+ALLOCATORS = ("caching", "plan")
+
+
+class FitError(MemplanError):
+    """A fit request that cannot be answered: bad size, or memory below what batch 1 needs."""
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size such as '11GiB', '16GB', '512MiB', '1.5 GiB' or '4096'; FitError otherwise."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in UNITS:
+        raise FitError(f"--memory {text!r}: not a size (use e.g. 11GiB, 16GB, 512MiB or a number of bytes)")
+    size = int(float(m.group(1)) * UNITS[unit])
+    if size <= 0:
+        raise FitError(f"--memory {text!r}: the size must be positive")
+    return size
+
+
+def format_size(n: int) -> str:
+    """Bytes as GiB/MiB with two decimals, for the summary text."""
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+@dataclass
+class Point:
+    """One traced batch size: caching allocator and plan figures, and whether each fits the memory."""
+
+    batch: int
+    caching_reserved: int  # simulated peak reserved without a capacity (what the step asks for)
+    caching_fits: bool  # no simulated OOM with capacity = memory (the OOM retry applied)
+    plan_arena: int
+    plan_bound: int
+    plan_fits: bool  # a plan with arena <= memory was found
+
+    def figure(self, allocator: str) -> int:
+        return self.caching_reserved if allocator == "caching" else self.plan_arena
+
+    def fits(self, allocator: str) -> bool:
+        return self.caching_fits if allocator == "caching" else self.plan_fits
+
+    def as_dict(self) -> dict:
+        return {"batch": self.batch, "caching_reserved": self.caching_reserved, "caching_fits": self.caching_fits,
+                "plan_arena": self.plan_arena, "plan_bound": self.plan_bound, "plan_fits": self.plan_fits}
+
+
+@dataclass
+class ModeFit:
+    """The answer for one layer mode: the largest fitting batch per allocator model and the traced points."""
+
+    mode: str
+    batch: dict[str, int]  # allocator -> largest batch that fits
+    predicted: dict[str, int]  # allocator -> the first prediction from the measured batches
+    points: dict[int, Point] = field(default_factory=dict)
+
+    @property
+    def traces(self) -> int:
+        return len(self.points)
+
+    def boundary(self, allocator: str) -> tuple[Point | None, Point]:
+        """The traced points at the answer b (None when even batch 1 does not fit) and at b+1."""
+        b = self.batch[allocator]
+        return self.points.get(b), self.points[b + 1]
+
+    def as_dict(self) -> dict:
+        out = {"mode": self.mode, "traces": self.traces, "points": [p.as_dict() for _, p in sorted(self.points.items())]}
+        for a in ALLOCATORS:
+            at, above = self.boundary(a)
+            out[a] = {"batch": self.batch[a], "predicted": self.predicted[a],
+                      "at_batch": at.figure(a) if at else None,
+                      "at_next": above.figure(a)}
+        out["plan"]["next_bound"] = self.boundary("plan")[1].plan_bound
+        return out
+
+
+@dataclass
+class FitResult:
+    """Every mode's fit for one model file, memory size and shape."""
+
+    model_file: str
+    memory: int
+    seq: int
+    dtype: str
+    alloc_conf: str
+    modes: list[ModeFit]
+
+    def summary(self) -> dict:
+        """The JSON document of `memplan fit --json`."""
+        return {"model_file": self.model_file, "memory": self.memory, "seq": self.seq, "dtype": self.dtype,
+                "alloc_conf": self.alloc_conf, "modes": [m.as_dict() for m in self.modes]}
+
+    def text(self) -> str:
+        """The human table: per mode, the batch under each allocator model and the figures at b and b+1."""
+        head = (f"largest batch fitting {format_size(self.memory)} ({self.memory} bytes), "
+                f"{self.model_file}, seq {self.seq}, {self.dtype}")
+        cols = ("mode", "caching batch", "reserved* b / b+1", "plan batch", "arena b / b+1", "traces")
+        rows = []
+        for m in self.modes:
+            c0, c1 = m.boundary("caching")
+            p0, p1 = m.boundary("plan")
+            rows.append((m.mode, str(m.batch["caching"]),
+                         f"{format_size(c0.caching_reserved) if c0 else '-'} / {format_size(c1.caching_reserved)}",
+                         str(m.batch["plan"]), f"{format_size(p0.plan_arena)} / {format_size(p1.plan_arena)}",
+                         str(m.traces)))
+        widths = [max(len(r[i]) for r in rows + [cols]) for i in range(len(cols))]
+        lines = [head, "  ".join(c.ljust(w) for c, w in zip(cols, widths))]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+        lines.append("each batch b is proven by direct traces: b fits and b+1 does not (caching: simulated OOM "
+                     "at capacity; plan: no plan within the memory)\n"
+                     "* peak reserved without a capacity; at the capacity the allocator's OOM retry frees cached "
+                     "blocks, so b may fit above it")
+        return "\n".join(lines)
+
+
+def affine_prediction(points: list[Point], allocator: str, memory: int) -> int:
+    """Largest batch whose memory, fitted as affine in the batch over `points`, is within `memory`."""
+    b = np.array([p.batch for p in points], float)
+    y = np.array([p.figure(allocator) for p in points], float)
+    if len(set(b)) < 2:
+        return int(b[0])
+    slope, intercept = np.polyfit(b, y, 1)
+    if slope <= 0:
+        return MAX_BATCH
+    return int(min(max(np.floor((memory - intercept) / slope), 1), MAX_BATCH))
+
+
+class BatchProbe:
+    """Traces one layer mode at any batch size (each at most once) and judges it under both allocator models."""
+
+    def __init__(self, model_file: str, mode: str, memory: int, *, seq: int, dtype: str, alloc_conf: str,
+                 time_limit: float, progress: Callable[[str], None]):
+        from planner.alloc_conf import parse_alloc_conf
+
+        self.model_file, self.mode, self.memory = model_file, mode, memory
+        self.seq, self.dtype, self.time_limit, self.progress = seq, dtype, time_limit, progress
+        self.conf = parse_alloc_conf(alloc_conf)
+        self.points: dict[int, Point] = {}
+
+    def __call__(self, batch: int) -> Point:
+        if batch not in self.points:
+            self.points[batch] = self._measure(batch)
+        return self.points[batch]
+
+    def _measure(self, batch: int) -> Point:
+        import torch
+
+        from planner.caching_allocator import simulate_caching
+        from planner.problem import problem_from_trace
+        from solvers import CapacityError, solve
+        from traces.capture import capture_step
+        from traces.model_file import load_workload
+
+        workload = load_workload(self.model_file, batch=batch, seq=self.seq, dtype=getattr(torch, self.dtype),
+                                 device="cpu", layers=self.mode)
+        trace = capture_step(workload, meta={"layers": self.mode, "batch": batch, "seq": self.seq})
+        del workload
+        reserved = simulate_caching(trace, self.conf).peak_reserved
+        # with a capacity the allocator frees its cache and retries before failing: only that decides a miss
+        caching_fits = reserved <= self.memory or simulate_caching(trace, self.conf, self.memory).oom is None
+        problem = problem_from_trace(trace)
+        plan = solve(problem, time_limit=self.time_limit)
+        arena, bound = plan.arena, plan.bound
+        if bound <= self.memory < arena:
+            try:
+                arena = solve(problem, time_limit=self.time_limit, capacity=self.memory).arena
+            except CapacityError:
+                pass
+        point = Point(batch, reserved, caching_fits, arena, bound, arena <= self.memory)
+        self.progress(f"  {self.mode} batch {batch}: caching reserved {format_size(reserved)} "
+                      f"({'fits' if caching_fits else 'OOM'}), plan arena {format_size(arena)} "
+                      f"({'fits' if point.plan_fits else 'does not fit'})")
+        return point
+
+
+def boundary_search(probe: BatchProbe, allocator: str, start: int) -> int:
+    """Largest b with probe(b) fitting and probe(b+1) not, from a predicted b; needs batch 1 to fit."""
+    b = start
+    while True:
+        probe(b)
+        points = probe.points
+        lo = max((x for x, p in points.items() if p.fits(allocator)), default=0)
+        hi = min((x for x, p in points.items() if not p.fits(allocator)), default=MAX_BATCH + 1)
+        if hi <= lo:
+            raise FitError(f"{probe.mode}: batch {hi} does not fit under the {allocator} model but batch {lo} "
+                           "does; memory is not monotone in the batch here")
+        if hi == lo + 1 or lo == MAX_BATCH:
+            return lo
+        # secant through the closest traced points on both sides (or the two largest that fit)
+        near = [points[lo], points[hi]] if hi in points else [points[x] for x in sorted(points)[-2:]]
+        b = min(max(affine_prediction(near, allocator, probe.memory), lo + 1), hi - 1)
+
+
+def fit_mode(probe: BatchProbe) -> ModeFit:
+    """Measure a few batch sizes, predict the largest fitting batch per allocator model, prove it by tracing."""
+    first = probe(1)
+    if not (first.caching_fits or first.plan_fits):
+        raise FitError(f"{probe.mode}: batch 1 needs {format_size(first.plan_arena)} with a plan and "
+                       f"{format_size(first.caching_reserved)} under the caching allocator; more than "
+                       f"--memory {format_size(probe.memory)}")
+    for b in MEASURE_BATCHES[1:]:
+        if not (probe(b).caching_fits or probe(b).plan_fits):
+            break
+    measured = list(probe.points.values())
+    batch, predicted = {}, {}
+    for allocator in ALLOCATORS:
+        predicted[allocator] = affine_prediction(measured, allocator, probe.memory)
+        if not first.fits(allocator):
+            batch[allocator] = 0
+            continue
+        batch[allocator] = boundary_search(probe, allocator, predicted[allocator])
+        probe.progress(f"{probe.mode}: {allocator} batch {batch[allocator]} "
+                       f"(predicted {predicted[allocator]}, {len(probe.points)} traces so far)")
+    return ModeFit(probe.mode, batch, predicted, probe.points)
+
+
+def fit_model(model_file: str, memory: int, *, modes: tuple[str, ...], seq: int = 128, dtype: str = "float32",
+              alloc_conf: str = "", time_limit: float = 5.0,
+              progress: Callable[[str], None] = lambda _: None) -> FitResult:
+    """The largest batch of `model_file` fitting `memory` bytes for every mode, under both allocator models."""
+    from planner.layers import MODES
+
+    for mode in modes:
+        if mode not in MODES:
+            raise FitError(f"--layers {mode}: unknown mode (choose from {', '.join(MODES)})")
+    fits = []
+    for mode in dict.fromkeys(modes):
+        progress(f"{mode}: tracing batch sizes {', '.join(map(str, MEASURE_BATCHES))} to predict the fit")
+        probe = BatchProbe(model_file, mode, memory, seq=seq, dtype=dtype, alloc_conf=alloc_conf,
+                           time_limit=time_limit, progress=progress)
+        fits.append(fit_mode(probe))
+    return FitResult(str(model_file), memory, seq, dtype, alloc_conf, fits)
