@@ -1,0 +1,102 @@
+"""memplan fit: its batch fits and one more does not, checked here by direct traces; sizes; bad inputs."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cli import main
+from planner.caching_allocator import simulate_caching
+from planner.fit import FitError, fit_model, parse_size
+from planner.problem import problem_from_trace
+from solvers import CapacityError, solve
+from solvers.bounds import lower_bound
+from traces.capture import capture_step
+from traces.model_file import load_workload
+
+MODEL = str(Path(__file__).resolve().parents[1] / "examples" / "bert.py")
+SEQ = 32
+MEMORY = 24 << 20
+
+
+@pytest.fixture(autouse=True)
+def tiny_preset(monkeypatch):
+    monkeypatch.setenv("MEMPLAN_PRESET", "tiny")
+
+
+def direct_trace(batch, mode):
+    workload = load_workload(MODEL, batch=batch, seq=SEQ, dtype=torch.float32, device="cpu", layers=mode)
+    return capture_step(workload, meta={})
+
+
+def plan_fits(trace, memory):
+    """A plan within `memory` exists (found), or provably not (lower bound above, or the solver's proof)."""
+    problem = problem_from_trace(trace)
+    if lower_bound(problem) > memory:
+        return False
+    try:
+        solve(problem, time_limit=5.0, capacity=memory)
+    except CapacityError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("text,expected", [("11GiB", 11 << 30), ("16GB", 16 * 10**9), ("512MiB", 512 << 20),
+                                           ("4096", 4096), ("1.5 KiB", 1536), ("2gib", 2 << 30)])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "11 parsecs", "-3GiB", "0", "1e9", "12 GiB extra"])
+def test_parse_size_rejects(text):
+    with pytest.raises(FitError):
+        parse_size(text)
+
+
+@pytest.mark.parametrize("mode", ["baseline", "tempo+selective"])
+def test_fit_agrees_with_direct_traces(mode):
+    result = fit_model(MODEL, MEMORY, modes=(mode,), seq=SEQ, time_limit=2.0)
+    (fit,) = result.modes
+    b = fit.batch["caching"]
+    assert b >= 4  # more than the measured sizes: the prediction and boundary search did work
+    assert simulate_caching(direct_trace(b, mode), capacity=MEMORY).oom is None
+    assert simulate_caching(direct_trace(b + 1, mode), capacity=MEMORY).oom is not None
+    p = fit.batch["plan"]
+    assert p >= b  # a plan never needs more than the caching allocator reserves
+    assert plan_fits(direct_trace(p, mode), MEMORY)
+    assert not plan_fits(direct_trace(p + 1, mode), MEMORY)
+    summary = result.summary()["modes"][0]
+    assert summary["traces"] == fit.traces >= 5
+    assert summary["plan"]["at_batch"] <= MEMORY < summary["plan"]["at_next"]
+
+
+def test_cli_json():
+    res = CliRunner().invoke(main, ["fit", MODEL, "--memory", "16MiB", "--seq", str(SEQ), "--layers", "tempo",
+                                    "--time-limit", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["memory"] == 16 << 20 and [m["mode"] for m in doc["modes"]] == ["tempo"]
+    tempo = doc["modes"][0]
+    assert tempo["caching"]["batch"] >= 1 and tempo["plan"]["batch"] >= tempo["caching"]["batch"]
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--memory", "11 parsecs"], "not a size"),
+    (["--memory", "0"], "must be positive"),
+    (["--memory", "1MiB"], "batch 1 needs"),
+    (["--memory", "1GiB", "--layers", "sparse"], "unknown mode"),
+    (["--memory", "1GiB", "--alloc-conf", "max_split_size_mb:x"], "max_split_size_mb"),
+])
+def test_cli_bad_inputs(args, words):
+    modes = [] if "--layers" in args else ["--layers", "baseline"]
+    res = CliRunner().invoke(main, ["fit", MODEL, "--seq", str(SEQ), *modes, *args])
+    assert res.exit_code != 0
+    errors = [ln for ln in res.output.splitlines() if ln.startswith("Error:")]
+    assert len(errors) == 1 and words in errors[0] and res.output.rstrip().endswith(errors[0])
+
+
+def test_cli_missing_model_file(tmp_path):
+    res = CliRunner().invoke(main, ["fit", str(tmp_path / "nope.py"), "--memory", "1GiB", "--layers", "baseline"])
+    assert res.exit_code != 0
+    assert res.output.strip().splitlines()[-1].startswith("Error:") and "no such model file" in res.output
