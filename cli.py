@@ -270,6 +270,34 @@ def solve_command(source, output, time_limit, capacity, method, alignment, as_js
     emit(report.summary(), as_json, report.text())
 
 
+@main.command("run")
+@click.argument("model_file", required=False, type=click.Path(dir_okay=False))
+@click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False), default="memplan-out", show_default=True,
+              help="Folder for report.md, timeline.png, address_space.png, traces/ and plans/.")
+@click.option("--batch", type=click.IntRange(min=1), default=2, show_default=True, help="Batch size passed to build().")
+@click.option("--seq", type=click.IntRange(min=1), default=512, show_default=True, help="Sequence length passed to build().")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="Seconds for each solve.")
+@click.option("--replay-steps", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Steps the tempo plan is replayed for.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps, as_json):
+    """The main job: trace MODEL_FILE under baseline, tempo, selective and tempo+selective layers, solve and
+    simulate each, replay the tempo plan on the CPU, and write a report with two pictures.
+
+    Without MODEL_FILE it runs the bundled 2-layer slice of BERT-Large (examples/bert_large_slice.py).
+
+    Example: memplan run -o memplan-out && open memplan-out/report.md
+    """
+    from planner.main_job import DEFAULT_MODEL, RunOptions, render_text, run
+
+    opts = RunOptions(model_file=str(model_file or DEFAULT_MODEL), out_dir=out_dir, batch=batch, seq=seq,
+                      dtype=dtype, time_limit=time_limit, replay_steps=replay_steps)
+    result = run(opts, progress=progress)
+    emit(result.summary(), as_json, render_text(result))
+
+
 @main.command("fit")
 @click.argument("model_file", type=click.Path(dir_okay=False))
 @click.option("--memory", required=True, help="Device memory: 11GiB, 16GB, 512MiB or a number of bytes.")

@@ -1,0 +1,215 @@
+"""`memplan run`: the main job. Trace one model under every layer mode, solve, simulate, replay, report.
+
+Each stage is the same function its own command uses (trace, solve, simulate, plot, replay), and every
+file it writes is one a user could have made with those commands: report.md says which command.
+"""
+from __future__ import annotations
+
+import shlex
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from planner.memory_report import MemoryReport, build_report, human_bytes
+from traces.errors import MemplanError
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = ROOT / "examples" / "bert_large_slice.py"
+MODES = ("baseline", "tempo", "selective", "tempo+selective")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What to run: the model file, its shape, the layer modes, the solver's time and the replay's steps."""
+
+    model_file: str
+    out_dir: str
+    batch: int = 2
+    seq: int = 512
+    dtype: str = "float32"
+    modes: tuple[str, ...] = MODES
+    time_limit: float = 10.0
+    replay_mode: str = "tempo"
+    replay_steps: int = 2
+
+
+@dataclass
+class ModeRow:
+    """One layer mode's figures; every byte count is measured on its own trace."""
+
+    mode: str
+    trace_file: str
+    plan_file: str
+    buffers: int
+    peak_live: int
+    caching_peak_reserved: int
+    caching_peak_allocated: int
+    plan_arena: int
+    bound: int
+    status: str
+    gap: float
+    solver: str
+    saving_vs_baseline: float | None  # 1 - plan arena / baseline's caching-allocator peak reserved
+    command: str
+
+
+@dataclass
+class RunResult:
+    """The whole run: one row per mode, the replay of one plan, the files written and the wall time."""
+
+    options: RunOptions
+    rows: list[ModeRow]
+    replay: dict
+    report_md: str
+    timeline_png: str
+    address_space_png: str
+    seconds: float
+
+    def summary(self) -> dict:
+        return {"model_file": self.options.model_file, "batch": self.options.batch, "seq": self.options.seq,
+                "dtype": self.options.dtype, "rows": [asdict(r) for r in self.rows], "replay": self.replay,
+                "report": self.report_md, "timeline": self.timeline_png,
+                "address_space": self.address_space_png, "seconds": round(self.seconds, 1)}
+
+
+def reproduce_command(opts: RunOptions, mode: str, trace_file: str, plan_file: str) -> str:
+    """The memplan commands that rebuild one row of the report by hand."""
+    q = shlex.quote
+    return (f"memplan trace {q(opts.model_file)} --batch {opts.batch} --seq {opts.seq} --dtype {opts.dtype} "
+            f"--layers {mode} -o {q(trace_file)} && memplan solve {q(trace_file)} -o {q(plan_file)} "
+            f"--time-limit {opts.time_limit:g} && memplan simulate {q(trace_file)} --plan {q(plan_file)}")
+
+
+def trace_mode(opts: RunOptions, mode: str, path: Path):
+    """Trace one training step of the model with `mode` layers and save it to `path`."""
+    from traces.capture import capture_step
+    from traces.format import save
+    from traces.model_file import load_workload
+
+    workload = load_workload(opts.model_file, batch=opts.batch, seq=opts.seq,
+                             dtype=getattr(torch, opts.dtype), device="cpu", layers=mode)
+    trace = capture_step(workload, meta={"model": Path(opts.model_file).stem, "layers": mode,
+                                         "batch": opts.batch, "seq": opts.seq, "dtype": opts.dtype,
+                                         "model_file": str(opts.model_file)})
+    save(trace, path)
+    return trace
+
+
+def run_mode(opts: RunOptions, mode: str, out: Path, progress: Callable[[str], None]) -> tuple[MemoryReport, ModeRow]:
+    """Trace, solve and simulate one layer mode."""
+    from solvers.solve_file import solve_file
+
+    trace_file, plan_file = out / "traces" / f"{mode}.trace.json.gz", out / "plans" / f"{mode}.plan.json"
+    progress(f"[{mode}] tracing one training step")
+    trace = trace_mode(opts, mode, trace_file)
+    progress(f"[{mode}] solving {len(trace):,} buffers")
+    plan = solve_file(str(trace_file), str(plan_file), time_limit=opts.time_limit).plan
+    progress(f"[{mode}] simulating the caching allocator")
+    report = build_report(trace, mode, plan=plan, plan_name=str(plan_file))
+    row = ModeRow(mode=mode, trace_file=str(trace_file), plan_file=str(plan_file), buffers=len(trace),
+                  peak_live=trace.peak()[0], caching_peak_reserved=int(report.caching.peak_reserved),
+                  caching_peak_allocated=int(report.caching.peak_allocated), plan_arena=plan.arena,
+                  bound=plan.bound, status=plan.status, gap=plan.gap, solver=plan.solver,
+                  saving_vs_baseline=None, command=reproduce_command(opts, mode, str(trace_file), str(plan_file)))
+    return report, row
+
+
+def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> RunResult:
+    """Run the main job and write report.md, timeline.png and address_space.png into opts.out_dir."""
+    from planner.plots import plot_reports
+    from planner.replay.model_replay import replay_model_file
+    from traces.files import atomic_write
+
+    if not Path(opts.model_file).is_file():
+        raise MemplanError(f"{opts.model_file}: no such model file")
+    if opts.replay_mode not in opts.modes:
+        raise MemplanError(f"the replayed mode {opts.replay_mode!r} is not among the modes run")
+    start = time.monotonic()
+    out = Path(opts.out_dir)
+    reports, rows = [], []
+    for mode in opts.modes:
+        report, row = run_mode(opts, mode, out, progress)
+        reports.append(report)
+        rows.append(row)
+    base = next((r for r in rows if r.mode == "baseline"), None)
+    for row in rows:
+        if base is not None:
+            row.saving_vs_baseline = 1 - row.plan_arena / base.caching_peak_reserved
+
+    progress("drawing timeline.png and address_space.png")
+    timeline_png, address_png = out / "timeline.png", out / "address_space.png"
+    plot_reports(reports, timeline_png)
+    replayed = next(r for r in reports if r.name == opts.replay_mode)
+    plot_reports([replayed], address_png, address_space=True)
+
+    row = next(r for r in rows if r.mode == opts.replay_mode)
+    progress(f"[{opts.replay_mode}] replaying its plan for {opts.replay_steps} steps through the C++ plan allocator")
+    replay = replay_model_file(row.plan_file, opts.model_file, trace_file=row.trace_file, steps=opts.replay_steps,
+                               batch=opts.batch, seq=opts.seq, dtype=opts.dtype, layers=opts.replay_mode,
+                               progress=progress).summary()
+    replay["mode"] = opts.replay_mode
+    result = RunResult(opts, rows, replay, str(out / "report.md"), str(timeline_png), str(address_png),
+                       time.monotonic() - start)
+    atomic_write(result.report_md, render_markdown(result))
+    return result
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def table_rows(result: RunResult) -> list[list[str]]:
+    """The report's table: header, then one row per mode."""
+    rows = [["layers", "peak live", "caching reserved", "plan arena", "bound", "proof", "saving vs baseline"]]
+    for r in result.rows:
+        proof = "optimal" if r.status == "optimal" else f"feasible, gap {100 * r.gap:.2g}%"
+        rows.append([r.mode, human_bytes(r.peak_live), human_bytes(r.caching_peak_reserved),
+                     human_bytes(r.plan_arena), human_bytes(r.bound), proof, _pct(r.saving_vs_baseline)])
+    return rows
+
+
+def render_text(result: RunResult) -> str:
+    """The table as aligned text, then the replay and the files, for the terminal."""
+    rows = table_rows(result)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines += ["", replay_sentence(result.replay), "",
+              f"report         {result.report_md}", f"timeline       {result.timeline_png}",
+              f"address space  {result.address_space_png}", f"wall time      {result.seconds:.1f} s"]
+    return "\n".join(lines)
+
+
+def replay_sentence(r: dict) -> str:
+    equal = "bitwise equal to" if r["bitwise_equal"] else f"DIFFERENT from ({r['first_difference']})"
+    return (f"replay of the {r['mode']} plan: {r['steps']} steps, {r['planned_count']:,} allocations from the "
+            f"{human_bytes(r['arena_bytes'])} arena, {r['fallback_count']} fallbacks, measured peak "
+            f"{human_bytes(r['peak_bytes'])}; loss and gradients {equal} the default allocator's run")
+
+
+def render_markdown(result: RunResult) -> str:
+    """report.md: the table, what each column means, the replay, and the command behind each row."""
+    o = result.options
+    rows = table_rows(result)
+    md = [f"# memplan report: {Path(o.model_file).stem}", "",
+          f"One training step (forward, backward, AdamW) of `{o.model_file}` at batch {o.batch}, sequence "
+          f"{o.seq}, {o.dtype}, traced on the CPU under each layer mode.", "",
+          "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    md += ["| " + " | ".join(row) + " |" for row in rows[1:]]
+    md += ["",
+           "- **peak live**: the most bytes held by live tensors at once (requested sizes).",
+           "- **caching reserved**: peak bytes PyTorch's CUDA caching allocator would reserve (simulated).",
+           "- **plan arena**: the arena of memplan's plan, checked by the independent verifier.",
+           "- **bound**: the max-live lower bound (sizes rounded to 512 B); **proof** says whether the arena "
+           "equals it.",
+           "- **saving vs baseline**: 1 - plan arena / baseline's caching-allocator reserved peak.", "",
+           "## Replay", "", replay_sentence(result.replay) + ".", "",
+           "![timeline](timeline.png)", "", "![address space](address_space.png)", "",
+           "## Reproduce each row", ""]
+    for r in result.rows:
+        md += [f"**{r.mode}**", "", "```", r.command, "```", ""]
+    md.append(f"Wall time of the whole run: {result.seconds:.1f} s.")
+    return "\n".join(md) + "\n"

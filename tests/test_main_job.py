@@ -1,0 +1,43 @@
+"""`memplan run`: the main job on a tiny model writes a report, two pictures and a verified plan per mode."""
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+import numpy as np
+from PIL import Image
+
+from cli import main
+from planner.main_job import MODES
+from planner.plan import load_plan
+from traces.format import load
+
+
+def test_run_writes_report_pictures_and_one_row_per_mode(tmp_path):
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["run", "examples/bert.py", "-o", str(out), "--seq", "64", "--batch", "2",
+                                  "--time-limit", "2", "--replay-steps", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)
+    assert [row["mode"] for row in s["rows"]] == list(MODES)
+    base = s["rows"][0]
+    for row in s["rows"]:
+        trace, plan = load(row["trace_file"]), load_plan(row["plan_file"])
+        assert row["peak_live"] == trace.peak()[0]
+        assert plan.arena == row["plan_arena"] >= row["bound"]
+        assert row["saving_vs_baseline"] == 1 - row["plan_arena"] / base["caching_peak_reserved"]
+    tempo = next(row for row in s["rows"] if row["mode"] == "tempo")
+    assert tempo["peak_live"] < base["peak_live"]
+    assert s["replay"]["bitwise_equal"] and s["replay"]["mode"] == "tempo"
+    report = (out / "report.md").read_text()
+    assert all(f"--layers {m} " in report for m in MODES)
+    for png in ("timeline.png", "address_space.png"):
+        img = Image.open(out / png).convert("L")
+        assert img.size[0] > 400 and len(np.unique(np.asarray(img))) > 20
+
+
+def test_run_with_a_missing_model_file_is_one_line(tmp_path):
+    r = CliRunner().invoke(main, ["run", str(tmp_path / "nope.py"), "-o", str(tmp_path / "o")])
+    assert r.exit_code != 0
+    assert r.output.strip().count("\n") == 0 and "no such model file" in r.output
+    assert not (tmp_path / "o").exists()
