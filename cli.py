@@ -290,9 +290,11 @@ def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps
 
     Example: memplan run -o memplan-out && open memplan-out/report.md
     """
+    import os
+
     from planner.main_job import DEFAULT_MODEL, RunOptions, render_text, run
 
-    opts = RunOptions(model_file=str(model_file or DEFAULT_MODEL), out_dir=out_dir, batch=batch, seq=seq,
+    opts = RunOptions(model_file=str(model_file or os.path.relpath(DEFAULT_MODEL)), out_dir=out_dir, batch=batch, seq=seq,
                       dtype=dtype, time_limit=time_limit, replay_steps=replay_steps)
     result = run(opts, progress=progress)
     emit(result.summary(), as_json, render_text(result))
