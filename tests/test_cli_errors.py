@@ -1,0 +1,62 @@
+"""Every command: --help shows an example, and a list of bad inputs each gives one `Error:` line,
+a non-zero exit and no file left behind."""
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from cli import main
+from traces import make_trace, save
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    """A valid trace, a plan made for a different trace, and a few broken files."""
+    save(make_trace({"size": [1024, 2048, 512], "alloc": [1, 2, 3], "free": [4, 5, 6]}), tmp_path / "t.json")
+    save(make_trace({"size": [4096], "alloc": [1], "free": [2]}), tmp_path / "other.json")
+    assert CliRunner().invoke(main, ["solve", str(tmp_path / "other.json"), "-o", str(tmp_path / "other.plan.json")]).exit_code == 0
+    (tmp_path / "cut.json").write_text('{"format": "memplan-trace/1", "buffers": {"size": [1')
+    (tmp_path / "nobuild.py").write_text("def make(batch_size, seq_len, dtype, device):\n    return None\n")
+    (tmp_path / "text.pickle").write_text("not a pickle at all")
+    (tmp_path / "bad.csv").write_text("name,start,end\n1,2,3\n")
+    return tmp_path
+
+
+BAD = {
+    "trace": [["{d}/missing.py"], ["{d}/nobuild.py"], ["{d}/nobuild.py", "--dtype", "float16"],
+              ["examples/bert.py", "--device", "cuda"], ["examples/bert.py", "--batch", "0"],
+              ["examples/bert.py", "--layers", "fastest"]],
+    "import": [["{d}/missing.pickle"], ["{d}/text.pickle"], ["{d}/t.json"]],
+    "solve": [["{d}/missing.json"], ["{d}/cut.json"], ["{d}/t.json", "--capacity", "1024"], ["{d}/bad.csv"],
+              ["{d}/t.json", "--method", "magic"], ["{d}/t.json", "--time-limit", "0"]],
+    "simulate": [["{d}/missing.json"], ["{d}/t.json", "--alloc-conf", "max_split_size_mb:lots"],
+                 ["{d}/t.json", "--plan", "{d}/other.plan.json"], ["{d}/cut.json"]],
+    "plot": [["{d}/t.json", "-o", "{d}/out.jpg"], ["{d}/missing.json", "-o", "{d}/out.png"],
+             ["{d}/t.json", "-o", "{d}/out.png", "--address-space"], ["{d}/t.json"]],
+    "compare": [["{d}/missing.json"], ["{d}/t.json", "--plan", "{d}/other.plan.json"], []],
+    "replay": [["{d}/missing.plan.json", "examples/bert.py"], ["{d}/cut.json", "examples/bert.py"],
+               ["{d}/other.plan.json", "{d}/nobuild.py"]],
+    "fit": [["{d}/missing.py", "--memory", "1GiB"], ["examples/bert.py", "--memory", "lots"],
+            ["{d}/nobuild.py", "--memory", "1GiB"], ["examples/bert.py"]],
+    "run": [["{d}/missing.py", "-o", "{d}/run-out"], ["{d}/nobuild.py", "-o", "{d}/run-out"]],
+}
+
+
+@pytest.mark.parametrize("command, args", [(c, a) for c, cases in BAD.items() for a in cases],
+                         ids=lambda v: v if isinstance(v, str) else " ".join(v))
+def test_bad_input_is_one_line_and_leaves_nothing(inputs, command, args):
+    before = set(inputs.rglob("*"))
+    r = CliRunner().invoke(main, [command] + [a.format(d=inputs) for a in args])
+    assert r.exit_code not in (0, None), r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert r.stdout == ""
+    errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and r.stderr.rstrip().splitlines()[-1] == errors[0], r.stderr
+    assert set(inputs.rglob("*")) == before
+
+
+def test_every_command_is_covered_and_has_an_example():
+    for name, command in main.commands.items():
+        assert name in BAD, f"no bad inputs listed for memplan {name}"
+        r = CliRunner().invoke(main, [name, "--help"])
+        assert r.exit_code == 0 and "Example" in r.output, name
