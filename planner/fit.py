@@ -16,7 +16,8 @@ import numpy as np
 from traces.errors import MemplanError
 
 MEASURE_BATCHES = (1, 2, 4)
-MAX_BATCH = 1 << 16
+MAX_BATCH = 4096  # the search stops here: larger batches take too long to trace
+GROWTH = 8  # a trace is at most this many times the largest batch known to fit
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 ALLOCATORS = ("caching", "plan")
@@ -140,8 +141,8 @@ def affine_prediction(points: list[Point], allocator: str, memory: int) -> int:
     if len(set(b)) < 2:
         return int(b[0])
     slope, intercept = np.polyfit(b, y, 1)
-    if slope <= 0:
-        return MAX_BATCH
+    if slope <= 0:  # memory did not grow over these batches: look twice as far
+        return int(min(2 * b.max(), MAX_BATCH))
     return int(min(max(np.floor((memory - intercept) / slope), 1), MAX_BATCH))
 
 
@@ -195,20 +196,26 @@ class BatchProbe:
 
 def boundary_search(probe: BatchProbe, allocator: str, start: int) -> int:
     """Largest b with probe(b) fitting and probe(b+1) not, from a predicted b; needs batch 1 to fit."""
-    b = start
+    guess = start
     while True:
-        probe(b)
         points = probe.points
         lo = max((x for x, p in points.items() if p.fits(allocator)), default=0)
         hi = min((x for x, p in points.items() if not p.fits(allocator)), default=MAX_BATCH + 1)
         if hi <= lo:
             raise FitError(f"{probe.mode}: batch {hi} does not fit under the {allocator} model but batch {lo} "
                            "does; memory is not monotone in the batch here")
-        if hi == lo + 1 or lo == MAX_BATCH:
+        if hi == lo + 1:
             return lo
-        # secant through the closest traced points on both sides (or the two largest that fit)
-        near = [points[lo], points[hi]] if hi in points else [points[x] for x in sorted(points)[-2:]]
-        b = min(max(affine_prediction(near, allocator, probe.memory), lo + 1), hi - 1)
+        if lo == MAX_BATCH:
+            raise FitError(f"{probe.mode}: batch {MAX_BATCH} still fits under the {allocator} model; "
+                           "the search stops there")
+        probe(min(max(guess, lo + 1), hi - 1, GROWTH * lo))
+        # next guess: secant through the closest traced points on both sides (or the two largest that fit)
+        points = probe.points
+        lo = max(x for x, p in points.items() if p.fits(allocator))
+        hi = min((x for x, p in points.items() if not p.fits(allocator)), default=None)
+        near = [points[lo], points[hi]] if hi is not None else [points[x] for x in sorted(points)[-2:]]
+        guess = affine_prediction(near, allocator, probe.memory)
 
 
 def fit_mode(probe: BatchProbe) -> ModeFit:
