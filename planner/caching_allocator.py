@@ -287,6 +287,11 @@ class CachingAllocator:
         b = self.active.pop(addr)
         b.allocated = False
         self.allocated -= b.size
+        self._absorb_free_neighbours(b)
+        self._insert_free(b)
+
+    def _absorb_free_neighbours(self, b) -> None:
+        """Merge the free mapped blocks just before and after `b` into `b` (taking them out of the pools)."""
         p = b.prev
         if p is not None and not p.allocated and p.mapped:
             self._remove_free(p)
@@ -300,7 +305,6 @@ class CachingAllocator:
             b.next = n.next
             if n.next is not None:
                 n.next.prev = b
-        self._insert_free(b)
 
     # -- releasing cached memory --------------------------------------------------------------
     def _release_block(self, b: Block) -> None:
@@ -431,19 +435,7 @@ class CachingAllocator:
             b.next = rest
             b.size = mapped
             self._insert_unmapped(rest)
-        p = b.prev
-        if p is not None and not p.allocated and p.mapped:
-            self._remove_free(p)
-            b.addr, b.size, b.prev = p.addr, p.size + b.size, p.prev
-            if p.prev is not None:
-                p.prev.next = b
-        n = b.next
-        if n is not None and not n.allocated and n.mapped:
-            self._remove_free(n)
-            b.size += n.size
-            b.next = n.next
-            if n.next is not None:
-                n.next.prev = b
+        self._absorb_free_neighbours(b)
         self.reserved += mapped
         self.events.append(SegmentEvent("segment_map", b.addr + b.size - mapped, mapped, seg.stream))
         self._insert_free(b)
