@@ -8,7 +8,8 @@ arena = most bytes live, which the solver reaches) it takes per_layer(b) = M2(b)
 fixed(b) = M1(b) - per_layer(b), predicts M24(b) = fixed(b) + 24 per_layer(b), fits each group's M24 as affine
 in b over the traced batches and prints the largest b with every group within each memory size.
 Weights, gradients and AdamW state are in the model dtype (no fp32 master copy); the caching allocator's
-figure is its peak without a capacity (no OOM retry) and assumes its per-phase reserve adds up per layer.
+figure is its peak without a capacity (no OOM retry), assumes its per-phase reserve adds up per layer, and is
+raised to the plan's where the extrapolation falls below the bytes live (no allocator reserves less).
 
 Example: .venv/bin/python benchmarks/fit.py --seq 128 --seq 512 --dtype bfloat16 --dtype float32
 """
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
           "AdamW state in the model dtype")
     header = ["dtype", "seq", "mode"] + [f"{a} {g:g}GiB" for g in memories for a in ("caching", "plan")] + \
              [f"{a} GiB/sample" for a in ("caching", "plan")] + ["traced b", f"plan {total}L at last b"]
-    rows, at_bound, traced = [], 0, 0
+    rows, at_bound, traced, raised = [], 0, 0, 0
     for dtype in dtypes:
         for seq in seqs:
             base = max(2048 // seq, 1)
@@ -128,6 +129,10 @@ def main(argv=None) -> int:
                             one, two = getattr(m1, a)[g], getattr(m2, a)[g]
                             per_layer = two - one
                             pred[a][g].append(one - per_layer + total * per_layer)
+                    for g in PHASES:  # the caching allocator reserves at least what is live
+                        if pred["caching"][g][-1] < pred["plan"][g][-1]:
+                            pred["caching"][g][-1] = pred["plan"][g][-1]
+                            raised += 1
                     print(f"  [{time.monotonic() - start:6.0f} s] {dtype} s={seq} {mode} b={b}: {total}L predicted "
                           + "; ".join(f"{a} " + " ".join(f"{g} {pred[a][g][-1] / GiB:.2f}" for g in PHASES)
                                       for a in ("caching", "plan")) + " GiB", file=sys.stderr, flush=True)
@@ -141,6 +146,8 @@ def main(argv=None) -> int:
     print("largest batch (extrapolated, not traced at 24 layers):")
     for r in [header] + rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    print(f"caching figures raised to the plan's (most bytes live; its reserve does not add up per layer exactly) "
+          f"in {raised} of {traced // 2 * len(PHASES)} predictions (per batch and phase group)")
     print(f"the plan reached its lower bound (arena = most bytes live) in {at_bound} of {traced} traces")
     print(PAPER)
     print(f"wall time {time.monotonic() - start:.0f} s")
