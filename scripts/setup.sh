@@ -8,7 +8,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -e ".[test,hf]"
-# Compile the C++ replay allocator now, so the first replay does not wait for it.
-if .venv/bin/python -c "import planner.replay.build" 2>/dev/null; then
-  .venv/bin/python -m planner.replay.build
-fi
+# Compile the C++ parts now (plan allocator, CUDA plugin when a toolkit is there, solver kernels),
+# so no command waits for them; without a compiler this stops with what to install.
+.venv/bin/python -m planner.replay.build

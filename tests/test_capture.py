@@ -151,7 +151,7 @@ def test_phases_follow_the_step_and_labels_name_modules_and_ops(bert_trace):
     phases = [trace.phase[i] for i in rec if trace.phase[i] in order]
     assert phases == sorted(phases, key=order.get)
     assert set(phases) == set(order)
-    modules = {f"model.{n}" if n else "model" for n, _ in w.model.named_modules()}
+    modules = {f"model.{n}" if n else "model" for n, _ in w.model.named_modules()} | {"loss"}
     labelled = {trace.module[i] for i in rec if trace.module[i]}
     assert labelled <= modules and len(labelled) > 5
     assert all(trace.op[i].startswith("aten::") or trace.op[i] == "python scalar" for i in rec)
@@ -162,6 +162,20 @@ def test_phases_follow_the_step_and_labels_name_modules_and_ops(bert_trace):
     assert all(trace.free[i] >= first_backward for i in acts)
     # the attention output projection of layer 0 holds a forward buffer named after its module
     assert any(m.startswith("model.layers.0") for m in labelled)
+
+
+@pytest.mark.parametrize("mode", ["tempo", "tempo+selective"])
+def test_backward_buffers_of_custom_autograd_functions_name_their_module(mode):
+    from planner.layers import patch
+
+    w = bert.build_workload(2, 16)
+    patch(w.model, mode)
+    trace = capture_step(w)
+    backward = [i for i in trace.recorded if trace.phase[i] == "backward"]
+    unnamed = [trace.op[i] for i in backward if not trace.module[i]]
+    # only the seed gradient of loss.backward() is made outside any module
+    assert unnamed == ["aten::ones_like"], unnamed
+    assert {trace.module[i] for i in backward} >= {"loss", "model.layers.0.mlp.act", "model.layers.1.attention.core"}
 
 
 def test_untrained_optimizer_state_is_labelled_when_created_during_the_step():

@@ -142,6 +142,21 @@ def _independent_peak(raw: dict) -> tuple[int, int, int]:
     return peak, n_alloc, n_unrecorded + len(still)
 
 
+def test_allocations_of_the_autograd_engine_are_backward_and_name_their_node():
+    engine = [{"name": "c10::cuda::CUDACachingAllocator::Native::DeviceCachingAllocator::malloc()", "filename": "??"},
+              {"name": "at::_ops::mul_Tensor::call(at::Tensor const&, at::Tensor const&)", "filename": "??"},
+              {"name": "torch::autograd::generated::MulBackward0::apply(std::vector<at::Tensor>&&)", "filename": "??"},
+              {"name": "torch::autograd::Engine::evaluate_function(std::shared_ptr<GraphTask>&)", "filename": "??"}]
+    internal = [engine[0], engine[1], engine[3]]  # the engine's own work: no node on the stack
+    snap = {"segments": [], "device_traces": [[
+        _entry("alloc", 1 << 20, 512, line=5),
+        {"action": "alloc", "addr": 2 << 20, "size": 512, "stream": 0, "time_us": 1, "frames": engine},
+        {"action": "alloc", "addr": 3 << 20, "size": 512, "stream": 0, "time_us": 2, "frames": internal}]]}
+    trace = snapshot_to_trace(parse_snapshot(snap))
+    assert trace.op == ["model.py:5 forward", "MulBackward0", "aten::mul_Tensor"]
+    assert trace.phase == ["other", "backward", "backward"]
+
+
 def test_gpt_ctx128_import_matches_its_own_entries(shared):
     path = shared / "traces/cuda-snapshots/gpt_ctx128_fullstep.pickle"
     raw = load_plain_pickle(path.read_bytes())
@@ -151,6 +166,10 @@ def test_gpt_ctx128_import_matches_its_own_entries(shared):
     assert int((trace.alloc > 0).sum()) == n_alloc == 6771
     assert trace.peak()[0] == peak
     assert any(op.endswith(" forward") for op in trace.op)
+    # every allocation made while recording names where it came from; backward ones their autograd node
+    assert all(trace.op[i] for i in trace.recorded)
+    backward = [trace.op[i] for i in trace.recorded if trace.phase[i] == "backward"]
+    assert len(backward) > 1000 and sum(op.endswith("Backward0") for op in backward) > len(backward) / 2
 
 
 @pytest.mark.parametrize("name", SNAPSHOTS)

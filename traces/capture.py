@@ -83,7 +83,8 @@ def _pair(step: StepEvents, resident: dict[int, ResidentStorage]) -> list[_Buffe
             known = resident.get(ev.addr)
             if known is not None and ev.addr not in freed_resident:
                 freed_resident.add(ev.addr)
-                buffers.append(_Buffer(-ev.size, 0, t, ev.addr, "other", known.module, "", known.category))
+                # The storage's own size: on CUDA the profiler reports the rounded block size.
+                buffers.append(_Buffer(known.size, 0, t, ev.addr, "other", known.module, "", known.category))
             else:
                 buffers.append(_Buffer(-ev.size, 0, t, ev.addr, "other", "", "", "unknown"))
     end = len(step.events) + 1
@@ -125,7 +126,7 @@ def _run_step(workload: Workload, when: str) -> None:
         workload.step()
     except MemplanError:
         raise
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # user code: sys.exit() in a loss or model is an error too
         first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
         raise CaptureError(f"{workload.name}: the {when} step raised {type(e).__name__}"
                            + (f": {first}" if first else "")) from None
@@ -158,7 +159,8 @@ def _record(workload: Workload, device: torch.device) -> tuple[StepEvents, StepM
                 if cuda:
                     torch.cuda.synchronize(device)
         if cuda:
-            history = torch.cuda.memory._snapshot()["device_traces"][device.index or torch.cuda.current_device()]
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            history = torch.cuda.memory._snapshot()["device_traces"][index]
     finally:
         gc.enable()
         if cuda:

@@ -25,6 +25,7 @@ PHASES = ("forward", "backward", "optimizer", "other")
 INT_COLUMNS = ("size", "alloc", "free", "stream", "addr")
 STR_COLUMNS = ("category", "phase", "op", "module")
 COLUMNS = INT_COLUMNS + STR_COLUMNS
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass
@@ -82,17 +83,6 @@ class Trace:
         """Indices of the buffers live at logical time t."""
         return np.nonzero((self.alloc <= t) & (self.free > t))[0]
 
-    def subset(self, index: np.ndarray | list[int]) -> "Trace":
-        """A trace holding only the given buffers (times, syncs and meta unchanged)."""
-        index = np.asarray(index, dtype=np.int64)
-        pick = lambda col: [col[i] for i in index]  # noqa: E731
-        return Trace(
-            size=self.size[index], alloc=self.alloc[index], free=self.free[index],
-            stream=self.stream[index], addr=self.addr[index],
-            category=pick(self.category), phase=pick(self.phase), op=pick(self.op),
-            module=pick(self.module), syncs=list(self.syncs), meta=dict(self.meta),
-        )
-
 
 def make_trace(columns: dict[str, Any], syncs=(), meta=None) -> Trace:
     """Build and validate a Trace from plain columns (lists or arrays); missing labels get defaults."""
@@ -110,8 +100,9 @@ def _int_column(name: str, values: Any, n: int | None) -> np.ndarray:
     for i, v in enumerate(values):
         if not isinstance(v, int) or isinstance(v, bool):
             raise TraceError(f"buffers.{name}[{i}]: expected an integer, got {v!r}")
-    arr = np.asarray(values, dtype=np.int64) if values else np.zeros(0, dtype=np.int64)
-    return arr
+        if not INT64_MIN <= v <= INT64_MAX:
+            raise TraceError(f"buffers.{name}[{i}]: {v} does not fit in 64 bits")
+    return np.asarray(values, dtype=np.int64) if values else np.zeros(0, dtype=np.int64)
 
 
 def _str_column(name: str, values: Any, n: int) -> list[str]:

@@ -70,7 +70,7 @@ def _import(path: Path) -> Any:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as e:  # the file is user code: any failure is reported in one line
+    except (Exception, SystemExit) as e:  # the file is user code: any failure is reported in one line
         sys.modules.pop(name, None)
         raise ModelFileError(f"{path}: importing it raised {_describe(e)}") from None
     return module
@@ -97,7 +97,7 @@ def _optimizer(path: Path, spec: Any, model: nn.Module) -> torch.optim.Optimizer
     if callable(spec):
         try:
             opt = spec(model.parameters())
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             raise ModelFileError(f"{path}: {BUILD}()['optimizer'](params) raised {_describe(e)}") from None
         if isinstance(opt, torch.optim.Optimizer):
             return opt
@@ -107,14 +107,11 @@ def _optimizer(path: Path, spec: Any, model: nn.Module) -> torch.optim.Optimizer
                          "torch.optim.Optimizer or a callable taking the parameters")
 
 
-def _apply_layers(path: Path, model: nn.Module, layers: str) -> None:
-    if layers == "baseline":
-        return
-    try:
-        from planner.layers import patch
-    except ImportError:
-        raise ModelFileError(f"--layers {layers}: memory-saving layers are not available "
-                             "(planner.layers is missing); use --layers baseline") from None
+def _apply_layers(model: nn.Module, layers: str) -> None:
+    """Patch the model for `layers`; baseline too, so every mode shares the same reference layers
+    (1-byte dropout masks as on GPUs, the attention core written out) and differs only in what it saves."""
+    from planner.layers import patch
+
     patch(model, layers)
 
 
@@ -133,7 +130,7 @@ def _from_dict(path: Path, built: dict, dtype: torch.dtype, device: torch.device
     if not callable(loss):
         raise ModelFileError(f"{path}: {BUILD}()['loss'] is {type(loss).__name__}, not callable")
     model.to(device=device, dtype=dtype)
-    _apply_layers(path, model, layers)
+    _apply_layers(model, layers)
     optimizer = _optimizer(path, built.get("optimizer"), model)
     return Workload(model=model, inputs=built["inputs"], optimizer=optimizer, loss_fn=loss,
                     name=str(built.get("name") or path.stem))
@@ -162,10 +159,10 @@ def load_workload(path: str | os.PathLike, *, batch: int, seq: int, dtype: torch
         built = build(batch_size=batch, seq_len=seq, dtype=dtype, device=str(dev))
     except MemplanError:
         raise
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         raise ModelFileError(f"{path}: {BUILD}() raised {_describe(e)}") from None
     if isinstance(built, Workload):
-        _apply_layers(path, built.model, layers)
+        _apply_layers(built.model, layers)
         workload = built
     elif isinstance(built, dict):
         workload = _from_dict(path, built, dtype, dev, layers)

@@ -21,8 +21,8 @@ ALLOCATION_HELPERS = frozenset({
     "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty",
     "aten::new_empty_strided", "aten::resize_", "aten::zeros", "aten::zero_",
 })
-SCALAR_OP = "python scalar"
-MEMORY_EVENT = "[memory]"  # the profiler's name for an allocation or free  # an allocation outside any op: a Python number wrapped as a tensor
+SCALAR_OP = "python scalar"  # an allocation outside any op: a Python number wrapped as a tensor
+MEMORY_EVENT = "[memory]"  # the profiler's name for an allocation or free
 
 
 @dataclass
@@ -61,6 +61,8 @@ def _enter(ctx: tuple, name: str, event) -> tuple:
     if name.startswith(MODULE_RANGE):
         return (name[len(MODULE_RANGE):], evaluate_seq, backward, optimizer, op, any_op)
     if name.startswith(EVALUATE_FUNCTION):
+        if evaluate_seq >= 0:  # a node run by a backward (recomputation): its forward ran in backward too
+            return ctx
         return (module, event.extra_fields.sequence_number, backward, optimizer, op, any_op)
     if name == BACKWARD_RANGE:
         return (module, evaluate_seq, True, optimizer, op, any_op)
@@ -84,14 +86,16 @@ def step_events(tree, device_type: str) -> StepEvents:
                 if fields.device.type == device_type:
                     allocations.append((e.start_time_ns, len(allocations), fields, ctx))
                 continue
-            if name.startswith("aten::"):
-                if ctx[1] < 0 and not ctx[2] and not ctx[3]:
-                    # Forward ops report the next sequence number until one creates the autograd node
-                    # and takes it: the last forward op (in time order) with a number is its creator.
-                    # (Backward and optimizer ops create no node anyone asks about: not read, it is slow.)
-                    seq = e.extra_fields.sequence_number
-                    if seq >= 0:
-                        forward_module_of_seq[seq] = ctx[0]
+            is_aten = name.startswith("aten::")
+            if (is_aten or e.tag == op_tag) and ctx[1] < 0 and not ctx[2] and not ctx[3]:
+                # Forward ops (aten ops and custom autograd Functions alike) report the next sequence
+                # number until one creates the autograd node and takes it: the last forward op (in time
+                # order) with a number is its creator. (Backward and optimizer ops create no node anyone
+                # asks about: not read, it is slow.)
+                seq = e.extra_fields.sequence_number
+                if seq >= 0:
+                    forward_module_of_seq[seq] = ctx[0]
+            if is_aten:
                 inner = ctx[:5] + (name,) if name in ALLOCATION_HELPERS else ctx[:4] + (name, name)
             elif e.tag == op_tag:
                 if name == BACKWARD_RANGE and marks["backward"] is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,9 @@ PLAIN_TYPES = (dict, list, tuple, str, int, float, bool, type(None))
 KEYS = ("segments", "device_traces")
 MiB = 1 << 20
 FREE_ACTIONS = ("free_completed", "free")  # when the allocator gets a block back ("free": old snapshots)
+ENGINE_FRAME = "torch::autograd::Engine::evaluate_function"
+AUTOGRAD_NODE = re.compile(r"torch::autograd::(?:generated::)?(\w+)::apply\(")
+ATEN_OP = re.compile(r"at::_ops::(\w+)::call\(")  # the op and its overload: sum_dim_IntList
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -69,6 +73,7 @@ class SnapshotEntry:
     stream: int
     op: str
     time_us: int
+    backward: bool = False  # made while the autograd engine ran
 
 
 @dataclass
@@ -106,7 +111,9 @@ class Snapshot:
 
 
 def top_user_frame(frames: Any) -> str:
-    """'file.py:LINE fn' of the innermost Python frame outside torch itself (else any Python frame)."""
+    """'file.py:LINE fn' of the innermost Python frame outside torch itself (else any Python frame);
+    for an allocation with no Python frame (the autograd engine's own thread), the autograd node
+    that made it (`MeanBackward0`)."""
     if not isinstance(frames, list):
         return ""
     fallback = ""
@@ -120,7 +127,25 @@ def top_user_frame(frames: Any) -> str:
         if "/torch/" not in name.replace(os.sep, "/"):
             return label
         fallback = fallback or label
-    return fallback
+    return fallback or _autograd_node(frames)
+
+
+def _autograd_node(frames: list) -> str:
+    """The class of the innermost autograd node whose apply() is on the C++ stack, else the innermost
+    aten op (`aten::sum`), else ''."""
+    names = [str(f.get("name", "")) for f in frames if isinstance(f, dict)]
+    for pattern, label in ((AUTOGRAD_NODE, "{}"), (ATEN_OP, "aten::{}")):
+        for name in names:
+            match = pattern.match(name)
+            if match:
+                return label.format(match.group(1))
+    return ""
+
+
+def in_backward(frames: Any) -> bool:
+    """Whether the autograd engine is on the stack (the allocation belongs to a backward pass)."""
+    return isinstance(frames, list) and any(
+        isinstance(f, dict) and str(f.get("name", "")).startswith(ENGINE_FRAME) for f in frames)
 
 
 def _int(d: dict, key: str, where: str) -> int:
@@ -171,7 +196,8 @@ def parse_snapshot(raw: Any, device: int | None = None) -> Snapshot:
             action=e["action"], addr=_int(e, "addr", where), size=_int(e, "size", where),
             stream=_int(e, "stream", where) if "stream" in e else 0,
             op=top_user_frame(e.get("frames")) if e["action"] == "alloc" else "",
-            time_us=e["time_us"] if isinstance(e.get("time_us"), int) else 0))
+            time_us=e["time_us"] if isinstance(e.get("time_us"), int) else 0,
+            backward=e["action"] == "alloc" and in_backward(e.get("frames"))))
     segments = []
     for i, s in enumerate(raw["segments"]):
         where = f"segments[{i}]"
@@ -232,8 +258,10 @@ def snapshot_to_trace(snap: Snapshot, source: str = "") -> Trace:
     open_at: dict[int, int] = {}  # address -> buffer index of the live buffer there
     windows = snap.optimizer_windows
 
-    def phase_of(t_us: int) -> str:
-        return "optimizer" if any(a <= t_us <= b for a, b in windows) else "other"
+    def phase_of(e: SnapshotEntry) -> str:
+        if any(a <= e.time_us <= b for a, b in windows):
+            return "optimizer"
+        return "backward" if e.backward else "other"
 
     def add(sz, t_alloc, st, a, o, ph) -> int:
         size.append(sz), alloc.append(t_alloc), free.append(-1), stream.append(st), addr.append(a)
@@ -246,7 +274,7 @@ def snapshot_to_trace(snap: Snapshot, source: str = "") -> Trace:
             t += 1
             if e.addr in open_at:  # a free this ring buffer lost: close the old buffer here
                 free[open_at.pop(e.addr)] = t
-            open_at[e.addr] = add(e.size, t, e.stream, e.addr, e.op, phase_of(e.time_us))
+            open_at[e.addr] = add(e.size, t, e.stream, e.addr, e.op, phase_of(e))
         elif e.action in FREE_ACTIONS:
             t += 1
             i = open_at.pop(e.addr, None)

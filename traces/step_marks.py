@@ -1,7 +1,8 @@
 """Marks that let a profiled training step be labelled: module and backward ranges, optimizer hooks.
 
 While `marked_step` is active, every module call runs inside a profiler range named
-`memplan.module:<path>`, `torch.autograd.backward` runs inside `memplan.phase:backward`, and the
+`memplan.module:<path>` (the workload's loss function inside `memplan.module:loss`),
+`torch.autograd.backward` runs inside `memplan.phase:backward`, and the
 optimizer's step hooks note which storages hold gradients when the step starts and optimizer state
 when it ends. None of this allocates tensor memory, so the step's allocations stay those of a plain step.
 """
@@ -19,6 +20,7 @@ from traces.workload import Workload
 MODULE_RANGE = "memplan.module:"
 BACKWARD_RANGE = "memplan.phase:backward"
 ROOT_MODULE = "model"
+LOSS_MODULE = "loss"
 
 
 @dataclass
@@ -73,6 +75,21 @@ def _module_ranges(model: torch.nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _loss_range(workload: Workload) -> Iterator[None]:
+    loss_fn = workload.loss_fn
+
+    def marked_loss(output, inputs):
+        with record_function(MODULE_RANGE + LOSS_MODULE):
+            return loss_fn(output, inputs)
+
+    workload.loss_fn = marked_loss
+    try:
+        yield
+    finally:
+        workload.loss_fn = loss_fn
+
+
+@contextlib.contextmanager
 def _backward_range() -> Iterator[None]:
     original = torch.autograd.backward
 
@@ -108,7 +125,8 @@ def _optimizer_hooks(optimizer: torch.optim.Optimizer, marks: StepMarks) -> Iter
 
 @contextlib.contextmanager
 def marked_step(workload: Workload) -> Iterator[StepMarks]:
-    """Install the module ranges, the backward range and the optimizer hooks for one step."""
+    """Install the module and loss ranges, the backward range and the optimizer hooks for one step."""
     marks = StepMarks()
-    with _module_ranges(workload.model), _backward_range(), _optimizer_hooks(workload.optimizer, marks):
+    with (_module_ranges(workload.model), _loss_range(workload), _backward_range(),
+          _optimizer_hooks(workload.optimizer, marks)):
         yield marks

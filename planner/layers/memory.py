@@ -30,7 +30,8 @@ def saved_bytes(model: nn.Module, forward: Callable[[], object]) -> int:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = forward()
-    del out, kept
+    del out
+    kept.clear()
     return sum(storages.values())
 
 
