@@ -37,6 +37,24 @@ def test_same_outputs_gradients_and_mask_as_baseline(tensors, kind, dtype, train
         torch.testing.assert_close(g, w, rtol=1e-5 if dtype == torch.float32 else 2**-7, atol=1e-6 if dtype == torch.float32 else 2**-7)
 
 
+@pytest.mark.parametrize("kind", ["tempo", "selective"])
+def test_under_autocast_gradients_equal_the_baseline_bitwise(tensors, kind):
+    """Mixed precision: backward (and the recomputation) runs under the forward's autocast setting, so the
+    fp32 inputs' gradients round exactly as the baseline's."""
+    q, k, v, causal, dy = tensors
+    results = []
+    for core in ("baseline", kind):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        torch.manual_seed(5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = CORES[core](*inputs, causal, D**-0.5, 0.3, True)
+        out.backward(dy.to(out.dtype))
+        results.append([out] + [t.grad for t in inputs])
+    assert results[1][0].dtype == torch.bfloat16
+    for got, want in zip(*reversed(results)):
+        assert torch.equal(got, want)
+
+
 def test_dropout_is_really_applied_and_follows_the_seed(tensors):
     q, k, v, causal, dy = tensors
     a = run("selective", q, k, v, None, dy, torch.float32, seed=5)[0]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,6 +48,9 @@ GELUS_AND_LAYERNORMS = {"bert": (3, 6), "gpt2": (2, 5), "hf-bert": (2, 5), "hf-g
 @pytest.mark.parametrize("name", BUILDERS)
 def test_eval_outputs_and_weights_unchanged_and_unpatch_restores(name):
     model = BUILDERS[name]().eval()
+    with torch.no_grad():  # no LayerNorm at weight 1 and bias 0: a patch that re-initialises them shows
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     ids = torch.randint(1, 300, (2, 16), generator=torch.Generator().manual_seed(1))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     params = {k: id(p) for k, p in model.named_parameters()}
@@ -107,6 +111,18 @@ def test_hf_layer_holds_formula_bytes(builder, mode):
     if builder is hf_gpt2 and not mode.startswith("tempo"):
         formula += 3 * 16 * 2 * 4 * 64 * 4  # HF's NewGELU is written out: it also keeps 0.5x, tanh(u) and 1 + tanh(u)
     assert abs(held[1] - held[0] - formula) <= 0.02 * formula
+
+
+@pytest.mark.parametrize("file", ["hf_bert.py", "hf_gpt2.py"])
+def test_model_files_are_patched_for_baseline_too(file):
+    """`--layers baseline` traces memplan's reference layers (1-byte dropout masks, attention written out),
+    so baseline and tempo differ only in what tempo saves."""
+    from traces.model_file import load_workload
+
+    path = Path(__file__).resolve().parents[1] / "examples" / file
+    w = load_workload(path, batch=2, seq=16, dtype=torch.float32, device="cpu", layers="baseline")
+    assert not any(type(m) is nn.Dropout for m in w.model.modules())
+    assert w.model.config._attn_implementation == "memplan_baseline"
 
 
 def test_unknown_types_left_alone_and_listed():

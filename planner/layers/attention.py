@@ -26,24 +26,35 @@ def baseline_attention(q, k, v, bias, scale: float, dropout_p: float, training: 
     return torch.matmul(probs, v)
 
 
+def autocast_state(device_type: str) -> dict:
+    """The autocast setting in force for `device_type`, to re-enter in backward (as torch.utils.checkpoint does)."""
+    return {"device_type": device_type, "enabled": torch.is_autocast_enabled(device_type),
+            "dtype": torch.get_autocast_dtype(device_type), "cache_enabled": torch.is_autocast_cache_enabled()}
+
+
 class DropoutMatmulFunction(torch.autograd.Function):
-    """dropout(probs)·v holding probs (the softmax keeps it anyway), the 1-byte mask and v; the dropout output is rebuilt."""
+    """dropout(probs)·v holding probs (the softmax keeps it anyway), the 1-byte mask and v; the dropout output is rebuilt.
+
+    Backward runs under the forward's autocast setting, so under mixed precision both matmuls see the
+    dtypes they saw in forward and the gradients round as the baseline's do."""
 
     @staticmethod
     def forward(ctx, probs, v, p: float):
         dropped, mask = torch.native_dropout(probs, p, True)
         v = v.contiguous()
         ctx.scale = 1.0 / (1.0 - p)
+        ctx.autocast = autocast_state(probs.device.type)
         ctx.save_for_backward(probs, mask, v)
         return torch.matmul(dropped, v)
 
     @staticmethod
     def backward(ctx, grad):
         probs, mask, v = ctx.saved_tensors
-        dropped = probs * mask * ctx.scale
-        grad_v = torch.matmul(dropped.transpose(-2, -1), grad) if ctx.needs_input_grad[1] else None
-        grad_probs = torch.matmul(grad, v.transpose(-2, -1)) * mask * ctx.scale
-        return grad_probs, grad_v, None
+        with torch.autocast(**ctx.autocast):
+            dropped = probs * (mask.to(probs.dtype) * ctx.scale)  # as native_dropout rounds it (bf16 too)
+            grad_v = torch.matmul(dropped.transpose(-2, -1), grad) if ctx.needs_input_grad[1] else None
+            grad_dropped = torch.matmul(grad, v.transpose(-2, -1)).to(probs.dtype)
+        return grad_dropped * mask * ctx.scale, grad_v, None
 
 
 def tempo_attention(q, k, v, bias, scale: float, dropout_p: float, training: bool):
@@ -63,6 +74,7 @@ class RecomputedAttentionFunction(torch.autograd.Function):
         # Only dropout draws random numbers; its generator state (5,056 B for the CPU's MT19937, 16 B on CUDA) is kept.
         ctx.rng = rng_state(q.device) if training and dropout_p > 0.0 else None
         ctx.args = (scale, dropout_p, training)
+        ctx.autocast = autocast_state(q.device.type)  # recomputed under the same mixed precision
         ctx.save_for_backward(q, k, v, bias)
         with torch.no_grad():
             return baseline_attention(q, k, v, bias, scale, dropout_p, training)
@@ -72,7 +84,8 @@ class RecomputedAttentionFunction(torch.autograd.Function):
         q, k, v, bias = ctx.saved_tensors
         inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3])]
         devices = [ctx.device] if ctx.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, device_type=ctx.device.type), torch.enable_grad():
+        with (torch.random.fork_rng(devices=devices, device_type=ctx.device.type), torch.enable_grad(),
+              torch.autocast(**ctx.autocast)):
             if ctx.rng is not None:
                 set_rng_state(ctx.device, ctx.rng)
             out = baseline_attention(*inputs, bias, *ctx.args)
