@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 from planner.plan import columns_digest
-from planner.problem import Problem, build_problem
+from planner.problem import MAX_BYTES, Problem, ProblemError, build_problem
 from traces.errors import MemplanError
 from traces.files import atomic_write, read_bytes
 
@@ -27,7 +27,7 @@ def read_csv(path: str | os.PathLike, alignment: int = 1) -> tuple[Problem, list
     """Parse a MiniMalloc CSV into (problem, offsets or None); errors name the file and line."""
     name = os.fspath(path)
     try:
-        text = read_bytes(path).decode()
+        text = read_bytes(path).decode("utf-8-sig")  # a byte-order mark is not part of the header
     except FileNotFoundError:
         raise CsvError(f"{name}: no such file") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -53,8 +53,8 @@ def read_csv(path: str | os.PathLike, alignment: int = 1) -> tuple[Problem, list
                 v = int(row[col[c]])
             except ValueError:
                 raise CsvError(f"{name}:{line}: {c} {row[col[c]]!r} is not an integer") from None
-            if v < 0:
-                raise CsvError(f"{name}:{line}: {c} is negative ({v})")
+            if not 0 <= v < MAX_BYTES:
+                raise CsvError(f"{name}:{line}: {c} {v} is {'negative' if v < 0 else 'beyond 2**62'}")
             cols[c].append(v)
         if cols["upper"][-1] < cols["lower"][-1]:
             raise CsvError(f"{name}:{line}: upper {cols['upper'][-1]} is below lower {cols['lower'][-1]}")
@@ -62,7 +62,10 @@ def read_csv(path: str | os.PathLike, alignment: int = 1) -> tuple[Problem, list
         raise CsvError(f"{name}: buffer ids are not unique")
     size, lower, upper = (np.asarray(cols[c], dtype=np.int64) for c in ("size", "lower", "upper"))
     digest = columns_digest(size, lower, upper, np.zeros(len(size), dtype=np.int64))
-    problem = build_problem(size, lower, upper, alignment=alignment, digest=digest, ids=ids)
+    try:
+        problem = build_problem(size, lower, upper, alignment=alignment, digest=digest, ids=ids)
+    except ProblemError as e:
+        raise CsvError(f"{name}: {e}") from None
     return problem, (cols["offset"] if has_offset else None)
 
 

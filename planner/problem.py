@@ -15,6 +15,9 @@ from traces.errors import MemplanError
 from traces.format import Trace
 
 
+MAX_BYTES = 2**62  # sizes, offsets and times stay below this, so their sums never overflow int64
+
+
 class ProblemError(MemplanError):
     """An allocation problem cannot be built: bad alignment, groups or fixed offsets."""
 
@@ -82,6 +85,7 @@ def build_problem(size, alloc, free, *, stream=None, syncs=(), alignment: int = 
     alloc = np.asarray(alloc, dtype=np.int64)
     free = np.asarray(free, dtype=np.int64)
     n = len(requested)
+    _check_ranges(requested, alloc, free, alignment)
     raw_stream = np.zeros(n, dtype=np.int64) if stream is None else np.asarray(stream, dtype=np.int64)
     names = sorted({int(s) for s in raw_stream} | {int(s[k]) for s in syncs for k in (1, 2)}) or [0]
     dense = {s: k for k, s in enumerate(names)}
@@ -96,6 +100,21 @@ def build_problem(size, alloc, free, *, stream=None, syncs=(), alignment: int = 
                       fixed={int(k): int(v) for k, v in (fixed or {}).items()})
     _check_groups_and_fixed(problem)
     return problem
+
+
+def _check_ranges(size: np.ndarray, alloc: np.ndarray, free: np.ndarray, alignment: int) -> None:
+    """Sizes and times that 64-bit offset arithmetic can carry: no sum of sizes may reach 2**62."""
+    if (size < 0).any():
+        i = int(np.argmax(size < 0))
+        raise ProblemError(f"buffer {i} has a negative size {int(size[i])}")
+    if (alloc < 0).any() or (free < alloc).any():
+        i = int(np.argmax((alloc < 0) | (free < alloc)))
+        raise ProblemError(f"buffer {i} has a bad lifetime [{int(alloc[i])}, {int(free[i])})")
+    total = float(size.astype(np.float64).sum()) + float(alignment) * len(size)  # float: the check cannot overflow
+    if total >= MAX_BYTES or alignment >= MAX_BYTES:
+        raise ProblemError(f"the buffers add up to about {total:.3g} bytes; memplan handles at most 2**62")
+    if len(free) and int(free.max()) >= MAX_BYTES:
+        raise ProblemError(f"a free time of {int(free.max())} is beyond 2**62")
 
 
 def _check_groups_and_fixed(p: Problem) -> None:
@@ -113,7 +132,7 @@ def _check_groups_and_fixed(p: Problem) -> None:
     for i, off in p.fixed.items():
         if not 0 <= i < n:
             raise ProblemError(f"fixed offset for buffer {i}: no such buffer ({n} buffers)")
-        if off < 0 or off % p.alignment:
+        if off < 0 or off % p.alignment or off >= MAX_BYTES:
             raise ProblemError(f"fixed offset {off} of buffer {i} is negative or not a multiple of "
                                f"the alignment {p.alignment}")
     pinned = np.array(sorted(p.fixed), dtype=np.int64)

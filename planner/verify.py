@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from planner.plan import PlanError
-from planner.problem import Problem
+from planner.problem import MAX_BYTES, Problem
 
 
 def _name(p: Problem, i: int) -> str:
@@ -21,7 +21,13 @@ def verify_plan(problem: Problem, offsets, arena: int, capacity: int | None = No
     n = len(p)
     if len(offsets) != n:
         raise PlanError(f"plan has {len(offsets)} offsets but the problem has {n} buffers")
-    off = np.asarray(offsets, dtype=np.int64).reshape(n)
+    try:
+        off = np.asarray(offsets, dtype=np.int64).reshape(n)
+    except OverflowError:
+        raise PlanError("an offset does not fit in 64 bits") from None
+    big = np.nonzero(off >= MAX_BYTES)[0]
+    if len(big):  # sizes are below 2**62 too (planner.problem), so offset + size cannot overflow
+        raise PlanError(f"{_name(p, int(big[0]))} has an offset {int(off[big[0]])} beyond 2**62")
     act = p.active
     end = off + p.size
     bad = np.nonzero(off < 0)[0]

@@ -68,7 +68,10 @@ def _unordered_pairs(p: Problem, active: np.ndarray, limit: int) -> list[np.ndar
 
 def _cliques(p: Problem, active: np.ndarray) -> list[np.ndarray]:
     """Sets of mutually conflicting buffers that together cover every conflicting pair."""
-    return _live_cliques(p, active) + (_unordered_pairs(p, active, MAX_TERMS) or [])
+    pairs = _unordered_pairs(p, active, MAX_TERMS)
+    if pairs is None:  # callers check model_terms first; dropping pairs would allow overlaps
+        raise ValueError("too many unordered pairs for a CP-SAT model (check model_terms first)")
+    return _live_cliques(p, active) + pairs
 
 
 def model_terms(p: Problem) -> int:
@@ -86,20 +89,25 @@ def model_terms(p: Problem) -> int:
 
 def cpsat_place(p: Problem, bound: int, seconds: float, hint: np.ndarray | None = None,
                 capacity: int | None = None, workers: int = 2, on_solution=None) -> CpResult:
-    """Minimise the arena (or find one within `capacity`) in `seconds`; on_solution(arena) as it improves."""
+    """Minimise the arena (or find one within `capacity`) in `seconds`; on_solution(arena) as it improves.
+
+    The arena is the top of every buffer of positive size, as the verifier counts it: buffers with an
+    empty lifetime conflict with nothing but still sit inside it (a group's holes, fixed offsets)."""
     items, preset = make_items(p)
     act = p.active
+    positive = p.size > 0
     offsets = np.where(preset >= 0, preset, 0).astype(np.int64)
-    # Buffers that conflict with every other active buffer go to the bottom, outside the model.
+    # Buffers that conflict with every other active buffer go to the bottom, outside the model; not when
+    # a buffer that conflicts with nothing could share their bytes (positive size, empty lifetime).
     active = np.nonzero(act)[0]
     bottom: list[int] = []
-    if p.nstreams == 1 and not p.fixed and len(active) > 1:
+    if p.nstreams == 1 and not p.fixed and len(active) > 1 and not (positive & ~act).any():
         single = np.zeros(len(p), dtype=bool)
         one = np.diff(items.start) == 1
         single[items.members[items.start[:-1][one]]] = True
         whole = single & act & (p.alloc <= p.alloc[active].min()) & (p.free >= p.free[active].max())
         bottom = np.nonzero(whole)[0].tolist()
-    base = int(p.size[bottom].sum())
+    base = int(p.size[bottom].sum())  # 0 whenever a buffer is fixed or inactive (no bottom then)
     cursor = 0
     for i in bottom:
         offsets[i] = cursor
@@ -108,16 +116,11 @@ def cpsat_place(p: Problem, bound: int, seconds: float, hint: np.ndarray | None 
     in_bottom[bottom] = True
     model_active = np.nonzero(act & ~in_bottom)[0]
     placed_items = [k for k in range(len(items)) if not in_bottom[items.members[items.start[k]:items.start[k + 1]]].any()]
-    values = [int(p.size[i]) for i in model_active] + [int(x) for x in items.rel] + [int(x) for x in items.size]
-    values += [int(preset[i]) - base for i in model_active if preset[i] >= 0]
-    if capacity is not None:
-        values.append(capacity - base)
-    g = 0
-    for v in values:
-        g = math.gcd(g, v)
-    g = max(g, 1)
-    fixed_tops = [int(preset[i] + p.size[i]) for i in model_active if preset[i] >= 0]
-    ub = int(p.size[model_active].sum()) + max(fixed_tops, default=0)
+    pinned = np.nonzero((preset >= 0) & positive)[0]
+    # Every offset of a canonical placement is a sum of sizes and fixed offsets: a multiple of their GCD.
+    g = max(int(np.gcd.reduce(np.concatenate([p.size[~in_bottom], items.rel, items.size, preset[pinned]]))), 1)
+    fixed_top = int((preset + p.size)[pinned].max(initial=0))
+    ub = int(items.size[placed_items].sum()) + fixed_top
     hint_y = None
     if hint is not None:
         # Squeeze the bottom buffers' bytes out of the hint (they overlap nothing), keeping it valid.
@@ -125,8 +128,8 @@ def cpsat_place(p: Problem, bound: int, seconds: float, hint: np.ndarray | None 
         below = np.sort(hint[bottom])
         shift = np.concatenate([[0], np.cumsum(p.size[bottom][np.argsort(hint[bottom])])])
         hint_y = hint - shift[np.searchsorted(below, hint, side="left")]
-        ub = min(ub, int((hint_y + p.size)[model_active].max(initial=0)))
-    lo = max(bound - base, 0)
+        ub = min(ub, int((hint_y + p.size)[positive & ~in_bottom].max(initial=0)))
+    lo = max(bound - base, fixed_top, 0)
     ub = max(ub, lo)
     hi = ub if capacity is None else min(ub, capacity - base)
     if hi < lo:
@@ -170,7 +173,7 @@ def cpsat_place(p: Problem, bound: int, seconds: float, hint: np.ndarray | None 
     if hint_x is not None:
         for k in placed_items:
             m.add_hint(x[k], hint_x[k])
-        m.add_hint(arena, max((hint_x[k] + int(items.size[k]) // g for k in placed_items), default=0))
+        m.add_hint(arena, max((hint_x[k] + int(items.size[k]) // g for k in placed_items), default=-(-lo // g)))
     if capacity is None:
         m.minimize(arena)
     solver = cp_model.CpSolver()
@@ -189,7 +192,7 @@ def cpsat_place(p: Problem, bound: int, seconds: float, hint: np.ndarray | None 
         for k in placed_items:
             for pos in range(items.start[k], items.start[k + 1]):
                 offsets[int(items.members[pos])] = int(solver.value(x[k])) * g + int(items.rel[pos]) + base
-        arena_bytes = int(solver.value(arena)) * g + base
+        arena_bytes = int((offsets + p.size)[positive].max(initial=0))  # the placement's own top
         if capacity is not None:
             proven = bound
         elif status == cp_model.OPTIMAL:

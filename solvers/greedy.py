@@ -34,7 +34,7 @@ def orders(p: Problem, items: Items) -> dict[str, np.ndarray]:
     `pressure` is the most bytes live during the item's lifetime; then size, allocation or free time.
     """
     size, length = items.size, items.free - items.alloc
-    area, press = size * length, pressure(p, items)
+    area, press = size.astype(np.float64) * length, pressure(p, items)  # an ordering key: float cannot overflow
     alloc, free = items.alloc, items.free
     return {
         "pressure-late": np.lexsort((-alloc, -size, -press)),

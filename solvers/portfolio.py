@@ -17,6 +17,7 @@ import numpy as np
 
 from planner.plan import Plan
 from planner.problem import Problem
+from planner.verify import verify_plan
 from solvers.bounds import lower_bound
 from solvers.cpsat import MAX_TERMS, cpsat_place, model_terms
 from solvers.greedy import greedy, squeaky_wheel
@@ -102,7 +103,8 @@ def _search_down(best: _Best, deadline: float) -> None:
 
 def solve(problem: Problem, method: str = "auto", time_limit: float = 10.0, capacity: int | None = None,
           progress: Callable[[Progress], None] | None = None) -> Plan:
-    """Place every buffer of `problem`; with `capacity`, stop at the first plan that fits (error if none)."""
+    """Place every buffer of `problem`; with `capacity`, stop at the first plan that fits (error if none).
+    The plan returned has passed the independent verifier."""
     if method not in METHODS:
         raise MemplanError(f"unknown method {method!r} (expected one of {', '.join(METHODS)})")
     start = time.monotonic()
@@ -125,6 +127,8 @@ def solve(problem: Problem, method: str = "auto", time_limit: float = 10.0, capa
             until = start + (SEARCH_SHARE if model_fits else 1.0) * time_limit
             offsets, arena = squeaky_wheel(p, first, goal, until)
             best.offer(offsets, arena, "greedy+squeaky-wheel")
+        if not model_fits:
+            best.tell("cpsat skipped: model too large")
         left = time_limit - best.elapsed()
         goal = capacity if capacity is not None else best.bound
         if best.arena > goal and left > 0.05 and model_fits:
@@ -140,4 +144,6 @@ def solve(problem: Problem, method: str = "auto", time_limit: float = 10.0, capa
     if capacity is not None and best.arena > capacity:
         raise CapacityError(f"no plan within {capacity} bytes found in {best.elapsed():.1f} s "
                             f"(best {best.arena} bytes, lower bound {best.bound} bytes)")
-    return best.plan(capacity)
+    plan = best.plan(capacity)
+    verify_plan(p, plan.offsets, plan.arena, capacity)  # no plan leaves here unchecked, printed or written
+    return plan

@@ -27,7 +27,12 @@ def applicable(p: Problem) -> bool:
 
 
 def search_fit(p: Problem, capacity: int, seconds: float) -> tuple[str, np.ndarray | None, int]:
-    """(FITS with offsets | INFEASIBLE | TIMEOUT, offsets or None, nodes searched)."""
+    """(FITS with offsets | INFEASIBLE | TIMEOUT, offsets or None, nodes searched).
+
+    Buffers never live sit at offset 0; they still count in the arena, so one larger than `capacity`
+    makes it infeasible."""
+    if int(p.size.max(initial=0)) > capacity:
+        return INFEASIBLE, None, 0
     act = np.nonzero(p.active)[0]
     offsets = np.zeros(len(p), dtype=np.int64)
     if len(act) == 0:

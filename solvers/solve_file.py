@@ -8,7 +8,6 @@ from typing import Callable
 
 from planner.plan import Plan, save_plan
 from planner.problem import Problem, problem_from_trace
-from planner.verify import verify_plan
 from solvers.portfolio import Progress, solve
 
 TRACE_ALIGNMENT, CSV_ALIGNMENT = 512, 1
@@ -42,7 +41,7 @@ class SolveReport:
 
 def load_problem(path: str, alignment: int | None = None) -> Problem:
     """A Problem from a MiniMalloc CSV (alignment 1 by default) or a memplan trace (alignment 512)."""
-    if os.fspath(path).endswith(".csv"):
+    if os.fspath(path).endswith((".csv", ".csv.gz")):
         from planner.minimalloc_csv import read_csv
         return read_csv(path, alignment=alignment or CSV_ALIGNMENT)[0]
     from traces.format import load
@@ -69,10 +68,9 @@ def solve_file(path: str, output: str | None = None, *, method: str = "auto", ti
     plan = solve(problem, method=method, time_limit=time_limit, capacity=capacity,
                  progress=throttled(progress) if progress else None)
     if output is not None:
-        if os.fspath(output).endswith(".csv"):
+        if os.fspath(output).endswith((".csv", ".csv.gz")):
             from planner.minimalloc_csv import write_csv
-            verify_plan(problem, plan.offsets, plan.arena, plan.capacity)
-            write_csv(output, problem, plan.offsets)
+            write_csv(output, problem, plan.offsets)  # solve() verified the plan
         else:
             save_plan(plan, problem, output)
     return SolveReport(os.fspath(path), plan, None if output is None else os.fspath(output))

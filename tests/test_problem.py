@@ -1,12 +1,15 @@
 """The allocation problem from traces and MiniMalloc CSV: alignment, validation, digest, CSV round trip."""
 from __future__ import annotations
 
+import gzip
+
 import numpy as np
 import pytest
 
 from planner.minimalloc_csv import CsvError, read_csv, write_csv
 from planner.plan import trace_digest
 from planner.problem import ProblemError, build_problem, problem_from_trace
+from solvers.solve_file import load_problem
 from traces import make_trace
 
 
@@ -73,12 +76,26 @@ def test_csv_round_trip_keeps_every_field(tmp_path):
     ("id,lower,upper,size\na,0,x,4\n", ":2: upper 'x' is not an integer"),
     ("id,lower,upper,size\na,5,3,4\n", "upper 3 is below lower 5"),
     ("id,lower,upper,size\na,0,3,4\na,1,2,4\n", "not unique"),
+    ("id,lower,upper,size\na,0,3,99999999999999999999\n", ":2: size 99999999999999999999 is beyond 2"),
+    ("id,lower,upper,size\na,0,3,4611686018427387000\nb,0,3,4611686018427387000\n", "add up to about 9.22e"),
 ])
 def test_bad_csv_is_a_one_line_error(tmp_path, text, message):
     path = tmp_path / "bad.csv"
     path.write_text(text)
     with pytest.raises(CsvError, match=message):
         read_csv(path)
+
+
+def test_csv_with_a_byte_order_mark_or_gzipped_reads_the_same(tmp_path):
+    text = "id,lower,upper,size\na,0,3,4\nb,2,5,8\n"
+    (tmp_path / "plain.csv").write_text(text)
+    (tmp_path / "bom.csv").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    (tmp_path / "packed.csv.gz").write_bytes(gzip.compress(text.encode()))
+    want = read_csv(tmp_path / "plain.csv")[0]
+    for name in ("bom.csv", "packed.csv.gz"):
+        got = read_csv(tmp_path / name)[0]
+        assert got.ids == want.ids and got.digest == want.digest
+    assert load_problem(str(tmp_path / "packed.csv.gz")).digest == want.digest
 
 
 def test_shared_minimalloc_instances_load(shared):

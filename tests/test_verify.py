@@ -30,6 +30,8 @@ def test_a_valid_plan_passes():
     ([0, 1024, 0, 2048], 2560, 2048, "exceeds the capacity of 2048 bytes"),
     ([0, 1024, 0], 2560, None, "3 offsets but the problem has 4 buffers"),
     ([-512, 1024, 0, 2048], 2560, None, "negative offset"),
+    ([0, 1024, 0, 2**63 - 512], 2560, None, "buffer 3 has an offset 9223372036854775296 beyond 2"),
+    ([0, 1024, 0, 2**64], 2560, None, "does not fit in 64 bits"),
 ])
 def test_bad_plans_are_caught_and_named(offsets, arena, capacity, message):
     with pytest.raises(PlanError, match=message):

@@ -135,8 +135,10 @@ struct Search {
       i64 tot = 0;
       for (int s = slo[b]; s < shi[b]; ++s) tot = std::max(tot, total[s]);
       const i64 w = upper[b] - lower[b];
+      // An ordering key only: the area saturates instead of overflowing for huge times and sizes.
+      const i64 area = w > 0 && size[b] > INT64_MAX / w ? INT64_MAX : w * size[b];
       for (const char* h = heuristic; *h; ++h)
-        keys[k].first.push_back(-(*h == 'W' ? w : *h == 'A' ? w * size[b] : *h == 'T' ? tot : size[b]));
+        keys[k].first.push_back(-(*h == 'W' ? w : *h == 'A' ? area : *h == 'T' ? tot : size[b]));
       keys[k].second = b;
     }
     std::sort(keys.begin(), keys.end());
