@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from planner.alloc_conf import TIE_BREAKS
 from traces.errors import MemplanError
 
 
@@ -137,6 +138,10 @@ def import_command(snapshot, output, cuda_device, as_json):
 
 ALLOC_CONF_HELP = ("PYTORCH_CUDA_ALLOC_CONF string for the simulated caching allocator, e.g. "
                    "'max_split_size_mb:128,roundup_power2_divisions:4' (default: PyTorch's defaults).")
+tie_break_option = click.option(
+    "--tie-break", type=click.Choice(TIE_BREAKS), default=TIE_BREAKS[0],
+    show_default=True, help="Which of several free blocks of the same size the simulated allocator takes: "
+                            "older PyTorch builds take the lowest address, newer ones the oldest segment.")
 
 
 @main.command("simulate")
@@ -144,12 +149,13 @@ ALLOC_CONF_HELP = ("PYTORCH_CUDA_ALLOC_CONF string for the simulated caching all
 @click.option("--plan", "plan_file", type=click.Path(dir_okay=False),
               help="Plan of this trace (from memplan solve): checked against the trace, arena reported.")
 @click.option("--alloc-conf", default="", help=ALLOC_CONF_HELP)
+@tie_break_option
 @click.option("--capacity", type=click.IntRange(min=1), default=None,
               help="Device capacity in bytes: the allocator's out-of-memory retry and failure are simulated.")
 @click.option("--timeline", type=click.Path(dir_okay=False),
               help="Write the per-event series (time, phase, live, allocated, reserved, plan) as CSV.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def simulate_command(trace_file, plan_file, alloc_conf, capacity, timeline, as_json):
+def simulate_command(trace_file, plan_file, alloc_conf, tie_break, capacity, timeline, as_json):
     """Simulate TRACE_FILE on PyTorch's caching allocator (and on a plan): bound, arena, peaks.
 
     \b
@@ -164,7 +170,7 @@ def simulate_command(trace_file, plan_file, alloc_conf, capacity, timeline, as_j
     plan = load_plan(plan_file) if plan_file else None
     progress(f"simulating {trace_file} ({len(trace):,} buffers, {trace.end:,} events)")
     report = build_report(trace, trace_file, plan=plan, plan_name=plan_file, alloc_conf=alloc_conf,
-                          capacity=capacity)
+                          capacity=capacity, tie_break=tie_break)
     if timeline:
         atomic_write(timeline, timeline_csv(report))
         progress(f"wrote {timeline}")
@@ -187,8 +193,9 @@ def load_traces_and_plans(trace_files, plan_files):
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Figure to write: .png or .svg.")
 @click.option("--address-space", is_flag=True, help="Also draw each plan's buffers as rectangles (time by offset).")
 @click.option("--alloc-conf", default="", help=ALLOC_CONF_HELP)
+@tie_break_option
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def plot_command(trace_files, plan_files, output, address_space, alloc_conf, as_json):
+def plot_command(trace_files, plan_files, output, address_space, alloc_conf, tie_break, as_json):
     """Plot memory over time: live bytes by category, phases, caching allocator and plan; traces side by side.
 
     \b
@@ -204,7 +211,8 @@ def plot_command(trace_files, plan_files, output, address_space, alloc_conf, as_
     for (name, trace), given in zip(traces, match_plans(traces, plans)):
         progress(f"simulating {name} ({len(trace):,} buffers)")
         plan_name, plan = given if given else (None, None)
-        reports.append(build_report(trace, name, plan=plan, plan_name=plan_name, alloc_conf=alloc_conf))
+        reports.append(build_report(trace, name, plan=plan, plan_name=plan_name, alloc_conf=alloc_conf,
+                                    tie_break=tie_break))
     plot_reports(reports, output, address_space=address_space)
     progress(f"wrote {output}")
     summary = {"output": output, "traces": list(trace_files), "plans": list(plan_files),
@@ -221,8 +229,9 @@ def plot_command(trace_files, plan_files, output, address_space, alloc_conf, as_
 @click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
               help="Seconds per trace for the solver.")
 @click.option("--alloc-conf", default="", help=ALLOC_CONF_HELP)
+@tie_break_option
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
-def compare_command(trace_files, plan_files, method, time_limit, alloc_conf, as_json):
+def compare_command(trace_files, plan_files, method, time_limit, alloc_conf, tie_break, as_json):
     """Compare traces in one table: peak live, by category at the peak, caching reserved, plan arena, bound.
 
     \b
@@ -232,7 +241,7 @@ def compare_command(trace_files, plan_files, method, time_limit, alloc_conf, as_
 
     traces, plans = load_traces_and_plans(trace_files, plan_files)
     rows = compare_traces(traces, plans, alloc_conf=alloc_conf, method=method, time_limit=time_limit,
-                          progress=progress)
+                          progress=progress, tie_break=tie_break)
     emit(compare_summary(rows), as_json, compare_text(rows))
 
 
@@ -327,10 +336,11 @@ def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps
 @click.option("--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build().")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--alloc-conf", default="", help=ALLOC_CONF_HELP)
+@tie_break_option
 @click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
               help="Seconds for each solve.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def fit_command(model_file, memory, modes, seq, dtype, alloc_conf, time_limit, as_json):
+def fit_command(model_file, memory, modes, seq, dtype, alloc_conf, tie_break, time_limit, as_json):
     """The largest batch size whose training step fits --memory, under the caching allocator and under a plan.
 
     Traces batch 1, 2 and 4, fits memory as affine in the batch, predicts, then traces around the
@@ -344,7 +354,7 @@ def fit_command(model_file, memory, modes, seq, dtype, alloc_conf, time_limit, a
 
     size = parse_size(memory)
     result = fit_model(model_file, size, modes=tuple(modes) or MODES, seq=seq, dtype=dtype,
-                       alloc_conf=alloc_conf, time_limit=time_limit, progress=progress)
+                       alloc_conf=alloc_conf, time_limit=time_limit, tie_break=tie_break, progress=progress)
     emit(result.summary(), as_json, result.text())
 
 

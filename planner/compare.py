@@ -63,7 +63,8 @@ def row_from_report(report: MemoryReport, categories: list[str], plan_source: st
 
 
 def compare_traces(traces: list[tuple[str, Trace]], plans: list[tuple[str, Plan]] = (), alloc_conf: str = "",
-                   method: str = "auto", time_limit: float = 5.0, progress=lambda msg: None) -> list[CompareRow]:
+                   method: str = "auto", time_limit: float = 5.0, progress=lambda msg: None,
+                   tie_break: str = "lowest_address") -> list[CompareRow]:
     """Compare `traces` (name, trace); each uses the plan made for it among `plans`, else one solved here."""
     matched = match_plans(traces, list(plans))
     categories = [c for c in CATEGORIES if any(c in t.category for _, t in traces)]
@@ -76,7 +77,7 @@ def compare_traces(traces: list[tuple[str, Trace]], plans: list[tuple[str, Plan]
             plan_name, plan = given
             source = plan_name
         progress(f"{name}: simulating the caching allocator")
-        report = build_report(trace, name, plan=plan, plan_name=plan_name, alloc_conf=alloc_conf)
+        report = build_report(trace, name, plan=plan, plan_name=plan_name, alloc_conf=alloc_conf, tie_break=tie_break)
         rows.append(row_from_report(report, categories, source))
     return rows
 

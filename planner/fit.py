@@ -18,9 +18,22 @@ from traces.errors import MemplanError
 MEASURE_BATCHES = (1, 2, 4)
 MAX_BATCH = 4096  # the search stops here: larger batches take too long to trace
 GROWTH = 8  # a trace is at most this many times the largest batch known to fit
+HOST_SHARE = 0.7  # a trace may use at most this share of the RAM available now
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 ALLOCATORS = ("caching", "plan")
+
+
+def host_memory_available() -> int | None:
+    """Bytes of RAM this machine can still give (MemAvailable of /proc/meminfo), None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 class FitError(MemplanError):
@@ -54,6 +67,7 @@ class Point:
     plan_arena: int
     plan_bound: int
     plan_fits: bool  # a plan with arena <= memory was found
+    plan_miss_proven: bool = False  # no plan fits, proven (bound above memory, or the solver's proof)
 
     def figure(self, allocator: str) -> int:
         return self.caching_reserved if allocator == "caching" else self.plan_arena
@@ -63,7 +77,8 @@ class Point:
 
     def as_dict(self) -> dict:
         return {"batch": self.batch, "caching_reserved": self.caching_reserved, "caching_fits": self.caching_fits,
-                "plan_arena": self.plan_arena, "plan_bound": self.plan_bound, "plan_fits": self.plan_fits}
+                "plan_arena": self.plan_arena, "plan_bound": self.plan_bound, "plan_fits": self.plan_fits,
+                "plan_miss_proven": self.plan_miss_proven}
 
 
 @dataclass
@@ -91,7 +106,9 @@ class ModeFit:
             out[a] = {"batch": self.batch[a], "predicted": self.predicted[a],
                       "at_batch": at.figure(a) if at else None,
                       "at_next": above.figure(a)}
-        out["plan"]["next_bound"] = self.boundary("plan")[1].plan_bound
+        above = self.boundary("plan")[1]
+        out["plan"]["next_bound"] = above.plan_bound
+        out["plan"]["next_proven"] = above.plan_miss_proven
         return out
 
 
@@ -127,10 +144,14 @@ class FitResult:
         widths = [max(len(r[i]) for r in rows + [cols]) for i in range(len(cols))]
         lines = [head, "  ".join(c.ljust(w) for c, w in zip(cols, widths))]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-        lines.append("each batch b is proven by direct traces: b fits and b+1 does not (caching: simulated OOM "
-                     "at capacity; plan: no plan within the memory)\n"
+        lines.append("each batch b is checked by direct traces: b fits and b+1 does not (caching: simulated OOM "
+                     "at capacity; plan: no plan within the memory, proven by the lower bound or the solver)\n"
                      "* peak reserved without a capacity; at the capacity the allocator's OOM retry frees cached "
                      "blocks, so b may fit above it")
+        unproven = [m.mode for m in self.modes if not m.boundary("plan")[1].plan_miss_proven]
+        if unproven:
+            lines.append(f"! {', '.join(unproven)}: at b+1 no plan within the memory was found in the time limit, "
+                         "but none was proven impossible either (a longer --time-limit may raise b)")
         return "\n".join(lines)
 
 
@@ -150,18 +171,34 @@ class BatchProbe:
     """Traces one layer mode at any batch size (each at most once) and judges it under both allocator models."""
 
     def __init__(self, model_file: str, mode: str, memory: int, *, seq: int, dtype: str, alloc_conf: str,
-                 time_limit: float, progress: Callable[[str], None]):
+                 time_limit: float, progress: Callable[[str], None], tie_break: str = "lowest_address"):
         from planner.alloc_conf import parse_alloc_conf
 
         self.model_file, self.mode, self.memory = model_file, mode, memory
         self.seq, self.dtype, self.time_limit, self.progress = seq, dtype, time_limit, progress
-        self.conf = parse_alloc_conf(alloc_conf)
+        self.conf = parse_alloc_conf(alloc_conf, tie_break)
         self.points: dict[int, Point] = {}
 
     def __call__(self, batch: int) -> Point:
         if batch not in self.points:
+            self._check_host_memory(batch)
             self.points[batch] = self._measure(batch)
         return self.points[batch]
+
+    def _check_host_memory(self, batch: int) -> None:
+        """Refuse a trace whose step, extrapolated from the traced batches, would not fit this machine's RAM."""
+        known = list(self.points.values())
+        if len(known) < 2:
+            return
+        b = np.array([p.batch for p in known], float)
+        live = np.array([p.plan_bound for p in known], float)  # bytes live at the peak: what the CPU step holds
+        slope, intercept = np.polyfit(b, live, 1)
+        need = slope * batch + intercept
+        available = host_memory_available()
+        if available is not None and need > HOST_SHARE * available:
+            raise FitError(f"{self.mode}: tracing batch {batch} would need about {format_size(int(need))} of this "
+                           f"machine's memory ({format_size(available)} available); --memory "
+                           f"{format_size(self.memory)} holds more than can be traced here")
 
     def _measure(self, batch: int) -> Point:
         import torch
@@ -182,12 +219,13 @@ class BatchProbe:
         problem = problem_from_trace(trace)
         plan = solve(problem, time_limit=self.time_limit)
         arena, bound = plan.arena, plan.bound
+        proven = bound > self.memory
         if bound <= self.memory < arena:
             try:
                 arena = solve(problem, time_limit=self.time_limit, capacity=self.memory).arena
-            except CapacityError:
-                pass
-        point = Point(batch, reserved, caching_fits, arena, bound, arena <= self.memory)
+            except CapacityError as e:
+                proven = e.proven
+        point = Point(batch, reserved, caching_fits, arena, bound, arena <= self.memory, proven)
         self.progress(f"  {self.mode} batch {batch}: caching reserved {format_size(reserved)} "
                       f"({'fits' if caching_fits else 'OOM'}), plan arena {format_size(arena)} "
                       f"({'fits' if point.plan_fits else 'does not fit'})")
@@ -204,11 +242,11 @@ def boundary_search(probe: BatchProbe, allocator: str, start: int) -> int:
         if hi <= lo:
             raise FitError(f"{probe.mode}: batch {hi} does not fit under the {allocator} model but batch {lo} "
                            "does; memory is not monotone in the batch here")
-        if hi == lo + 1:
-            return lo
-        if lo == MAX_BATCH:
+        if lo >= MAX_BATCH:
             raise FitError(f"{probe.mode}: batch {MAX_BATCH} still fits under the {allocator} model; "
                            "the search stops there")
+        if hi == lo + 1:
+            return lo
         probe(min(max(guess, lo + 1), hi - 1, GROWTH * lo))
         # next guess: secant through the closest traced points on both sides (or the two largest that fit)
         points = probe.points
@@ -242,7 +280,7 @@ def fit_mode(probe: BatchProbe) -> ModeFit:
 
 
 def fit_model(model_file: str, memory: int, *, modes: tuple[str, ...], seq: int = 128, dtype: str = "float32",
-              alloc_conf: str = "", time_limit: float = 5.0,
+              alloc_conf: str = "", time_limit: float = 5.0, tie_break: str = "lowest_address",
               progress: Callable[[str], None] = lambda _: None) -> FitResult:
     """The largest batch of `model_file` fitting `memory` bytes for every mode, under both allocator models."""
     from planner.layers import MODES
@@ -254,6 +292,6 @@ def fit_model(model_file: str, memory: int, *, modes: tuple[str, ...], seq: int 
     for mode in dict.fromkeys(modes):
         progress(f"{mode}: tracing batch sizes {', '.join(map(str, MEASURE_BATCHES))} to predict the fit")
         probe = BatchProbe(model_file, mode, memory, seq=seq, dtype=dtype, alloc_conf=alloc_conf,
-                           time_limit=time_limit, progress=progress)
+                           time_limit=time_limit, progress=progress, tie_break=tie_break)
         fits.append(fit_mode(probe))
     return FitResult(str(model_file), memory, seq, dtype, alloc_conf, fits)

@@ -29,6 +29,7 @@ class MemoryReport:
     caching: SimResult
     alloc_conf: str
     capacity: int | None
+    tie_break: str = "lowest_address"
     plan: Plan | None = None
     plan_name: str | None = None
     plan_memory: PlanMemory | None = None
@@ -57,18 +58,18 @@ def trace_title(trace: Trace, name: str) -> str:
 
 
 def build_report(trace: Trace, name: str, plan=None, plan_name: str | None = None,
-                 alloc_conf: str = "", capacity: int | None = None) -> MemoryReport:
+                 alloc_conf: str = "", capacity: int | None = None, tie_break: str = "lowest_address") -> MemoryReport:
     """Simulate `trace` on the caching allocator and, when given, on `plan` (checked to belong to it)."""
     from planner.alloc_conf import parse_alloc_conf
     from planner.caching_allocator import simulate_caching
     from planner.problem import problem_from_trace
 
-    conf = parse_alloc_conf(alloc_conf)
+    conf = parse_alloc_conf(alloc_conf, tie_break)
     plan_memory = simulate_plan(trace, plan, name, plan_name or "plan") if plan is not None else None
     return MemoryReport(
         name=name, trace=trace, bound=problem_from_trace(trace).max_live(),
         caching=simulate_caching(trace, conf, capacity=capacity), alloc_conf=alloc_conf, capacity=capacity,
-        plan=plan, plan_name=plan_name, plan_memory=plan_memory)
+        tie_break=tie_break, plan=plan, plan_name=plan_name, plan_memory=plan_memory)
 
 
 def phase_at_times(trace: Trace) -> np.ndarray:
@@ -102,7 +103,7 @@ def report_summary(report: MemoryReport, timeline: str | None = None) -> dict:
         "peak_live_phase": PHASES[phase_at_times(trace)[peak_t]] if trace.end else "other",
         "bound": report.bound,
         "plan": plan,
-        "caching": {"alloc_conf": report.alloc_conf, "capacity": report.capacity,
+        "caching": {"alloc_conf": report.alloc_conf, "tie_break": report.tie_break, "capacity": report.capacity,
                     "peak_allocated": int(sim.peak_allocated), "peak_reserved": int(sim.peak_reserved),
                     "fragmentation_at_peak": float(sim.fragmentation_at_peak),
                     "segment_allocs": int(sim.segment_allocs), "oom": sim.oom},
@@ -132,7 +133,7 @@ def report_text(s: dict) -> str:
     conf = c["alloc_conf"] or "default"
     cap = f", capacity {human_bytes(c['capacity'])}" if c["capacity"] else ""
     lines += [
-        f"caching allocator  (alloc-conf: {conf}{cap})",
+        f"caching allocator  (alloc-conf: {conf}{cap}; equal sizes: {c['tie_break'].replace('_', ' ')} first)",
         f"  peak allocated   {human_bytes(c['peak_allocated'])}",
         f"  peak reserved    {human_bytes(c['peak_reserved'])}{ratio(c['peak_reserved'])}",
         f"  fragmentation    {c['fragmentation_at_peak']:.1%} of reserved at its peak",

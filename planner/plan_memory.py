@@ -53,7 +53,9 @@ def simulate_plan(trace: Trace, plan: Plan, trace_name: str = "trace", plan_name
 def match_plans(traces: list[tuple[str, Trace]], plans: list[tuple[str, Plan]]) -> list[tuple[str, Plan] | None]:
     """For each trace, the (name, plan) made for it among `plans` (by trace digest), or None.
 
-    A plan made for none of the traces, or a second plan for one trace, raise PlanMismatchError.
+    Identical traces (symmetric ranks) take the plans made for them in the order given, and share one
+    when only one is given. A plan made for none of the traces, or one plan more than there are
+    traces with its digest, raise PlanMismatchError.
     """
     digests = [trace_digest(t) for _, t in traces]
     matched: list[tuple[str, Plan] | None] = [None] * len(traces)
@@ -62,9 +64,12 @@ def match_plans(traces: list[tuple[str, Trace]], plans: list[tuple[str, Plan]]) 
         if not hits:
             raise PlanMismatchError(f"{plan_name}: plan was made for none of the given traces "
                                     f"(trace digest differs)")
-        for k in hits:
-            if matched[k] is not None:
-                raise PlanMismatchError(f"{plan_name}: a second plan for {traces[k][0]} "
-                                        f"(already planned by {matched[k][0]})")
-            matched[k] = (plan_name, plan)
+        free = [k for k in hits if matched[k] is None]
+        if not free:
+            raise PlanMismatchError(f"{plan_name}: a second plan for {traces[hits[0]][0]} "
+                                    f"(already planned by {matched[hits[0]][0]})")
+        matched[free[0]] = (plan_name, plan)
+    for k, digest in enumerate(digests):
+        if matched[k] is None:
+            matched[k] = next(((n, p) for n, p in plans if p.digest == digest), None)
     return matched

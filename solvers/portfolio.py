@@ -30,7 +30,11 @@ SEARCH_SHARE = 0.7  # when minimising, the fraction of the time limit the exact 
 
 
 class CapacityError(MemplanError):
-    """The problem cannot be placed within the requested capacity (or no such plan was found in time)."""
+    """The problem cannot be placed within the requested capacity (`proven`), or no such plan was found in time."""
+
+    def __init__(self, message: str, proven: bool):
+        super().__init__(message)
+        self.proven = proven
 
 
 @dataclass
@@ -81,7 +85,7 @@ def _search_at(best: _Best, target: int, seconds: float, capacity: int | None) -
     elif status == INFEASIBLE:
         if capacity is not None:
             raise CapacityError(f"cannot fit in {capacity} bytes: no placement exists "
-                                f"(proven by search; lower bound {best.bound} bytes)")
+                                f"(proven by search; lower bound {best.bound} bytes)", proven=True)
         best.bound = max(best.bound, target + 1)
         best.tell("search")
     return status
@@ -111,7 +115,7 @@ def solve(problem: Problem, method: str = "auto", time_limit: float = 10.0, capa
     p = problem
     bound = lower_bound(p)
     if capacity is not None and bound > capacity:
-        raise CapacityError(f"cannot fit in {capacity} bytes: the lower bound is {bound} bytes")
+        raise CapacityError(f"cannot fit in {capacity} bytes: the lower bound is {bound} bytes", proven=True)
     best = _Best(p, bound, start, progress)
     goal = capacity if capacity is not None else bound
     first = greedy(p, stop_at=goal, deadline=start + time_limit / 2)
@@ -138,12 +142,12 @@ def solve(problem: Problem, method: str = "auto", time_limit: float = 10.0, capa
                 best.offer(res.offsets, res.arena, "cpsat")
             if res.status == "infeasible" and capacity is not None:
                 raise CapacityError(f"cannot fit in {capacity} bytes: no placement exists "
-                                    f"(proven by CP-SAT; lower bound {bound} bytes)")
+                                    f"(proven by CP-SAT; lower bound {bound} bytes)", proven=True)
             if res.status in ("optimal", "feasible"):
                 best.bound = max(best.bound, res.bound)
     if capacity is not None and best.arena > capacity:
         raise CapacityError(f"no plan within {capacity} bytes found in {best.elapsed():.1f} s "
-                            f"(best {best.arena} bytes, lower bound {best.bound} bytes)")
+                            f"(best {best.arena} bytes, lower bound {best.bound} bytes)", proven=False)
     plan = best.plan(capacity)
     verify_plan(p, plan.offsets, plan.arena, capacity)  # no plan leaves here unchecked, printed or written
     return plan

@@ -87,3 +87,19 @@ def test_text_table_has_a_column_per_trace_and_changes(files):
     peak_line = next(line for line in lines if line.startswith("peak live"))
     change = (tempo.peak()[0] - base.peak()[0]) / base.peak()[0]
     assert f"({change:+.1%})" in peak_line
+
+
+def test_identical_traces_take_their_plans_in_order_or_share_one():
+    """Symmetric ranks give identical traces: two plans go one to each, one plan serves both."""
+    from planner.plan_memory import PlanMismatchError, match_plans
+
+    a, b, other = step_trace(layers=3, seed=4), step_trace(layers=3, seed=4), step_trace(layers=3, seed=5)
+    p, q = side_by_side_plan(a), side_by_side_plan(b)
+    traces = [("rank0", a), ("rank1", b)]
+    assert [m[0] for m in match_plans(traces, [("p", p), ("q", q)])] == ["p", "q"]
+    assert [m[0] for m in match_plans(traces, [("p", p)])] == ["p", "p"]
+    assert match_plans(traces + [("x", other)], [("p", p)])[2] is None
+    with pytest.raises(PlanMismatchError, match="a second plan for rank0"):
+        match_plans(traces, [("p", p), ("q", q), ("r", p)])
+    with pytest.raises(PlanMismatchError, match="made for none of the given traces"):
+        match_plans(traces, [("o", side_by_side_plan(other))])

@@ -69,6 +69,20 @@ def test_fit_agrees_with_direct_traces(mode):
     summary = result.summary()["modes"][0]
     assert summary["traces"] == fit.traces >= 5
     assert summary["plan"]["at_batch"] <= MEMORY < summary["plan"]["at_next"]
+    # b+1 is out of reach for any plan: the bound is above the memory, or the solver proved it
+    assert summary["plan"]["next_proven"] is True
+
+
+def test_memory_beyond_the_largest_batch_is_one_line():
+    with pytest.raises(FitError, match="batch 4096 still fits under the caching model"):
+        fit_model(MODEL, 1 << 40, modes=("baseline",), seq=2, time_limit=1.0)
+
+
+def test_a_trace_too_large_for_this_machine_is_refused(monkeypatch):
+    import planner.fit
+    monkeypatch.setattr(planner.fit, "host_memory_available", lambda: 64 << 20)
+    with pytest.raises(FitError, match=r"tracing batch \d+ would need about .* of this machine's memory"):
+        fit_model(MODEL, 1 << 40, modes=("baseline",), seq=SEQ, time_limit=1.0)
 
 
 def test_cli_json():

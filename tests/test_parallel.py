@@ -2,6 +2,7 @@
 per-rank bytes against REFERENCE §1's formulas, and `memplan trace --nproc` (one trace per rank, all or none)."""
 from __future__ import annotations
 
+import json
 import textwrap
 
 import pytest
@@ -19,8 +20,9 @@ from traces.format import load
 MODES = ("baseline", "tempo", "selective", "tempo+selective")
 SMALL = [16, 2, 32, 4, 4]  # s, b, h, a, p: equality checks
 SHAPE = [64, 2, 64, 4, 4]  # bytes: as/h = 4, large enough that the selective core's saved RNG state is < 1%
-BYTE_CASES = [("baseline", False), ("baseline", True), ("selective", True), ("selective", False)]
-TRACED_CASES = [("baseline", False), ("baseline", True), ("selective", True)]
+BYTE_CASES = [(m, sp) for m in MODES for sp in (False, True)]
+TRACED_CASES = [("baseline", False), ("baseline", True), ("selective", True), ("tempo", True),
+                ("tempo+selective", False)]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,8 @@ def test_parallel_layer_equals_single_process_layer(ranks):
     checked = _results(ranks, "errors")
     assert len(checked) == 2 * len(MODES) * 2
     for case, result in checked:
-        # Tempo's GELU recovers its input by Newton's method: exact to about 1e-5, not to rounding.
+        assert len(result["errors"]) == 14  # output, input gradient and all 12 parameter gradients
+        # Tempo's GELU recovers its input from float64-built inverse tables: exact to about 1e-5, not to rounding.
         tolerance = 1e-4 if case["mode"].startswith("tempo") else 1e-5
         worst = max(result["errors"], key=result["errors"].get)
         assert result["errors"][worst] < tolerance, (case, worst, result["errors"][worst])
@@ -120,6 +123,16 @@ def test_trace_nproc_writes_one_trace_per_rank(tmp_path):
     # Same program on both ranks: the same sequence of buffer sizes.
     assert list(traces[0].size[traces[0].recorded]) == list(traces[1].size[traces[1].recorded])
     assert sorted(p.name for p in out.parent.iterdir()) == ["g.rank0.json.gz", "g.rank1.json.gz"]
+    # the rank traces go through solve and plot as any trace; plot puts the ranks side by side
+    ranks = [str(rank_path(out, r)) for r in range(2)]
+    for r, name in enumerate(ranks):
+        solved = CliRunner().invoke(main, ["solve", name, "-o", str(tmp_path / f"plan{r}.json"), "--json"])
+        assert solved.exit_code == 0, solved.output
+        assert json.loads(solved.stdout)["arena"] >= traces[r].peak()[0]
+    plans = [a for r in range(2) for a in ("--plan", str(tmp_path / f"plan{r}.json"))]
+    plotted = CliRunner().invoke(main, ["plot", *ranks, *plans, "-o", str(tmp_path / "ranks.png")])
+    assert plotted.exit_code == 0, plotted.output
+    assert (tmp_path / "ranks.png").stat().st_size > 10_000
 
 
 def test_a_failing_rank_fails_the_command_and_leaves_no_files(tmp_path, monkeypatch):

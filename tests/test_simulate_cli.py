@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli import main
+from planner.alloc_conf import parse_alloc_conf
 from planner.caching_allocator import simulate_caching
 from planner.plan import Plan, save_plan, trace_digest
 from planner.problem import problem_from_trace
@@ -17,7 +18,7 @@ from traces import save
 
 SUMMARY_KEYS = {"trace", "buffers", "events", "peak_live", "peak_live_time", "peak_live_phase", "bound",
                 "plan", "caching", "timeline"}
-CACHING_KEYS = {"alloc_conf", "capacity", "peak_allocated", "peak_reserved", "fragmentation_at_peak",
+CACHING_KEYS = {"alloc_conf", "tie_break", "capacity", "peak_allocated", "peak_reserved", "fragmentation_at_peak",
                 "segment_allocs", "oom"}
 
 
@@ -67,6 +68,19 @@ def test_json_summary_keys_and_figures(files):
     assert s["caching"]["peak_allocated"] == sim.peak_allocated
     assert s["caching"]["segment_allocs"] == sim.segment_allocs > 0
     assert s["caching"]["peak_reserved"] >= s["caching"]["peak_allocated"] >= s["peak_live"]
+
+
+def test_tie_break_reaches_the_simulator(files):
+    tmp, a, _ = files
+    for tie in ("lowest_address", "oldest_segment"):
+        r = run("simulate", tmp / "a.json", "--tie-break", tie, "--json")
+        assert r.exit_code == 0, r.output
+        s = json.loads(r.stdout)
+        assert s["caching"]["tie_break"] == tie
+        sim = simulate_caching(a, parse_alloc_conf("", tie))
+        assert (s["caching"]["peak_reserved"], s["caching"]["segment_allocs"]) == (sim.peak_reserved, sim.segment_allocs)
+    r = run("simulate", tmp / "a.json", "--tie-break", "newest")
+    assert r.exit_code == 2 and "Error:" in r.output
 
 
 def test_plan_arena_and_timeline_csv(files):

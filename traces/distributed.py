@@ -1,27 +1,31 @@
 """Run a function on N processes with torch.distributed, and `memplan trace --nproc N`: one trace per rank.
 
-`launch` starts the ranks with torch.multiprocessing (spawn), joins them in one process group (gloo on
-the CPU, NCCL on CUDA; rendezvous through a file store in a private temporary folder) and returns each
-rank's JSON result. When a rank fails, the others are stopped and RankError carries the first failing
-rank's one-line error. `trace_ranks` writes FILE.rank{r}.json.gz for every rank, all or none: the ranks
-write into the temporary folder and the files are renamed into place only when every rank succeeded.
+`launch` starts the ranks with torch.distributed's own launcher (the elastic launcher behind torchrun, on
+this machine only: c10d rendezvous on localhost, spawned workers, no restarts), so every rank sees the
+environment torchrun gives (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); each joins one
+process group (gloo on the CPU, NCCL on CUDA) and leaves a JSON result in a private temporary folder.
+When a rank fails, the launcher stops the others and RankError carries the first failing rank's one-line
+error. `trace_ranks` writes FILE.rank{r}.json.gz for every rank, all or none: the ranks write into the
+temporary folder and the files are renamed into place only when every rank succeeded.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import tempfile
 import time
+import uuid
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.multiprocessing.spawn import ProcessException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from traces.errors import MemplanError
 from traces.files import atomic_write
@@ -51,15 +55,16 @@ def rank_path(output: str | os.PathLike, rank: int) -> Path:
     return path.with_name(f"{path.name}.rank{rank}")
 
 
-def _rank_main(rank: int, fn: Callable, args: tuple, nproc: int, device: str, workdir: str) -> None:
+def _rank_main(fn: Callable, args: tuple, device: str, workdir: str) -> None:
     """One process: join the group, run fn(workdir, *args), leave its result or its error in workdir."""
     work = Path(workdir)
+    rank = int(os.environ.get("RANK", "0"))
     try:
+        nproc = int(os.environ["WORLD_SIZE"])
         if device == "cuda":
-            torch.cuda.set_device(rank)
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{work / 'store'}",
-                                rank=rank, world_size=nproc, timeout=timedelta(seconds=TIMEOUT_S))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(seconds=TIMEOUT_S))
         torch.manual_seed(0)  # the same stream on every rank: replicated dropouts stay replicated
         result = fn(work, *args)
         atomic_write(work / f"result{rank}.json", json.dumps(result))
@@ -92,23 +97,36 @@ def launch(fn: Callable, args: tuple = (), nproc: int = 2, device: str = "cpu",
     if device == "cuda" and torch.cuda.device_count() < nproc:
         raise RankError(f"--nproc {nproc}: only {torch.cuda.device_count()} CUDA devices on this machine")
     work = Path(tempfile.mkdtemp(prefix=".memplan-ranks-", dir=tmp_parent))
-    # torch logs a warning when it stops the other ranks after a failure; the RankError says it all
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"memplan-{uuid.uuid4().hex}",
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
+                          start_method="spawn")
     try:
-        ctx = mp.start_processes(_rank_main, args=(fn, args, nproc, device, str(work)), nprocs=nproc,
-                                 join=False, start_method="spawn")
-        try:
-            while not ctx.join():
-                pass
-        except ProcessException:
-            codes = {i: p.exitcode for i, p in enumerate(ctx.processes)}
-            raise RankError(_first_error(work, codes)) from None
+        with _launcher_quiet():
+            try:
+                elastic_launch(config, _rank_main)(fn, args, device, str(work))
+            except ChildFailedError as e:
+                codes = {rank: failure.exitcode for rank, failure in e.failures.items()}
+                raise RankError(_first_error(work, codes)) from None
         results = [json.loads((work / f"result{r}.json").read_text()) for r in range(nproc)]
         if keep is not None:
             keep(work)
         return results
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _launcher_quiet() -> Iterator[None]:
+    """The launcher logs every start and, after a failure, each rank's traceback; RankError says it all."""
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.launcher")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _trace_rank(work: Path, model_file: str, options: dict, meta: dict, top: int) -> dict:

@@ -101,11 +101,13 @@ def layer_errors(shape: LayerShape, mode: str, sequence_parallel: bool, group=No
         "ln1.weight": (layer.ln1.weight.grad, full.ln1.weight.grad),
         "ln1.bias": (layer.ln1.bias.grad, full.ln1.bias.grad),
         "ln2.weight": (layer.ln2.weight.grad, full.ln2.weight.grad),
+        "ln2.bias": (layer.ln2.bias.grad, full.ln2.bias.grad),
         "qkv.weight": (layer.attention.qkv.weight.grad, full.attention.qkv.weight.grad[qkv_rows]),
         "qkv.bias": (layer.attention.qkv.bias.grad, full.attention.qkv.bias.grad[qkv_rows]),
         "proj.weight": (layer.attention.proj.weight.grad, full.attention.proj.weight.grad[:, r * h:(r + 1) * h]),
         "proj.bias": (layer.attention.proj.bias.grad, full.attention.proj.bias.grad),
         "fc1.weight": (layer.mlp.fc1.weight.grad, full.mlp.fc1.weight.grad[r * n4:(r + 1) * n4]),
+        "fc1.bias": (layer.mlp.fc1.bias.grad, full.mlp.fc1.bias.grad[r * n4:(r + 1) * n4]),
         "fc2.weight": (layer.mlp.fc2.weight.grad, full.mlp.fc2.weight.grad[:, r * n4:(r + 1) * n4]),
         "fc2.bias": (layer.mlp.fc2.bias.grad, full.mlp.fc2.bias.grad),
     }
