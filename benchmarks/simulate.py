@@ -1,10 +1,11 @@
 """Caching-allocator simulator figures: speed, the address-by-address match on real CUDA snapshots, peaks.
 
-Usage: .venv/bin/python benchmarks/simulate.py [SHARED_DIR] [--trace FILE ...] [--repeat N]
-For each snapshot in SHARED_DIR/traces/cuda-snapshots (default ../shared) and each extra trace:
-simulated events per second (median of N runs of simulate_caching on the imported trace),
-for snapshots the replay against the snapshot's own decisions (addresses, new segments), and
-peak allocated, peak reserved and the max-live bound.
+Usage: .venv/bin/python benchmarks/simulate.py [SHARED_DIR] [--trace FILE ...] [--repeat N] [--time-limit S]
+For each snapshot in SHARED_DIR/traces/cuda-snapshots (default ../shared), each trace bundled in
+traces/data/ and each extra trace: simulated events per second (median of N runs of simulate_caching),
+for snapshots the replay against the snapshot's own decisions (addresses, new segments), peak
+allocated, peak reserved, the max-live bound (sizes rounded to 512 B) and the arena of a plan solved
+for it (auto portfolio, verified), with the fragmentation at the reserved peak.
 """
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from planner.caching_allocator import simulate_caching  # noqa: E402
+from planner.problem import problem_from_trace  # noqa: E402
 from planner.snapshot_replay import replay_snapshot  # noqa: E402
+from solvers import solve  # noqa: E402
 from traces.format import Trace, load  # noqa: E402
 from traces.snapshot import read_snapshot, snapshot_to_trace  # noqa: E402
 
@@ -40,13 +43,14 @@ def speed(trace: Trace, repeat: int) -> tuple[float, object]:
     return events_of(trace) / statistics.median(times), result
 
 
-def row(name: str, trace: Trace, repeat: int, match: str) -> str:
-    """One table line: events, speed, snapshot match, peaks, bound, fragmentation."""
+def row(name: str, trace: Trace, repeat: int, match: str, time_limit: float) -> str:
+    """One table line: events, speed, snapshot match, peaks, bound, plan arena, fragmentation."""
     rate, sim = speed(trace, repeat)
-    bound = trace.peak()[0]
-    return (f"{name:<32} {events_of(trace):>8,} {rate:>12,.0f} {match:>30} "
-            f"{sim.peak_allocated / GiB:>9.3f} {sim.peak_reserved / GiB:>9.3f} {bound / GiB:>9.3f} "
-            f"{sim.fragmentation_at_peak:>7.1%}")
+    plan = solve(problem_from_trace(trace), time_limit=time_limit)  # verified inside solve()
+    status = "opt" if plan.status == "optimal" else f"+{plan.gap:.2%}"
+    return (f"{name:<44} {events_of(trace):>8,} {rate:>10,.0f} {match:>22} "
+            f"{sim.peak_allocated / GiB:>9.3f} {sim.peak_reserved / GiB:>9.3f} {plan.bound / GiB:>9.3f} "
+            f"{plan.arena / GiB:>9.3f} {status:>6} {sim.fragmentation_at_peak:>6.1%}")
 
 
 def main() -> None:
@@ -54,13 +58,13 @@ def main() -> None:
     parser.add_argument("shared", nargs="?", default=str(ROOT.parent / "shared"))
     parser.add_argument("--trace", action="append", default=[], help="an extra trace file (repeatable)")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--time-limit", type=float, default=10.0, help="seconds to solve each plan")
     args = parser.parse_args()
 
-    print(f"{'trace':<32} {'events':>8} {'events/s':>12} {'addresses / new segments':>30} "
-          f"{'alloc GiB':>9} {'resv GiB':>9} {'bound GiB':>9} {'frag':>7}")
+    print(f"{'trace':<44} {'events':>8} {'events/s':>10} {'addresses / segments':>22} "
+          f"{'alloc GiB':>9} {'resv GiB':>9} {'bound GiB':>9} {'plan GiB':>9} {'status':>6} {'frag':>6}")
     snapshots = sorted((Path(args.shared) / "traces" / "cuda-snapshots").glob("*.pickle"))
-    if not snapshots and not args.trace:
-        sys.exit(f"no snapshots under {args.shared}/traces/cuda-snapshots and no --trace given")
+    bundled = sorted((ROOT / "traces" / "data").glob("*.json.gz"))
     for path in snapshots:
         snap = read_snapshot(path)
         t0 = time.perf_counter()
@@ -68,11 +72,12 @@ def main() -> None:
         replay_s = time.perf_counter() - t0
         match = (f"{rep.addr_matches}/{rep.allocs} {rep.segment_matches}/{rep.segment_decisions}"
                  f"{'' if rep.extra_segments == 0 else f' +{rep.extra_segments}'}")
-        print(row(path.stem, snapshot_to_trace(snap, path.name), args.repeat, match))
-        print(f"{'':<32} replay of {len(snap.entries):,} snapshot entries: {len(snap.entries) / replay_s:,.0f} entries/s, "
+        print(row(path.stem, snapshot_to_trace(snap, path.name), args.repeat, match, args.time_limit))
+        print(f"{'':<44} replay of {len(snap.entries):,} snapshot entries: {len(snap.entries) / replay_s:,.0f} entries/s, "
               f"real-state peak reserved {rep.peak_reserved / GiB:.3f} GiB, exact={rep.exact}")
-    for name in args.trace:
-        print(row(Path(name).name, load(name), args.repeat, "-"))
+    for path in bundled + [Path(name) for name in args.trace]:
+        print(row(path.name.removesuffix(".json.gz").removesuffix(".trace"), load(path), args.repeat, "-",
+                  args.time_limit))
 
 
 if __name__ == "__main__":

@@ -73,3 +73,17 @@ def test_save_refuses_invalid_and_leaves_nothing(tmp_path):
     with pytest.raises(TraceError):
         save(t, tmp_path / "out.json")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bundled_traces_load_and_hold_every_category():
+    """traces/data/ (scripts/bundle_traces.sh): real captured steps that load as they are, one per layer mode."""
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "traces" / "data"
+    traces = {p.name: load(p) for p in sorted(folder.glob("*.trace.json.gz"))}
+    assert len(traces) >= 6
+    modes = {t.meta["layers"] for t in traces.values()}
+    assert modes == {"baseline", "tempo", "selective", "tempo+selective"}
+    for name, t in traces.items():
+        assert t.meta["source"] == "memplan trace" and name.split(".")[-4] == t.meta["layers"], name
+        assert {"parameter", "gradient", "optimizer", "activation", "temporary", "input"} <= set(t.category)
