@@ -284,8 +284,11 @@ def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq,
               help="auto: greedy, then exact search and CP-SAT while above the bound.")
 @click.option("--alignment", type=click.IntRange(min=1), default=None,
               help="Round sizes and offsets to this many bytes [default: 512 for traces, 1 for CSV].")
+@click.option("--scope", type=click.Choice(["all", "step"]), default="all", show_default=True,
+              help="all: place every buffer; step: only the step's own, leaving parameters, optimizer "
+                   "state and inputs (alive the whole step) to the allocator that made them.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def solve_command(source, output, time_limit, capacity, method, alignment, as_json):
+def solve_command(source, output, time_limit, capacity, method, alignment, scope, as_json):
     """Assign every buffer of a trace (or MiniMalloc CSV) a byte offset; print arena, bound and status.
 
     Example: memplan solve bert.trace.json.gz -o bert.plan.json --time-limit 5
@@ -293,7 +296,7 @@ def solve_command(source, output, time_limit, capacity, method, alignment, as_js
     from solvers.solve_file import solve_file
 
     report = solve_file(source, output, method=method, time_limit=time_limit, capacity=capacity,
-                        alignment=alignment, progress=progress)
+                        alignment=alignment, scope=scope, progress=progress)
     emit(report.summary(), as_json, report.text())
 
 

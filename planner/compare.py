@@ -30,6 +30,7 @@ class CompareRow:
     caching_peak_allocated: int
     caching_peak_reserved: int
     plan_arena: int
+    plan_outside: int  # bytes a step plan leaves outside its arena (0 for a plan of every buffer)
     plan_status: str
     plan_gap: float  # arena / the solver's bound - 1
     plan_source: str  # the plan file, or "solved: METHOD" when solved here
@@ -58,7 +59,7 @@ def row_from_report(report: MemoryReport, categories: list[str], plan_source: st
         peak_live_phase=PHASES[phase_at_times(trace)[peak_t]] if trace.end else "other", at_peak=at_peak,
         caching_peak_allocated=int(report.caching.peak_allocated),
         caching_peak_reserved=int(report.caching.peak_reserved), plan_arena=report.plan_memory.arena,
-        plan_status=report.plan.status, plan_gap=report.plan.gap, plan_source=plan_source,
+        plan_outside=report.plan_memory.peak_outside, plan_status=report.plan.status, plan_gap=report.plan.gap, plan_source=plan_source,
         bound=max(report.bound, report.plan.bound))
 
 
@@ -109,8 +110,10 @@ def compare_text(rows: list[CompareRow]) -> str:
     table += [bytes_row(f"  {c}", lambda r, c=c: r.at_peak[c]) for c in rows[0].at_peak]
     table += [bytes_row("caching peak allocated", lambda r: r.caching_peak_allocated),
               bytes_row("caching peak reserved", lambda r: r.caching_peak_reserved),
-              bytes_row("plan arena", lambda r: r.plan_arena),
-              bytes_row("lower bound", lambda r: r.bound),
+              bytes_row("plan arena", lambda r: r.plan_arena)]
+    if any(r.plan_outside for r in rows):
+        table += [bytes_row("  + outside the plan", lambda r: r.plan_outside)]
+    table += [bytes_row("lower bound", lambda r: r.bound),
               ["plan"] + [plan_cell(r) for r in rows]]
     widths = [max(len(row[k]) for row in table) for k in range(len(table[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table)

@@ -93,10 +93,12 @@ def report_summary(report: MemoryReport, timeline: str | None = None) -> dict:
     peak, peak_t = trace.peak()
     plan = None
     if report.plan is not None:
-        plan = {"path": report.plan_name, "arena": report.plan_memory.arena, "status": report.plan.status,
+        pm = report.plan_memory
+        plan = {"path": report.plan_name, "scope": report.plan.scope, "arena": pm.arena,
+                "outside_peak": pm.peak_outside, "total_peak": pm.peak_total, "status": report.plan.status,
                 "gap": report.plan.gap, "bound": report.plan.bound, "solver": report.plan.solver,
-                "peak_in_use": report.plan_memory.peak_in_use,
-                "fits_capacity": None if report.capacity is None else report.plan_memory.arena <= report.capacity}
+                "peak_in_use": pm.peak_in_use,
+                "fits_capacity": None if report.capacity is None else pm.peak_total <= report.capacity}
     return {
         "trace": report.name, "buffers": len(trace), "events": trace.end,
         "peak_live": peak, "peak_live_time": peak_t,
@@ -126,8 +128,12 @@ def report_text(s: dict) -> str:
         lines.append("plan arena         - (pass --plan PLAN)")
     else:
         gap = "" if p["status"] == "optimal" else f", gap {p['gap']:.2%} to its bound {human_bytes(p['bound'])}"
-        lines.append(f"plan arena         {human_bytes(p['arena'])}{ratio(p['arena'])} "
+        whole = p["scope"] == "all"  # a step plan's arena is only part of the footprint: compare the total
+        lines.append(f"plan arena         {human_bytes(p['arena'])}{ratio(p['arena']) if whole else ''} "
                      f"[{p['status']}{gap}; {p['solver']}]")
+        if not whole:
+            lines.append(f"  outside plan     {human_bytes(p['outside_peak'])} (scope {p['scope']}: parameters, "
+                         f"optimizer state, inputs), {human_bytes(p['total_peak'])}{ratio(p['total_peak'])} in all")
         if p["fits_capacity"] is not None:
             lines.append(f"  within capacity  {'yes' if p['fits_capacity'] else 'NO'}")
     conf = c["alloc_conf"] or "default"
@@ -153,7 +159,7 @@ def oom_text(oom: dict | None) -> str:
             f"could not be served ({oom['details']})")
 
 
-TIMELINE_COLUMNS = ("time", "phase", "live", "allocated", "reserved", "plan_arena", "plan_in_use")
+TIMELINE_COLUMNS = ("time", "phase", "live", "allocated", "reserved", "plan_arena", "plan_in_use", "plan_outside")
 
 
 def timeline_csv(report: MemoryReport) -> str:
@@ -162,7 +168,7 @@ def timeline_csv(report: MemoryReport) -> str:
     columns = [range(end), np.array(PHASES)[phase_at_times(report.trace)].tolist(), report.live.tolist(),
                report.caching.allocated.tolist(), report.caching.reserved.tolist()]
     pm = report.plan_memory
-    columns += [[""] * end] * 2 if pm is None else [[pm.arena] * end, pm.in_use.tolist()]
+    columns += [[""] * end] * 3 if pm is None else [[pm.arena] * end, pm.in_use.tolist(), pm.outside.tolist()]
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
     w.writerow(TIMELINE_COLUMNS)

@@ -37,6 +37,7 @@ class Plan:
     solver: str          # which method produced the offsets
     seconds: float
     capacity: int | None = None  # the capacity the plan was asked to fit, if any
+    scope: str = "all"   # "all" buffers placed, or the "step"'s own (whole-window buffers at offset -1)
 
     @property
     def buffers(self) -> int:
@@ -69,6 +70,8 @@ def save_plan(plan: Plan, problem, path: str | os.PathLike) -> None:
         raise PlanError("plan was made for a different trace (digest mismatch)")
     if plan.alignment != problem.alignment:
         raise PlanError(f"plan alignment {plan.alignment} differs from the problem's {problem.alignment}")
+    if plan.scope != problem.scope:
+        raise PlanError(f"plan scope {plan.scope!r} differs from the problem's {problem.scope!r}")
     verify_plan(problem, plan.offsets, plan.arena, plan.capacity)
     atomic_write(path, json.dumps(plan_to_dict(plan), separators=(",", ":")))
 
@@ -94,8 +97,12 @@ def load_plan(path: str | os.PathLike) -> Plan:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise PlanError(f"{name}: not a {FORMAT} file")
     offsets = _field(data, "offsets", list, name)
-    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in offsets):
-        raise PlanError(f"{name}: offsets must be non-negative integers")
+    scope = data.get("scope", "all")  # plans written before scopes existed place every buffer
+    if scope not in ("all", "step"):
+        raise PlanError(f"{name}: scope {scope!r} is not one of all, step")
+    lowest = 0 if scope == "all" else -1
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= lowest for x in offsets):
+        raise PlanError(f"{name}: offsets must be non-negative integers (-1 outside a step plan)")
     status = _field(data, "status", str, name)
     if status not in STATUSES:
         raise PlanError(f"{name}: status {status!r} is not one of {', '.join(STATUSES)}")
@@ -106,4 +113,4 @@ def load_plan(path: str | os.PathLike) -> Plan:
                 offsets=offsets, arena=_field(data, "arena", int, name), bound=_field(data, "bound", int, name),
                 status=status, gap=float(_field(data, "gap", (int, float), name)),
                 solver=_field(data, "solver", str, name), seconds=float(_field(data, "seconds", (int, float), name)),
-                capacity=capacity)
+                capacity=capacity, scope=scope)

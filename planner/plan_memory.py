@@ -1,8 +1,10 @@
 """Plan simulator: the memory a step holds when it runs on a plan, checked against its trace first.
 
-A memplan-plan/1 plan places every buffer of its trace, so the step's footprint is the arena,
-reserved for the whole step; what varies is how much of the arena is in use (aligned live bytes).
-The plan is re-checked with the independent verifier, so a hand-edited or foreign plan is refused.
+The step's footprint is the arena, reserved for the whole step, plus whatever the trace holds outside
+the plan: nothing for a plan of scope `all`, the whole-window buffers (parameters, optimizer state,
+inputs, at their sizes rounded to the plan's alignment) for a `step` plan. What varies inside is how
+much of the arena is in use (aligned live bytes). The plan is re-checked with the independent verifier,
+so a hand-edited or foreign plan is refused.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.plan import Plan, PlanError, trace_digest
-from planner.problem import problem_from_trace
+from planner.problem import align_up, outside_of_scope, problem_from_trace
 from planner.verify import verify_plan
 from traces.errors import MemplanError
 from traces.format import Trace
@@ -26,11 +28,25 @@ class PlanMemory:
     """Per-event memory of a trace run on a plan."""
 
     arena: int  # bytes reserved for the whole step
-    in_use: np.ndarray  # per logical time: aligned bytes of the live buffers, all inside the arena
+    in_use: np.ndarray  # per logical time: aligned bytes of the live planned buffers, inside the arena
+    outside: np.ndarray  # per logical time: aligned bytes of the live buffers outside the plan
 
     @property
     def peak_in_use(self) -> int:
         return int(self.in_use.max(initial=0))
+
+    @property
+    def peak_outside(self) -> int:
+        return int(self.outside.max(initial=0))
+
+    @property
+    def total(self) -> np.ndarray:
+        """Per logical time: the arena plus what is held outside the plan."""
+        return self.arena + self.outside
+
+    @property
+    def peak_total(self) -> int:
+        return self.arena + self.peak_outside
 
 
 def simulate_plan(trace: Trace, plan: Plan, trace_name: str = "trace", plan_name: str = "plan") -> PlanMemory:
@@ -38,16 +54,23 @@ def simulate_plan(trace: Trace, plan: Plan, trace_name: str = "trace", plan_name
     if plan.digest != trace_digest(trace):
         raise PlanMismatchError(f"{plan_name}: plan was made for another trace, not {trace_name} "
                                 f"(trace digest differs); solve {trace_name} again")
-    problem = problem_from_trace(trace, alignment=plan.alignment)
+    problem = problem_from_trace(trace, alignment=plan.alignment, scope=plan.scope)
     try:
         verify_plan(problem, plan.offsets, plan.arena)
     except PlanError as e:
         raise PlanError(f"{plan_name}: invalid for {trace_name}: {e}") from None
-    active = problem.active
+    outside = outside_of_scope(trace, plan.scope)
+    held_outside = align_up(trace.size, plan.alignment) * outside
+    return PlanMemory(arena=int(plan.arena), in_use=_live(problem.size * problem.active, trace),
+                      outside=_live(held_outside, trace))
+
+
+def _live(size: np.ndarray, trace: Trace) -> np.ndarray:
+    """Per logical time, the sum of `size` over the buffers live then."""
     delta = np.zeros(trace.end + 1, dtype=np.int64)
-    np.add.at(delta, problem.alloc[active], problem.size[active])
-    np.add.at(delta, problem.free[active], -problem.size[active])
-    return PlanMemory(arena=int(plan.arena), in_use=np.cumsum(delta)[:-1])
+    np.add.at(delta, trace.alloc, size)
+    np.add.at(delta, trace.free, -size)
+    return np.cumsum(delta)[:-1]
 
 
 def match_plans(traces: list[tuple[str, Trace]], plans: list[tuple[str, Plan]]) -> list[tuple[str, Plan] | None]:

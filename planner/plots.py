@@ -125,8 +125,9 @@ def draw_timeline(ax, report: MemoryReport, scale: int) -> None:
             linewidth=1.4, drawstyle=drawstyle, zorder=4)
     ax.plot(x, pool_max(np.asarray(sim.allocated, dtype=np.int64), w) / scale, color=ALLOCATED_COLOR,
             linewidth=1.0, linestyle=(0, (4, 2)), drawstyle=drawstyle, zorder=4)
-    if report.plan_memory is not None:
-        ax.axhline(report.plan_memory.arena / scale, color=PLAN_COLOR, linewidth=1.6, zorder=5)
+    if report.plan_memory is not None:  # the arena, plus what a step plan leaves outside it
+        ax.plot(x, pool_max(report.plan_memory.total, w) / scale, color=PLAN_COLOR, linewidth=1.6,
+                drawstyle=drawstyle, zorder=5)
     peak, peak_t = trace.peak()
     ax.plot([peak_t], [peak / scale], marker="v", color="black", markersize=5, zorder=6)
     where = peak_t / max(trace.end, 1)
@@ -135,8 +136,10 @@ def draw_timeline(ax, report: MemoryReport, scale: int) -> None:
                 xytext=(0, 7), ha=align, fontsize=8, zorder=7,
                 bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="none", alpha=0.85))
     stats = [f"reserved {human_bytes(sim.peak_reserved)}"]
-    if report.plan_memory is not None:
-        stats.append(f"plan arena {human_bytes(report.plan_memory.arena)}")
+    pm = report.plan_memory
+    if pm is not None:
+        outside = f" + {human_bytes(pm.peak_outside)} outside" if pm.peak_outside else ""
+        stats.append(f"plan arena {human_bytes(pm.arena)}{outside}")
     ax.set_title(f"{trace_title(report.trace, report.name)}\n{' · '.join(stats)}", fontsize=10)
     ax.set_xlim(0, max(trace.end, 1))
     ax.xaxis.set_major_formatter(EVENTS_FORMAT)
@@ -161,7 +164,7 @@ def draw_address_space(ax, report: MemoryReport, scale: int) -> None:
     """The plan's buffers as rectangles (x: lifetime, y: offset) coloured by category, with the arena."""
     trace, pm = report.trace, report.plan_memory
     offsets = np.asarray(report.plan.offsets, dtype=np.int64)
-    idx = np.nonzero((trace.size > 0) & (trace.alloc < trace.free))[0]
+    idx = np.nonzero((trace.size > 0) & (trace.alloc < trace.free) & (offsets >= 0))[0]  # -1: outside the plan
     x0, x1 = trace.alloc[idx].astype(float), trace.free[idx].astype(float)
     y0 = offsets[idx] / scale
     y1 = (offsets[idx] + trace.size[idx]) / scale
@@ -189,7 +192,7 @@ def plot_reports(reports: list[MemoryReport], path: str | os.PathLike, address_s
     """Draw the timelines of `reports` side by side (and their plans' address space) into `path`."""
     fmt = check_request(path, address_space, any(r.plan is not None for r in reports))
     largest = max(max(int(r.live.max(initial=0)), int(r.caching.peak_reserved),
-                      r.plan_memory.arena if r.plan_memory is not None else 0) for r in reports)
+                      r.plan_memory.peak_total if r.plan_memory is not None else 0) for r in reports)
     unit, scale = byte_unit(largest)
     rows, cols = (2 if address_space else 1), len(reports)
     fig = Figure(figsize=(min(6.4 * cols, 22), 4.6 * rows + 0.9), layout="constrained")
@@ -214,6 +217,8 @@ def plot_reports(reports: list[MemoryReport], path: str | os.PathLike, address_s
         plotted = [axes[1][j] for j, r in enumerate(reports) if r.plan is not None]
         for ax2 in plotted[1:]:
             ax2.sharey(plotted[0])
+        widest = max(r.plan_memory.arena for r in reports if r.plan is not None)
+        plotted[0].set_ylim(0, widest / scale * 1.04 if widest else 1)  # shared: room for the widest arena
         plotted[0].set_ylabel(f"offset in the arena ({unit})")
     handles = legend_handles(reports)
     ncol = min(len(handles), max(3, int(fig.get_figwidth() / 1.9)))
@@ -235,5 +240,7 @@ def legend_handles(reports: list[MemoryReport]) -> list:
                 Line2D([], [], color=ALLOCATED_COLOR, linewidth=1.0, linestyle=(0, (4, 2)),
                        label="caching allocator: allocated")]
     if any(r.plan_memory is not None for r in reports):
-        handles.append(Line2D([], [], color=PLAN_COLOR, linewidth=1.6, label="plan: arena"))
+        outside = any(r.plan_memory is not None and r.plan_memory.peak_outside for r in reports)
+        handles.append(Line2D([], [], color=PLAN_COLOR, linewidth=1.6,
+                              label="plan: arena + outside it" if outside else "plan: arena"))
     return handles

@@ -3,6 +3,10 @@
 Buffer i is live on [alloc_i, free_i) on its stream. Two buffers conflict (may not share a byte) unless
 the free of one happens before the allocation of the other (planner.safety). Buffers of size 0 or with
 an empty lifetime conflict with nothing. Indices are the trace's buffer indices.
+
+A plan's scope says which buffers it places: `all` of them, or only the `step`'s own, leaving out the
+buffers that exist for the whole window (parameters, optimizer state, inputs: allocated once, outside
+the step, by whatever allocator made them). Buffers outside the plan are in the problem with size 0.
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ from traces.format import Trace
 
 
 MAX_BYTES = 2**62  # sizes, offsets and times stay below this, so their sums never overflow int64
+SCOPES = ("all", "step")
+OUTSIDE = -1  # the offset a plan gives a buffer outside its scope
 
 
 class ProblemError(MemplanError):
@@ -38,6 +44,8 @@ class Problem:
     syncs: list[tuple[int, int, int]] = field(default_factory=list)  # (time, from, to), dense stream ids
     groups: list[list[int]] = field(default_factory=list)  # back to back, in the given order
     fixed: dict[int, int] = field(default_factory=dict)    # buffer index -> required offset
+    outside: np.ndarray | None = None  # bool mask of buffers left out of the plan (scope "step"), else None
+    scope: str = "all"
 
     def __len__(self) -> int:
         return int(self.size.shape[0])
@@ -149,8 +157,27 @@ def _check_groups_and_fixed(p: Problem) -> None:
         if len(bases) > 1 or min(bases, default=0) < 0:
             raise ProblemError(f"contiguous group {g}: its fixed offsets do not put its buffers back to back")
 
-def problem_from_trace(trace: Trace, alignment: int = 512, groups=(), fixed=None) -> Problem:
-    """The allocation problem of a trace: sizes rounded up to `alignment`, streams and syncs kept."""
+def outside_of_scope(trace: Trace, scope: str) -> np.ndarray:
+    """Mask of the trace's buffers a plan of `scope` leaves out: none for `all`; for `step`, the buffers
+    that exist for the whole window (alloc 0, never freed before the end)."""
+    if scope not in SCOPES:
+        raise ProblemError(f"unknown plan scope {scope!r} (expected one of {', '.join(SCOPES)})")
+    if scope == "all":
+        return np.zeros(len(trace), dtype=bool)
+    return (trace.alloc == 0) & (trace.free == trace.end) & (trace.size > 0)
+
+
+def problem_from_trace(trace: Trace, alignment: int = 512, groups=(), fixed=None, scope: str = "all") -> Problem:
+    """The allocation problem of a trace: sizes rounded up to `alignment`, streams and syncs kept; with
+    scope `step` the whole-window buffers are outside the plan (size 0 here)."""
     from planner.plan import trace_digest
-    return build_problem(trace.size, trace.alloc, trace.free, stream=trace.stream, syncs=trace.syncs,
-                         alignment=alignment, digest=trace_digest(trace), groups=groups, fixed=fixed)
+    outside = outside_of_scope(trace, scope)
+    held = sorted({int(i) for g in groups for i in g} | set(fixed or {}))
+    if any(outside[i] for i in held if 0 <= i < len(trace)):
+        raise ProblemError("a contiguous group or fixed offset names a buffer outside the plan's scope")
+    problem = build_problem(np.where(outside, 0, trace.size), trace.alloc, trace.free, stream=trace.stream,
+                            syncs=trace.syncs, alignment=alignment, digest=trace_digest(trace), groups=groups,
+                            fixed=fixed)
+    if scope != "all":
+        problem.outside, problem.scope = outside, scope
+    return problem

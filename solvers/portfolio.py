@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 
 from planner.plan import Plan
-from planner.problem import Problem
+from planner.problem import OUTSIDE, Problem
 from planner.verify import verify_plan
 from solvers.bounds import lower_bound
 from solvers.cpsat import MAX_TERMS, cpsat_place, model_terms
@@ -71,10 +71,11 @@ class _Best:
 
     def plan(self, capacity: int | None) -> Plan:
         arena, bound = int(self.arena), int(min(self.bound, self.arena))
-        return Plan(digest=self.p.digest, alignment=self.p.alignment, offsets=[int(x) for x in self.offsets],
+        offsets = self.offsets if self.p.outside is None else np.where(self.p.outside, OUTSIDE, self.offsets)
+        return Plan(digest=self.p.digest, alignment=self.p.alignment, offsets=[int(x) for x in offsets],
                     arena=arena, bound=bound, status="optimal" if arena == bound else "feasible",
                     gap=(arena / bound - 1.0) if bound else 0.0, solver=self.solver,
-                    seconds=round(self.elapsed(), 3), capacity=capacity)
+                    seconds=round(self.elapsed(), 3), capacity=capacity, scope=self.p.scope)
 
 
 def _search_at(best: _Best, target: int, seconds: float, capacity: int | None) -> str:

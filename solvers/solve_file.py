@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from planner.plan import Plan, save_plan
-from planner.problem import Problem, problem_from_trace
+from planner.problem import Problem, ProblemError, problem_from_trace
 from solvers.portfolio import Progress, solve
 
 TRACE_ALIGNMENT, CSV_ALIGNMENT = 512, 1
@@ -23,7 +23,8 @@ class SolveReport:
 
     def summary(self) -> dict:
         p = self.plan
-        return {"input": self.source, "output": self.output, "buffers": p.buffers, "bound": p.bound,
+        return {"input": self.source, "output": self.output, "buffers": p.buffers,
+                "outside": sum(1 for o in p.offsets if o < 0), "scope": p.scope, "bound": p.bound,
                 "arena": p.arena, "ratio": round(p.arena / p.bound, 6) if p.bound else 1.0,
                 "status": p.status, "gap": round(p.gap, 6), "solver": p.solver, "seconds": p.seconds,
                 "capacity": p.capacity, "alignment": p.alignment}
@@ -31,7 +32,9 @@ class SolveReport:
     def text(self) -> str:
         s = self.summary()
         status = "optimal" if s["status"] == "optimal" else f"feasible (gap {100 * s['gap']:.3g}%)"
-        lines = [f"buffers      {s['buffers']}", f"bound        {s['bound']:,} B", f"arena        {s['arena']:,} B",
+        outside = f" ({s['outside']} outside the step plan)" if s["scope"] != "all" else ""
+        lines = [f"buffers      {s['buffers']}{outside}", f"bound        {s['bound']:,} B",
+                 f"arena        {s['arena']:,} B",
                  f"arena/bound  {s['ratio']:.4f}", f"status       {status}",
                  f"seconds      {s['seconds']:.2f} ({s['solver']})"]
         if self.output:
@@ -39,13 +42,15 @@ class SolveReport:
         return "\n".join(lines)
 
 
-def load_problem(path: str, alignment: int | None = None) -> Problem:
+def load_problem(path: str, alignment: int | None = None, scope: str = "all") -> Problem:
     """A Problem from a MiniMalloc CSV (alignment 1 by default) or a memplan trace (alignment 512)."""
     if os.fspath(path).endswith((".csv", ".csv.gz")):
         from planner.minimalloc_csv import read_csv
+        if scope != "all":
+            raise ProblemError(f"--scope {scope}: a MiniMalloc CSV has no training step; plan a trace")
         return read_csv(path, alignment=alignment or CSV_ALIGNMENT)[0]
     from traces.format import load
-    return problem_from_trace(load(path), alignment=alignment or TRACE_ALIGNMENT)
+    return problem_from_trace(load(path), alignment=alignment or TRACE_ALIGNMENT, scope=scope)
 
 
 def throttled(report: Callable[[str], None], every: float = 0.5) -> Callable[[Progress], None]:
@@ -61,14 +66,17 @@ def throttled(report: Callable[[str], None], every: float = 0.5) -> Callable[[Pr
 
 
 def solve_file(path: str, output: str | None = None, *, method: str = "auto", time_limit: float = 10.0,
-               capacity: int | None = None, alignment: int | None = None,
+               capacity: int | None = None, alignment: int | None = None, scope: str = "all",
                progress: Callable[[str], None] | None = None) -> SolveReport:
     """Solve one trace or CSV; write the plan (JSON, or CSV with offsets when `output` ends in .csv)."""
-    problem = load_problem(path, alignment)
+    to_csv = output is not None and os.fspath(output).endswith((".csv", ".csv.gz"))
+    if to_csv and scope != "all":
+        raise ProblemError(f"--scope {scope}: a MiniMalloc CSV cannot leave buffers out; write a .json plan")
+    problem = load_problem(path, alignment, scope)
     plan = solve(problem, method=method, time_limit=time_limit, capacity=capacity,
                  progress=throttled(progress) if progress else None)
     if output is not None:
-        if os.fspath(output).endswith((".csv", ".csv.gz")):
+        if to_csv:
             from planner.minimalloc_csv import write_csv
             write_csv(output, problem, plan.offsets)  # solve() verified the plan
         else:
