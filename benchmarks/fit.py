@@ -58,8 +58,7 @@ def measure(layers: int, batch: int, seq: int, dtype: str, mode: str, conf, time
     the plan's arena whenever the solver reaches its lower bound (checked: plan_at_bound).
     """
     workload = build_workload(batch, seq, getattr(torch, dtype), "cpu", config=replace(LARGE, layers=layers))
-    if mode != "baseline":
-        patch(workload.model, mode)  # as load_workload does for a model file returning a Workload
+    patch(workload.model, mode)  # as load_workload does for a model file returning a Workload
     trace = capture_step(workload, meta={"layers": mode, "batch": batch, "seq": seq})
     del workload
     problem = problem_from_trace(trace)
