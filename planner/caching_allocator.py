@@ -315,20 +315,19 @@ class CachingAllocator:
         self.events.append(SegmentEvent("segment_free", b.addr, b.size, b.seg.stream))
 
     def _release_available_cached_blocks(self, size: int, small: bool, stream: int) -> bool:
-        """Free one oversize cached block big enough, or several of the largest ones."""
+        """Free one oversize cached block big enough, or else (none, or the candidate is expandable) the
+        largest oversize blocks below it until enough is freed, as PyTorch's release_available_cached_blocks."""
         if self.conf.max_split_size is None:
             return False
         keys = self.free_lists.get((small, stream)) or []
         want = max(size, self.mss)
         i = bisect_left(keys, self._size_key(want))
-        if i < len(keys):
-            b = self.free_at[keys[i] & ADDR_MASK]
-            if b.seg.expandable or b.prev is not None or b.next is not None:
-                return False
+        if i < len(keys) and not self.free_at[keys[i] & ADDR_MASK].seg.expandable:
+            b = self.free_at[keys[i] & ADDR_MASK]  # oversize blocks are never split: a whole segment
             self._release_block(b)
             return True
         released = 0
-        for key in reversed(list(keys)):
+        for key in reversed(keys[:i]):
             if released >= want:
                 break
             b = self.free_at[key & ADDR_MASK]
