@@ -55,6 +55,21 @@ def test_under_autocast_gradients_equal_the_baseline_bitwise(tensors, kind):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("kind", ["tempo", "selective"])
+def test_a_learned_attention_bias_gets_the_baselines_gradient(tensors, kind):
+    q, k, v, _, dy = tensors
+    grads = []
+    for core in ("baseline", kind):
+        bias = torch.randn(1, A, S, S, generator=torch.Generator().manual_seed(2)).requires_grad_()
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        torch.manual_seed(5)
+        CORES[core](*inputs, bias, D**-0.5, 0.3, True).backward(dy)
+        grads.append([bias.grad] + [t.grad for t in inputs])
+    assert grads[1][0] is not None
+    for got, want in zip(*reversed(grads)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_dropout_is_really_applied_and_follows_the_seed(tensors):
     q, k, v, causal, dy = tensors
     a = run("selective", q, k, v, None, dy, torch.float32, seed=5)[0]

@@ -64,11 +64,12 @@ def test_bf16_within_bf16_rounding(form):
     dist = (x.double() - TABLES[form].x_min).abs()
     scale = dy.double().abs()
     # A bf16 output pins the input to within half an ulp of y, so the derivative is uncertain by about
-    # ulp(y)/(2|x - x*|): a few bf16 ulps far from the minimum, up to ~0.05 right at it.
+    # ulp(y)/(2|x - x*|): a few bf16 ulps far from the minimum, more right at it (measured: 0.015 |dy|
+    # for erf, 0.012 for tanh, against 0.004 for torch's own bf16 GELU; the bound keeps 2x room).
     far, mid, near = dist >= 0.3, (dist >= 0.1) & (dist < 0.3), dist < 0.1
     assert (err[far] <= 2**-6 * x64.grad.abs()[far] + 1e-3 * scale[far]).all()
     assert (err[mid] <= 0.01 * scale[mid]).all()
-    assert (err[near] <= 0.06 * scale[near]).all()
+    assert (err[near] <= 0.03 * scale[near]).all()
 
 
 def test_holds_output_and_a_one_byte_mask_only():

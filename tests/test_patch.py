@@ -146,3 +146,11 @@ def test_patching_twice_replaces_the_first_patch():
     assert report.swapped == {"AttentionCore": 2}
     assert sum(type(m) is nn.LayerNorm for m in model.modules()) == 6
     assert dataclasses.asdict(report) == report.to_dict()
+
+
+def test_hf_features_the_cores_do_not_have_are_refused():
+    model = transformers.GPT2Model(transformers.GPT2Config(
+        vocab_size=300, n_embd=64, n_layer=1, n_head=4, n_positions=64, reorder_and_upcast_attn=True))
+    with pytest.raises(PatchError, match="reorder_and_upcast_attn"):
+        patch(model, "tempo")
+    assert not any(type(m).__name__ == "InplaceGELU" for m in model.modules())  # nothing half-patched

@@ -82,16 +82,17 @@ class RecomputedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, bias = ctx.saved_tensors
-        inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3])]
+        inputs = [t.detach().requires_grad_(need) if t is not None else None
+                  for t, need in zip((q, k, v, bias), ctx.needs_input_grad[:4])]
         devices = [ctx.device] if ctx.device.type == "cuda" else []
         with (torch.random.fork_rng(devices=devices, device_type=ctx.device.type), torch.enable_grad(),
               torch.autocast(**ctx.autocast)):
             if ctx.rng is not None:
                 set_rng_state(ctx.device, ctx.rng)
-            out = baseline_attention(*inputs, bias, *ctx.args)
-        wanted = [t for t in inputs if t.requires_grad]
+            out = baseline_attention(*inputs, *ctx.args)
+        wanted = [t for t in inputs if t is not None and t.requires_grad]  # a learned bias gets its gradient too
         grads = iter(torch.autograd.grad(out, wanted, grad)) if wanted else iter(())
-        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None, None)
+        return (*(next(grads) if t is not None and t.requires_grad else None for t in inputs), None, None, None)
 
 
 def rng_state(device: torch.device) -> torch.Tensor:

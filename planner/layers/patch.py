@@ -90,6 +90,9 @@ def patch(model: nn.Module, mode: str) -> PatchReport:
     """Swap `model`'s layers in place for `mode` (baseline, tempo, selective, tempo+selective); undoes any earlier patch first."""
     if mode not in MODES:
         raise PatchError(f"unknown layers mode {mode!r}; choose one of {', '.join(MODES)}")
+    if any(type(m).__name__ in HF_ATTENTION and getattr(m, "reorder_and_upcast_attn", False) for m in model.modules()):
+        raise PatchError("GPT-2's reorder_and_upcast_attn computes attention in fp32 its own way; "
+                         "memplan's attention cores would change its numbers: turn it off to patch")
     unpatch(model)
     report = PatchReport(mode)
     swapped: Counter[str] = Counter()
@@ -143,6 +146,8 @@ def register_hf_attention(kind: str) -> str:
     core = CORES[kind]
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if kwargs.get("head_mask") is not None:
+            raise PatchError("memplan's attention cores take no head mask: unpatch the model to use one")
         scale = query.size(-1) ** -0.5 if scaling is None else scaling
         out = core(query, key, value, attention_mask, scale, dropout, module.training)
         return out.transpose(1, 2).contiguous(), None
