@@ -2,8 +2,10 @@
 
 For each workload: capture one step, solve a plan, then on one workload alternate rounds of
 `--steps` steps with the default allocator and `--steps` steps with the plan allocator (installed for
-the round), and print the median step time of each, their ratio (target <= 1.05), the arena against
-the plan's lower bound and the trace's max-live bytes, and the fallbacks.
+the round, the resident storages adopted into its arena first; later default rounds run on them where
+the last plan put them), and print the median step time of each, their ratio (target <= 1.05), the
+arena against the plan's lower bound and the trace's max-live bytes, the measured peak (arena top +
+fallback + outside), the bytes adoption left outside the arena, and the fallbacks.
 
 Example: .venv/bin/python benchmarks/replay.py --batch 4 --seq 64 --steps 10 --rounds 3
 """
@@ -22,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from planner.problem import problem_from_trace  # noqa: E402
+from planner.replay.adoption import adopt_resident  # noqa: E402
 from planner.replay.cpu_session import CPUPlanAllocator  # noqa: E402
 from planner.replay.fingerprint import RunPrints  # noqa: E402
 from planner.replay.runner import run_steps, warm_up  # noqa: E402
@@ -41,20 +44,24 @@ def bench(model: str, args) -> dict:
     workload = make()
     warm_up(workload)
     default_s, plan_s = [], []
-    fallbacks = fallback_bytes = peak = 0
+    fallbacks = fallback_bytes = peak = outside = 0
+    adopted = sum(schedule.reserved_sizes)
     for _ in range(args.rounds):
         default_s += run_steps(workload, args.steps, nullcontext, RunPrints())
         with CPUPlanAllocator(schedule) as alloc:
+            left_outside = adopt_resident(workload, alloc, "cpu")
             plan_s += run_steps(workload, args.steps, alloc.step, RunPrints())
         stats = alloc.stats()
         fallbacks += stats["fallback_count"]
         fallback_bytes += stats["fallback_bytes"]
-        peak = max(peak, stats["peak_bytes"])
+        peak = max(peak, stats["held_peak"] + left_outside)
+        outside = max(outside, left_outside)
+        adopted = min(adopted, stats["adopted_bytes"])
     d, p = statistics.median(default_s), statistics.median(plan_s)
     return {"workload": f"{workload.name} b{args.batch} s{args.seq}", "default_ms": 1e3 * d, "plan_ms": 1e3 * p,
             "ratio": p / d, "arena": plan.arena, "max_live": trace.peak()[0], "bound": plan.bound,
-            "measured_peak": peak, "fallbacks": fallbacks, "fallback_bytes": fallback_bytes,
-            "planned_per_step": len(schedule)}
+            "measured_peak": peak, "outside": outside, "fallbacks": fallbacks, "fallback_bytes": fallback_bytes,
+            "planned_per_step": len(schedule), "adopted": adopted, "reserved": sum(schedule.reserved_sizes)}
 
 
 def main() -> None:
@@ -78,7 +85,8 @@ def main() -> None:
               f"{r['arena']:>11} {r['bound']:>11} {r['max_live']:>11} {r['measured_peak']:>11} {r['fallbacks']:>9}", flush=True)
         print(f"  arena/bound {r['arena'] / r['bound']:.4f}, arena/max-live {r['arena'] / r['max_live']:.4f} "
               f"(bound: sizes rounded to the plan's alignment; max-live: requested sizes), planned allocations per step "
-              f"{r['planned_per_step']}, fallback bytes {r['fallback_bytes']}", flush=True)
+              f"{r['planned_per_step']}, fallback bytes {r['fallback_bytes']}; adopted {r['adopted']} of "
+              f"{r['reserved']} reserved B, {r['outside']} B left outside the arena", flush=True)
 
 
 if __name__ == "__main__":

@@ -185,9 +185,11 @@ def render_text(result: RunResult) -> str:
 
 def replay_sentence(r: dict) -> str:
     equal = "bitwise equal to" if r["bitwise_equal"] else f"DIFFERENT from ({r['first_difference']})"
-    return (f"replay of the {r['mode']} plan: {r['steps']} steps, {r['planned_count']:,} allocations from the "
-            f"{human_bytes(r['arena_bytes'])} arena, {r['fallback_count']} fallbacks, measured peak "
-            f"{human_bytes(r['peak_bytes'])}; loss and gradients {equal} the default allocator's run")
+    return (f"replay of the {r['mode']} plan: {r['steps']} steps; {r['adopted_count']:,} of {r['reserved_count']:,} "
+            f"resident storages adopted into the {human_bytes(r['arena_bytes'])} arena "
+            f"({human_bytes(r['outside_bytes'])} left outside), {r['planned_count']:,} allocations from it, "
+            f"{r['fallback_count']} fallbacks; measured peak {human_bytes(r['peak_bytes'])}: arena top + fallback + "
+            f"outside; loss and gradients {equal} the default allocator's run")
 
 
 def render_markdown(result: RunResult) -> str:

@@ -1,6 +1,8 @@
 """Replay of plans through the C++ allocator behind PyTorch's CPU allocator, on the bundled workloads."""
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 from contextlib import nullcontext
 from pathlib import Path
@@ -13,8 +15,9 @@ from cli import main
 from planner.plan import save_plan
 from planner.problem import problem_from_trace
 from planner.replay import build
+from planner.replay.adoption import adopt_resident, resident_groups
 from planner.replay.cpu_session import CPUPlanAllocator
-from planner.replay.fingerprint import RunPrints, first_difference
+from planner.replay.fingerprint import RunPrints, first_difference, tensor_digest
 from planner.replay.runner import replay, run_steps, warm_up
 from planner.replay.schedule import ReplayError, Schedule, schedule_from
 from solvers import solve
@@ -45,6 +48,9 @@ def test_three_steps_served_by_the_plan_alone_and_bitwise_equal(planned):
     report = replay(schedule, maker(model, 2), CPUPlanAllocator(schedule), steps=3)
     assert report.fallback_count == 0 and report.fallback_bytes == 0 and report.missing == 0
     assert report.planned_count == 3 * len(schedule) > 0
+    assert report.adopted_count == report.reserved_count == len(schedule.reserved_sizes) > 0
+    assert report.adopted_bytes == report.reserved_bytes == sum(schedule.reserved_sizes)
+    assert report.outside_bytes == 0 and report.no_slot == 0
     assert report.peak_bytes == report.arena_top_peak == plan.arena
     assert report.loss_equal and report.grads_equal and report.params_equal and report.bitwise_equal
     assert report.first_difference is None
@@ -56,8 +62,60 @@ def test_plan_for_another_batch_size_falls_back_and_stays_bitwise_equal(planned)
     schedule = schedule_from(plan, trace)
     report = replay(schedule, maker(model, 3), CPUPlanAllocator(schedule), steps=2)
     assert report.fallback_count > 0 and report.fallback_bytes > 0
+    assert report.outside_bytes > 0 and 0 < report.adopted_count < report.reserved_count  # inputs: no slot
+    assert report.no_slot == 0  # a storage with no slot of its size left never asks
     assert report.peak_bytes > report.arena_top_peak
     assert report.bitwise_equal, report.first_difference
+
+
+def test_step_scope_plan_adopts_nothing_and_counts_the_resident_state_outside(planned):
+    model, trace, _, _ = planned
+    plan = solve(problem_from_trace(trace, scope="step"), method="greedy", time_limit=5.0)
+    schedule = schedule_from(plan, trace)
+    resident = sum(int(trace.size[i]) for i in range(len(trace)) if plan.offsets[i] < 0)
+    assert schedule.reserved_sizes == [] and resident > 0
+    report = replay(schedule, maker(model, 2), CPUPlanAllocator(schedule), steps=2)
+    assert report.adopted_count == report.fallback_count == 0
+    assert report.outside_bytes == resident
+    assert report.arena_top_peak == plan.arena and report.peak_bytes == plan.arena + resident
+    assert report.bitwise_equal, report.first_difference
+
+
+def storage_bytes(groups: list[list[torch.Tensor]]) -> list[bytes]:
+    return [ctypes.string_at(g[0].untyped_storage().data_ptr(), g[0].untyped_storage().nbytes()) for g in groups]
+
+
+def all_inside(groups: list[list[torch.Tensor]], alloc: CPUPlanAllocator) -> bool:
+    """Every tensor's data lies in the plan's arena."""
+    base, top = alloc.arena_base, alloc.arena_base + alloc.schedule.arena
+    return all(base <= t.data_ptr() < top for g in groups for t in g)
+
+
+def test_resident_storages_move_into_the_arena_and_outlive_the_plan(planned):
+    model, trace, _, plan = planned
+    schedule = schedule_from(plan, trace)
+    workload = maker(model, 2)()
+    warm_up(workload)
+    groups = resident_groups(workload, "cpu")
+    before = storage_bytes(groups)
+    ext = build.cpu_extension()
+    alive_before = ext.plans_alive()
+    with CPUPlanAllocator(schedule) as alloc:
+        assert not all_inside(groups, alloc)
+        assert adopt_resident(workload, alloc, "cpu") == 0
+        assert all_inside(groups, alloc) and storage_bytes(groups) == before  # moved, bitwise unchanged
+        assert alloc.stats()["adopted_count"] == len(groups) == len(schedule.reserved_sizes)
+        run_steps(workload, 2, alloc.step, RunPrints())
+        assert all_inside(groups, alloc) and alloc.stats()["fallback_count"] == 0
+        trained = {n: tensor_digest(p.detach()) for n, p in workload.model.named_parameters()}
+    assert ext.plans_alive() == alive_before + 1  # released, but its arena still holds the resident storages
+    assert all_inside(groups, alloc)
+    assert trained == {n: tensor_digest(p.detach()) for n, p in workload.model.named_parameters()}
+    workload.step()  # the default allocator trains on, over the adopted storages
+    assert all_inside(groups, alloc)
+    del workload, groups
+    gc.collect()
+    assert ext.plans_alive() == alive_before
 
 
 def test_plan_does_not_replay_on_a_different_trace(planned):
@@ -121,7 +179,8 @@ def test_cli_replay_json(bert_files):
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["fallback_count"] == 0 and summary["bitwise_equal"] is True
-    assert summary["arena_bytes"] == plan.arena == summary["peak_bytes"]
+    assert summary["adopted_bytes"] == summary["reserved_bytes"] > 0 and summary["outside_bytes"] == 0
+    assert summary["arena_bytes"] == plan.arena == summary["arena_top_peak"] == summary["peak_bytes"]
 
 
 def test_cli_replay_other_batch_needs_the_trace_then_falls_back(bert_files):

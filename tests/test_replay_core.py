@@ -43,7 +43,7 @@ def test_planned_slots_then_refuses_a_range_still_in_use(lib):
     s = plan_stats(lib, h)
     assert (s["planned_count"], s["fallback_count"], s["refused_in_use"]) == (3, 1, 1)
     assert s["fallback_bytes"] == 256 and s["live_blocks"] == 2
-    assert s["peak_bytes"] == 256 + 256 and s["arena_top_peak"] == 256
+    assert s["held_peak"] == 256 + 256 and s["arena_top_peak"] == 256
     for p in (c, d):
         lib.memplan_dealloc(p)
     assert plan_stats(lib, h)["live_blocks"] == 0
@@ -85,19 +85,95 @@ def test_divergences_are_counted(lib):
     assert lib.memplan_plan_release(h)
 
 
-def test_reserved_slots_are_never_handed_out(lib):
-    # Slot [0, 512) belongs to a buffer that predates the step (e.g. a parameter).
-    h = create_plan(lib, offsets=[256, 512], sizes=[256, 256], reserved_offsets=[0], reserved_sizes=[512],
+def test_unadopted_reserved_slots_are_free(lib):
+    # Slot [256, 768) belongs to a buffer that predates the step but was never adopted: it holds nothing.
+    h = create_plan(lib, offsets=[0, 512], sizes=[256, 256], reserved_offsets=[256], reserved_sizes=[512],
                     arena_bytes=768)
     assert lib.memplan_step_begin(h)
-    a, b = lib.memplan_alloc(256), lib.memplan_alloc(256)
+    a = lib.memplan_alloc(256)
+    s = plan_stats(lib, h)
+    assert s["arena_top_peak"] == s["held_peak"] == 256 < 768  # the arena top is where the step's blocks reach
+    b = lib.memplan_alloc(256)  # planned inside the unadopted slot: served from the plan
     assert lib.memplan_step_end(h)
     s = plan_stats(lib, h)
-    assert s["refused_in_use"] == 1 and s["planned_count"] == 1
-    assert s["arena_top_peak"] == 768 and s["peak_bytes"] == 768 + 256
-    lib.memplan_dealloc(a)
-    lib.memplan_dealloc(b)
+    assert (s["planned_count"], s["fallback_count"], s["adopted_count"]) == (2, 0, 0)
+    assert s["arena_top_peak"] == 768 and s["live_blocks"] == 2
+    assert lib.memplan_adopt_begin(h)
+    c = lib.memplan_alloc(512)  # the slot overlaps the live block b: refused
+    assert lib.memplan_adopt_end(h)
+    s = plan_stats(lib, h)
+    assert (s["adopted_count"], s["refused_in_use"], s["fallback_count"]) == (0, 1, 1)
+    for p in (a, b, c):
+        lib.memplan_dealloc(p)
     assert lib.memplan_plan_release(h)
+
+
+def test_adoption_takes_reserved_slots_by_exact_size(lib):
+    # Reserved slots: 256 B at 0, 128 B at 256, 256 B at 384 (alignment 64); one planned block at 640.
+    h = create_plan(lib, offsets=[640], sizes=[64], reserved_offsets=[0, 256, 384], reserved_sizes=[256, 128, 256],
+                    arena_bytes=704, alignment=64)
+    base = lib.memplan_plan_arena(h)
+    assert base and plan_stats(lib, h)["arena_top_peak"] == 0  # reserved slots are not live at creation
+    assert lib.memplan_adopt_begin(h)
+    assert lib.memplan_step_begin(h) == 0  # one phase at a time
+    assert lib.memplan_step_end(h) == 0    # the open phase is an adoption, not a step
+    small = lib.memplan_alloc(128)
+    first, second = lib.memplan_alloc(256), lib.memplan_alloc(256)
+    third = lib.memplan_alloc(256)  # both 256 B slots are taken
+    odd = lib.memplan_alloc(200)    # no slot of that size
+    assert lib.memplan_adopt_end(h)
+    assert (small, first, second) == (base + 256, base, base + 384)
+    assert not in_arena(third, base, 704) and not in_arena(odd, base, 704)
+    s = plan_stats(lib, h)
+    assert (s["adopted_count"], s["adopted_bytes"]) == (3, 640)
+    assert (s["no_slot"], s["fallback_count"], s["fallback_bytes"]) == (2, 2, 456)
+    assert s["planned_count"] == s["steps"] == 0 and s["arena_top_peak"] == 640
+    lib.memplan_dealloc(third)
+    lib.memplan_dealloc(odd)
+    ctypes.memset(first, 0x42, 256)
+    assert lib.memplan_step_begin(h)
+    planned = lib.memplan_alloc(64)  # the step's block sits next to the adopted ones
+    assert lib.memplan_step_end(h)
+    assert planned == base + 640 and ctypes.string_at(first, 256) == b"\x42" * 256
+    s = plan_stats(lib, h)
+    assert s["arena_top_peak"] == 704 and s["live_blocks"] == 4
+    assert s["held_peak"] == 640 + 456  # the adoption's fallbacks were live next to the adopted slots
+    lib.memplan_dealloc(first)
+    assert lib.memplan_adopt_begin(h)
+    again = lib.memplan_alloc(256)  # a slot is adopted at most once, even after its block was freed
+    assert lib.memplan_adopt_end(h)
+    assert not in_arena(again, base, 704) and plan_stats(lib, h)["no_slot"] == 3
+    assert lib.memplan_plan_release(h)
+    assert lib.memplan_plans_alive() == 1  # the adopted blocks still need the arena
+    assert lib.memplan_plan_arena(h) == base
+    for p in (small, second, planned, again):
+        lib.memplan_dealloc(p)
+    assert lib.memplan_plans_alive() == 0 and lib.memplan_plan_arena(h) is None
+
+
+def test_adoption_skips_a_slot_overlapping_a_live_block(lib):
+    # Two 128 B slots; a block kept from a step still covers the first one.
+    h = create_plan(lib, offsets=[0], sizes=[128], reserved_offsets=[0, 128], reserved_sizes=[128, 128],
+                    arena_bytes=256)
+    base = lib.memplan_plan_arena(h)
+    assert lib.memplan_step_begin(h)
+    kept = lib.memplan_alloc(128)
+    assert lib.memplan_step_end(h)
+    assert lib.memplan_adopt_begin(h)
+    a, b = lib.memplan_alloc(128), lib.memplan_alloc(128)
+    assert lib.memplan_adopt_end(h)
+    assert kept == base and a == base + 128 and not in_arena(b, base, 256)
+    s = plan_stats(lib, h)
+    assert (s["adopted_count"], s["refused_in_use"], s["no_slot"]) == (1, 1, 0)
+    lib.memplan_dealloc(kept)
+    assert lib.memplan_adopt_begin(h)
+    c = lib.memplan_alloc(128)  # the first slot is clear now
+    assert lib.memplan_adopt_end(h)
+    assert c == base and plan_stats(lib, h)["adopted_count"] == 2
+    for p in (a, b, c):
+        lib.memplan_dealloc(p)
+    assert lib.memplan_plan_release(h)
+    assert lib.memplan_plans_alive() == 0
 
 
 def test_arena_outlives_the_release_while_blocks_are_live(lib):
@@ -161,8 +237,9 @@ def test_cuda_plugin_compiles_and_exports_the_pluggable_allocator_symbols():
     assert nm, "nm (binutils) is needed to list the library's symbols"
     out = subprocess.run([nm, "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True).stdout
     exported = {line.split()[-1] for line in out.splitlines() if " T " in line}
-    assert {"memplan_malloc", "memplan_free", "memplan_plan_create", "memplan_step_begin",
-            "memplan_step_end", "memplan_plan_stats", "memplan_plan_release"} <= exported
+    assert {"memplan_malloc", "memplan_free", "memplan_plan_create", "memplan_step_begin", "memplan_step_end",
+            "memplan_adopt_begin", "memplan_adopt_end", "memplan_plan_arena", "memplan_plan_stats",
+            "memplan_plan_release"} <= exported
 
 
 def test_build_without_a_compiler_says_what_to_install(tmp_path):

@@ -1,4 +1,5 @@
-"""The storages a workload holds before its step is recorded: parameters, optimizer state, inputs.
+"""The tensors and storages a workload holds before its step is recorded: parameters, optimizer state,
+inputs.
 
 Inputs include tensors held as attributes of the loss object (labels, masks).
 
@@ -36,36 +37,43 @@ def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors_in(v)
 
 
-def resident_storages(workload: Workload, device_type: str) -> dict[int, ResidentStorage]:
-    """Address -> ResidentStorage for every storage on `device_type` the workload holds now."""
-    found: dict[int, ResidentStorage] = {}
+def resident_tensors(workload: Workload) -> Iterator[tuple[torch.Tensor, str, str]]:
+    """(tensor, category, module) for every tensor the workload holds now, on any device, in a fixed
+    order: parameters and buffers, gradients, optimizer state, inputs, tensors held by the loss.
 
-    def add(t: torch.Tensor, category: str, module: str) -> None:
-        if t.device.type != device_type:
-            return
-        storage = t.untyped_storage()
-        addr, size = storage.data_ptr(), storage.nbytes()
-        if size == 0 or addr in found:
-            return
-        found[addr] = ResidentStorage(addr, size, category, module)
+    Capture and replay's adoption both walk this order, so they see the same storages first.
+    """
+    def where(path: str) -> str:
+        return f"model.{path}" if path else "model"
 
     for path, module in workload.model.named_modules():
-        where = f"model.{path}" if path else "model"
         for p in module.parameters(recurse=False):
-            add(p, "parameter", where)
+            yield p, "parameter", where(path)
         for b in module.buffers(recurse=False):
-            add(b, "parameter", where)
+            yield b, "parameter", where(path)
     for path, module in workload.model.named_modules():
         for p in module.parameters(recurse=False):
             if p.grad is not None:
-                add(p.grad, "gradient", f"model.{path}" if path else "model")
-    owner = {id(p): f"model.{path}" if path else "model"
-             for path, module in workload.model.named_modules() for p in module.parameters(recurse=False)}
+                yield p.grad, "gradient", where(path)
+    owner = {id(p): where(path) for path, module in workload.model.named_modules()
+             for p in module.parameters(recurse=False)}
     for param, state in workload.optimizer.state.items():
         for t in _tensors_in(state):
-            add(t, "optimizer", owner.get(id(param), ""))
+            yield t, "optimizer", owner.get(id(param), "")
     for t in _tensors_in(workload.inputs):
-        add(t, "input", "")
+        yield t, "input", ""
     for t in _tensors_in(getattr(workload.loss_fn, "__dict__", {})):  # e.g. labels held by the loss
-        add(t, "input", "")
+        yield t, "input", ""
+
+
+def resident_storages(workload: Workload, device_type: str) -> dict[int, ResidentStorage]:
+    """Address -> ResidentStorage for every storage on `device_type` the workload holds now."""
+    found: dict[int, ResidentStorage] = {}
+    for t, category, module in resident_tensors(workload):
+        if t.device.type != device_type:
+            continue
+        storage = t.untyped_storage()
+        addr, size = storage.data_ptr(), storage.nbytes()
+        if size > 0 and addr not in found:
+            found[addr] = ResidentStorage(addr, size, category, module)
     return found

@@ -1,8 +1,9 @@
 """The plan allocator behind PyTorch's CPU allocator for a block of replayed steps.
 
 `with CPUPlanAllocator(schedule) as alloc:` installs it (c10::SetCPUAllocator) and restores the
-previous allocator on exit; `with alloc.step():` opens and closes one planned step. Tensors made
-inside keep their own deleter, so they stay valid after the steps and after the plan is released.
+previous allocator on exit; `with alloc.adopt():` opens the adoption of reserved slots and
+`with alloc.step():` one planned step. Tensors made inside keep their own deleter, so they stay
+valid after the steps and after the plan is released.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class CPUPlanAllocator:
         self.schedule = schedule
         self.ext = build.cpu_extension()
         self.handle = 0
+        self.arena_base = 0  # address of the arena's first byte while the plan is alive
         self.final_stats: dict[str, int] | None = None
 
     def __enter__(self) -> "CPUPlanAllocator":
@@ -27,17 +29,26 @@ class CPUPlanAllocator:
         self.handle = self.ext.create(s.offsets, s.sizes, s.reserved_offsets, s.reserved_sizes, s.arena, s.alignment)
         if self.handle == 0:
             raise ReplayError(f"cannot allocate an arena of {s.arena} bytes")
+        self.arena_base = self.ext.arena_base(self.handle)
         self.ext.install()
         return self
 
-    @contextmanager
     def step(self):
-        if not self.ext.begin_step(self.handle):
-            raise ReplayError("a planned step is already open")
+        """The block inside is one planned step."""
+        return self._open(self.ext.begin_step, self.ext.end_step)
+
+    def adopt(self):
+        """Allocations in the block inside take the reserved slots of their exact size."""
+        return self._open(self.ext.begin_adopt, self.ext.end_adopt)
+
+    @contextmanager
+    def _open(self, begin, end):
+        if not begin(self.handle):
+            raise ReplayError("a planned step or adoption is already open")
         try:
             yield
         finally:
-            self.ext.end_step(self.handle)
+            end(self.handle)
 
     def stats(self) -> dict[str, int]:
         if self.final_stats is not None:

@@ -2,7 +2,7 @@
 
 PyTorch cannot swap its CUDA allocator once CUDA is initialised, so `install_plugin()` must run
 first in the process; from then on every CUDA allocation goes through memplan_malloc, served by the
-plan inside an open step and by plain cudaMalloc outside one. Plans replay on device 0.
+plan inside an open step or adoption and by plain cudaMalloc outside one. Plans replay on device 0.
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ class CUDAPlanAllocator:
         self.lib = lib
         self.schedule = schedule
         self.handle = 0
+        self.arena_base = 0  # address of the arena's first byte while the plan is alive
         self.final_stats: dict[str, int] | None = None
 
     def __enter__(self) -> "CUDAPlanAllocator":
@@ -52,17 +53,26 @@ class CUDAPlanAllocator:
                                   s.alignment)
         if self.handle == 0:
             raise ReplayError(f"cannot allocate an arena of {s.arena} bytes on cuda:0")
+        self.arena_base = self.lib.memplan_plan_arena(self.handle) or 0
         return self
 
-    @contextmanager
     def step(self):
-        if not self.lib.memplan_step_begin(self.handle):
-            raise ReplayError("a planned step is already open")
+        """The block inside is one planned step (its kernels finished before the step closes)."""
+        return self._open(self.lib.memplan_step_begin, self.lib.memplan_step_end, torch.cuda.synchronize)
+
+    def adopt(self):
+        """Allocations in the block inside take the reserved slots of their exact size."""
+        return self._open(self.lib.memplan_adopt_begin, self.lib.memplan_adopt_end)
+
+    @contextmanager
+    def _open(self, begin, end, before_end=lambda: None):
+        if not begin(self.handle):
+            raise ReplayError("a planned step or adoption is already open")
         try:
             yield
         finally:
-            torch.cuda.synchronize()
-            self.lib.memplan_step_end(self.handle)
+            before_end()
+            end(self.handle)
 
     def stats(self) -> dict[str, int]:
         return dict(self.final_stats) if self.final_stats is not None else plan_stats(self.lib, self.handle)

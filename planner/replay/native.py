@@ -5,9 +5,9 @@ import ctypes
 from pathlib import Path
 
 # PlanStats' fields, in the order memplan_plan_stats writes them (see csrc/plan_core.h).
-STATS_FIELDS = ("arena_bytes", "planned_count", "fallback_count", "fallback_bytes", "fallback_peak",
-                "refused_in_use", "size_mismatch", "extra", "missing", "arena_top_peak", "peak_bytes",
-                "steps", "live_blocks")
+STATS_FIELDS = ("arena_bytes", "adopted_count", "adopted_bytes", "planned_count", "fallback_count",
+                "fallback_bytes", "fallback_peak", "refused_in_use", "size_mismatch", "extra", "no_slot",
+                "missing", "arena_top_peak", "held_peak", "steps", "live_blocks")
 
 _I64 = ctypes.c_int64
 _P = ctypes.POINTER(ctypes.c_int64)
@@ -21,10 +21,14 @@ def load_library(path: str | Path) -> ctypes.CDLL:
     lib.memplan_plan_create.argtypes = [_P, _P, _I64, _P, _P, _I64, _I64, _I64]
     lib.memplan_step_begin.argtypes = [_I64]
     lib.memplan_step_end.argtypes = [_I64]
+    lib.memplan_adopt_begin.argtypes = [_I64]
+    lib.memplan_adopt_end.argtypes = [_I64]
     lib.memplan_alloc.restype = ctypes.c_void_p
     lib.memplan_alloc.argtypes = [_I64]
     lib.memplan_dealloc.argtypes = [ctypes.c_void_p]
     lib.memplan_plan_stats.argtypes = [_I64, _P]
+    lib.memplan_plan_arena.restype = ctypes.c_void_p
+    lib.memplan_plan_arena.argtypes = [_I64]
     lib.memplan_plan_release.argtypes = [_I64]
     lib.memplan_plans_alive.restype = _I64
     if lib.memplan_stats_fields() != len(STATS_FIELDS):

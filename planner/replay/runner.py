@@ -2,8 +2,9 @@
 
 Both runs start from the same state: the workload is built afresh (load_workload seeds torch), one
 warm-up step runs with the default allocator (it creates the optimizer state), and torch is seeded
-again before the measured steps. Loss, every gradient and the parameters after the steps are
-compared bitwise.
+again before the measured steps. The planned run first adopts the resident storages into the arena
+(planner/replay/adoption.py). Loss, every gradient and the parameters after the steps are compared
+bitwise.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from planner.replay.adoption import adopt_resident
 from planner.replay.fingerprint import RunPrints, first_difference, record_params, tensor_digest, watch_gradients
 from planner.replay.report import ReplayReport
 from planner.replay.schedule import Schedule
@@ -58,13 +60,15 @@ def run_steps(workload: Workload, steps: int, step_context: Callable, prints: Ru
 
 def replay(schedule: Schedule, make_workload: Callable[[], Workload], plan_allocator, *, steps: int = 3,
            device: str = "cpu", reference: str = "PyTorch's default CPU allocator") -> ReplayReport:
-    """Replay `steps` steps under `plan_allocator` (a context manager with step() and stats()) and compare."""
+    """Replay `steps` steps under `plan_allocator` (a context manager with adopt(), step() and stats()),
+    after adopting the resident storages into its arena, and compare."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else None
     planned, ref = RunPrints(), RunPrints()
     workload = make_workload()
     name = workload.name
     warm_up(workload)
     with plan_allocator as alloc:
+        outside = adopt_resident(workload, alloc, torch.device(device).type)
         plan_seconds = run_steps(workload, steps, alloc.step, planned, sync)
     stats = alloc.stats()
     del workload
@@ -76,10 +80,11 @@ def replay(schedule: Schedule, make_workload: Callable[[], Workload], plan_alloc
     diff = first_difference(planned, ref)
     return ReplayReport(
         workload=name, device=device, steps=steps, reference=reference, planned_per_step=len(schedule),
-        arena_bytes=schedule.arena, bound=schedule.bound,
-        **{k: stats[k] for k in ("planned_count", "fallback_count", "fallback_bytes", "fallback_peak",
-                                 "refused_in_use", "size_mismatch", "extra", "missing", "arena_top_peak",
-                                 "peak_bytes")},
+        arena_bytes=schedule.arena, bound=schedule.bound, reserved_count=len(schedule.reserved_sizes),
+        reserved_bytes=sum(schedule.reserved_sizes), outside_bytes=outside, peak_bytes=stats["held_peak"] + outside,
+        **{k: stats[k] for k in ("adopted_count", "adopted_bytes", "planned_count", "fallback_count", "fallback_bytes",
+                                 "fallback_peak", "refused_in_use", "size_mismatch", "extra", "no_slot", "missing",
+                                 "arena_top_peak")},
         loss_equal=planned.losses == ref.losses, grads_equal=planned.grads == ref.grads,
         params_equal=planned.params == ref.params, first_difference=diff,
         plan_step_seconds=plan_seconds, reference_step_seconds=ref_seconds)

@@ -19,7 +19,8 @@ class Schedule:
     """Planned allocations of one step in order (offset, requested size) and the reserved slots.
 
     Reserved slots belong to buffers that exist for the whole step (parameters, optimizer state,
-    inputs): they live where they were allocated before, and the allocator never hands out their slots.
+    inputs): the replay moves them there before the steps (adoption); until then a slot holds nothing.
+    A plan of scope `step` places none of them (offset -1): they get no slot and stay outside the arena.
     """
 
     offsets: list[int]
@@ -45,7 +46,8 @@ def schedule_from(plan: Plan, trace: Trace, device: str = "cpu") -> Schedule:
                           f"allocator's alignment: solve again with --alignment {CPU_ALIGNMENT} or more")
     order = [int(i) for i in trace.recorded if trace.size[i] > 0]  # size-0 requests touch no memory
     end = trace.end
-    whole = [i for i in range(len(trace)) if trace.alloc[i] == 0 and trace.free[i] == end and trace.size[i] > 0]
+    whole = [i for i in range(len(trace))
+             if trace.alloc[i] == 0 and trace.free[i] == end and trace.size[i] > 0 and plan.offsets[i] >= 0]
     return Schedule(offsets=[int(plan.offsets[i]) for i in order], sizes=[int(trace.size[i]) for i in order],
                     reserved_offsets=[int(plan.offsets[i]) for i in whole],
                     reserved_sizes=[int(trace.size[i]) for i in whole], arena=int(plan.arena), bound=int(plan.bound),

@@ -25,14 +25,26 @@ int64_t memplan_plan_create(const int64_t* offsets, const int64_t* sizes, int64_
                                     alignment);
 }
 
-int memplan_step_begin(int64_t handle) { return memplan::registry().begin_step(handle) ? 1 : 0; }
+int memplan_step_begin(int64_t handle) {
+  return memplan::registry().begin(handle, memplan::Phase::kStep) ? 1 : 0;
+}
 
-int memplan_step_end(int64_t handle) { return memplan::registry().end_step(handle) ? 1 : 0; }
+int memplan_step_end(int64_t handle) {
+  return memplan::registry().end(handle, memplan::Phase::kStep) ? 1 : 0;
+}
+
+int memplan_adopt_begin(int64_t handle) {
+  return memplan::registry().begin(handle, memplan::Phase::kAdopt) ? 1 : 0;
+}
+
+int memplan_adopt_end(int64_t handle) {
+  return memplan::registry().end(handle, memplan::Phase::kAdopt) ? 1 : 0;
+}
 
 void* memplan_alloc(int64_t nbytes) {
   if (nbytes <= 0) return nullptr;
   void* p = nullptr;
-  if (memplan::registry().allocate_in_step(static_cast<size_t>(nbytes), &p)) return p;
+  if (memplan::registry().allocate_in_phase(static_cast<size_t>(nbytes), &p)) return p;
   return memplan::registry().system().alloc(static_cast<size_t>(nbytes));
 }
 
@@ -48,6 +60,8 @@ int memplan_plan_stats(int64_t handle, int64_t* out) {
   for (int64_t i = 0; i < memplan_stats_fields(); ++i) out[i] = fields[i];
   return 1;
 }
+
+void* memplan_plan_arena(int64_t handle) { return memplan::registry().arena(handle); }
 
 int memplan_plan_release(int64_t handle) { return memplan::registry().release(handle) ? 1 : 0; }
 

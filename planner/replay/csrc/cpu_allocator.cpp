@@ -15,12 +15,12 @@ void plan_delete(void* ptr) {
   memplan_dealloc(ptr);
 }
 
-// Inside an open step every request goes to the plan; outside, to the allocator it replaced.
+// Inside an open step or adoption every request goes to the plan; outside, to the allocator it replaced.
 class PlanCPUAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
     void* p = nullptr;
-    if (nbytes > 0 && memplan::registry().allocate_in_step(nbytes, &p)) {
+    if (nbytes > 0 && memplan::registry().allocate_in_phase(nbytes, &p)) {
       if (p == nullptr) throw std::bad_alloc();
       c10::profiledCPUMemoryReporter().New(p, nbytes);
       return {p, p, &plan_delete, c10::Device(c10::DeviceType::CPU)};
@@ -85,6 +85,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("create", &create, "A plan over a new arena; returns its handle (0 if the arena cannot be had)");
   m.def("begin_step", [](int64_t h) { return memplan_step_begin(h) == 1; });
   m.def("end_step", [](int64_t h) { return memplan_step_end(h) == 1; });
+  m.def("begin_adopt", [](int64_t h) { return memplan_adopt_begin(h) == 1; });
+  m.def("end_adopt", [](int64_t h) { return memplan_adopt_end(h) == 1; });
+  m.def("arena_base", [](int64_t h) { return reinterpret_cast<intptr_t>(memplan_plan_arena(h)); },
+        "The arena's base address (0 for an unknown handle)");
   m.def("stats", &stats, "The plan's counters in PlanStats field order");
   m.def("release", [](int64_t h) { return memplan_plan_release(h) == 1; });
   m.def("plans_alive", []() { return memplan_plans_alive(); });

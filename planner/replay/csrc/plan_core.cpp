@@ -27,21 +27,9 @@ PlanCore::PlanCore(std::vector<int64_t> offsets, std::vector<int64_t> sizes,
       alignment_(alignment > 0 ? alignment : 1),
       sys_(sys) {
   if (arena_bytes_ > 0) base_ = static_cast<char*>(sys_.alloc(static_cast<size_t>(arena_bytes_)));
-  // Reserved slots are merged into disjoint intervals and stay in `live_` for good.
-  std::vector<std::pair<int64_t, int64_t>> slots;
   for (const auto& r : reserved)
-    if (r.second > 0) slots.emplace_back(r.first, r.first + extent(r.second));
-  std::sort(slots.begin(), slots.end());
-  for (const auto& s : slots) {
-    if (!live_.empty() && s.first <= live_.rbegin()->second) {
-      live_.rbegin()->second = std::max(live_.rbegin()->second, s.second);
-    } else {
-      live_.emplace(s.first, s.second);
-    }
-  }
-  reserved_count_ = static_cast<int64_t>(live_.size());
+    if (r.second > 0) unadopted_[r.second].push_back(r.first);
   stats_.arena_bytes = arena_bytes_;
-  note_peak();
 }
 
 PlanCore::~PlanCore() {
@@ -49,25 +37,29 @@ PlanCore::~PlanCore() {
   if (base_ != nullptr) sys_.free(base_);
 }
 
-void PlanCore::begin_step() {
-  in_step_ = true;
+void PlanCore::begin(Phase phase) {
+  phase_ = phase;
   cursor_ = 0;
 }
 
-void PlanCore::end_step() {
-  if (cursor_ < offsets_.size()) stats_.missing += static_cast<int64_t>(offsets_.size() - cursor_);
-  in_step_ = false;
+void PlanCore::end() {
+  if (phase_ == Phase::kStep) {
+    if (cursor_ < offsets_.size()) stats_.missing += static_cast<int64_t>(offsets_.size() - cursor_);
+    stats_.steps += 1;
+  }
+  phase_ = Phase::kNone;
   cursor_ = 0;
-  stats_.steps += 1;
 }
 
-bool PlanCore::overlaps_live(int64_t begin, int64_t end) const { return overlaps(live_, begin, end); }
+bool PlanCore::fits(int64_t begin, int64_t end) const {
+  return base_ != nullptr && begin >= 0 && end <= arena_bytes_ && !overlaps(live_, begin, end);
+}
 
 void PlanCore::note_peak() {
   int64_t top = live_.empty() ? 0 : live_.rbegin()->second;
   stats_.arena_top_peak = std::max(stats_.arena_top_peak, top);
   stats_.fallback_peak = std::max(stats_.fallback_peak, fallback_live_);
-  stats_.peak_bytes = std::max(stats_.peak_bytes, top + fallback_live_);
+  stats_.held_peak = std::max(stats_.held_peak, top + fallback_live_);
 }
 
 void* PlanCore::fall_back(size_t nbytes, int64_t* reason) {
@@ -84,16 +76,39 @@ void* PlanCore::fall_back(size_t nbytes, int64_t* reason) {
 
 void* PlanCore::allocate(size_t nbytes) {
   if (nbytes == 0) return nullptr;  // a size-0 request touches no memory and has no slot
-  if (!in_step_ || cursor_ >= offsets_.size()) return fall_back(nbytes, &stats_.extra);
+  if (phase_ == Phase::kAdopt) return adopted(nbytes);
+  return planned(nbytes);
+}
+
+void* PlanCore::planned(size_t nbytes) {
+  if (phase_ != Phase::kStep || cursor_ >= offsets_.size()) return fall_back(nbytes, &stats_.extra);
   size_t k = cursor_++;
   if (sizes_[k] != static_cast<int64_t>(nbytes)) return fall_back(nbytes, &stats_.size_mismatch);
   int64_t begin = offsets_[k], end = offsets_[k] + extent(sizes_[k]);
-  if (base_ == nullptr || begin < 0 || end > arena_bytes_ || overlaps_live(begin, end))
-    return fall_back(nbytes, &stats_.refused_in_use);
+  if (!fits(begin, end)) return fall_back(nbytes, &stats_.refused_in_use);
   live_.emplace(begin, end);
   stats_.planned_count += 1;
   note_peak();
   return base_ + begin;
+}
+
+// The first reserved slot of exactly this size that is not adopted yet and clear of live blocks.
+void* PlanCore::adopted(size_t nbytes) {
+  int64_t size = static_cast<int64_t>(nbytes);
+  auto it = unadopted_.find(size);
+  if (it == unadopted_.end() || it->second.empty()) return fall_back(nbytes, &stats_.no_slot);
+  std::vector<int64_t>& slots = it->second;
+  for (auto slot = slots.begin(); slot != slots.end(); ++slot) {
+    int64_t begin = *slot, end = *slot + extent(size);
+    if (!fits(begin, end)) continue;
+    slots.erase(slot);
+    live_.emplace(begin, end);
+    stats_.adopted_count += 1;
+    stats_.adopted_bytes += size;
+    note_peak();
+    return base_ + begin;
+  }
+  return fall_back(nbytes, &stats_.refused_in_use);
 }
 
 bool PlanCore::owns(const void* ptr) const {
@@ -117,8 +132,7 @@ void PlanCore::deallocate(void* ptr) {
 
 PlanStats PlanCore::stats() const {
   PlanStats s = stats_;
-  s.live_blocks = static_cast<int64_t>(live_.size()) - reserved_count_ +
-                  static_cast<int64_t>(fallback_.size());
+  s.live_blocks = static_cast<int64_t>(live_.size() + fallback_.size());
   return s;
 }
 
@@ -134,24 +148,24 @@ int64_t Registry::create(std::vector<int64_t> offsets, std::vector<int64_t> size
   return h;
 }
 
-bool Registry::begin_step(int64_t handle) {
+bool Registry::begin(int64_t handle, Phase phase) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = plans_.find(handle);
-  if (it == plans_.end() || it->second.released || open_ != 0) return false;
-  it->second.core->begin_step();
+  if (it == plans_.end() || it->second.released || open_ != 0 || phase == Phase::kNone) return false;
+  it->second.core->begin(phase);
   open_ = handle;
   return true;
 }
 
-bool Registry::end_step(int64_t handle) {
+bool Registry::end(int64_t handle, Phase phase) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (open_ != handle || handle == 0) return false;
-  plans_.at(handle).core->end_step();
+  if (open_ != handle || handle == 0 || plans_.at(handle).core->phase() != phase) return false;
+  plans_.at(handle).core->end();
   open_ = 0;
   return true;
 }
 
-bool Registry::allocate_in_step(size_t nbytes, void** out) {
+bool Registry::allocate_in_phase(size_t nbytes, void** out) {
   std::lock_guard<std::mutex> lock(mu_);
   if (open_ == 0) return false;
   *out = plans_.at(open_).core->allocate(nbytes);
@@ -179,12 +193,18 @@ bool Registry::stats(int64_t handle, PlanStats* out) {
   return true;
 }
 
+void* Registry::arena(int64_t handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = plans_.find(handle);
+  return it == plans_.end() ? nullptr : it->second.core->base();
+}
+
 bool Registry::release(int64_t handle) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = plans_.find(handle);
   if (it == plans_.end() || it->second.released) return false;
   if (open_ == handle) {
-    it->second.core->end_step();
+    it->second.core->end();
     open_ = 0;
   }
   it->second.released = true;
