@@ -2,10 +2,15 @@
 
 Each stage is the same function its own command uses (trace, solve, simulate, plot, replay), and every
 file it writes is one a user could have made with those commands: report.md says which command.
+All files are made in a private folder beside the output folder and moved into it only when the whole
+run succeeded, so a failed run leaves nothing behind (and other files in the output folder alone).
 """
 from __future__ import annotations
 
+import os
 import shlex
+import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -98,15 +103,22 @@ def trace_mode(opts: RunOptions, mode: str, path: Path):
     return trace
 
 
-def run_mode(opts: RunOptions, mode: str, out: Path, progress: Callable[[str], None]) -> tuple[MemoryReport, ModeRow]:
-    """Trace, solve and simulate one layer mode."""
+def mode_files(mode: str) -> tuple[Path, Path]:
+    """Where one mode's trace and plan go, relative to the output folder."""
+    return Path("traces") / f"{mode}.trace.json.gz", Path("plans") / f"{mode}.plan.json"
+
+
+def run_mode(opts: RunOptions, mode: str, work: Path, out: Path,
+             progress: Callable[[str], None]) -> tuple[MemoryReport, ModeRow]:
+    """Trace, solve and simulate one layer mode, writing into `work`; the row names the files in `out`."""
     from solvers.solve_file import solve_file
 
-    trace_file, plan_file = out / "traces" / f"{mode}.trace.json.gz", out / "plans" / f"{mode}.plan.json"
+    trace_rel, plan_rel = mode_files(mode)
+    trace_file, plan_file = out / trace_rel, out / plan_rel
     progress(f"[{mode}] tracing one training step")
-    trace = trace_mode(opts, mode, trace_file)
+    trace = trace_mode(opts, mode, work / trace_rel)
     progress(f"[{mode}] solving {len(trace):,} buffers")
-    plan = solve_file(str(trace_file), str(plan_file), time_limit=opts.time_limit).plan
+    plan = solve_file(str(work / trace_rel), str(work / plan_rel), time_limit=opts.time_limit).plan
     progress(f"[{mode}] simulating the caching allocator")
     report = build_report(trace, mode, plan=plan, plan_name=str(plan_file))
     row = ModeRow(mode=mode, trace_file=str(trace_file), plan_file=str(plan_file), buffers=len(trace),
@@ -129,32 +141,47 @@ def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> R
         raise MemplanError(f"the replayed mode {opts.replay_mode!r} is not among the modes run")
     start = time.monotonic()
     out = Path(opts.out_dir)
-    reports, rows = [], []
-    for mode in opts.modes:
-        report, row = run_mode(opts, mode, out, progress)
-        reports.append(report)
-        rows.append(row)
-    base = next((r for r in rows if r.mode == "baseline"), None)
-    for row in rows:
-        if base is not None:
-            row.saving_vs_baseline = 1 - row.plan_arena / base.caching_peak_reserved
+    if out.exists() and not out.is_dir():
+        raise MemplanError(f"-o {out}: exists and is not a folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        reports, rows = [], []
+        for mode in opts.modes:
+            report, row = run_mode(opts, mode, work, out, progress)
+            reports.append(report)
+            rows.append(row)
+        base = next((r for r in rows if r.mode == "baseline"), None)
+        for row in rows:
+            if base is not None:
+                row.saving_vs_baseline = 1 - row.plan_arena / base.caching_peak_reserved
 
-    progress("drawing timeline.png and address_space.png")
-    timeline_png, address_png = out / "timeline.png", out / "address_space.png"
-    plot_reports(reports, timeline_png)
-    replayed = next(r for r in reports if r.name == opts.replay_mode)
-    plot_reports([replayed], address_png, address_space=True)
+        progress("drawing timeline.png and address_space.png")
+        plot_reports(reports, work / "timeline.png")
+        replayed = next(r for r in reports if r.name == opts.replay_mode)
+        plot_reports([replayed], work / "address_space.png", address_space=True)
 
-    row = next(r for r in rows if r.mode == opts.replay_mode)
-    progress(f"[{opts.replay_mode}] replaying its plan for {opts.replay_steps} steps through the C++ plan allocator")
-    replay = replay_model_file(row.plan_file, opts.model_file, trace_file=row.trace_file, steps=opts.replay_steps,
-                               batch=opts.batch, seq=opts.seq, dtype=opts.dtype, layers=opts.replay_mode,
-                               progress=progress).summary()
-    replay["mode"] = opts.replay_mode
-    result = RunResult(opts, rows, replay, str(out / "report.md"), str(timeline_png), str(address_png),
-                       time.monotonic() - start)
-    atomic_write(result.report_md, render_markdown(result))
+        trace_rel, plan_rel = mode_files(opts.replay_mode)
+        progress(f"[{opts.replay_mode}] replaying its plan for {opts.replay_steps} steps through the C++ plan allocator")
+        replay = replay_model_file(str(work / plan_rel), opts.model_file, trace_file=str(work / trace_rel),
+                                   steps=opts.replay_steps, batch=opts.batch, seq=opts.seq, dtype=opts.dtype,
+                                   layers=opts.replay_mode, progress=progress).summary()
+        replay["mode"] = opts.replay_mode
+        result = RunResult(opts, rows, replay, str(out / "report.md"), str(out / "timeline.png"),
+                           str(out / "address_space.png"), time.monotonic() - start)
+        atomic_write(work / "report.md", render_markdown(result))
+        move_into(work, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return result
+
+
+def move_into(work: Path, out: Path) -> None:
+    """Move every file of `work` to the same place under `out` (replacing older ones of the same name)."""
+    for path in sorted(p for p in work.rglob("*") if p.is_file()):
+        dest = out / path.relative_to(work)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, dest)
 
 
 def _pct(x: float | None) -> str:

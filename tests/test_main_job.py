@@ -41,3 +41,32 @@ def test_run_with_a_missing_model_file_is_one_line(tmp_path):
     assert r.exit_code != 0
     assert r.output.strip().count("\n") == 0 and "no such model file" in r.output
     assert not (tmp_path / "o").exists()
+
+
+FAILS_THIRD_TIME = """
+from pathlib import Path
+from planner.workloads.bert import build_workload
+
+COUNT = Path(__file__).with_name("builds.txt")
+
+def build(batch_size, seq_len, dtype, device):
+    n = int(COUNT.read_text()) if COUNT.exists() else 0
+    COUNT.write_text(str(n + 1))
+    if n == 2:
+        raise RuntimeError("third build fails")
+    return build_workload(batch_size, seq_len, dtype, device)
+"""
+
+
+def test_a_run_failing_midway_leaves_nothing_and_keeps_other_files(tmp_path):
+    model = tmp_path / "m" / "model.py"
+    model.parent.mkdir()
+    model.write_text(FAILS_THIRD_TIME)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    r = CliRunner().invoke(main, ["run", str(model), "-o", str(out), "--seq", "16", "--time-limit", "1",
+                                  "--replay-steps", "1"])
+    assert r.exit_code == 1 and "third build fails" in r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "out"]  # no private folder left either
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
