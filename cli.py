@@ -260,8 +260,10 @@ def compare_command(trace_files, plan_files, method, time_limit, alloc_conf, tie
 def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq, dtype, layers, as_json):
     """Run a model's training steps with the plan allocator and check them bitwise against the default one.
 
-    Reports the arena, fallbacks to the system allocator, the measured peak and whether loss, every
-    gradient and the parameters are bitwise equal to a run with the reference allocator.
+    Moves the parameters, optimizer state and inputs into their planned slots first, then reports the
+    arena, what was adopted into it and what stayed outside, fallbacks to the system allocator, the
+    measured peak (arena top + fallback + outside) and whether loss, every gradient and the parameters
+    are bitwise equal to a run with the reference allocator.
 
     Example: memplan replay bert.plan.json examples/bert.py --batch 2 --seq 128 --steps 3
     """
