@@ -9,7 +9,8 @@ fixed(b) = M1(b) - per_layer(b), predicts M24(b) = fixed(b) + 24 per_layer(b), f
 in b over the traced batches and prints the largest b with every group within each memory size.
 Weights, gradients and AdamW state are in the model dtype (no fp32 master copy); the caching allocator's
 figure is its peak without a capacity (no OOM retry), assumes its per-phase reserve adds up per layer, and is
-raised to the plan's where the extrapolation falls below the bytes live (no allocator reserves less).
+raised to the plan's where the extrapolation falls below the bytes live (no allocator reserves less), both
+at the traced batches and in the answer (the caching batch is never above the plan's).
 
 Example: .venv/bin/python benchmarks/fit.py --seq 128 --seq 512 --dtype bfloat16 --dtype float32
 """
@@ -136,8 +137,10 @@ def main(argv=None) -> int:
                           + "; ".join(f"{a} " + " ".join(f"{g} {pred[a][g][-1] / GiB:.2f}" for g in PHASES)
                                       for a in ("caching", "plan")) + " GiB", file=sys.stderr, flush=True)
                 row = [dtype, str(seq), mode]
-                row += [str(largest_batch(batches, pred[a], int(g * GiB))) for g in memories
-                        for a in ("caching", "plan")]
+                for g in memories:
+                    plan_b = largest_batch(batches, pred["plan"], int(g * GiB))
+                    # both lines are extrapolated; where they cross, the bytes live still bound the allocator
+                    row += [str(min(largest_batch(batches, pred["caching"], int(g * GiB)), plan_b)), str(plan_b)]
                 row += [f"{np.polyfit(batches, pred[a]['fwd+bwd'], 1)[0] / GiB:.3f}" for a in ("caching", "plan")]
                 row += [",".join(map(str, batches)), f"{max(pred['plan'][g][-1] for g in PHASES) / GiB:.2f}"]
                 rows.append(row)
