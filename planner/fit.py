@@ -122,11 +122,13 @@ class FitResult:
     dtype: str
     alloc_conf: str
     modes: list[ModeFit]
+    tie_break: str = "lowest_address"
 
     def summary(self) -> dict:
         """The JSON document of `memplan fit --json`."""
         return {"model_file": self.model_file, "memory": self.memory, "seq": self.seq, "dtype": self.dtype,
-                "alloc_conf": self.alloc_conf, "modes": [m.as_dict() for m in self.modes]}
+                "alloc_conf": self.alloc_conf, "tie_break": self.tie_break,
+                "modes": [m.as_dict() for m in self.modes]}
 
     def text(self) -> str:
         """The human table: per mode, the batch under each allocator model and the figures at b and b+1."""
@@ -294,4 +296,4 @@ def fit_model(model_file: str, memory: int, *, modes: tuple[str, ...], seq: int 
         probe = BatchProbe(model_file, mode, memory, seq=seq, dtype=dtype, alloc_conf=alloc_conf,
                            time_limit=time_limit, progress=progress, tie_break=tie_break)
         fits.append(fit_mode(probe))
-    return FitResult(str(model_file), memory, seq, dtype, alloc_conf, fits)
+    return FitResult(str(model_file), memory, seq, dtype, alloc_conf, fits, tie_break)
