@@ -59,7 +59,8 @@ def row_from_report(report: MemoryReport, categories: list[str], plan_source: st
         peak_live_phase=PHASES[phase_at_times(trace)[peak_t]] if trace.end else "other", at_peak=at_peak,
         caching_peak_allocated=int(report.caching.peak_allocated),
         caching_peak_reserved=int(report.caching.peak_reserved), plan_arena=report.plan_memory.arena,
-        plan_outside=report.plan_memory.peak_outside, plan_status=report.plan.status, plan_gap=report.plan.gap, plan_source=plan_source,
+        plan_outside=report.plan_memory.peak_outside, plan_status=report.plan.status, plan_gap=report.plan.gap,
+        plan_source=plan_source,
         bound=max(report.bound, report.plan.bound))
 
 

@@ -46,7 +46,7 @@ def compiler() -> str:
     raise BuildError("no C++ compiler found: install g++ (e.g. `apt-get install g++`) or set CXX")
 
 
-def run_compiler(cmd: list[str], what: str) -> None:
+def _run_compiler(cmd: list[str], what: str) -> None:
     """Run one compile command; a failure becomes a BuildError naming `what` and the first error line."""
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -63,7 +63,7 @@ def link_shared(out: Path, cmd_for: Callable[[str], list[str]], what: str) -> Pa
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        run_compiler(cmd_for(tmp), what)
+        _run_compiler(cmd_for(tmp), what)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.plan import Plan, PlanError, trace_digest
-from planner.problem import align_up, outside_of_scope, problem_from_trace
+from planner.problem import align_up, problem_from_trace
 from planner.verify import verify_plan
 from traces.errors import MemplanError
 from traces.format import Trace
@@ -59,8 +59,7 @@ def simulate_plan(trace: Trace, plan: Plan, trace_name: str = "trace", plan_name
         verify_plan(problem, plan.offsets, plan.arena)
     except PlanError as e:
         raise PlanError(f"{plan_name}: invalid for {trace_name}: {e}") from None
-    outside = outside_of_scope(trace, plan.scope)
-    held_outside = align_up(trace.size, plan.alignment) * outside
+    held_outside = align_up(trace.size, plan.alignment) * problem.outside
     return PlanMemory(arena=int(plan.arena), in_use=_live(problem.size * problem.active, trace),
                       outside=_live(held_outside, trace))
 

@@ -44,7 +44,7 @@ class Problem:
     syncs: list[tuple[int, int, int]] = field(default_factory=list)  # (time, from, to), dense stream ids
     groups: list[list[int]] = field(default_factory=list)  # back to back, in the given order
     fixed: dict[int, int] = field(default_factory=dict)    # buffer index -> required offset
-    outside: np.ndarray | None = None  # bool mask of buffers left out of the plan (scope "step"), else None
+    outside: np.ndarray = None  # bool mask of buffers left out of the plan (all False for scope "all")
     scope: str = "all"
 
     def __len__(self) -> int:
@@ -105,7 +105,7 @@ def build_problem(size, alloc, free, *, stream=None, syncs=(), alignment: int = 
     problem = Problem(size=align_up(requested, alignment), requested=requested, alloc=alloc, free=free,
                       stream=dstream, release=release, alignment=alignment, digest=digest, ids=ids,
                       syncs=dsyncs, groups=[[int(i) for i in g] for g in groups],
-                      fixed={int(k): int(v) for k, v in (fixed or {}).items()})
+                      fixed={int(k): int(v) for k, v in (fixed or {}).items()}, outside=np.zeros(n, dtype=bool))
     _check_groups_and_fixed(problem)
     return problem
 
@@ -178,6 +178,5 @@ def problem_from_trace(trace: Trace, alignment: int = 512, groups=(), fixed=None
     problem = build_problem(np.where(outside, 0, trace.size), trace.alloc, trace.free, stream=trace.stream,
                             syncs=trace.syncs, alignment=alignment, digest=trace_digest(trace), groups=groups,
                             fixed=fixed)
-    if scope != "all":
-        problem.outside, problem.scope = outside, scope
+    problem.outside, problem.scope = outside, scope
     return problem

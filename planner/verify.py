@@ -29,11 +29,10 @@ def verify_plan(problem: Problem, offsets, arena: int, capacity: int | None = No
     big = np.nonzero(off >= MAX_BYTES)[0]
     if len(big):  # sizes are below 2**62 too (planner.problem), so offset + size cannot overflow
         raise PlanError(f"{_name(p, int(big[0]))} has an offset {int(off[big[0]])} beyond 2**62")
-    outside = p.outside if p.outside is not None else np.zeros(n, dtype=bool)
-    bad = np.nonzero(outside & (off != OUTSIDE))[0]
+    bad = np.nonzero(p.outside & (off != OUTSIDE))[0]
     if len(bad):
         raise PlanError(f"{_name(p, int(bad[0]))} is outside the plan's scope but has offset {int(off[bad[0]])}")
-    off = np.where(outside, 0, off)  # size 0 in the problem: no byte, no alignment to check
+    off = np.where(p.outside, 0, off)  # size 0 in the problem: no byte, no alignment to check
     act = p.active
     end = off + p.size
     bad = np.nonzero(off < 0)[0]

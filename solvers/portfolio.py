@@ -71,7 +71,7 @@ class _Best:
 
     def plan(self, capacity: int | None) -> Plan:
         arena, bound = int(self.arena), int(min(self.bound, self.arena))
-        offsets = self.offsets if self.p.outside is None else np.where(self.p.outside, OUTSIDE, self.offsets)
+        offsets = np.where(self.p.outside, OUTSIDE, self.offsets)
         return Plan(digest=self.p.digest, alignment=self.p.alignment, offsets=[int(x) for x in offsets],
                     arena=arena, bound=bound, status="optimal" if arena == bound else "feasible",
                     gap=(arena / bound - 1.0) if bound else 0.0, solver=self.solver,
