@@ -64,15 +64,21 @@ def main() -> None:
 @click.option("--layers", default="baseline", show_default=True,
               help="Memory-saving layers applied to the model (baseline, or a mode of planner.layers).")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
+@click.option("--fake", is_flag=True,
+              help="Build and step the model under fake tensors: nothing is allocated or computed, so any size "
+                   "traces in seconds, and --device cuda needs no GPU.")
 @click.option("--top", type=click.IntRange(min=0), default=5, show_default=True, help="Largest buffers to list.")
 @click.option("--nproc", type=click.IntRange(min=1), default=None,
               help="Run N processes under torch.distributed (gloo on cpu, NCCL on cuda) and write one trace "
                    "per rank, FILE.rank{r}.json.gz; all or none.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def trace_command(model_file, output, batch, seq, dtype, layers, device, top, nproc, as_json):
+def trace_command(model_file, output, batch, seq, dtype, layers, device, fake, top, nproc, as_json):
     """Record one training step of MODEL_FILE and write its trace.
 
     Example: memplan trace examples/bert.py --batch 2 --seq 128 -o bert.trace.json.gz
+
+    Example (fake tensors, a CUDA step on any machine):
+    memplan trace examples/llama.py --fake --device cuda --dtype bfloat16 --seq 2048
 
     Example (tensor + sequence parallel, one trace per rank):
     MEMPLAN_PARALLEL=tp+sp memplan trace examples/gpt2_parallel.py --nproc 2 --seq 64 -o gpt2.json.gz
@@ -85,21 +91,15 @@ def trace_command(model_file, output, batch, seq, dtype, layers, device, top, np
         return emit(summary, as_json, text)
     from pathlib import Path
 
-    import torch
-
-    from traces.capture import capture_step
     from traces.format import save
-    from traces.model_file import load_workload
     from traces.summary import render, summarize
+    from traces.trace_model import trace_model_file
 
-    stem = Path(model_file).stem
-    output = output or f"{stem}.{layers}.trace.json.gz"
-    progress(f"building {model_file} (batch {batch}, seq {seq}, {dtype}, {device}, layers {layers})")
-    workload = load_workload(model_file, batch=batch, seq=seq, dtype=getattr(torch, dtype),
-                             device=device, layers=layers)
-    progress("recording one training step after a warm-up step")
-    trace = capture_step(workload, meta={"model": stem, "layers": layers, "batch": batch, "seq": seq,
-                                         "model_file": str(model_file)})
+    output = output or f"{Path(model_file).stem}.{layers}.trace.json.gz"
+    kind = "fake tensors" if fake else "real tensors"
+    progress(f"building {model_file} (batch {batch}, seq {seq}, {dtype}, {device}, layers {layers}, {kind}) "
+             "and recording one training step after a warm-up step")
+    trace = trace_model_file(model_file, batch=batch, seq=seq, dtype=dtype, device=device, layers=layers, fake=fake)
     save(trace, output)
     progress(f"wrote {output}")
     summary = summarize(trace, top=top)

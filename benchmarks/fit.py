@@ -58,10 +58,12 @@ def measure(layers: int, batch: int, seq: int, dtype: str, mode: str, conf, time
     The plan's memory in a phase is the most bytes live in it (sizes rounded to the plan's 512 B), which is
     the plan's arena whenever the solver reaches its lower bound (checked: plan_at_bound).
     """
-    workload = build_workload(batch, seq, getattr(torch, dtype), "cpu", config=replace(LARGE, layers=layers))
-    patch(workload.model, mode)  # as load_workload does for a model file returning a Workload
-    trace = capture_step(workload, meta={"layers": mode, "batch": batch, "seq": seq})
-    del workload
+    def build():
+        workload = build_workload(batch, seq, getattr(torch, dtype), "cpu", config=replace(LARGE, layers=layers))
+        patch(workload.model, mode)  # as load_workload does for a model file returning a Workload
+        return workload
+
+    trace = capture_step(build, meta={"layers": mode, "batch": batch, "seq": seq})
     problem = problem_from_trace(trace)
     plan = solve(problem, time_limit=time_limit)
     delta = np.zeros(trace.end + 1, np.int64)

@@ -28,11 +28,16 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def held(mode: str, layers: int, seq: int, batch: int, dtype: torch.dtype, method: str) -> int:
     """Bytes one BERT-Large-shaped stack of `layers` holds for backward under `mode` (small vocabulary: it cancels)."""
     config = dataclasses.replace(bert.LARGE, vocab_size=1024, layers=layers)
-    workload = bert.build_workload(batch_size=batch, seq_len=seq, dtype=dtype, config=config)
-    patch(workload.model, mode)
+
+    def build():
+        workload = bert.build_workload(batch_size=batch, seq_len=seq, dtype=dtype, config=config)
+        patch(workload.model, mode)
+        return workload
+
     if method == "saved":
+        workload = build()
         return saved_bytes(workload.model, workload.forward)
-    return held_for_backward(capture_step(workload))
+    return held_for_backward(capture_step(build))
 
 
 def memory_table(seqs, dtypes, batch: int, method: str) -> None:

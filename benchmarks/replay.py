@@ -38,7 +38,7 @@ def bench(model: str, args) -> dict:
     os.environ["MEMPLAN_PRESET"] = args.preset
     make = lambda: load_workload(ROOT / "examples" / f"{model}.py", batch=args.batch, seq=args.seq,  # noqa: E731
                                  dtype=torch.float32, device="cpu")
-    trace = capture_step(make())
+    trace = capture_step(make)
     plan = solve(problem_from_trace(trace), method=args.method, time_limit=args.time_limit)
     schedule = schedule_from(plan, trace)
     workload = make()

@@ -40,7 +40,7 @@ def bert_problem(preset: str, batch: int, seq: int):
     from traces.capture import capture_step
     torch.set_num_threads(1)
     t = time.monotonic()
-    trace = capture_step(build_workload(batch, seq, config=PRESETS[preset]))
+    trace = capture_step(lambda: build_workload(batch, seq, config=PRESETS[preset]))
     print(f"# captured bert-{preset} batch {batch} seq {seq}: {len(trace)} buffers in "
           f"{time.monotonic() - t:.1f} s", flush=True)
     return problem_from_trace(trace)

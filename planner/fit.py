@@ -203,18 +203,13 @@ class BatchProbe:
                            f"{format_size(self.memory)} holds more than can be traced here")
 
     def _measure(self, batch: int) -> Point:
-        import torch
 
         from planner.caching_allocator import simulate_caching
         from planner.problem import problem_from_trace
         from solvers import CapacityError, solve
-        from traces.capture import capture_step
-        from traces.model_file import load_workload
+        from traces.trace_model import trace_model_file
 
-        workload = load_workload(self.model_file, batch=batch, seq=self.seq, dtype=getattr(torch, self.dtype),
-                                 device="cpu", layers=self.mode)
-        trace = capture_step(workload, meta={"layers": self.mode, "batch": batch, "seq": self.seq})
-        del workload
+        trace = trace_model_file(self.model_file, batch=batch, seq=self.seq, dtype=self.dtype, layers=self.mode)
         reserved = simulate_caching(trace, self.conf).peak_reserved
         # with a capacity the allocator frees its cache and retries before failing: only that decides a miss
         caching_fits = reserved <= self.memory or simulate_caching(trace, self.conf, self.memory).oom is None

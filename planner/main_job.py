@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-import torch
 
 from planner.memory_report import MemoryReport, build_report, human_bytes
 from traces.errors import MemplanError
@@ -90,15 +89,10 @@ def reproduce_command(opts: RunOptions, mode: str, trace_file: str, plan_file: s
 
 def trace_mode(opts: RunOptions, mode: str, path: Path):
     """Trace one training step of the model with `mode` layers and save it to `path`."""
-    from traces.capture import capture_step
     from traces.format import save
-    from traces.model_file import load_workload
+    from traces.trace_model import trace_model_file
 
-    workload = load_workload(opts.model_file, batch=opts.batch, seq=opts.seq,
-                             dtype=getattr(torch, opts.dtype), device="cpu", layers=mode)
-    trace = capture_step(workload, meta={"model": Path(opts.model_file).stem, "layers": mode,
-                                         "batch": opts.batch, "seq": opts.seq, "dtype": opts.dtype,
-                                         "model_file": str(opts.model_file)})
+    trace = trace_model_file(opts.model_file, batch=opts.batch, seq=opts.seq, dtype=opts.dtype, layers=mode)
     save(trace, path)
     return trace
 

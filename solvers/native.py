@@ -1,6 +1,6 @@
 """Builds (once, with the system C++ compiler) and loads the native placement kernels in csrc/place.cpp.
 
-The shared library is cached in planner.cxx.cache_dir() (default ~/.cache/memplan), keyed by the source's hash,
+The shared library is cached in traces.cxx.cache_dir() (default ~/.cache/memplan), keyed by the source's hash,
 so the first solve compiles it (about a second) and later ones load it directly.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from planner.cxx import cxx_shared_library
+from traces.cxx import cxx_shared_library
 
 SOURCE = Path(__file__).with_name("csrc") / "place.cpp"
 

@@ -93,6 +93,12 @@ class LiveStorageCounter(TorchDispatchMode):
         return out
 
 
+def warm(w: Workload) -> Workload:
+    """The workload after one step (its optimizer state exists)."""
+    w.step()
+    return w
+
+
 def resident_tensors(w: Workload) -> list[torch.Tensor]:
     tensors = list(w.model.parameters()) + list(w.model.buffers())
     tensors += [t for s in w.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
@@ -103,13 +109,12 @@ def resident_tensors(w: Workload) -> list[torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def bert_trace():
-    w = bert.build_workload(batch_size=2, seq_len=16)
-    return w, capture_step(w)
+    return bert.build_workload(batch_size=2, seq_len=16), capture_step(lambda: bert.build_workload(2, 16))
 
 
 def test_model_state_bytes_match_the_model():
     w = tiny_workload()  # tied head: the shared weight counts once everywhere
-    trace = capture_step(w)
+    trace = capture_step(tiny_workload)
     state, param_bytes, n_params = model_state_bytes(w.model)
     got = bytes_by_category(trace)
     assert got["parameter"] == state
@@ -132,10 +137,9 @@ def test_peak_agrees_with_an_independent_counter(bert_trace):
 
 
 def test_two_captures_allocate_the_same_sizes_in_the_same_order():
-    first = capture_step(bert.build_workload(2, 16))
-    w = bert.build_workload(2, 16)
-    second = capture_step(w)
-    third = capture_step(w, warmup=False)  # the step after `second`, already warm
+    first = capture_step(lambda: bert.build_workload(2, 16))
+    second = capture_step(lambda: bert.build_workload(2, 16))
+    third = capture_step(lambda: warm(bert.build_workload(2, 16)), warmup=False)  # the step after a warm-up
     sizes = first.size[first.recorded].tolist()
     assert len(sizes) > 100
     for other in (second, third):
@@ -168,9 +172,12 @@ def test_phases_follow_the_step_and_labels_name_modules_and_ops(bert_trace):
 def test_backward_buffers_of_custom_autograd_functions_name_their_module(mode):
     from planner.layers import patch
 
-    w = bert.build_workload(2, 16)
-    patch(w.model, mode)
-    trace = capture_step(w)
+    def build():
+        w = bert.build_workload(2, 16)
+        patch(w.model, mode)
+        return w
+
+    trace = capture_step(build)
     backward = [i for i in trace.recorded if trace.phase[i] == "backward"]
     unnamed = [trace.op[i] for i in backward if not trace.module[i]]
     # only the seed gradient of loss.backward() is made outside any module
@@ -180,7 +187,7 @@ def test_backward_buffers_of_custom_autograd_functions_name_their_module(mode):
 
 def test_untrained_optimizer_state_is_labelled_when_created_during_the_step():
     w = tiny_workload()
-    trace = capture_step(w, warmup=False)  # the first step creates AdamW's moments and counters
+    trace = capture_step(tiny_workload, warmup=False)  # the first step creates AdamW's moments and counters
     _, param_bytes, n_params = model_state_bytes(w.model)
     created = [i for i in trace.recorded if trace.category[i] == "optimizer"]
     assert sum(int(trace.size[i]) for i in created) == 2 * param_bytes + 4 * n_params
@@ -189,8 +196,11 @@ def test_untrained_optimizer_state_is_labelled_when_created_during_the_step():
 
 @pytest.mark.parametrize("name", ["bert", "gpt2", "hf_bert", "hf_gpt2"])
 def test_example_model_files_capture_with_exact_state_bytes(name):
-    w = load_workload(EXAMPLES / f"{name}.py", batch=2, seq=16, dtype=torch.float32, device="cpu")
-    trace = capture_step(w)
+    def build():
+        return load_workload(EXAMPLES / f"{name}.py", batch=2, seq=16, dtype=torch.float32, device="cpu")
+
+    w = build()
+    trace = capture_step(build)
     state, param_bytes, n_params = model_state_bytes(w.model)
     got = bytes_by_category(trace)
     assert got["parameter"] == state
@@ -205,8 +215,12 @@ def test_a_plain_step_allocates_exactly_the_recorded_sequence():
     from planner.replay.cpu_session import CPUPlanAllocator
     from planner.replay.schedule import CPU_ALIGNMENT, Schedule
 
-    w = load_workload(EXAMPLES / "gpt2.py", batch=2, seq=16, dtype=torch.float32, device="cpu", layers="tempo")
-    trace = capture_step(w)
+    def build():
+        return load_workload(EXAMPLES / "gpt2.py", batch=2, seq=16, dtype=torch.float32, device="cpu", layers="tempo")
+
+    trace = capture_step(build)
+    w = build()
+    w.step()  # warm, as the captured step was
     sizes = [int(trace.size[i]) for i in trace.recorded]
     offsets = [0]
     for size in sizes[:-1]:

@@ -26,8 +26,8 @@ def tiny_preset(monkeypatch):
 
 
 def direct_trace(batch, mode):
-    workload = load_workload(MODEL, batch=batch, seq=SEQ, dtype=torch.float32, device="cpu", layers=mode)
-    return capture_step(workload, meta={})
+    return capture_step(lambda: load_workload(MODEL, batch=batch, seq=SEQ, dtype=torch.float32, device="cpu",
+                                              layers=mode))
 
 
 def plan_fits(trace, memory):

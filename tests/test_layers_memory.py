@@ -19,9 +19,13 @@ def held_per_layer(mode: str, dtype: torch.dtype, seq: int, batch: int) -> int:
     held = []
     for layers in (1, 2):
         config = dataclasses.replace(bert.TINY, layers=layers, hidden=H, heads=A)
-        workload = bert.build_workload(batch_size=batch, seq_len=seq, dtype=dtype, config=config)
-        patch(workload.model, mode)
-        held.append(held_for_backward(capture_step(workload)))
+
+        def build():
+            workload = bert.build_workload(batch_size=batch, seq_len=seq, dtype=dtype, config=config)
+            patch(workload.model, mode)
+            return workload
+
+        held.append(held_for_backward(capture_step(build)))
     return held[1] - held[0]
 
 

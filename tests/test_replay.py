@@ -37,7 +37,7 @@ def maker(model: str, batch: int):
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def planned(request):
     """(model name, trace, problem, plan) for the model's step at batch 2, solved by the portfolio."""
-    trace = capture_step(maker(request.param, 2)())
+    trace = capture_step(maker(request.param, 2))
     problem = problem_from_trace(trace)
     return request.param, trace, problem, solve(problem, method="auto", time_limit=5.0)
 
@@ -120,7 +120,7 @@ def test_resident_storages_move_into_the_arena_and_outlive_the_plan(planned):
 
 def test_plan_does_not_replay_on_a_different_trace(planned):
     model, trace, _, plan = planned
-    other = capture_step(maker(model, 1)())
+    other = capture_step(maker(model, 1))
     with pytest.raises(ReplayError, match="different trace"):
         schedule_from(plan, other)
 
@@ -164,7 +164,7 @@ def test_tensors_made_in_a_step_outlive_the_plan_and_the_allocator_is_restored()
 def bert_files(tmp_path_factory):
     """A BERT batch-2 trace and its saved plan, written as `memplan trace` and `memplan solve` would."""
     folder = tmp_path_factory.mktemp("replay")
-    trace = capture_step(maker("bert", 2)())
+    trace = capture_step(maker("bert", 2))
     problem = problem_from_trace(trace)
     plan = solve(problem, method="greedy", time_limit=5.0)
     save(trace, folder / "bert.trace.json.gz")

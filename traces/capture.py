@@ -1,28 +1,35 @@
-"""Capture one real training step as a trace: every allocation the device's allocator serves.
+"""Capture one training step as a trace: every allocation and free of the device's allocator.
 
-`capture_step` runs a warm-up step (it creates the optimizer state and settles lazy
-initialisation), then records exactly one `workload.step()` with the PyTorch profiler's memory
-events (REFERENCE §5). The recorded buffers, in allocation order, are the allocation calls the
-allocator served during that step (allocations of 0 bytes are not served and not recorded);
-storages that already existed (parameters, optimizer state, inputs) are buffers with alloc 0.
-On CUDA the same profiler events give order, addresses and labels, and the caching allocator's
-history of the step gives the requested (unrounded) sizes.
+`capture_step` installs the step recorder (traces/recorder.py) before the workload is built, runs a
+warm-up step (it creates the optimizer state and settles lazy initialisation), then records exactly
+one `workload.step()`. The recorded buffers, in allocation order, are the allocations the allocator
+served during that step (0-byte requests are not served and not recorded). Every storage alive when
+the step begins is a buffer with allocation time 0, freed where the program drops its last reference
+(an optimizer that replaces its state, a module that rebinds a buffer), or at the end.
+
+With `fake=True` the workload is built and stepped under fake tensors (traces/fake.py): nothing is
+allocated or computed, and the trace holds every storage the program's ops return, with the same
+labels. On CUDA the caching allocator's history of the step gives the requested (unrounded) sizes
+and the streams.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 from dataclasses import dataclass
+from typing import Callable
 
-import numpy as np
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from traces.errors import MemplanError
+from traces.fake import FakeCapture
 from traces.format import Trace, make_trace
-from traces.profiler_events import StepEvents, step_events
-from traces.resident import ResidentStorage, resident_storages
+from traces.recorder import PHASE_NAMES, Events, Recorder, recording
+from traces.resident import resident_storages, resident_tensors
 from traces.step_marks import StepMarks, marked_step
 from traces.workload import Workload
+
+SCALAR_OP = "python scalar"  # an allocation outside any op: a Python number wrapped as a tensor
 
 
 class CaptureError(MemplanError):
@@ -31,12 +38,12 @@ class CaptureError(MemplanError):
 
 @dataclass
 class _Buffer:
-    """One buffer while the trace is assembled (free is None until its free event is seen)."""
+    """One buffer while the trace is assembled."""
 
     size: int
     alloc: int
-    free: int | None
-    addr: int
+    free: int
+    key: int
     phase: str
     module: str
     op: str
@@ -57,140 +64,147 @@ def workload_device(workload: Workload) -> torch.device:
     return device
 
 
-def _count_before(times_ns: np.ndarray, boundary_ns: int | None) -> int | None:
-    """Logical time of the last event before `boundary_ns` (None when there is no boundary)."""
-    if boundary_ns is None:
-        return None
-    return int(np.searchsorted(times_ns, boundary_ns, side="left"))
+def _run(what: str, name: str, call: Callable):
+    """Run user code (build, a step); an exception from it becomes one line."""
+    try:
+        return call()
+    except MemplanError:
+        raise
+    except (Exception, SystemExit) as e:  # user code: sys.exit() in a loss or model is an error too
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+        raise CaptureError(f"{name}: the {what} raised {type(e).__name__}" + (f": {first}" if first else "")) from None
 
 
-def _pair(step: StepEvents, resident: dict[int, ResidentStorage]) -> list[_Buffer]:
-    """Match allocations with frees by address; frees of unseen addresses are pre-existing buffers."""
+def _assemble(live: Events, step: Events, names: list[str], resident: dict) -> list[_Buffer]:
+    """Buffers from the storages alive at the start (alloc 0) and the step's events (times 1, 2, ...)."""
+    end = len(step) + 1
     buffers: list[_Buffer] = []
-    open_at: dict[int, int] = {}
-    freed_resident: set[int] = set()
-    for i, ev in enumerate(step.events):
-        t = i + 1
-        if ev.size > 0:
-            if ev.addr in open_at:
-                raise CaptureError(f"allocation at time {t} reuses live address {ev.addr:#x}: events are inconsistent")
-            open_at[ev.addr] = len(buffers)
-            buffers.append(_Buffer(ev.size, t, None, ev.addr, ev.phase, ev.module, ev.op, stream=ev.stream))
-        elif ev.size < 0:
-            if ev.addr in open_at:
-                buffers[open_at.pop(ev.addr)].free = t
-                continue
-            known = resident.get(ev.addr)
-            if known is not None and ev.addr not in freed_resident:
-                freed_resident.add(ev.addr)
-                # The storage's own size: on CUDA the profiler reports the rounded block size.
-                buffers.append(_Buffer(known.size, 0, t, ev.addr, "other", known.module, "", known.category))
-            else:
-                buffers.append(_Buffer(-ev.size, 0, t, ev.addr, "other", "", "", "unknown"))
-    end = len(step.events) + 1
-    for b in buffers:
-        if b.free is None:
-            b.free = end
-    kept = [_Buffer(r.size, 0, end, r.addr, "other", r.module, "", r.category)
-            for addr, r in resident.items() if addr not in freed_resident]
-    return kept + buffers
+    index: dict[int, int] = {}  # storage key -> its buffer, while live
+    for key, size, module in zip(live.key.tolist(), live.size.tolist(), live.module.tolist()):
+        known = resident.get(key)
+        buffers.append(_Buffer(known.size if known else size, 0, end, key, "other",
+                               known.module if known else names[module], "", known.category if known else "unknown"))
+        index[key] = len(buffers) - 1
+    for t, (key, size, op, module, phase) in enumerate(zip(step.key.tolist(), step.size.tolist(), step.op.tolist(),
+                                                            step.module.tolist(), step.phase.tolist()), start=1):
+        if size > 0:
+            index[key] = len(buffers)
+            buffers.append(_Buffer(size, t, end, key, PHASE_NAMES[phase], names[module],
+                                   names[op] or SCALAR_OP))
+        else:
+            buffers[index.pop(key)].free = t
+    return buffers
 
 
-def _categorize(buffers: list[_Buffer], step: StepEvents, marks: StepMarks) -> None:
-    """Label recorded buffers: gradient, optimizer state, activation (saved across the forward/backward
+def _categorize(buffers: list[_Buffer], marks: StepMarks) -> None:
+    """Label the step's buffers: gradient, optimizer state, activation (saved across the forward/backward
     boundary), or temporary."""
-    times = np.array([e.time_ns for e in step.events], dtype=np.int64)
-    backward_at = _count_before(times, step.backward_start_ns)
-    optimizer_at = _count_before(times, step.optimizer_start_ns)
-    state_at = _count_before(times, step.optimizer_end_ns)
-
     def live(b: _Buffer, t: int | None) -> bool:
         return t is not None and b.alloc <= t < b.free
 
     for b in buffers:
         if b.category:
             continue
-        if b.addr in marks.grad_ptrs and live(b, optimizer_at):
+        if b.key in marks.grad_keys and live(b, marks.optimizer_at):
             b.category = "gradient"
-        elif b.addr in marks.state_ptrs and live(b, state_at):
+        elif b.key in marks.state_keys and live(b, marks.optimizer_end):
             b.category = "optimizer"
-        elif b.phase == "forward" and live(b, backward_at):
+        elif b.phase == "forward" and live(b, marks.backward_at):
             b.category = "activation"
         else:
             b.category = "temporary"
 
 
-def _run_step(workload: Workload, when: str) -> None:
-    """One workload step; an exception from the user's model, loss or optimizer becomes one line."""
+def _requested_sizes(buffers: list[_Buffer], history: list[dict]) -> None:
+    """On CUDA the allocator reports rounded block sizes: put back the sizes the program requested and
+    the streams, taken in order from the caching allocator's history of the same step."""
+    allocated = [b for b in buffers if b.alloc > 0]
+    entries = [e for e in history if e["action"] == "alloc"]
+    if len(allocated) != len(entries):
+        raise CaptureError(f"the CUDA allocator history holds {len(entries)} allocations but the recorder "
+                           f"saw {len(allocated)}: cannot recover the requested sizes")
+    for b, entry in zip(allocated, entries):
+        if int(entry["addr"]) != b.key:
+            raise CaptureError(f"the CUDA allocator history and the recorder disagree at address {b.key:#x}")
+        b.size, b.stream = int(entry["size"]), int(entry.get("stream", 0))
+
+
+@contextlib.contextmanager
+def _cuda_history(device: torch.device):
+    """The caching allocator's history of the block (a list filled in when it ends)."""
+    history: list[dict] = []
+    torch.cuda.memory._record_memory_history(context=None, max_entries=10_000_000, device=device,
+                                             clear_history=True)
     try:
-        workload.step()
-    except MemplanError:
-        raise
-    except (Exception, SystemExit) as e:  # user code: sys.exit() in a loss or model is an error too
-        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
-        raise CaptureError(f"{workload.name}: the {when} step raised {type(e).__name__}"
-                           + (f": {first}" if first else "")) from None
+        yield history
+        torch.cuda.synchronize(device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        history.extend(torch.cuda.memory._snapshot()["device_traces"][index])
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None, device=device)
 
 
-def _use_allocator_history(step: StepEvents, allocs_in_history: list[dict]) -> None:
-    """On CUDA the profiler reports rounded block sizes and no stream; put back the sizes the program
-    requested and the streams, taken in order from the caching allocator's history of the same step."""
-    allocs = [e for e in step.events if e.size > 0]
-    if len(allocs) != len(allocs_in_history):
-        raise CaptureError(f"the CUDA allocator history holds {len(allocs_in_history)} allocations but the "
-                           f"profiler saw {len(allocs)}: cannot recover the requested sizes")
-    for event, entry in zip(allocs, allocs_in_history):
-        if int(entry["addr"]) != event.addr:
-            raise CaptureError(f"the CUDA allocator history and the profiler disagree at address {event.addr:#x}")
-        event.size, event.stream = int(entry["size"]), int(entry.get("stream", 0))
+def _resident_at_start(workload: Workload, recorder: Recorder, live: Events) -> dict:
+    """Labels of the storages alive as the step begins; every storage the workload holds must be among
+    them (one allocated before recording began would be invisible)."""
+    alive = set(live.key.tolist())
+    outside = [t for t, _, _ in resident_tensors(workload)
+               if t.untyped_storage().nbytes() > 0 and recorder.storage_key(t) not in alive]
+    if outside:
+        raise CaptureError(f"{workload.name}: {len(outside)} of its tensors existed before recording began: "
+                           "pass capture_step a function that builds the workload, not a built one")
+    return resident_storages(workload, recorder.storage_key, alive)
 
 
-def _record(workload: Workload, device: torch.device) -> tuple[StepEvents, StepMarks]:
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    if cuda:
-        torch.cuda.memory._record_memory_history(context=None, max_entries=10_000_000, device=device,
-                                                 clear_history=True)
+def _record_step(workload: Workload, recorder: Recorder, device: torch.device, fake: bool):
+    """Record one step: (storages alive at its start, their labels, its events, marks, CUDA history)."""
+    gc.collect()
+    live = recorder.begin_step()
+    resident = _resident_at_start(workload, recorder, live)
     gc.disable()  # no cycle collection in the middle of the step: frees happen where the program drops them
     try:
-        with marked_step(workload) as marks:
-            with profile(activities=activities, profile_memory=True) as prof:
-                _run_step(workload, "recorded")
-                if cuda:
-                    torch.cuda.synchronize(device)
-        if cuda:
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            history = torch.cuda.memory._snapshot()["device_traces"][index]
+        with contextlib.ExitStack() as stack:
+            history = stack.enter_context(_cuda_history(device)) if device.type == "cuda" and not fake else None
+            with marked_step(workload, recorder) as marks:
+                _run("recorded step", workload.name, workload.step)
+            step = recorder.end_step()
     finally:
         gc.enable()
-        if cuda:
-            torch.cuda.memory._record_memory_history(enabled=None, device=device)
-    step = step_events(prof.profiler.kineto_results.experimental_event_tree(), device.type)
-    if cuda:
-        _use_allocator_history(step, [e for e in history if e["action"] == "alloc"])
-    return step, marks
+    return live, resident, step, marks, history
 
 
-def capture_step(workload: Workload, *, warmup: bool = True, meta: dict | None = None) -> Trace:
-    """Record one `workload.step()` (after a warm-up step unless `warmup=False`) as a labelled Trace."""
-    device = workload_device(workload)
-    if warmup:
-        _run_step(workload, "warm-up")
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    resident = resident_storages(workload, device.type)
-    step, marks = _record(workload, device)
-    buffers = _pair(step, resident)
-    _categorize(buffers, step, marks)
-    dtype = next(workload.model.parameters()).dtype
-    info = {"source": "memplan trace", "model": workload.name, "layers": "baseline",
-            "device": device.type, "dtype": str(dtype).replace("torch.", ""),
-            "torch": torch.__version__, "warmup": warmup, "events": len(step.events)}
+def capture_step(build: Callable[[], Workload], device: str | torch.device = "cpu", *, fake: bool = False,
+                 warmup: bool = True, meta: dict | None = None) -> Trace:
+    """Build a workload with `build()` and record one `workload.step()` (after a warm-up step unless
+    `warmup=False`) on `device` as a labelled Trace; with `fake`, under fake tensors."""
+    device = torch.device(device)
+    with recording(device, fake=fake) as recorder:
+        with FakeCapture(recorder) if fake else contextlib.nullcontext():
+            workload = build()
+            actual = workload_device(workload)
+            if actual.type != device.type:
+                raise CaptureError(f"{workload.name}: the model is on {actual.type}, the capture on {device.type}")
+            if warmup:
+                _run("warm-up step", workload.name, workload.step)
+            if device.type == "cuda" and not fake:
+                torch.cuda.synchronize(device)
+            live, resident, step, marks, history = _record_step(workload, recorder, actual, fake)
+            names = recorder.names()
+            dtype = next(workload.model.parameters()).dtype
+            name = workload.name
+            del workload
+    buffers = _assemble(live, step, names, resident)
+    _categorize(buffers, marks)
+    if history is not None:
+        _requested_sizes(buffers, history)
+    info = {"source": "memplan trace", "model": name, "layers": "baseline", "device": device.type,
+            "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__, "warmup": warmup,
+            "fake": fake, "events": len(step)}
     info.update(meta or {})
     columns = {
         "size": [b.size for b in buffers], "alloc": [b.alloc for b in buffers],
         "free": [b.free for b in buffers], "stream": [b.stream for b in buffers],
-        "addr": [b.addr for b in buffers], "category": [b.category for b in buffers],
+        "addr": [b.key if not fake else -1 for b in buffers], "category": [b.category for b in buffers],
         "phase": [b.phase for b in buffers], "op": [b.op for b in buffers],
         "module": [b.module for b in buffers],
     }

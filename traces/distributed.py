@@ -131,17 +131,15 @@ def _launcher_quiet() -> Iterator[None]:
 
 def _trace_rank(work: Path, model_file: str, options: dict, meta: dict, top: int) -> dict:
     """One rank of `memplan trace --nproc`: build the workload, capture its step, save, summarise."""
-    from traces.capture import capture_step
     from traces.format import save
-    from traces.model_file import load_workload
     from traces.summary import summarize
+    from traces.trace_model import trace_model_file
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = f"cuda:{rank}" if options["device"] == "cuda" else "cpu"
-    workload = load_workload(model_file, batch=options["batch"], seq=options["seq"],
-                             dtype=getattr(torch, options["dtype"]), device=device, layers=options["layers"])
-    trace = capture_step(workload, meta={**meta, "rank": rank, "world_size": world,
-                                         "backend": dist.get_backend()})
+    trace = trace_model_file(model_file, batch=options["batch"], seq=options["seq"], dtype=options["dtype"],
+                             device=device, layers=options["layers"],
+                             meta={**meta, "rank": rank, "world_size": world, "backend": dist.get_backend()})
     save(trace, work / f"rank{rank}.json.gz")
     return summarize(trace, top=top)
 

@@ -46,13 +46,14 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
-def require_device(device: str) -> torch.device:
-    """Check that `device` ('cpu' or 'cuda[:n]') is usable here; DeviceError otherwise."""
+def require_device(device: str, fake: bool = False) -> torch.device:
+    """Check that `device` ('cpu' or 'cuda[:n]') is usable here (any CUDA device is, for fake tensors);
+    DeviceError otherwise."""
     try:
         dev = torch.device(device)
     except RuntimeError:
         raise DeviceError(f"--device {device}: not a device name (use cpu or cuda)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    if dev.type == "cuda" and not fake and not torch.cuda.is_available():
         raise DeviceError(f"--device {device}: CUDA is not available on this machine (torch {torch.__version__})")
     if dev.type not in ("cpu", "cuda"):
         raise DeviceError(f"--device {device}: only cpu and cuda are supported")
@@ -148,10 +149,11 @@ def _check_placement(path: Path, workload: Workload, dtype: torch.dtype, device:
 
 
 def load_workload(path: str | os.PathLike, *, batch: int, seq: int, dtype: torch.dtype,
-                  device: str, layers: str = "baseline") -> Workload:
-    """Import a model file, call its build(), and return the Workload (with `layers` applied)."""
+                  device: str, layers: str = "baseline", fake: bool = False) -> Workload:
+    """Import a model file, call its build(), and return the Workload (with `layers` applied); `fake`
+    when it is called under fake tensors, where a CUDA device needs no GPU."""
     path = Path(path)
-    dev = require_device(device)
+    dev = require_device(device, fake)
     module = _import(path)
     build = _build_function(path, module)
     torch.manual_seed(0)

@@ -3,24 +3,26 @@ inputs.
 
 Inputs include tensors held as attributes of the loss object (labels, masks).
 
-They become the trace's buffers with allocation time 0. Storages are keyed by address, so tied
-weights (one storage behind several parameters) count once.
+They become the trace's buffers with allocation time 0. Storages are keyed as the recorder keys
+them, so tied weights (one storage behind several parameters) count once.
 """
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
+from torch import nn
 
 from traces.workload import Workload
 
 
 @dataclass
 class ResidentStorage:
-    """One storage that exists before recording: its address, bytes and category."""
+    """One storage that exists before the step: its key, bytes, category and module."""
 
-    addr: int
+    key: int  # the recorder's storage key (the data address of a real storage)
     size: int
     category: str  # parameter | gradient | optimizer | input
     module: str
@@ -66,14 +68,32 @@ def resident_tensors(workload: Workload) -> Iterator[tuple[torch.Tensor, str, st
         yield t, "input", ""
 
 
-def resident_storages(workload: Workload, device_type: str) -> dict[int, ResidentStorage]:
-    """Address -> ResidentStorage for every storage on `device_type` the workload holds now."""
+def _loose_module_tensors(workload: Workload) -> Iterator[tuple[torch.Tensor, str, str]]:
+    """(tensor, 'parameter', module) for modules alive outside the workload's model (a frozen teacher
+    used by the loss, say): parameters and buffers, the module named by its class and path."""
+    inside = {id(m) for m in workload.model.modules()}
+    for obj in gc.get_objects():
+        if isinstance(obj, nn.Module) and id(obj) not in inside:
+            root = type(obj).__name__
+            for path, module in obj.named_modules():
+                inside.add(id(module))
+                for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+                    yield t, "parameter", f"{root}.{path}" if path else root
+
+
+def resident_storages(workload: Workload, key: Callable[[torch.Tensor], int],
+                      alive: set[int]) -> dict[int, ResidentStorage]:
+    """Storage key -> ResidentStorage for each storage in `alive` (the keys alive when the step begins)
+    that the workload holds, or that a module outside the workload holds; the rest are unnamed."""
     found: dict[int, ResidentStorage] = {}
-    for t, category, module in resident_tensors(workload):
-        if t.device.type != device_type:
-            continue
-        storage = t.untyped_storage()
-        addr, size = storage.data_ptr(), storage.nbytes()
-        if size > 0 and addr not in found:
-            found[addr] = ResidentStorage(addr, size, category, module)
+
+    def take(tensors: Iterator[tuple[torch.Tensor, str, str]]) -> None:
+        for t, category, module in tensors:
+            k = key(t)
+            if k in alive and k not in found:
+                found[k] = ResidentStorage(k, t.untyped_storage().nbytes(), category, module)
+
+    take(resident_tensors(workload))
+    if len(found) < len(alive):
+        take(_loose_module_tensors(workload))
     return found

@@ -1,10 +1,10 @@
-"""Marks that let a profiled training step be labelled: module and backward ranges, optimizer hooks.
+"""Marks that label a recorded step: module and phase as the recorder sees them, and optimizer hooks.
 
-While `marked_step` is active, every module call runs inside a profiler range named
-`memplan.module:<path>` (the workload's loss function inside `memplan.module:loss`),
-`torch.autograd.backward` runs inside `memplan.phase:backward`, and the
-optimizer's step hooks note which storages hold gradients when the step starts and optimizer state
-when it ends. None of this allocates tensor memory, so the step's allocations stay those of a plain step.
+While `marked_step` is active, every module call tells the recorder its dotted path (the root is
+`model`, so `model.encoder.layer.0`; the workload's loss function is `loss`), `torch.autograd.backward`
+runs in the backward phase and `optimizer.step()` in the optimizer phase, and the optimizer's hooks
+note which storages hold gradients when the step starts and optimizer state when it ends. None of
+this allocates tensor memory, so the step's allocations stay those of a plain step.
 """
 from __future__ import annotations
 
@@ -13,22 +13,23 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
-from torch.autograd.profiler import record_function
 
+from traces.recorder import BACKWARD, FORWARD, OPTIMIZER, OTHER, Recorder
 from traces.workload import Workload
 
-MODULE_RANGE = "memplan.module:"
-BACKWARD_RANGE = "memplan.phase:backward"
 ROOT_MODULE = "model"
 LOSS_MODULE = "loss"
 
 
 @dataclass
 class StepMarks:
-    """What the hooks saw during the marked step: storage addresses of gradients and optimizer state."""
+    """What the hooks saw during the marked step: storage keys and when the phases began (event counts)."""
 
-    grad_ptrs: set[int] = field(default_factory=set)  # p.grad storages when optimizer.step() begins
-    state_ptrs: set[int] = field(default_factory=set)  # optimizer state storages when it ends
+    grad_keys: set[int] = field(default_factory=set)  # p.grad storages when optimizer.step() begins
+    state_keys: set[int] = field(default_factory=set)  # optimizer state storages when it ends
+    backward_at: int | None = None  # events recorded before backward began
+    optimizer_at: int | None = None  # ... before optimizer.step() began
+    optimizer_end: int | None = None  # ... before it ended
 
 
 def module_paths(model: torch.nn.Module) -> dict[int, str]:
@@ -44,22 +45,19 @@ def state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
                 yield value
 
 
-def _storage_ptr(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
 @contextlib.contextmanager
-def _module_ranges(model: torch.nn.Module) -> Iterator[None]:
-    paths = module_paths(model)
-    open_ranges: list[record_function] = []
+def _module_labels(model: torch.nn.Module, recorder: Recorder) -> Iterator[None]:
+    labels = {key: recorder.intern(path) for key, path in module_paths(model).items()}
+    entered: list[int] = []
 
     def enter(module, _inputs):
-        rf = record_function(MODULE_RANGE + paths.get(id(module), type(module).__name__))
-        rf.__enter__()
-        open_ranges.append(rf)
+        recorder.enter_module(labels.get(id(module)) or recorder.intern(type(module).__name__))
+        entered.append(1)
 
     def leave(_module, _inputs, _output):
-        open_ranges.pop().__exit__(None, None, None)
+        if entered:
+            entered.pop()
+            recorder.leave_module()
 
     handles = []
     for m in model.modules():
@@ -70,19 +68,23 @@ def _module_ranges(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for h in handles:
             h.remove()
-        while open_ranges:
-            open_ranges.pop().__exit__(None, None, None)
+        while entered:
+            entered.pop()
+            recorder.leave_module()
 
 
 @contextlib.contextmanager
-def _loss_range(workload: Workload) -> Iterator[None]:
-    loss_fn = workload.loss_fn
+def _loss_label(workload: Workload, recorder: Recorder) -> Iterator[None]:
+    loss_fn, label = workload.loss_fn, recorder.intern(LOSS_MODULE)
 
-    def marked_loss(output, inputs):
-        with record_function(MODULE_RANGE + LOSS_MODULE):
+    def labelled_loss(output, inputs):
+        recorder.enter_module(label)
+        try:
             return loss_fn(output, inputs)
+        finally:
+            recorder.leave_module()
 
-    workload.loss_fn = marked_loss
+    workload.loss_fn = labelled_loss
     try:
         yield
     finally:
@@ -90,14 +92,19 @@ def _loss_range(workload: Workload) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _backward_range() -> Iterator[None]:
+def _backward_phase(recorder: Recorder, marks: StepMarks) -> Iterator[None]:
     original = torch.autograd.backward
 
-    def marked_backward(*args, **kwargs):
-        with record_function(BACKWARD_RANGE):
+    def backward(*args, **kwargs):
+        started = recorder.set_phase(BACKWARD)
+        if marks.backward_at is None:
+            marks.backward_at = started
+        try:
             return original(*args, **kwargs)
+        finally:
+            recorder.set_phase(OTHER)
 
-    torch.autograd.backward = marked_backward
+    torch.autograd.backward = backward
     try:
         yield
     finally:
@@ -105,15 +112,19 @@ def _backward_range() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _optimizer_hooks(optimizer: torch.optim.Optimizer, marks: StepMarks) -> Iterator[None]:
+def _optimizer_hooks(optimizer: torch.optim.Optimizer, recorder: Recorder, marks: StepMarks) -> Iterator[None]:
     def before(opt, _args, _kwargs):
         for group in opt.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    marks.grad_ptrs.add(_storage_ptr(p.grad))
+                    marks.grad_keys.add(recorder.storage_key(p.grad))
+        started = recorder.set_phase(OPTIMIZER)
+        if marks.optimizer_at is None:
+            marks.optimizer_at = started
 
     def after(opt, _args, _kwargs):
-        marks.state_ptrs.update(_storage_ptr(t) for t in state_tensors(opt))
+        marks.optimizer_end = recorder.set_phase(OTHER)
+        marks.state_keys.update(recorder.storage_key(t) for t in state_tensors(opt))
 
     handles = [optimizer.register_step_pre_hook(before), optimizer.register_step_post_hook(after)]
     try:
@@ -124,9 +135,13 @@ def _optimizer_hooks(optimizer: torch.optim.Optimizer, marks: StepMarks) -> Iter
 
 
 @contextlib.contextmanager
-def marked_step(workload: Workload) -> Iterator[StepMarks]:
-    """Install the module and loss ranges, the backward range and the optimizer hooks for one step."""
+def marked_step(workload: Workload, recorder: Recorder) -> Iterator[StepMarks]:
+    """Label one step: module and loss hooks, the backward and optimizer phases (forward until backward)."""
     marks = StepMarks()
-    with (_module_ranges(workload.model), _loss_range(workload), _backward_range(),
-          _optimizer_hooks(workload.optimizer, marks)):
-        yield marks
+    recorder.set_phase(FORWARD)
+    try:
+        with (_module_labels(workload.model, recorder), _loss_label(workload, recorder),
+              _backward_phase(recorder, marks), _optimizer_hooks(workload.optimizer, recorder, marks)):
+            yield marks
+    finally:
+        recorder.set_phase(OTHER)

@@ -58,13 +58,14 @@ def traced_layer_bytes(shape: LayerShape, mode: str, sequence_parallel: bool, gr
     from planner.parallel.model import build_workload
     from traces.capture import capture_step
 
-    held = []
-    for layers in (1, 2):
+    def build(layers: int):
         config = GPT2Config(hidden=shape.h, heads=shape.a, layers=layers)
         workload = build_workload(shape.b, shape.s, DTYPES[shape.p], config=config,
                                   sequence_parallel=sequence_parallel, group=group)
         patch(workload.model, mode)
-        held.append(held_for_backward(capture_step(workload)))
+        return workload
+
+    held = [held_for_backward(capture_step(lambda: build(layers))) for layers in (1, 2)]
     t = comm.world(group)
     formula = parallel_formula(shape, mode, t, sequence_parallel)
     return {"rank": comm.rank(group), "t": t, "mode": mode, "sequence_parallel": sequence_parallel,
@@ -135,20 +136,19 @@ def model_errors(sequence_parallel: bool, seq_len: int = 16, group=None) -> dict
 
 
 def collective_frees(repeats: int = 20, group=None) -> dict:
-    """Profile `repeats` rounds of every collective on fresh temporaries and count the allocations the
-    profiler saw and the frees it saw: equal when no tensor is freed on the backend's own threads."""
-    from torch.profiler import ProfilerActivity, profile
+    """Record `repeats` rounds of every collective on fresh temporaries and count the allocations the
+    recorder saw and the frees it saw: equal when no tensor is freed on the backend's own threads."""
+    from traces.recorder import recording
 
-    from traces.profiler_events import step_events
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with recording(torch.device("cpu")) as recorder:
+        recorder.begin_step()
         for _ in range(repeats):
             comm.all_gather_seq(torch.randn(8, 2, 16), group)
             comm.reduce_scatter_seq(torch.randn(8, 2, 16), group)
             comm.all_reduce_(torch.randn(8, 2, 16), group)
-    events = step_events(prof.profiler.kineto_results.experimental_event_tree(), "cpu").events
-    return {"rank": comm.rank(group), "allocations": sum(e.size > 0 for e in events),
-            "frees": sum(e.size < 0 for e in events)}
+        events = recorder.end_step()
+    return {"rank": comm.rank(group), "allocations": int((events.size > 0).sum()),
+            "frees": int((events.size < 0).sum())}
 
 
 def run_cases(work, cases: list[dict]) -> list[dict]:

@@ -1,18 +1,17 @@
 """Build the C++ plan allocator: the CPU torch extension, the plain C library and the CUDA plugin.
 
-Builds are cached in planner.cxx.cache_dir() (~/.cache/memplan) keyed by the sources' hash, so only
-the first call compiles. `python -m planner.replay.build` builds everything, the solver kernels too
+Builds are cached in traces.cxx.cache_dir() (~/.cache/memplan) keyed by the sources' hash, so only
+the first call compiles. `python -m planner.replay.build` builds everything, the step recorder and the solver kernels too
 (scripts/setup.sh runs it).
 """
 from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
-from planner.cxx import BuildError, cache_dir, compiler, cxx_shared_library, digest, link_shared
+from traces.cxx import BuildError, cache_dir, compiler, cxx_shared_library, digest, link_shared, torch_extension
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 CORE_SOURCES = ("plan_core.cpp", "c_api.cpp")
@@ -69,29 +68,17 @@ def cuda_library() -> Path:
 
 def cpu_extension():
     """The CPU allocator as a torch C++ extension module (compiled once, then loaded from the cache)."""
-    compiler()
-    import torch
-    from torch.utils import cpp_extension
-
     names = CORE_SOURCES + ("cpu_memory.cpp", "cpu_allocator.cpp")
-    build_dir = cache_dir() / f"cpu-torch{torch.__version__}-{digest(_paths(names + HEADERS))}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    if not shutil.which("ninja"):
-        raise BuildError("building the CPU plan allocator needs ninja: `pip install ninja`")
-    try:
-        return cpp_extension.load(name="memplan_cpu_alloc", sources=[str(CSRC / n) for n in names],
-                                  extra_include_paths=[str(CSRC)], extra_cflags=["-O2"],
-                                  build_directory=str(build_dir), verbose=False)
-    except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
-        lines = [ln for ln in str(e).splitlines() if "error" in ln.lower()]
-        raise BuildError(f"compiling the CPU plan allocator failed: {(lines or [str(e)])[0].strip()}") from None
+    return torch_extension("memplan_cpu_alloc", _paths(names), "the CPU plan allocator", _paths(HEADERS))
 
 
 def build_all() -> dict[str, str]:
     """Build every part; returns what was built (path) or why CUDA was skipped."""
     from solvers.native import library_path
+    from traces.recorder import extension as recorder_extension
 
-    built = {"cpu_extension": cpu_extension().__file__, "core_library": str(core_library()),
+    built = {"recorder": recorder_extension().__file__, "cpu_extension": cpu_extension().__file__,
+             "core_library": str(core_library()),
              "solver_kernels": str(library_path())}
     try:
         built["cuda_library"] = str(cuda_library())

@@ -37,7 +37,7 @@ def replay_model_file(plan_file: str, model_file: str, *, trace_file: str | None
     else:
         from traces.capture import capture_step
         progress(f"capturing one step of {model_file} to find the plan's allocation order")
-        trace = capture_step(make_workload())
+        trace = capture_step(make_workload)
         if trace_digest(trace) != plan.digest:
             raise ReplayError(f"{plan_file} was not made from this step of {model_file} (batch {batch}, seq {seq}, "
                               f"{dtype}, {layers}): pass the plan's trace with --trace")

@@ -79,3 +79,22 @@ def cxx_shared_library(name: str, sources: list[Path], what: str, headers: Itera
     cxx = compiler()
     return link_shared(out, lambda tmp: [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-pthread",
                                          *map(str, sources), "-o", tmp], what)
+
+
+def torch_extension(name: str, sources: list[Path], what: str, headers: Iterable[Path] = ()):
+    """`sources` compiled as the torch C++ extension module `name` (once per torch version and sources)."""
+    compiler()
+    import torch
+    from torch.utils import cpp_extension
+
+    build_dir = cache_dir() / f"{name}-torch{torch.__version__}-{digest([*sources, *headers])}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if not shutil.which("ninja"):
+        raise BuildError(f"building {what} needs ninja: `pip install ninja`")
+    includes = sorted({str(p.parent) for p in sources})
+    try:
+        return cpp_extension.load(name=name, sources=[str(p) for p in sources], extra_include_paths=includes,
+                                  extra_cflags=["-O2"], build_directory=str(build_dir), verbose=False)
+    except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
+        lines = [ln for ln in str(e).splitlines() if "error:" in ln.lower()]
+        raise BuildError(f"compiling {what} failed: {(lines or [str(e)])[0].strip()}") from None

@@ -1,0 +1,98 @@
+"""The step recorder (traces/csrc/recorder.cpp): labelled allocations and frees of one device.
+
+`Recorder` installs it for a whole capture: from before the workload is built, so every storage
+alive when the step begins is known with its size and its free is seen wherever it happens. Real
+tensors report through c10's memory reporter (every allocator of the thread calls it); fake tensors
+through a meta allocator that reports the creation and death of each storage.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from traces.cxx import torch_extension
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "recorder.cpp"
+# Phases as the recorder numbers them (traces.format.PHASES names them).
+FORWARD, BACKWARD, OPTIMIZER, OTHER = 0, 1, 2, 3
+PHASE_NAMES = ("forward", "backward", "optimizer", "other")
+
+
+def extension():
+    """The compiled recorder module (built once, then loaded from the cache)."""
+    return torch_extension("memplan_recorder", [SOURCE], "the step recorder")
+
+
+@dataclass
+class Events:
+    """Allocations (size > 0) and frees (size < 0) in order, as columns; labels are ids into `names`."""
+
+    key: np.ndarray  # storage key: data address, or the fake storage's number
+    size: np.ndarray
+    op: np.ndarray
+    module: np.ndarray
+    phase: np.ndarray  # FORWARD, BACKWARD, OPTIMIZER or OTHER
+
+    @classmethod
+    def from_columns(cls, columns: tuple) -> "Events":
+        key, size, op, module, phase = columns
+        return cls(np.asarray(key, dtype=np.int64), np.asarray(size, dtype=np.int64),
+                   np.asarray(op, dtype=np.int32), np.asarray(module, dtype=np.int32),
+                   np.asarray(phase, dtype=np.int8))
+
+    def __len__(self) -> int:
+        return int(self.key.shape[0])
+
+
+class Recorder:
+    """One capture's recorder; use `recording(...)` to install it."""
+
+    def __init__(self, native):
+        self._native = native
+
+    def intern(self, name: str) -> int:
+        return self._native.intern(name)
+
+    def names(self) -> list[str]:
+        return self._native.names()
+
+    def storage_key(self, tensor: torch.Tensor) -> int:
+        return self._native.storage_key(tensor)
+
+    def claim(self, tensor: torch.Tensor) -> None:
+        """Keep a fake tensor's storage in the capture (only claimed storages count when fake)."""
+        self._native.claim(tensor)
+
+    def set_phase(self, phase: int) -> int:
+        """Enter `phase`; returns the number of step events recorded before it (its start time)."""
+        return self._native.set_phase(phase)
+
+    def enter_module(self, label: int) -> None:
+        self._native.enter_module(label)
+
+    def leave_module(self) -> None:
+        self._native.leave_module()
+
+    def begin_step(self) -> Events:
+        """The storages alive now, in allocation order; the events after this call are the step's."""
+        return Events.from_columns(self._native.begin_step())
+
+    def end_step(self) -> Events:
+        return Events.from_columns(self._native.end_step())
+
+
+@contextlib.contextmanager
+def recording(device: torch.device, fake: bool = False) -> Iterator[Recorder]:
+    """Record `device`'s allocator (or, with `fake`, fake tensors' storages) until the block ends."""
+    native = extension()
+    index = -1 if device.index is None else device.index
+    native.start(device.type, index, fake)
+    try:
+        yield Recorder(native)
+    finally:
+        native.stop()
