@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from traces.errors import MemplanError
-from traces.fake import FakeCapture
+from traces.fake import DATA_RULE, FakeCapture
 from traces.format import Trace, make_trace
 from traces.recorder import PHASE_NAMES, Events, Recorder, recording
 from traces.resident import resident_storages, resident_tensors
@@ -179,7 +179,8 @@ def capture_step(build: Callable[[], Workload], device: str | torch.device = "cp
     `warmup=False`) on `device` as a labelled Trace; with `fake`, under fake tensors."""
     device = torch.device(device)
     with recording(device, fake=fake) as recorder:
-        with FakeCapture(recorder) if fake else contextlib.nullcontext():
+        fake_mode = FakeCapture(recorder) if fake else None
+        with fake_mode or contextlib.nullcontext():
             workload = build()
             actual = workload_device(workload)
             if actual.type != device.type:
@@ -200,6 +201,8 @@ def capture_step(build: Callable[[], Workload], device: str | torch.device = "cp
     info = {"source": "memplan trace", "model": name, "layers": "baseline", "device": device.type,
             "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__, "warmup": warmup,
             "fake": fake, "events": len(step)}
+    if fake_mode is not None:
+        info.update(data_rule=DATA_RULE, data_dependent=dict(fake_mode.data_dependent))
     info.update(meta or {})
     columns = {
         "size": [b.size for b in buffers], "alloc": [b.alloc for b in buffers],

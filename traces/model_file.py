@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from traces.errors import MemplanError, ModelFileError
+from traces.fake import module_to
 from traces.workload import Workload, default_loss
 
 BUILD = "build"
@@ -130,7 +131,7 @@ def _from_dict(path: Path, built: dict, dtype: torch.dtype, device: torch.device
     loss = built.get("loss") or default_loss
     if not callable(loss):
         raise ModelFileError(f"{path}: {BUILD}()['loss'] is {type(loss).__name__}, not callable")
-    model.to(device=device, dtype=dtype)
+    module_to(model, device=device, dtype=dtype)
     _apply_layers(model, layers)
     optimizer = _optimizer(path, built.get("optimizer"), model)
     return Workload(model=model, inputs=built["inputs"], optimizer=optimizer, loss_fn=loss,

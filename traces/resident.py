@@ -1,7 +1,7 @@
 """The tensors and storages a workload holds before its step is recorded: parameters, optimizer state,
 inputs.
 
-Inputs include tensors held as attributes of the loss object (labels, masks).
+Inputs include tensors held by the loss object or closure (labels, masks).
 
 They become the trace's buffers with allocation time 0. Storages are keyed as the recorder keys
 them, so tied weights (one storage behind several parameters) count once.
@@ -39,6 +39,18 @@ def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors_in(v)
 
 
+def _held_by(function: Any) -> list:
+    """What a loss object or closure holds: its attributes and the variables it closes over."""
+    cells = getattr(function, "__closure__", None) or ()
+    held = list(getattr(function, "__dict__", {}).values())
+    for cell in cells:
+        try:
+            held.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    return held
+
+
 def resident_tensors(workload: Workload) -> Iterator[tuple[torch.Tensor, str, str]]:
     """(tensor, category, module) for every tensor the workload holds now, on any device, in a fixed
     order: parameters and buffers, gradients, optimizer state, inputs, tensors held by the loss.
@@ -64,7 +76,7 @@ def resident_tensors(workload: Workload) -> Iterator[tuple[torch.Tensor, str, st
             yield t, "optimizer", owner.get(id(param), "")
     for t in _tensors_in(workload.inputs):
         yield t, "input", ""
-    for t in _tensors_in(getattr(workload.loss_fn, "__dict__", {})):  # e.g. labels held by the loss
+    for t in _tensors_in(_held_by(workload.loss_fn)):  # e.g. labels held by the loss
         yield t, "input", ""
 
 
@@ -73,7 +85,7 @@ def _loose_module_tensors(workload: Workload) -> Iterator[tuple[torch.Tensor, st
     used by the loss, say): parameters and buffers, the module named by its class and path."""
     inside = {id(m) for m in workload.model.modules()}
     for obj in gc.get_objects():
-        if isinstance(obj, nn.Module) and id(obj) not in inside:
+        if issubclass(type(obj), nn.Module) and id(obj) not in inside:  # type(): touches no __class__ property
             root = type(obj).__name__
             for path, module in obj.named_modules():
                 inside.add(id(module))

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from planner.workloads.blocks import MLP, Dropout, PostLNLayer, SelfAttention, TokenLoss, WorkloadConfigError, init_weights
+from traces.fake import module_to
 from traces.workload import Workload
 
 
@@ -95,7 +96,7 @@ def build_workload(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Bert(config)
-    model = model.to(device=device, dtype=dtype).train()
+    model = module_to(model, device, dtype).train()
     input_ids, labels = mlm_batch(batch_size, seq_len, config.vocab_size, torch.Generator().manual_seed(seed))
     return Workload(
         model=model,

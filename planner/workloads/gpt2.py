@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from planner.workloads.blocks import MLP, Dropout, PreLNLayer, SelfAttention, TokenLoss, WorkloadConfigError, init_weights
+from traces.fake import module_to
 from traces.workload import Workload
 
 
@@ -82,7 +83,7 @@ def build_workload(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GPT2(config)
-    model = model.to(device=device, dtype=dtype).train()
+    model = module_to(model, device, dtype).train()
     tokens = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1), generator=torch.Generator().manual_seed(seed))
     return Workload(
         model=model,

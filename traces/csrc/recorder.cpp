@@ -12,6 +12,7 @@
 #include <torch/csrc/profiler/orchestration/observer.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -154,9 +155,12 @@ class Recorder {
     return out;
   }
 
+  // Events of the step so far that the trace keeps (claims are made as each op returns, so between
+  // ops this is final).
   int64_t step_events() {
     std::lock_guard<std::mutex> guard(mutex_);
-    return static_cast<int64_t>(events_.size());
+    if (!claimed_only_) return static_cast<int64_t>(events_.size());
+    return std::count_if(events_.begin(), events_.end(), [this](const Event& e) { return kept(e); });
   }
 
   std::vector<Event> end_step() {

@@ -1,0 +1,138 @@
+"""A Llama-style decoder in plain torch.nn (RMSNorm, SwiGLU, rotary positions, grouped-query attention
+through scaled_dot_product_attention, no dropout, untied head) and its training-step workload."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from planner.workloads.blocks import TokenLoss, WorkloadConfigError
+from traces.fake import module_to
+from traces.workload import Workload
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape of a Llama-style model; the default is a tiny model for tests."""
+
+    vocab_size: int = 1024
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    layers: int = 2
+    ffn_hidden: int = 176
+    rope_theta: float = 10000.0
+    eps: float = 1e-5
+
+
+TINY = LlamaConfig()
+LLAMA2_7B = LlamaConfig(vocab_size=32000, hidden=4096, heads=32, kv_heads=32, layers=32, ffn_hidden=11008)
+LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden=4096, heads=32, kv_heads=8, layers=32, ffn_hidden=14336,
+                        rope_theta=500000.0)
+PRESETS = {"tiny": TINY, "7b": LLAMA2_7B, "8b": LLAMA3_8B}
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of x (batch, heads, seq, head_dim), halves rotated as in Llama."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention: q, k, v projections, rotary positions, SDPA, output projection."""
+
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        if c.hidden % c.heads or c.heads % c.kv_heads:
+            raise WorkloadConfigError(f"hidden {c.hidden}, heads {c.heads} and kv heads {c.kv_heads} do not divide")
+        self.heads, self.kv_heads, self.head_dim = c.heads, c.kv_heads, c.hidden // c.heads
+        self.q = nn.Linear(c.hidden, c.heads * self.head_dim, bias=False)
+        self.k = nn.Linear(c.hidden, c.kv_heads * self.head_dim, bias=False)
+        self.v = nn.Linear(c.hidden, c.kv_heads * self.head_dim, bias=False)
+        self.o = nn.Linear(c.heads * self.head_dim, c.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        return self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    """Feed-forward block: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.gate = nn.Linear(c.hidden, c.ffn_hidden, bias=False)
+        self.up = nn.Linear(c.hidden, c.ffn_hidden, bias=False)
+        self.act = nn.SiLU()
+        self.down = nn.Linear(c.ffn_hidden, c.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.gate(x)) * self.up(x))
+
+
+class LlamaLayer(nn.Module):
+    """x = x + attention(RMSNorm(x)); x = x + mlp(RMSNorm(x))."""
+
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(c.hidden, eps=c.eps)
+        self.attention = Attention(c)
+        self.norm2 = nn.RMSNorm(c.hidden, eps=c.eps)
+        self.mlp = SwiGLU(c)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.norm1(x), cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class Llama(nn.Module):
+    """Token embedding, the layers, a final RMSNorm and an untied language-model head."""
+
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.config = c
+        self.embed = nn.Embedding(c.vocab_size, c.hidden)
+        self.layers = nn.ModuleList(LlamaLayer(c) for _ in range(c.layers))
+        self.norm = nn.RMSNorm(c.hidden, eps=c.eps)
+        self.head = nn.Linear(c.hidden, c.vocab_size, bias=False)
+        head_dim = c.hidden // c.heads
+        self.register_buffer("inv_freq", c.rope_theta ** -(torch.arange(0, head_dim, 2).float() / head_dim),
+                             persistent=False)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device, dtype=torch.float32)
+        angles = torch.outer(positions, self.inv_freq.float())
+        angles = torch.cat((angles, angles), dim=-1)
+        h = self.embed(ids)
+        cos, sin = angles.cos().to(h.dtype), angles.sin().to(h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.head(self.norm(h))
+
+
+def build_workload(batch_size: int = 2, seq_len: int = 32, dtype: torch.dtype = torch.float32,
+                   device: str | torch.device = "cpu", config: LlamaConfig = TINY, seed: int = 0,
+                   lr: float = 1e-4) -> Workload:
+    """A Llama-style language-model training step: random weights and tokens from `seed`, next-token loss, AdamW."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Llama(config)
+    model = module_to(model, device, dtype).train()
+    tokens = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1), generator=torch.Generator().manual_seed(seed))
+    return Workload(
+        model=model,
+        inputs=(tokens[:, :-1].to(device),),
+        optimizer=torch.optim.AdamW(model.parameters(), lr=lr),
+        loss_fn=TokenLoss(tokens[:, 1:].to(device)),
+        name=f"llama-{config.layers}x{config.hidden}",
+    )
