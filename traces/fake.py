@@ -1,6 +1,6 @@
 """Fake tensors for a capture: the model is built and its step run with no memory and no arithmetic.
 
-`FakeCapture` is PyTorch's FakeTensorMode with three additions.
+`FakeCapture` is PyTorch's FakeTensorMode with four additions.
 - Every fake tensor an op returns claims its storage in the recorder, so the trace holds the storages
   the program saw (not the meta storages fake tensor mode makes for its own work).
 - In-place random fills (`uniform_`, `normal_`, ...) return their input untouched: they allocate
@@ -10,6 +10,10 @@
   tensor (`.item()`, `bool(t)`) is 0 (False), and a selection whose size depends on the data
   (`nonzero`, `masked_select`) selects nothing. Each use is counted per op in `data_dependent`, and
   the trace's meta keeps the counts.
+- While it is active, `Tensor.to`/`.cuda` of a fake tensor go straight to `aten._to_copy`, and
+  `Module.to`/`.cuda` through `module_to`: so a fake model moves to a CUDA device on a machine
+  without one (the Python bindings would ask for the device first), and fake parameters are rebound
+  instead of swapped.
 """
 from __future__ import annotations
 
@@ -65,6 +69,41 @@ def module_to(model: nn.Module, device=None, dtype: torch.dtype | None = None) -
     return model
 
 
+def _tensor_to(original):
+    """Tensor.to that moves a fake tensor with aten._to_copy (no device is asked for)."""
+    def to(self, *args, **kwargs):
+        if not is_fake(self):
+            return original(self, *args, **kwargs)
+        if args and isinstance(args[0], torch.Tensor):  # to(other): its device and dtype
+            args = (args[0].device, args[0].dtype, *args[1:])
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        device, dtype = device or self.device, dtype or self.dtype
+        if device == self.device and dtype == self.dtype and not kwargs.get("copy"):
+            return self
+        return torch.ops.aten._to_copy(self, dtype=dtype, device=device,
+                                       memory_format=memory_format or torch.preserve_format)
+    return to
+
+
+def _module_to(original):
+    """Module.to that moves a model of fake tensors with module_to."""
+    def to(self, *args, **kwargs):
+        if not any(is_fake(t) for t in (*self.parameters(), *self.buffers())):
+            return original(self, *args, **kwargs)
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        return module_to(self, device=device, dtype=dtype)
+    return to
+
+
+def _cuda(to):
+    """`.cuda(device=None)` as `.to("cuda[:device]")`."""
+    def cuda(self, device=None, *args, **kwargs):
+        if isinstance(device, int):
+            device = f"cuda:{device}"
+        return to(self, torch.device(device or "cuda"))
+    return cuda
+
+
 class FakeCapture(FakeTensorMode):
     """FakeTensorMode whose op outputs claim their storages in `recorder`, with DATA_RULE."""
 
@@ -72,6 +111,26 @@ class FakeCapture(FakeTensorMode):
         super().__init__(allow_non_fake_inputs=True)
         self._claim = recorder.claim
         self.data_dependent: Counter[str] = Counter()  # op -> times DATA_RULE decided its output
+        self._originals: list[tuple[type, str, object]] = []
+        self._depth = 0  # fake tensor mode enters itself again inside ops: patch once, on the outermost
+
+    def __enter__(self):
+        if self._depth == 0:
+            to, module_to_ = _tensor_to(torch.Tensor.to), _module_to(nn.Module.to)
+            for owner, name, method in ((torch.Tensor, "to", to), (torch.Tensor, "cuda", _cuda(to)),
+                                        (nn.Module, "to", module_to_), (nn.Module, "cuda", _cuda(module_to_))):
+                self._originals.append((owner, name, getattr(owner, name)))
+                setattr(owner, name, method)
+        self._depth += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._depth -= 1
+        if self._depth == 0:
+            while self._originals:
+                owner, name, original = self._originals.pop()
+                setattr(owner, name, original)
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket in RANDOM_FILLS:

@@ -1,0 +1,202 @@
+"""The step recorder against what a step really does: a real GPU snapshot of a program no one here wrote,
+storages a program rebinds, an unrecorded step's allocations (replayed from the plan), fake tensors
+against real ones, and a model far larger than this machine."""
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from planner.problem import problem_from_trace
+from planner.replay.cpu_session import CPUPlanAllocator
+from planner.replay.runner import replay
+from planner.replay.schedule import schedule_from
+from solvers import solve
+from traces.capture import CaptureError, capture_step
+from traces.model_file import load_workload
+from traces.trace_model import trace_model_file
+from traces.workload import Workload
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+MODES = ("baseline", "tempo", "selective", "tempo+selective")
+GPU_PEAK_CTX128 = 7_013_335_044  # ../shared/clients/cs336/NOTICE.md: the snapshot's peak allocated
+
+
+def bytes_by_category(trace) -> Counter:
+    totals: Counter = Counter()
+    for size, category in zip(trace.size, trace.category):
+        totals[category] += int(size)
+    return totals
+
+
+# --- a real program's GPU snapshot --------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+def test_cs336_step_peak_is_within_one_percent_of_the_gpu_snapshot(shared, fake, monkeypatch):
+    pytest.importorskip("einops")
+    pytest.importorskip("einx")
+    pytest.importorskip("jaxtyping")
+    monkeypatch.setenv("CS336_DIR", str(shared / "clients" / "cs336"))
+    trace = trace_model_file(EXAMPLES / "cs336_lm.py", batch=4, seq=128, fake=fake)
+    peak, _ = trace.peak()
+    assert abs(peak - GPU_PEAK_CTX128) <= 0.01 * GPU_PEAK_CTX128, (peak, GPU_PEAK_CTX128)
+    # the client's AdamW replaces m and v every step: the old ones die inside the recorded step
+    old_state = [i for i in range(len(trace)) if trace.alloc[i] == 0 and trace.category[i] == "optimizer"]
+    assert old_state and all(trace.free[i] < trace.end for i in old_state)
+
+
+# --- storages the program rebinds ---------------------------------------------------------------
+
+class RunningMean(nn.Module):
+    """A linear layer that rebinds a registered buffer every call (as a running statistic does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(32, 32)
+        self.register_buffer("mean", torch.zeros(32))
+
+    def forward(self, x):
+        self.mean = 0.9 * self.mean + 0.1 * x.detach().mean(0)
+        return self.linear(x - self.mean)
+
+
+class ReplacingMomentum(torch.optim.Optimizer):
+    """SGD with momentum whose state tensor is replaced, not updated in place, each step."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                momentum = 0.9 * self.state[p].get("m", torch.zeros_like(p)) + p.grad
+                self.state[p]["m"] = momentum
+                p.sub_(group["lr"] * momentum)
+
+
+def rebinding_workload() -> Workload:
+    torch.manual_seed(0)
+    model = RunningMean()
+    return Workload(model, torch.randn(8, 32), ReplacingMomentum(model.parameters()), name="rebinding")
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+def test_storages_a_program_rebinds_are_freed_where_it_drops_them(fake):
+    trace = capture_step(rebinding_workload, fake=fake)
+    before = [i for i in range(len(trace)) if trace.alloc[i] == 0]
+    state = [i for i in before if trace.category[i] == "optimizer"]
+    buffer = [i for i in before if trace.module[i] == "model"]  # `mean`, the one tensor the root module holds
+    assert len(state) == 2 and len(buffer) == 1  # weight and bias momenta
+    for i in state:  # replaced during optimizer.step(): freed inside the step, before its end
+        assert trace.free[i] < trace.end
+    backward_begins = min(int(trace.alloc[i]) for i in trace.recorded if trace.phase[i] == "backward")
+    assert trace.free[buffer[0]] < backward_begins  # the old `mean` dies when forward rebinds it
+
+
+def test_a_workload_built_before_recording_is_refused():
+    built = rebinding_workload()
+    with pytest.raises(CaptureError, match="existed before recording began"):
+        capture_step(lambda: built)
+
+
+def test_a_module_outside_the_workload_counts_as_parameters():
+    """A frozen teacher used inside the loss holds memory the step needs: its parameters are in the trace."""
+    teacher = []
+
+    def build():
+        torch.manual_seed(0)
+        frozen = nn.Linear(32, 32).requires_grad_(False)
+        teacher.append(frozen)
+        model = nn.Linear(32, 32)
+        return Workload(model, torch.randn(8, 32), torch.optim.SGD(model.parameters(), lr=0.1),
+                        loss_fn=lambda out, x: (out - frozen(x)).pow(2).mean(), name="distill")
+
+    trace = capture_step(build)
+    named = [i for i in range(len(trace)) if trace.module[i].startswith("Linear")]
+    assert sorted(int(trace.size[i]) for i in named) == [32 * 4, 32 * 32 * 4]
+    assert {trace.category[i] for i in named} == {"parameter"}
+    assert "unknown" not in trace.category
+
+
+# --- a traced step allocates what an untraced one does ------------------------------------------
+
+HF_DECODERS = {
+    "hf_mistral": "from transformers import MistralConfig as Config, MistralForCausalLM as Model",
+    "hf_qwen2": "from transformers import Qwen2Config as Config, Qwen2ForCausalLM as Model",
+}
+HF_DECODER_FILE = '''import torch
+{imports}
+
+
+def build(batch_size, seq_len, dtype, device):
+    config = Config(vocab_size=1024, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    ids = torch.randint(0, 1024, (batch_size, seq_len), generator=torch.Generator().manual_seed(0)).to(device)
+    return {{"model": Model(config).train(), "inputs": {{"input_ids": ids, "labels": ids}}}}
+'''
+
+
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("models")
+    files = {name: EXAMPLES / f"{name}.py" for name in ("bert", "gpt2", "llama", "hf_llama", "hf_gpt2")}
+    for name, imports in HF_DECODERS.items():
+        files[name] = folder / f"{name}.py"
+        files[name].write_text(HF_DECODER_FILE.format(imports=imports))
+    return files
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "hf_llama", "hf_gpt2", "hf_mistral", "hf_qwen2"])
+def test_the_plan_of_a_traced_step_serves_untraced_steps_exactly(model_files, name, mode):
+    def make():
+        return load_workload(model_files[name], batch=2, seq=16, dtype=torch.float32, device="cpu", layers=mode)
+
+    trace = capture_step(make)
+    plan = solve(problem_from_trace(trace), method="greedy", time_limit=5.0)
+    schedule = schedule_from(plan, trace)
+    report = replay(schedule, make, CPUPlanAllocator(schedule), steps=2)
+    assert report.size_mismatch == report.extra == report.missing == 0
+    assert report.fallback_count == 0 and report.outside_bytes == 0
+    assert report.peak_bytes == plan.arena
+    assert report.bitwise_equal, report.first_difference
+
+
+# --- fake tensors -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "hf_llama"])
+def test_fake_and_real_traces_hold_the_same_state_and_peak(name):
+    real = trace_model_file(EXAMPLES / f"{name}.py", batch=2, seq=16)
+    fake = trace_model_file(EXAMPLES / f"{name}.py", batch=2, seq=16, fake=True)
+    assert fake.meta["fake"] and not real.meta["fake"] and fake.meta["data_dependent"] == {}
+    real_bytes, fake_bytes = bytes_by_category(real), bytes_by_category(fake)
+    for category in ("parameter", "gradient", "optimizer", "input"):
+        assert fake_bytes[category] == real_bytes[category], category
+    # activations too, but for Python numbers the CPU wraps as 8-byte tensors that autograd keeps
+    assert 0 <= real_bytes["activation"] - fake_bytes["activation"] <= 4 * 8
+    # fake tensors see what ops return; a CPU kernel's own scratch (bert's dropout noise) only adds
+    assert 0.95 * real.peak()[0] <= fake.peak()[0] <= real.peak()[0]
+
+
+def test_fake_trace_of_a_7b_llama_has_the_models_own_state_bytes(monkeypatch):
+    """HF Llama at the 7B shape, bf16, batch 1, sequence 2048: ~54 GB of training state, none allocated."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.setenv("MEMPLAN_PRESET", "7b")
+    trace = trace_model_file(EXAMPLES / "hf_llama.py", batch=1, seq=2048, dtype="bfloat16", fake=True)
+    with FakeTensorMode():
+        params = list(LlamaForCausalLM(LlamaConfig()).parameters())
+    param_bytes = sum(p.numel() for p in params) * 2  # bf16
+    got = bytes_by_category(trace)
+    assert got["parameter"] == param_bytes + 64 * 4  # and the rotary inverse frequencies (fp32 buffer)
+    assert got["gradient"] == param_bytes
+    assert got["optimizer"] == 2 * param_bytes + 4 * len(params)  # exp_avg, exp_avg_sq, fp32 step
+    assert trace.peak()[0] > 50 * 2**30
