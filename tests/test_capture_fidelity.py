@@ -3,7 +3,6 @@ storages a program rebinds, an unrecorded step's allocations (replayed from the 
 against real ones, and a model far larger than this machine."""
 from __future__ import annotations
 
-import os
 from collections import Counter
 from pathlib import Path
 
