@@ -83,6 +83,8 @@ def trace_command(model_file, output, batch, seq, dtype, layers, device, fake, t
     Example (tensor + sequence parallel, one trace per rank):
     MEMPLAN_PARALLEL=tp+sp memplan trace examples/gpt2_parallel.py --nproc 2 --seq 64 -o gpt2.json.gz
     """
+    if nproc is not None and fake:
+        raise click.UsageError("--fake with --nproc is not supported yet: trace the ranks for real")
     if nproc is not None:
         from traces.distributed import trace_command_ranks
 

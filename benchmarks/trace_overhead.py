@@ -1,22 +1,41 @@
-"""Overhead of tracing: median time of a plain training step and of a traced one on the bundled BERT,
-and their ratios (target: traced / plain <= 3).
+"""Overhead of tracing: median time of a plain training step and of a recorded one on the bundled BERT,
+and their ratios (target: recorded / plain <= 3); then a fake trace of the 7B Llama shape, its wall time
+and peak memory (target: at most 2 minutes and 4 GiB).
 
 Usage: .venv/bin/python benchmarks/trace_overhead.py [--preset tiny] [--batch 2] [--seq 128] [--repeats 15]
-Two traced figures: the step run under tracing (profiler memory events + memplan's marks), and the
-whole `capture_step(workload, warmup=False)`, which also reads the event tree and builds the labelled trace.
+Two real figures: the step under the step recorder (its memory reports, op callbacks and memplan's marks)
+against a plain step, and a whole `capture_step` (build, warm-up, recorded step, labelled trace) against
+building the workload and running two plain steps. The fake trace runs in a child process, so its peak
+resident memory is its own: HF LlamaForCausalLM at the 7B shape, bf16, batch 1, sequence 2048.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from planner.workloads.bert import PRESETS, build_workload
 from traces.capture import capture_step
+from traces.recorder import recording
 from traces.step_marks import marked_step
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE_7B = """
+import json, os, resource, time, torch
+torch.set_num_threads(1)
+os.environ["MEMPLAN_PRESET"] = "7b"
+from traces.trace_model import trace_model_file
+start = time.perf_counter()
+trace = trace_model_file("examples/hf_llama.py", batch=1, seq=2048, dtype="bfloat16", fake=True)
+print(json.dumps({"seconds": time.perf_counter() - start, "buffers": len(trace), "peak": trace.peak()[0],
+                  "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
 
 
 def median_seconds(fns: dict, repeats: int) -> dict[str, tuple[float, float]]:
@@ -43,28 +62,49 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    workload = build_workload(args.batch, args.seq, config=PRESETS[args.preset])
-    for _ in range(3):
+    def build():
+        return build_workload(args.batch, args.seq, config=PRESETS[args.preset])
+
+    def build_and_two_plain_steps():
+        workload = build()
+        workload.step()
         workload.step()
 
-    def profiled_step():
-        with marked_step(workload), profile(activities=[ProfilerActivity.CPU], profile_memory=True):
-            workload.step()
+    workload = build()
+    for _ in range(3):
+        workload.step()
+    with recording(torch.device("cpu")) as recorder:
+        recorded = build()
+        recorded.step()
 
-    timings = median_seconds({"plain step": workload.step,
-                              "step under tracing": profiled_step,
-                              "capture_step (step + trace)": lambda: capture_step(workload, warmup=False)},
-                             args.repeats)
-    trace = capture_step(workload, warmup=False)
+        def recorded_step():
+            recorder.begin_step()
+            with marked_step(recorded, recorder):
+                recorded.step()
+            recorder.end_step()
+
+        step_timings = median_seconds({"plain step": workload.step, "step under the recorder": recorded_step},
+                                      args.repeats)
+    whole = median_seconds({"build + 2 plain steps": build_and_two_plain_steps,
+                            "capture_step (build, warm-up, step, trace)": lambda: capture_step(build)},
+                           max(3, args.repeats // 3))
+    trace = capture_step(build)
     print(f"bert preset {args.preset}, batch {args.batch}, seq {args.seq}, {args.threads} thread(s), "
           f"median of {args.repeats}; {len(trace.recorded)} allocations per step")
-    print(f"{'':34} {'wall ms':>9} {'ratio':>6}   {'cpu ms':>9} {'ratio':>6}")
-    plain = timings["plain step"]
-    for label, (wall, cpu) in timings.items():
-        print(f"{label:34} {wall * 1e3:9.2f} {wall / plain[0]:6.2f}   {cpu * 1e3:9.2f} {cpu / plain[1]:6.2f}")
-    for label in ("step under tracing", "capture_step (step + trace)"):
-        wall, cpu = timings[label]
-        print(f"{label} / plain: {wall / plain[0]:.2f} wall, {cpu / plain[1]:.2f} cpu (target <= 3)")
+    print(f"{'':44} {'wall ms':>9} {'ratio':>6}   {'cpu ms':>9} {'ratio':>6}")
+    for timings, base in ((step_timings, "plain step"), (whole, "build + 2 plain steps")):
+        plain = timings[base]
+        for label, (wall, cpu) in timings.items():
+            print(f"{label:44} {wall * 1e3:9.2f} {wall / plain[0]:6.2f}   {cpu * 1e3:9.2f} {cpu / plain[1]:6.2f}")
+    wall, cpu = step_timings["step under the recorder"]
+    plain = step_timings["plain step"]
+    print(f"step under the recorder / plain: {wall / plain[0]:.2f} wall, {cpu / plain[1]:.2f} cpu (target <= 3)")
+
+    done = subprocess.run([sys.executable, "-c", FAKE_7B], cwd=ROOT, capture_output=True, text=True, check=True)
+    fake = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"fake trace, HF Llama 7B shape, bf16, batch 1, seq 2048: {fake['seconds']:.1f} s (target <= 120), "
+          f"peak RSS {fake['rss'] / 2**30:.2f} GiB (target <= 4), {fake['buffers']} buffers, "
+          f"peak live {fake['peak'] / 2**30:.2f} GiB")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 were made (../shared/clients/cs336/NOTICE.md): GPT-2-medium size (d_model 1024, 24 layers, 16 heads,
 d_ff 4096, vocabulary 10000), fp32, its own AdamW (which replaces its state tensors every step) and
 its own cross-entropy. The program is imported from ../shared/clients/cs336 (or $CS336_DIR), never copied.
+CS336_AUTOCAST=bf16 runs forward and loss under torch.autocast(bfloat16) on the model's device type.
 Example: memplan trace examples/cs336_lm.py --batch 4 --seq 128 --fake
 """
 import os
@@ -26,5 +27,25 @@ def build(batch_size, seq_len, dtype, device):
                                 num_heads=16, d_ff=4096)
     x = torch.randint(0, 10000, (batch_size, seq_len), device=device)
     y = torch.randint(0, 10000, (batch_size, seq_len), device=device)
-    return {"model": model, "inputs": x, "loss": lambda output, _: cross_entropy(output, y),
+    if os.environ.get("CS336_AUTOCAST") == "bf16":
+        model = Autocast(model)
+    return {"model": model, "inputs": x, "loss": lambda output, _: autocast(output)(cross_entropy)(output, y),
             "optimizer": AdamW, "name": "cs336-gpt2-medium"}
+
+
+def autocast(tensor):
+    """torch.autocast(bfloat16) on the tensor's device type when CS336_AUTOCAST=bf16, else nothing."""
+    enabled = os.environ.get("CS336_AUTOCAST") == "bf16"
+    return torch.autocast(tensor.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+class Autocast(torch.nn.Module):
+    """The model with its forward under autocast."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        with autocast(x):
+            return self.model(x)

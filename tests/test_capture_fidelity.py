@@ -3,6 +3,7 @@ storages a program rebinds, an unrecorded step's allocations (replayed from the 
 against real ones, and a model far larger than this machine."""
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -199,3 +200,31 @@ def test_fake_trace_of_a_7b_llama_has_the_models_own_state_bytes(monkeypatch):
     assert got["gradient"] == param_bytes
     assert got["optimizer"] == 2 * param_bytes + 4 * len(params)  # exp_avg, exp_avg_sq, fp32 step
     assert trace.peak()[0] > 50 * 2**30
+
+
+def test_trace_command_fake_writes_a_fake_trace(tmp_path):
+    from click.testing import CliRunner
+
+    from cli import main
+    from traces.format import load
+
+    out = tmp_path / "llama.json.gz"
+    result = CliRunner().invoke(main, ["trace", str(EXAMPLES / "llama.py"), "--fake", "--seq", "16", "-o", str(out),
+                                       "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["fake"] is True and summary["data_dependent"] == {}
+    trace = load(out)
+    assert trace.meta["fake"] and (trace.addr == -1).all()
+    assert set(trace.category) >= {"parameter", "optimizer", "gradient", "activation", "temporary"}
+
+
+@pytest.mark.skipif(torch.backends.cuda.is_built(), reason="a CUDA build runs a fake CUDA step")
+def test_fake_cuda_on_a_build_without_cuda_is_one_line():
+    from click.testing import CliRunner
+
+    from cli import main
+
+    result = CliRunner().invoke(main, ["trace", str(EXAMPLES / "llama.py"), "--fake", "--device", "cuda"])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1].startswith("Error: --fake --device cuda: this torch")

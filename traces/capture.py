@@ -158,7 +158,7 @@ def _resident_at_start(workload: Workload, recorder: Recorder, live: Events) -> 
 
 def _record_step(workload: Workload, recorder: Recorder, device: torch.device, fake: bool):
     """Record one step: (storages alive at its start, their labels, its events, marks, CUDA history)."""
-    gc.collect()
+    gc.collect(1)  # the warm-up's cyclic garbage is young; a full collection costs ~0.1 s in a torch process
     live = recorder.begin_step()
     resident = _resident_at_start(workload, recorder, live)
     gc.disable()  # no cycle collection in the middle of the step: frees happen where the program drops them

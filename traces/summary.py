@@ -27,6 +27,7 @@ def summarize(trace: Trace, top: int = 5) -> dict[str, Any]:
     return {
         "model": trace.meta.get("model", ""), "layers": trace.meta.get("layers", ""),
         "device": trace.meta.get("device", ""), "dtype": trace.meta.get("dtype", ""),
+        "fake": bool(trace.meta.get("fake", False)), "data_dependent": trace.meta.get("data_dependent", {}),
         "buffers": len(trace), "recorded": int(len(trace.recorded)), "end": trace.end,
         "peak_bytes": peak, "peak_time": t,
         "peak_phase": trace.phase[reached_by[0]] if len(reached_by) else "other",
@@ -49,12 +50,16 @@ def render(summary: dict[str, Any]) -> str:
     """The summary as a few lines of text for the terminal."""
     s = summary
     lines = [
-        f"trace of {s['model']} ({s['layers']}, {s['device']}, {s['dtype']}): {s['buffers']} buffers, "
+        f"trace of {s['model']} ({s['layers']}, {s['device']}, {s['dtype']}{', fake tensors' if s['fake'] else ''}): "
+        f"{s['buffers']} buffers, "
         f"{s['recorded']} allocated during the step, {s['end'] - 1} events",
         f"peak live: {_mib(s['peak_bytes'])} ({s['peak_bytes']:,} bytes) at time {s['peak_time']}, "
         f"phase {s['peak_phase']}, module {s['peak_module'] or '-'}, op {s['peak_op'] or '-'}",
         "live at the peak by category:",
     ]
+    if s["data_dependent"]:
+        lines.insert(1, "data-dependent values taken by rule (a scalar reads 0, a selection selects nothing): "
+                     + ", ".join(f"{op} x{n}" for op, n in sorted(s["data_dependent"].items())))
     for cat, b in sorted(s["at_peak_by_category"].items(), key=lambda kv: -kv[1]):
         share = 100.0 * b / s["peak_bytes"] if s["peak_bytes"] else 0.0
         lines.append(f"  {cat:<11} {_mib(b):>14}  {share:5.1f}%")
