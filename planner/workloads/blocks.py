@@ -14,6 +14,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from traces.errors import MemplanError
+from traces.fake import module_to
+from traces.workload import Workload
 
 
 class WorkloadConfigError(MemplanError):
@@ -133,6 +135,20 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
     if isinstance(module, nn.LayerNorm) and module.elementwise_affine:
         nn.init.ones_(module.weight)
         nn.init.zeros_(module.bias)
+
+
+def language_model_workload(make_model, vocab_size: int, batch_size: int, seq_len: int, dtype: torch.dtype,
+                            device, seed: int, lr: float, name: str) -> Workload:
+    """A next-token training step: the model `make_model()` builds (weights seeded with `seed`) on `device`
+    in `dtype`, random tokens from `seed`, cross-entropy on the shifted tokens, AdamW."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = make_model()
+    model = module_to(model, device, dtype).train()
+    tokens = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=torch.Generator().manual_seed(seed))
+    return Workload(model=model, inputs=(tokens[:, :-1].to(device),),
+                    optimizer=torch.optim.AdamW(model.parameters(), lr=lr),
+                    loss_fn=TokenLoss(tokens[:, 1:].to(device)), name=name)
 
 
 class TokenLoss:

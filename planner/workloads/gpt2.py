@@ -6,8 +6,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from planner.workloads.blocks import MLP, Dropout, PreLNLayer, SelfAttention, TokenLoss, WorkloadConfigError, init_weights
-from traces.fake import module_to
+from planner.workloads.blocks import (
+    MLP,
+    Dropout,
+    PreLNLayer,
+    SelfAttention,
+    WorkloadConfigError,
+    init_weights,
+    language_model_workload,
+)
 from traces.workload import Workload
 
 
@@ -80,15 +87,5 @@ def build_workload(
     """A GPT-2 language-model training step: random weights and tokens from `seed`, next-token loss, AdamW."""
     if seq_len > config.max_positions:
         raise WorkloadConfigError(f"seq_len {seq_len} exceeds the model's {config.max_positions} positions")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = GPT2(config)
-    model = module_to(model, device, dtype).train()
-    tokens = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1), generator=torch.Generator().manual_seed(seed))
-    return Workload(
-        model=model,
-        inputs=(tokens[:, :-1].to(device),),
-        optimizer=torch.optim.AdamW(model.parameters(), lr=lr),
-        loss_fn=TokenLoss(tokens[:, 1:].to(device)),
-        name=f"gpt2-{config.layers}x{config.hidden}",
-    )
+    return language_model_workload(lambda: GPT2(config), config.vocab_size, batch_size, seq_len, dtype, device,
+                                   seed, lr, f"gpt2-{config.layers}x{config.hidden}")

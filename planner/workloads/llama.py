@@ -8,8 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from planner.workloads.blocks import TokenLoss, WorkloadConfigError
-from traces.fake import module_to
+from planner.workloads.blocks import WorkloadConfigError, language_model_workload
 from traces.workload import Workload
 
 
@@ -124,15 +123,5 @@ def build_workload(batch_size: int = 2, seq_len: int = 32, dtype: torch.dtype = 
                    device: str | torch.device = "cpu", config: LlamaConfig = TINY, seed: int = 0,
                    lr: float = 1e-4) -> Workload:
     """A Llama-style language-model training step: random weights and tokens from `seed`, next-token loss, AdamW."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Llama(config)
-    model = module_to(model, device, dtype).train()
-    tokens = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1), generator=torch.Generator().manual_seed(seed))
-    return Workload(
-        model=model,
-        inputs=(tokens[:, :-1].to(device),),
-        optimizer=torch.optim.AdamW(model.parameters(), lr=lr),
-        loss_fn=TokenLoss(tokens[:, 1:].to(device)),
-        name=f"llama-{config.layers}x{config.hidden}",
-    )
+    return language_model_workload(lambda: Llama(config), config.vocab_size, batch_size, seq_len, dtype, device,
+                                   seed, lr, f"llama-{config.layers}x{config.hidden}")
