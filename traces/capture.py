@@ -23,8 +23,8 @@ import torch
 
 from traces.errors import MemplanError
 from traces.fake import DATA_RULE, FakeCapture
-from traces.format import Trace, make_trace
-from traces.recorder import PHASE_NAMES, Events, Recorder, recording
+from traces.format import PHASES, Trace, make_trace
+from traces.recorder import Events, Recorder, recording
 from traces.resident import resident_storages, resident_tensors
 from traces.step_marks import StepMarks, marked_step
 from traces.workload import Workload
@@ -89,7 +89,7 @@ def _assemble(live: Events, step: Events, names: list[str], resident: dict) -> l
                                                             step.module.tolist(), step.phase.tolist()), start=1):
         if size > 0:
             index[key] = len(buffers)
-            buffers.append(_Buffer(size, t, end, key, PHASE_NAMES[phase], names[module],
+            buffers.append(_Buffer(size, t, end, key, PHASES[phase], names[module],
                                    names[op] or SCALAR_OP))
         else:
             buffers[index.pop(key)].free = t

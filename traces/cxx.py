@@ -1,8 +1,8 @@
 """Compiling memplan's C++ parts with the system compiler into a cache, so only the first use compiles.
 
-The solver kernels (solvers/csrc) and the plan allocator (planner/replay/csrc) are built here; each
-library is named after a hash of its sources and written under a temporary name, then renamed, so a
-cached library is complete or absent.
+The step recorder (traces/csrc), the solver kernels (solvers/csrc) and the plan allocator
+(planner/replay/csrc) are built here; each library is named after a hash of its sources and written
+under a temporary name, then renamed, so a cached library is complete or absent.
 """
 from __future__ import annotations
 

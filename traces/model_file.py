@@ -156,7 +156,7 @@ def _check_placement(path: Path, workload: Workload, dtype: torch.dtype, device:
 def load_workload(path: str | os.PathLike, *, batch: int, seq: int, dtype: torch.dtype,
                   device: str, layers: str = "baseline", fake: bool = False) -> Workload:
     """Import a model file, call its build(), and return the Workload (with `layers` applied); `fake`
-    when it is called under fake tensors, where a CUDA device needs no GPU."""
+    when it is called under fake tensors, where a CUDA device needs no GPU but a CUDA build of torch."""
     path = Path(path)
     dev = require_device(device, fake)
     module = _import(path)

@@ -16,11 +16,11 @@ import numpy as np
 import torch
 
 from traces.cxx import torch_extension
+from traces.format import PHASES
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "recorder.cpp"
-# Phases as the recorder numbers them (traces.format.PHASES names them).
-FORWARD, BACKWARD, OPTIMIZER, OTHER = 0, 1, 2, 3
-PHASE_NAMES = ("forward", "backward", "optimizer", "other")
+# Phases as the recorder numbers them: indices into traces.format.PHASES (and recorder.cpp's Phase).
+FORWARD, BACKWARD, OPTIMIZER, OTHER = range(len(PHASES))
 
 
 def extension():
