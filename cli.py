@@ -70,7 +70,8 @@ def main() -> None:
 @click.option("--top", type=click.IntRange(min=0), default=5, show_default=True, help="Largest buffers to list.")
 @click.option("--nproc", type=click.IntRange(min=1), default=None,
               help="Run N processes under torch.distributed (gloo on cpu, NCCL on cuda) and write one trace "
-                   "per rank, FILE.rank{r}.json.gz; all or none.")
+                   "per rank, FILE.rank{r}.json.gz; all or none. With --fake, the ranks run in turn in this "
+                   "process on torch.distributed's fake process group.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def trace_command(model_file, output, batch, seq, dtype, layers, device, fake, top, nproc, as_json):
     """Record one training step of MODEL_FILE and write its trace.
@@ -82,14 +83,15 @@ def trace_command(model_file, output, batch, seq, dtype, layers, device, fake, t
 
     Example (tensor + sequence parallel, one trace per rank):
     MEMPLAN_PARALLEL=tp+sp memplan trace examples/gpt2_parallel.py --nproc 2 --seq 64 -o gpt2.json.gz
+
+    Example (8 fake ranks of GPT-2 medium, no process or memory needed):
+    MEMPLAN_PRESET=medium memplan trace examples/gpt2_parallel.py --nproc 8 --fake --seq 1024 -o m.json.gz
     """
-    if nproc is not None and fake:
-        raise click.UsageError("--fake with --nproc is not supported yet: trace the ranks for real")
     if nproc is not None:
         from traces.distributed import trace_command_ranks
 
         summary, text = trace_command_ranks(model_file, output, nproc, batch=batch, seq=seq, dtype=dtype,
-                                            layers=layers, device=device, top=top, progress=progress)
+                                            layers=layers, device=device, top=top, progress=progress, fake=fake)
         return emit(summary, as_json, text)
     from pathlib import Path
 

@@ -1,6 +1,7 @@
 """Overhead of tracing: median time of a plain training step and of a recorded one on the bundled BERT,
 and their ratios (target: recorded / plain <= 3); then a fake trace of the 7B Llama shape, its wall time
-and peak memory (target: at most 2 minutes and 4 GiB).
+and peak memory (target: at most 2 minutes and 4 GiB); and the 8 fake ranks of GPT-2 medium with tensor
+and sequence parallelism (`memplan trace --nproc 8 --fake`).
 
 Usage: .venv/bin/python benchmarks/trace_overhead.py [--preset tiny] [--batch 2] [--seq 128] [--repeats 15]
 Two real figures: the step under the step recorder (its memory reports, op callbacks and memplan's marks)
@@ -36,6 +37,24 @@ trace = trace_model_file("examples/hf_llama.py", batch=1, seq=2048, dtype="bfloa
 print(json.dumps({"seconds": time.perf_counter() - start, "buffers": len(trace), "peak": trace.peak()[0],
                   "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
+FAKE_RANKS = """
+import json, os, resource, tempfile, time, torch
+torch.set_num_threads(1)
+os.environ.update(MEMPLAN_PRESET="medium", MEMPLAN_PARALLEL="tp+sp")
+from traces.distributed import trace_ranks
+start = time.perf_counter()
+with tempfile.TemporaryDirectory() as folder:
+    ranks = trace_ranks("examples/gpt2_parallel.py", f"{folder}/m.json.gz", 8, batch=8, seq=1024, dtype="float32",
+                        layers="baseline", device="cpu", meta={}, fake=True)
+print(json.dumps({"seconds": time.perf_counter() - start, "peak": max(s["peak_bytes"] for _, s in ranks),
+                  "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def child(code: str) -> dict:
+    """Run `code` in a fresh Python (its peak resident memory is its own) and read its last JSON line."""
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def median_seconds(fns: dict, repeats: int) -> dict[str, tuple[float, float]]:
@@ -100,11 +119,13 @@ def main() -> None:
     plain = step_timings["plain step"]
     print(f"step under the recorder / plain: {wall / plain[0]:.2f} wall, {cpu / plain[1]:.2f} cpu (target <= 3)")
 
-    done = subprocess.run([sys.executable, "-c", FAKE_7B], cwd=ROOT, capture_output=True, text=True, check=True)
-    fake = json.loads(done.stdout.strip().splitlines()[-1])
+    fake = child(FAKE_7B)
     print(f"fake trace, HF Llama 7B shape, bf16, batch 1, seq 2048: {fake['seconds']:.1f} s (target <= 120), "
           f"peak RSS {fake['rss'] / 2**30:.2f} GiB (target <= 4), {fake['buffers']} buffers, "
           f"peak live {fake['peak'] / 2**30:.2f} GiB")
+    ranks = child(FAKE_RANKS)
+    print(f"8 fake ranks, GPT-2 medium tp+sp, fp32, batch 8, seq 1024: {ranks['seconds']:.1f} s, peak RSS "
+          f"{ranks['rss'] / 2**30:.2f} GiB, largest rank peak live {ranks['peak'] / 2**30:.2f} GiB")
 
 
 if __name__ == "__main__":

@@ -228,3 +228,22 @@ def test_fake_cuda_on_a_build_without_cuda_is_one_line():
     result = CliRunner().invoke(main, ["trace", str(EXAMPLES / "llama.py"), "--fake", "--device", "cuda"])
     assert result.exit_code == 1
     assert result.output.strip().splitlines()[-1].startswith("Error: --fake --device cuda: this torch")
+
+
+def test_a_fake_trace_leaves_memplans_own_tables_real():
+    """A fresh process whose first trace is fake imports the model file and memplan's layers outside fake
+    tensors: the GELU tables stay real, and a real trace after it counts no storage it cannot name."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from traces.trace_model import trace_model_file\n"
+        "trace_model_file('examples/gpt2.py', batch=2, seq=16, layers='tempo', fake=True)\n"
+        "from planner.layers import gelu\n"
+        "assert type(gelu.TABLES['tanh'].main) is torch.Tensor, type(gelu.TABLES['tanh'].main)\n"
+        "real = trace_model_file('examples/gpt2.py', batch=2, seq=16, layers='tempo')\n"
+        "assert 'unknown' not in real.category, sorted(set(real.category))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -46,7 +46,7 @@ BAD = {
     "trace": [["{d}/missing.py"], ["{d}/nobuild.py"], ["{d}/exits.py"], ["{d}/nobuild.py", "--dtype", "float16"],
               ["{e}/bert.py", "--device", "cuda"], ["{e}/bert.py", "--batch", "0"],
               ["{e}/bert.py", "--layers", "fastest"], ["{e}/bert.py", "-o", "/proc/no/such/dir/t.json.gz"],
-              ["{e}/llama.py", "--fake", "--nproc", "2"], ["{d}/exits.py", "--fake"]],
+              ["{e}/gpt2_parallel.py", "--fake", "--nproc", "3"], ["{d}/exits.py", "--fake"]],
     "import": [["{d}/missing.pickle"], ["{d}/text.pickle"], ["{d}/object.pickle"], ["{d}/t.json"]],
     "solve": [["{d}/missing.json"], ["{d}/cut.json"], ["{d}/cut.json.gz"], ["{d}/garbled.json.gz"],
               ["{d}/mismatched.json"], ["{d}/huge.json"], ["{d}/t.json", "--capacity", "1024"], ["{d}/bad.csv"],

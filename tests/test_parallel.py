@@ -147,3 +147,43 @@ def test_a_failing_rank_fails_the_command_and_leaves_no_files(tmp_path, monkeypa
     assert len(lines) == 1, result.output
     assert lines[0].startswith("Error: rank 1: ") and lines[0].endswith("RuntimeError: rank broke in its loss")
     assert list(out.parent.iterdir()) == []
+
+
+def _bytes_by_category(trace) -> dict:
+    totals: dict = {}
+    for size, category in zip(trace.size, trace.category):
+        totals[category] = totals.get(category, 0) + int(size)
+    return totals
+
+
+def test_fake_ranks_hold_what_the_gloo_ranks_hold(tmp_path):
+    """--nproc --fake: every rank in this process on the fake process group, under fake tensors; each
+    rank's state bytes equal the gloo rank's and its peak is within 0.1% (the CPU's wrapped Python
+    numbers and kernel scratch, which a GPU keeps off the device, are what the real trace adds)."""
+    model = tmp_path / "tp_sp.py"
+    model.write_text(textwrap.dedent(MODEL_FILE))
+    real, fake = tmp_path / "real" / "g.json.gz", tmp_path / "fake" / "g.json.gz"
+    for out, extra in ((real, []), (fake, ["--fake"])):
+        result = CliRunner().invoke(main, ["trace", str(model), "--nproc", "2", "--seq", "16", "-o", str(out), *extra])
+        assert result.exit_code == 0, result.output
+    for r in range(2):
+        gloo, faked = load(rank_path(real, r)), load(rank_path(fake, r))
+        assert faked.meta["backend"] == "fake" and faked.meta["fake"] and faked.meta["rank"] == r
+        assert faked.meta["world_size"] == 2 and gloo.meta["backend"] == "gloo"
+        gloo_bytes, fake_bytes = _bytes_by_category(gloo), _bytes_by_category(faked)
+        for category in ("parameter", "gradient", "optimizer", "input"):
+            assert fake_bytes[category] == gloo_bytes[category], (r, category)
+        assert abs(faked.peak()[0] - gloo.peak()[0]) <= 1e-3 * gloo.peak()[0]
+    assert sorted(p.name for p in fake.parent.iterdir()) == ["g.rank0.json.gz", "g.rank1.json.gz"]
+
+
+def test_a_failing_fake_rank_is_one_line_and_leaves_no_files(tmp_path, monkeypatch):
+    model = tmp_path / "tp_sp.py"
+    model.write_text(textwrap.dedent(MODEL_FILE))
+    monkeypatch.setenv("FAIL_RANK", "1")
+    out = tmp_path / "out" / "g.json.gz"
+    result = CliRunner().invoke(main, ["trace", str(model), "--nproc", "2", "--fake", "--seq", "16", "-o", str(out)])
+    assert result.exit_code == 1
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith("Error: rank 1: ") and last.endswith("RuntimeError: rank broke in its loss")
+    assert list(out.parent.iterdir()) == []

@@ -138,16 +138,35 @@ def _trace_rank(work: Path, model_file: str, options: dict, meta: dict, top: int
     rank, world = dist.get_rank(), dist.get_world_size()
     device = f"cuda:{rank}" if options["device"] == "cuda" else "cpu"
     trace = trace_model_file(model_file, batch=options["batch"], seq=options["seq"], dtype=options["dtype"],
-                             device=device, layers=options["layers"],
+                             device=device, layers=options["layers"], fake=options["fake"],
                              meta={**meta, "rank": rank, "world_size": world, "backend": dist.get_backend()})
     save(trace, work / f"rank{rank}.json.gz")
     return summarize(trace, top=top)
 
 
+def _fake_ranks(fn: Callable, args: tuple, nproc: int, work: Path) -> list[Any]:
+    """Run fn(work, *args) for each rank in turn in this process, each rank alone in torch.distributed's
+    fake process group: collectives return at once and move nothing, so a rank needs no other process."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # importing it registers "fake"
+
+    results = []
+    for rank in range(nproc):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=nproc)
+        try:
+            torch.manual_seed(0)  # as the launcher seeds each real rank
+            results.append(fn(work, *args))
+        except Exception as e:  # as from the launcher: the failing rank's error in one line
+            raise RankError(f"rank {rank}: {one_line(e)}") from None
+        finally:
+            dist.destroy_process_group()
+    return results
+
+
 def trace_ranks(model_file: str, output: str | os.PathLike, nproc: int, *, batch: int, seq: int, dtype: str,
-                layers: str, device: str, meta: dict, top: int = 5) -> list[tuple[Path, dict]]:
+                layers: str, device: str, meta: dict, top: int = 5, fake: bool = False) -> list[tuple[Path, dict]]:
     """Trace one training step on each of `nproc` ranks; returns (file, summary) per rank. The files
-    FILE.rank{r}.json.gz appear only when every rank succeeded (RankError otherwise)."""
+    FILE.rank{r}.json.gz appear only when every rank succeeded (RankError otherwise). With `fake`, the
+    ranks run one after another in this process under fake tensors, on the fake process group."""
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     paths = [rank_path(output, r) for r in range(nproc)]
@@ -163,26 +182,37 @@ def trace_ranks(model_file: str, output: str | os.PathLike, nproc: int, *, batch
                 path.unlink(missing_ok=True)
             raise RankError(f"{output}: cannot write the rank traces ({e.strerror or e})") from None
 
-    options = {"batch": batch, "seq": seq, "dtype": dtype, "layers": layers, "device": device}
-    summaries = launch(_trace_rank, (str(model_file), options, meta, top), nproc, device,
-                       tmp_parent=output.parent, keep=keep)
+    options = {"batch": batch, "seq": seq, "dtype": dtype, "layers": layers, "device": device, "fake": fake}
+    args = (str(model_file), options, meta, top)
+    if not fake:
+        summaries = launch(_trace_rank, args, nproc, device, tmp_parent=output.parent, keep=keep)
+        return list(zip(paths, summaries))
+    if nproc < 1:
+        raise RankError(f"--nproc {nproc}: need at least one process")
+    work = Path(tempfile.mkdtemp(prefix=".memplan-ranks-", dir=output.parent))
+    try:
+        summaries = _fake_ranks(_trace_rank, args, nproc, work)
+        keep(work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return list(zip(paths, summaries))
 
 
 def trace_command_ranks(model_file: str, output: str | None, nproc: int, *, batch: int, seq: int, dtype: str,
-                        layers: str, device: str, top: int, progress: Callable[[str], None]) -> tuple[dict, str]:
+                        layers: str, device: str, top: int, progress: Callable[[str], None],
+                        fake: bool = False) -> tuple[dict, str]:
     """`memplan trace --nproc N`: trace every rank and return the summary (JSON keys: world_size, ranks,
     each rank's summary with rank and output) and its text."""
     from traces.summary import render
 
     stem = Path(model_file).stem
     output = output or f"{stem}.{layers}.trace.json.gz"
-    backend = "nccl" if device == "cuda" else "gloo"
-    progress(f"starting {nproc} ranks ({backend}): {model_file} (batch {batch}, seq {seq}, {dtype}, "
-             f"layers {layers}), one training step each after a warm-up step")
+    backend = "fake process group, fake tensors" if fake else "nccl" if device == "cuda" else "gloo"
+    progress(f"{'tracing' if fake else 'starting'} {nproc} ranks ({backend}): {model_file} (batch {batch}, "
+             f"seq {seq}, {dtype}, layers {layers}), one training step each after a warm-up step")
     meta = {"model": stem, "layers": layers, "batch": batch, "seq": seq, "model_file": str(model_file)}
     results = trace_ranks(model_file, output, nproc, batch=batch, seq=seq, dtype=dtype, layers=layers,
-                          device=device, meta=meta, top=top)
+                          device=device, meta=meta, top=top, fake=fake)
     ranks, texts = [], []
     for r, (path, summary) in enumerate(results):
         progress(f"wrote {path}")

@@ -19,7 +19,7 @@ import inspect
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -153,14 +153,21 @@ def _check_placement(path: Path, workload: Workload, dtype: torch.dtype, device:
             raise ModelFileError(f"{path}: parameter {name} is {p.dtype}, expected {dtype}")
 
 
-def load_workload(path: str | os.PathLike, *, batch: int, seq: int, dtype: torch.dtype,
-                  device: str, layers: str = "baseline", fake: bool = False) -> Workload:
-    """Import a model file, call its build(), and return the Workload (with `layers` applied); `fake`
-    when it is called under fake tensors, where a CUDA device needs no GPU but a CUDA build of torch."""
+def import_model_file(path: str | os.PathLike) -> Callable[..., Any]:
+    """Import a model file (and memplan's layers) and return its build(). Run it before recording: what
+    a module makes at import (constants, memplan's GELU tables) is not part of the step, and never fake."""
+    import planner.layers  # noqa: F401  (patch() needs it; importing it under fake tensors would fake its tables)
+
+    path = Path(path)
+    return _build_function(path, _import(path))
+
+
+def build_workload(path: str | os.PathLike, build: Callable[..., Any], *, batch: int, seq: int,
+                   dtype: torch.dtype, device: str, layers: str = "baseline", fake: bool = False) -> Workload:
+    """Call a model file's build() and return the Workload (with `layers` applied); `fake` when it is
+    called under fake tensors, where a CUDA device needs no GPU but a CUDA build of torch."""
     path = Path(path)
     dev = require_device(device, fake)
-    module = _import(path)
-    build = _build_function(path, module)
     torch.manual_seed(0)
     try:
         built = build(batch_size=batch, seq_len=seq, dtype=dtype, device=str(dev))
@@ -178,3 +185,11 @@ def load_workload(path: str | os.PathLike, *, batch: int, seq: int, dtype: torch
                              "'model' and 'inputs', or a traces.workload.Workload")
     _check_placement(path, workload, dtype, dev)
     return workload
+
+
+def load_workload(path: str | os.PathLike, *, batch: int, seq: int, dtype: torch.dtype,
+                  device: str, layers: str = "baseline", fake: bool = False) -> Workload:
+    """Import a model file, call its build(), and return the Workload (with `layers` applied)."""
+    require_device(device, fake)
+    return build_workload(path, import_model_file(path), batch=batch, seq=seq, dtype=dtype, device=device,
+                          layers=layers, fake=fake)

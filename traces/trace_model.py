@@ -9,7 +9,7 @@ import torch
 
 from traces.capture import capture_step
 from traces.format import Trace
-from traces.model_file import load_workload
+from traces.model_file import build_workload, import_model_file, require_device
 
 
 def trace_model_file(path: str | os.PathLike, *, batch: int, seq: int, dtype: str | torch.dtype = "float32",
@@ -18,9 +18,12 @@ def trace_model_file(path: str | os.PathLike, *, batch: int, seq: int, dtype: st
     """Build `path`'s workload (batch, seq, dtype, device, layer mode) and record one training step; with
     `fake`, under fake tensors (nothing allocated or computed, any size, also a CUDA device on a CPU)."""
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    require_device(device, fake)
+    build_function = import_model_file(path)  # before recording: import-time tensors are not the step's
 
     def build():
-        return load_workload(path, batch=batch, seq=seq, dtype=torch_dtype, device=device, layers=layers, fake=fake)
+        return build_workload(path, build_function, batch=batch, seq=seq, dtype=torch_dtype, device=device,
+                              layers=layers, fake=fake)
 
     info = {"model": Path(path).stem, "layers": layers, "batch": batch, "seq": seq,
             "dtype": str(torch_dtype).replace("torch.", ""), "model_file": str(path)}

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch._guards import detect_fake_mode
 from torch.nn import functional as F
 
 from traces.errors import MemplanError
@@ -85,10 +87,24 @@ def build_tables(approximate: str) -> InverseTables:
 TABLES = {form: build_tables(form) for form in FORMS}
 
 
+FAKE_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fake mode -> its copies of the tables
+
+
 @functools.lru_cache(maxsize=None)
-def table_on(approximate: str, which: str, device: torch.device) -> torch.Tensor:
-    """One of the inverse tables ("main" or "tail") on `device`, copied there once."""
+def _copied(approximate: str, which: str, device: torch.device) -> torch.Tensor:
     return getattr(TABLES[approximate], which).to(device)
+
+
+def table_on(approximate: str, which: str, device: torch.device) -> torch.Tensor:
+    """One of the inverse tables ("main" or "tail") on `device`, copied there once; under fake tensors
+    once per fake mode, so a fake copy never outlives its mode or reaches a real step."""
+    mode = detect_fake_mode()
+    if mode is None:
+        return _copied(approximate, which, device)
+    copies = FAKE_COPIES.setdefault(mode, {})
+    if (approximate, which, device) not in copies:
+        copies[approximate, which, device] = getattr(TABLES[approximate], which).to(device)
+    return copies[approximate, which, device]
 
 
 def interpolate(table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
