@@ -142,6 +142,10 @@ def import_command(snapshot, output, cuda_device, as_json):
 
 ALLOC_CONF_HELP = ("PYTORCH_CUDA_ALLOC_CONF string for the simulated caching allocator, e.g. "
                    "'max_split_size_mb:128,roundup_power2_divisions:4' (default: PyTorch's defaults).")
+capture_option = click.option(
+    "--capture", type=click.Choice(["auto", "real", "fake"]), default="auto", show_default=True,
+    help="Trace real or fake tensors; auto: fake where a real step would be slow on a CPU or would not fit "
+         "this machine (README: Choosing real or fake traces).")
 tie_break_option = click.option(
     "--tie-break", type=click.Choice(TIE_BREAKS), default=TIE_BREAKS[0],
     show_default=True, help="Which of several free blocks of the same size the simulated allocator takes: "
@@ -317,10 +321,12 @@ def solve_command(source, output, time_limit, capacity, method, alignment, scope
               help="Seconds for each solve.")
 @click.option("--replay-steps", type=click.IntRange(min=1), default=2, show_default=True,
               help="Steps the tempo plan is replayed for.")
+@capture_option
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps, as_json):
+def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps, capture, as_json):
     """The main job: trace MODEL_FILE under baseline, tempo, selective and tempo+selective layers, solve and
-    simulate each, replay the tempo plan on the CPU, and write a report with two pictures.
+    simulate each, replay the tempo plan on the CPU, and write a report with two pictures. With fake
+    traces there is no replay (it runs the real step).
 
     Without MODEL_FILE it runs the bundled 2-layer slice of BERT-Large (examples/bert_large_slice.py).
 
@@ -331,7 +337,7 @@ def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps
     from planner.main_job import DEFAULT_MODEL, RunOptions, render_text, run
 
     opts = RunOptions(model_file=str(model_file or os.path.relpath(DEFAULT_MODEL)), out_dir=out_dir, batch=batch, seq=seq,
-                      dtype=dtype, time_limit=time_limit, replay_steps=replay_steps)
+                      dtype=dtype, time_limit=time_limit, replay_steps=replay_steps, capture=capture)
     result = run(opts, progress=progress)
     emit(result.summary(), as_json, render_text(result))
 
@@ -348,8 +354,9 @@ def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps
 @tie_break_option
 @click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
               help="Seconds for each solve.")
+@capture_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def fit_command(model_file, memory, modes, seq, dtype, alloc_conf, tie_break, time_limit, as_json):
+def fit_command(model_file, memory, modes, seq, dtype, alloc_conf, tie_break, time_limit, capture, as_json):
     """The largest batch size whose training step fits --memory, under the caching allocator and under a plan.
 
     Traces batch 1, 2 and 4, fits memory as affine in the batch, predicts, then traces around the
@@ -363,7 +370,8 @@ def fit_command(model_file, memory, modes, seq, dtype, alloc_conf, tie_break, ti
 
     size = parse_size(memory)
     result = fit_model(model_file, size, modes=tuple(modes) or MODES, seq=seq, dtype=dtype,
-                       alloc_conf=alloc_conf, time_limit=time_limit, tie_break=tie_break, progress=progress)
+                       alloc_conf=alloc_conf, time_limit=time_limit, tie_break=tie_break, capture=capture,
+                       progress=progress)
     emit(result.summary(), as_json, result.text())
 
 

@@ -1,9 +1,11 @@
 """`memplan fit`: the largest batch size whose training step fits a memory size, per layer mode.
 
-Memory is measured on real traces: a few batch sizes are traced, memory is fitted as affine in the
+Memory is measured on traces: a few batch sizes are traced, memory is fitted as affine in the
 batch, the largest fitting batch is predicted, and the boundary is then proven by tracing: batch b
 fits and b+1 does not, both under the same allocator model (PyTorch's caching allocator simulated
 with the size as its capacity, so its out-of-memory retry applies; or a plan from the solvers).
+The traces are real, or fake (fake tensors: any size, in seconds) where the steps near the answer
+would be slow or would not fit this machine: `--capture` chooses, the summary says which.
 """
 from __future__ import annotations
 
@@ -14,26 +16,14 @@ from typing import Callable
 import numpy as np
 
 from traces.errors import MemplanError
+from traces.trace_model import HOST_SHARE, CaptureChoice, choose_capture, host_memory_available
 
 MEASURE_BATCHES = (1, 2, 4)
 MAX_BATCH = 4096  # the search stops here: larger batches take too long to trace
 GROWTH = 8  # a trace is at most this many times the largest batch known to fit
-HOST_SHARE = 0.7  # a trace may use at most this share of the RAM available now
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 ALLOCATORS = ("caching", "plan")
-
-
-def host_memory_available() -> int | None:
-    """Bytes of RAM this machine can still give (MemAvailable of /proc/meminfo), None when unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 class FitError(MemplanError):
@@ -122,18 +112,20 @@ class FitResult:
     dtype: str
     alloc_conf: str
     modes: list[ModeFit]
+    capture: CaptureChoice
     tie_break: str = "lowest_address"
 
     def summary(self) -> dict:
         """The JSON document of `memplan fit --json`."""
         return {"model_file": self.model_file, "memory": self.memory, "seq": self.seq, "dtype": self.dtype,
-                "alloc_conf": self.alloc_conf, "tie_break": self.tie_break,
-                "modes": [m.as_dict() for m in self.modes]}
+                "alloc_conf": self.alloc_conf, "tie_break": self.tie_break, "capture": self.capture.name,
+                "capture_reason": self.capture.reason, "modes": [m.as_dict() for m in self.modes]}
 
     def text(self) -> str:
         """The human table: per mode, the batch under each allocator model and the figures at b and b+1."""
         head = (f"largest batch fitting {format_size(self.memory)} ({self.memory} bytes), "
-                f"{self.model_file}, seq {self.seq}, {self.dtype}")
+                f"{self.model_file}, seq {self.seq}, {self.dtype}; {self.capture.name} traces "
+                f"({self.capture.reason})")
         cols = ("mode", "caching batch", "reserved* b / b+1", "plan batch", "arena b / b+1", "traces")
         rows = []
         for m in self.modes:
@@ -173,10 +165,11 @@ class BatchProbe:
     """Traces one layer mode at any batch size (each at most once) and judges it under both allocator models."""
 
     def __init__(self, model_file: str, mode: str, memory: int, *, seq: int, dtype: str, alloc_conf: str,
-                 time_limit: float, progress: Callable[[str], None], tie_break: str = "lowest_address"):
+                 time_limit: float, progress: Callable[[str], None], tie_break: str = "lowest_address",
+                 fake: bool = False):
         from planner.alloc_conf import parse_alloc_conf
 
-        self.model_file, self.mode, self.memory = model_file, mode, memory
+        self.model_file, self.mode, self.memory, self.fake = model_file, mode, memory, fake
         self.seq, self.dtype, self.time_limit, self.progress = seq, dtype, time_limit, progress
         self.conf = parse_alloc_conf(alloc_conf, tie_break)
         self.points: dict[int, Point] = {}
@@ -190,7 +183,7 @@ class BatchProbe:
     def _check_host_memory(self, batch: int) -> None:
         """Refuse a trace whose step, extrapolated from the traced batches, would not fit this machine's RAM."""
         known = list(self.points.values())
-        if len(known) < 2:
+        if self.fake or len(known) < 2:
             return
         b = np.array([p.batch for p in known], float)
         live = np.array([p.plan_bound for p in known], float)  # bytes live at the peak: what the CPU step holds
@@ -200,7 +193,7 @@ class BatchProbe:
         if available is not None and need > HOST_SHARE * available:
             raise FitError(f"{self.mode}: tracing batch {batch} would need about {format_size(int(need))} of this "
                            f"machine's memory ({format_size(available)} available); --memory "
-                           f"{format_size(self.memory)} holds more than can be traced here")
+                           f"{format_size(self.memory)} holds more than can be traced here: use --capture fake")
 
     def _measure(self, batch: int) -> Point:
 
@@ -209,7 +202,8 @@ class BatchProbe:
         from solvers import CapacityError, solve
         from traces.trace_model import trace_model_file
 
-        trace = trace_model_file(self.model_file, batch=batch, seq=self.seq, dtype=self.dtype, layers=self.mode)
+        trace = trace_model_file(self.model_file, batch=batch, seq=self.seq, dtype=self.dtype, layers=self.mode,
+                                 fake=self.fake)
         reserved = simulate_caching(trace, self.conf).peak_reserved
         # with a capacity the allocator frees its cache and retries before failing: only that decides a miss
         caching_fits = reserved <= self.memory or simulate_caching(trace, self.conf, self.memory).oom is None
@@ -278,17 +272,20 @@ def fit_mode(probe: BatchProbe) -> ModeFit:
 
 def fit_model(model_file: str, memory: int, *, modes: tuple[str, ...], seq: int = 128, dtype: str = "float32",
               alloc_conf: str = "", time_limit: float = 5.0, tie_break: str = "lowest_address",
-              progress: Callable[[str], None] = lambda _: None) -> FitResult:
-    """The largest batch of `model_file` fitting `memory` bytes for every mode, under both allocator models."""
+              capture: str = "auto", progress: Callable[[str], None] = lambda _: None) -> FitResult:
+    """The largest batch of `model_file` fitting `memory` bytes for every mode, under both allocator models,
+    on real or fake traces as `capture` (auto, real, fake) chooses for steps near `memory` bytes."""
     from planner.layers import MODES
 
     for mode in modes:
         if mode not in MODES:
             raise FitError(f"--layers {mode}: unknown mode (choose from {', '.join(MODES)})")
+    choice = choose_capture(capture, memory)
+    progress(f"{choice.name} traces ({choice.reason})")
     fits = []
     for mode in dict.fromkeys(modes):
         progress(f"{mode}: tracing batch sizes {', '.join(map(str, MEASURE_BATCHES))} to predict the fit")
         probe = BatchProbe(model_file, mode, memory, seq=seq, dtype=dtype, alloc_conf=alloc_conf,
-                           time_limit=time_limit, progress=progress, tie_break=tie_break)
+                           time_limit=time_limit, progress=progress, tie_break=tie_break, fake=choice.fake)
         fits.append(fit_mode(probe))
-    return FitResult(str(model_file), memory, seq, dtype, alloc_conf, fits, tie_break)
+    return FitResult(str(model_file), memory, seq, dtype, alloc_conf, fits, choice, tie_break)

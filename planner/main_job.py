@@ -19,6 +19,7 @@ from typing import Callable
 
 from planner.memory_report import MemoryReport, build_report, human_bytes
 from traces.errors import MemplanError
+from traces.trace_model import CaptureChoice, choose_capture
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "examples" / "bert_large_slice.py"
@@ -38,6 +39,7 @@ class RunOptions:
     time_limit: float = 10.0
     replay_mode: str = "tempo"
     replay_steps: int = 2
+    capture: str = "auto"  # real or fake traces: auto, real, fake
 
 
 @dataclass
@@ -65,8 +67,9 @@ class RunResult:
     """The whole run: one row per mode, the replay of one plan, the files written and the wall time."""
 
     options: RunOptions
+    capture: CaptureChoice
     rows: list[ModeRow]
-    replay: dict
+    replay: dict | None  # None when the traces are fake: a replay runs the real step
     report_md: str
     timeline_png: str
     address_space_png: str
@@ -74,27 +77,39 @@ class RunResult:
 
     def summary(self) -> dict:
         return {"model_file": self.options.model_file, "batch": self.options.batch, "seq": self.options.seq,
-                "dtype": self.options.dtype, "rows": [asdict(r) for r in self.rows], "replay": self.replay,
+                "dtype": self.options.dtype, "capture": self.capture.name, "capture_reason": self.capture.reason,
+                "rows": [asdict(r) for r in self.rows], "replay": self.replay,
                 "report": self.report_md, "timeline": self.timeline_png,
                 "address_space": self.address_space_png, "seconds": round(self.seconds, 1)}
 
 
-def reproduce_command(opts: RunOptions, mode: str, trace_file: str, plan_file: str) -> str:
+def reproduce_command(opts: RunOptions, mode: str, trace_file: str, plan_file: str, fake: bool) -> str:
     """The memplan commands that rebuild one row of the report by hand."""
     q = shlex.quote
     return (f"memplan trace {q(opts.model_file)} --batch {opts.batch} --seq {opts.seq} --dtype {opts.dtype} "
-            f"--layers {mode} -o {q(trace_file)} && memplan solve {q(trace_file)} -o {q(plan_file)} "
+            f"--layers {mode}{' --fake' if fake else ''} -o {q(trace_file)} && "
+            f"memplan solve {q(trace_file)} -o {q(plan_file)} "
             f"--time-limit {opts.time_limit:g} && memplan simulate {q(trace_file)} --plan {q(plan_file)}")
 
 
-def trace_mode(opts: RunOptions, mode: str, path: Path):
-    """Trace one training step of the model with `mode` layers and save it to `path`."""
+def trace_mode(opts: RunOptions, mode: str, path: Path | None, fake: bool):
+    """Trace one training step of the model with `mode` layers (real or fake) and save it to `path`."""
     from traces.format import save
     from traces.trace_model import trace_model_file
 
-    trace = trace_model_file(opts.model_file, batch=opts.batch, seq=opts.seq, dtype=opts.dtype, layers=mode)
-    save(trace, path)
+    trace = trace_model_file(opts.model_file, batch=opts.batch, seq=opts.seq, dtype=opts.dtype, layers=mode,
+                             fake=fake)
+    if path is not None:
+        save(trace, path)
     return trace
+
+
+def choose_run_capture(opts: RunOptions, progress: Callable[[str], None]) -> CaptureChoice:
+    """Real or fake traces for the run; auto measures the first mode's step on a fake trace first."""
+    if opts.capture != "auto":
+        return choose_capture(opts.capture, 0)
+    progress(f"[{opts.modes[0]}] sizing the step on a fake trace")
+    return choose_capture("auto", trace_mode(opts, opts.modes[0], None, fake=True).peak()[0])
 
 
 def mode_files(mode: str) -> tuple[Path, Path]:
@@ -102,15 +117,15 @@ def mode_files(mode: str) -> tuple[Path, Path]:
     return Path("traces") / f"{mode}.trace.json.gz", Path("plans") / f"{mode}.plan.json"
 
 
-def run_mode(opts: RunOptions, mode: str, work: Path, out: Path,
+def run_mode(opts: RunOptions, mode: str, work: Path, out: Path, fake: bool,
              progress: Callable[[str], None]) -> tuple[MemoryReport, ModeRow]:
     """Trace, solve and simulate one layer mode, writing into `work`; the row names the files in `out`."""
     from solvers.solve_file import solve_file
 
     trace_rel, plan_rel = mode_files(mode)
     trace_file, plan_file = out / trace_rel, out / plan_rel
-    progress(f"[{mode}] tracing one training step")
-    trace = trace_mode(opts, mode, work / trace_rel)
+    progress(f"[{mode}] tracing one training step ({'fake' if fake else 'real'} tensors)")
+    trace = trace_mode(opts, mode, work / trace_rel, fake)
     progress(f"[{mode}] solving {len(trace):,} buffers")
     plan = solve_file(str(work / trace_rel), str(work / plan_rel), time_limit=opts.time_limit).plan
     progress(f"[{mode}] simulating the caching allocator")
@@ -119,14 +134,14 @@ def run_mode(opts: RunOptions, mode: str, work: Path, out: Path,
                   peak_live=trace.peak()[0], caching_peak_reserved=int(report.caching.peak_reserved),
                   caching_peak_allocated=int(report.caching.peak_allocated), plan_arena=plan.arena,
                   bound=plan.bound, status=plan.status, gap=plan.gap, solver=plan.solver,
-                  saving_vs_baseline=None, command=reproduce_command(opts, mode, str(trace_file), str(plan_file)))
+                  saving_vs_baseline=None,
+                  command=reproduce_command(opts, mode, str(trace_file), str(plan_file), fake))
     return report, row
 
 
 def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> RunResult:
     """Run the main job and write report.md, timeline.png and address_space.png into opts.out_dir."""
     from planner.plots import plot_reports
-    from planner.replay.model_replay import replay_model_file
     from traces.files import atomic_write
 
     if not Path(opts.model_file).is_file():
@@ -140,9 +155,11 @@ def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> R
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
+        capture = choose_run_capture(opts, progress)
+        progress(f"{capture.name} traces ({capture.reason})")
         reports, rows = [], []
         for mode in opts.modes:
-            report, row = run_mode(opts, mode, work, out, progress)
+            report, row = run_mode(opts, mode, work, out, capture.fake, progress)
             reports.append(report)
             rows.append(row)
         base = next((r for r in rows if r.mode == "baseline"), None)
@@ -155,19 +172,26 @@ def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> R
         replayed = next(r for r in reports if r.name == opts.replay_mode)
         plot_reports([replayed], work / "address_space.png", address_space=True)
 
-        trace_rel, plan_rel = mode_files(opts.replay_mode)
-        progress(f"[{opts.replay_mode}] replaying its plan for {opts.replay_steps} steps through the C++ plan allocator")
-        replay = replay_model_file(str(work / plan_rel), opts.model_file, trace_file=str(work / trace_rel),
-                                   steps=opts.replay_steps, batch=opts.batch, seq=opts.seq, dtype=opts.dtype,
-                                   layers=opts.replay_mode, progress=progress).summary()
-        replay["mode"] = opts.replay_mode
-        result = RunResult(opts, rows, replay, str(out / "report.md"), str(out / "timeline.png"),
+        replay = None if capture.fake else replay_plan(opts, work, progress)
+        result = RunResult(opts, capture, rows, replay, str(out / "report.md"), str(out / "timeline.png"),
                            str(out / "address_space.png"), time.monotonic() - start)
         atomic_write(work / "report.md", render_markdown(result))
         move_into(work, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return result
+
+
+def replay_plan(opts: RunOptions, work: Path, progress: Callable[[str], None]) -> dict:
+    """Replay the replayed mode's plan through the C++ plan allocator: its summary, with the mode."""
+    from planner.replay.model_replay import replay_model_file
+
+    trace_rel, plan_rel = mode_files(opts.replay_mode)
+    progress(f"[{opts.replay_mode}] replaying its plan for {opts.replay_steps} steps through the C++ plan allocator")
+    replay = replay_model_file(str(work / plan_rel), opts.model_file, trace_file=str(work / trace_rel),
+                               steps=opts.replay_steps, batch=opts.batch, seq=opts.seq, dtype=opts.dtype,
+                               layers=opts.replay_mode, progress=progress).summary()
+    return {**replay, "mode": opts.replay_mode}
 
 
 def move_into(work: Path, out: Path) -> None:
@@ -198,13 +222,18 @@ def render_text(result: RunResult) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]
-    lines += ["", replay_sentence(result.replay), "",
+    lines += ["", f"traces: {result.capture.name} tensors ({result.capture.reason})",
+              replay_sentence(result), "",
               f"report         {result.report_md}", f"timeline       {result.timeline_png}",
               f"address space  {result.address_space_png}", f"wall time      {result.seconds:.1f} s"]
     return "\n".join(lines)
 
 
-def replay_sentence(r: dict) -> str:
+def replay_sentence(result: RunResult) -> str:
+    r = result.replay
+    if r is None:
+        return ("no replay: the traces are fake, and a replay runs the real step on this machine "
+                "(--capture real replays it)")
     equal = "bitwise equal to" if r["bitwise_equal"] else f"DIFFERENT from ({r['first_difference']})"
     return (f"replay of the {r['mode']} plan: {r['steps']} steps; {r['adopted_count']:,} of {r['reserved_count']:,} "
             f"resident storages adopted into the {human_bytes(r['arena_bytes'])} arena "
@@ -219,7 +248,8 @@ def render_markdown(result: RunResult) -> str:
     rows = table_rows(result)
     md = [f"# memplan report: {Path(o.model_file).stem}", "",
           f"One training step (forward, backward, AdamW) of `{o.model_file}` at batch {o.batch}, sequence "
-          f"{o.seq}, {o.dtype}, traced on the CPU under each layer mode.", "",
+          f"{o.seq}, {o.dtype}, traced under each layer mode with {result.capture.name} tensors "
+          f"({result.capture.reason}).", "",
           "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
     md += ["| " + " | ".join(row) + " |" for row in rows[1:]]
     md += ["",
@@ -229,7 +259,7 @@ def render_markdown(result: RunResult) -> str:
            "- **bound**: the max-live lower bound (sizes rounded to 512 B); **proof** says whether the arena "
            "equals it.",
            "- **saving vs baseline**: 1 - plan arena / baseline's caching-allocator reserved peak.", "",
-           "## Replay", "", replay_sentence(result.replay) + ".", "",
+           "## Replay", "", replay_sentence(result) + ".", "",
            "![timeline](timeline.png)", "", "![address space](address_space.png)", "",
            "## Reproduce each row", ""]
     for r in result.rows:

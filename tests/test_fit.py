@@ -78,11 +78,34 @@ def test_memory_beyond_the_largest_batch_is_one_line():
         fit_model(MODEL, 1 << 40, modes=("baseline",), seq=2, time_limit=1.0)
 
 
-def test_a_trace_too_large_for_this_machine_is_refused(monkeypatch):
+def test_a_real_trace_too_large_for_this_machine_is_refused(monkeypatch):
     import planner.fit
     monkeypatch.setattr(planner.fit, "host_memory_available", lambda: 64 << 20)
-    with pytest.raises(FitError, match=r"tracing batch \d+ would need about .* of this machine's memory"):
-        fit_model(MODEL, 1 << 40, modes=("baseline",), seq=SEQ, time_limit=1.0)
+    with pytest.raises(FitError, match=r"tracing batch \d+ would need about .* memory.*: use --capture fake"):
+        fit_model(MODEL, 1 << 40, modes=("baseline",), seq=SEQ, time_limit=1.0, capture="real")
+
+
+def test_auto_capture_is_fake_where_a_real_step_is_slow_or_does_not_fit(monkeypatch):
+    import traces.trace_model
+    from traces.trace_model import choose_capture
+
+    monkeypatch.setattr(traces.trace_model, "host_memory_available", lambda: 20 << 30)
+    assert not choose_capture("auto", 1 << 30).fake and choose_capture("auto", 3 << 30).fake
+    monkeypatch.setattr(traces.trace_model, "host_memory_available", lambda: 1 << 30)
+    assert choose_capture("auto", 1 << 30).fake  # more than 70% of the RAM available
+    assert not choose_capture("real", 1 << 40).fake and choose_capture("fake", 1).fake
+
+
+def test_fake_traces_give_the_real_traces_answer():
+    """Fake tensors hold what real ones do: the same batch under both allocator models, and JSON says fake."""
+    real = fit_model(MODEL, MEMORY, modes=("tempo",), seq=SEQ, time_limit=2.0, capture="real")
+    res = CliRunner().invoke(main, ["fit", MODEL, "--memory", str(MEMORY), "--seq", str(SEQ), "--layers", "tempo",
+                                    "--time-limit", "2", "--capture", "fake", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert real.capture.name == "real" and doc["capture"] == "fake" and doc["capture_reason"] == "--capture fake"
+    assert doc["modes"][0]["caching"]["batch"] == real.modes[0].batch["caching"]
+    assert doc["modes"][0]["plan"]["batch"] == real.modes[0].batch["plan"]
 
 
 def test_cli_json():

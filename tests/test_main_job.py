@@ -29,11 +29,25 @@ def test_run_writes_report_pictures_and_one_row_per_mode(tmp_path):
     tempo = next(row for row in s["rows"] if row["mode"] == "tempo")
     assert tempo["peak_live"] < base["peak_live"]
     assert s["replay"]["bitwise_equal"] and s["replay"]["mode"] == "tempo"
+    assert s["replay"]["fallback_count"] == 0 and s["capture"] == "real"
     report = (out / "report.md").read_text()
     assert all(f"--layers {m} " in report for m in MODES)
     for png in ("timeline.png", "address_space.png"):
         img = Image.open(out / png).convert("L")
         assert img.size[0] > 400 and len(np.unique(np.asarray(img))) > 20
+
+
+def test_run_on_fake_traces_says_so_and_replays_nothing(tmp_path):
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["run", "examples/llama.py", "-o", str(out), "--seq", "32", "--time-limit", "1",
+                                  "--capture", "fake", "--json"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)
+    assert s["capture"] == "fake" and s["replay"] is None
+    assert all(load(row["trace_file"]).meta["fake"] for row in s["rows"])
+    report = (out / "report.md").read_text()
+    assert "with fake tensors (--capture fake)" in report and "no replay: the traces are fake" in report
+    assert all(f"--layers {m} --fake " in report for m in MODES)
 
 
 def test_run_with_a_missing_model_file_is_one_line(tmp_path):

@@ -10,14 +10,14 @@ the step begins is a buffer with allocation time 0, freed where the program drop
 With `fake=True` the workload is built and stepped under fake tensors (traces/fake.py): nothing is
 allocated or computed, and the trace holds every storage the program's ops return, with the same
 labels. On CUDA the caching allocator's history of the step gives the requested (unrounded) sizes
-and the streams.
+and the streams. A real CPU capture runs on one intra-op thread (see `one_cpu_thread`).
 """
 from __future__ import annotations
 
 import contextlib
 import gc
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -49,6 +49,22 @@ class _Buffer:
     op: str
     category: str = ""
     stream: int = 0
+
+
+@contextlib.contextmanager
+def one_cpu_thread(device: torch.device) -> Iterator[None]:
+    """CPU steps inside run on one intra-op thread. With more, a kernel that splits its work over threads
+    allocates per-thread scratch on worker threads, in an order that changes from run to run, so no two
+    steps allocate the same sequence (a GPU step has no such allocations). Capture and replay use it."""
+    if device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def workload_device(workload: Workload) -> torch.device:
@@ -178,7 +194,7 @@ def capture_step(build: Callable[[], Workload], device: str | torch.device = "cp
     """Build a workload with `build()` and record one `workload.step()` (after a warm-up step unless
     `warmup=False`) on `device` as a labelled Trace; with `fake`, under fake tensors."""
     device = torch.device(device)
-    with recording(device, fake=fake) as recorder:
+    with one_cpu_thread(device if not fake else torch.device("meta")), recording(device, fake=fake) as recorder:
         fake_mode = FakeCapture(recorder) if fake else None
         with fake_mode or contextlib.nullcontext():
             workload = build()

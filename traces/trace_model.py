@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from traces.capture import capture_step
+from traces.errors import MemplanError
 from traces.format import Trace
 from traces.model_file import build_workload, import_model_file, require_device
 
@@ -28,3 +30,50 @@ def trace_model_file(path: str | os.PathLike, *, batch: int, seq: int, dtype: st
     info = {"model": Path(path).stem, "layers": layers, "batch": batch, "seq": seq,
             "dtype": str(torch_dtype).replace("torch.", ""), "model_file": str(path)}
     return capture_step(build, device, fake=fake, warmup=warmup, meta={**info, **(meta or {})})
+
+
+CAPTURES = ("auto", "real", "fake")
+REAL_STEP_BYTES = 2 << 30  # auto traces a step holding more than this under fake tensors: a real CPU step
+#                            takes about 8 s per GiB held on 2 cores (BERT-Large layers), a fake one seconds
+HOST_SHARE = 0.7  # and a real trace may use at most this share of the RAM available now
+
+
+def host_memory_available() -> int | None:
+    """Bytes of RAM this machine can still give (MemAvailable of /proc/meminfo), None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@dataclass(frozen=True)
+class CaptureChoice:
+    """Real or fake tensors for a command's traces, and why, in words for its report."""
+
+    fake: bool
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return "fake" if self.fake else "real"
+
+
+def choose_capture(capture: str, need: int) -> CaptureChoice:
+    """`--capture auto|real|fake` for steps holding about `need` bytes: auto traces fake tensors when a
+    real step would be slow (above REAL_STEP_BYTES) or would not fit this machine's RAM."""
+    if capture not in CAPTURES:
+        raise MemplanError(f"--capture {capture}: choose from {', '.join(CAPTURES)}")
+    if capture != "auto":
+        return CaptureChoice(capture == "fake", f"--capture {capture}")
+    available = host_memory_available()
+    limit = REAL_STEP_BYTES if available is None else min(REAL_STEP_BYTES, int(HOST_SHARE * available))
+    gib = 1 << 30
+    if need > limit:
+        return CaptureChoice(True, f"--capture auto: the steps hold about {need / gib:.2f} GiB, more than the "
+                                   f"{limit / gib:.2f} GiB traced for real on this machine")
+    return CaptureChoice(False, f"--capture auto: the steps hold about {need / gib:.2f} GiB, within the "
+                                f"{limit / gib:.2f} GiB traced for real on this machine")

@@ -4,7 +4,7 @@ Both runs start from the same state: the workload is built afresh (load_workload
 warm-up step runs with the default allocator (it creates the optimizer state), and torch is seeded
 again before the measured steps. The planned run first adopts the resident storages into the arena
 (planner/replay/adoption.py). Loss, every gradient and the parameters after the steps are compared
-bitwise.
+bitwise. CPU steps run on one intra-op thread, as capture runs them (traces.capture.one_cpu_thread).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from planner.replay.adoption import adopt_resident
 from planner.replay.fingerprint import RunPrints, first_difference, record_params, tensor_digest, watch_gradients
 from planner.replay.report import ReplayReport
 from planner.replay.schedule import Schedule
+from traces.capture import one_cpu_thread
 from traces.workload import Workload
 
 SEED = 1234
@@ -64,19 +65,20 @@ def replay(schedule: Schedule, make_workload: Callable[[], Workload], plan_alloc
     after adopting the resident storages into its arena, and compare."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else None
     planned, ref = RunPrints(), RunPrints()
-    workload = make_workload()
-    name = workload.name
-    warm_up(workload)
-    with plan_allocator as alloc:
-        outside = adopt_resident(workload, alloc, torch.device(device).type)
-        plan_seconds = run_steps(workload, steps, alloc.step, planned, sync)
-    stats = alloc.stats()
-    del workload
-    gc.collect()
-    workload = make_workload()
-    warm_up(workload)
-    ref_seconds = run_steps(workload, steps, nullcontext, ref, sync)
-    del workload
+    with one_cpu_thread(torch.device(device)):
+        workload = make_workload()
+        name = workload.name
+        warm_up(workload)
+        with plan_allocator as alloc:
+            outside = adopt_resident(workload, alloc, torch.device(device).type)
+            plan_seconds = run_steps(workload, steps, alloc.step, planned, sync)
+        stats = alloc.stats()
+        del workload
+        gc.collect()
+        workload = make_workload()
+        warm_up(workload)
+        ref_seconds = run_steps(workload, steps, nullcontext, ref, sync)
+        del workload
     diff = first_difference(planned, ref)
     return ReplayReport(
         workload=name, device=device, steps=steps, reference=reference, planned_per_step=len(schedule),
