@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-
 from planner.memory_report import MemoryReport, build_report, human_bytes
 from traces.errors import MemplanError
+from traces.format import Trace
 from traces.trace_model import CaptureChoice, choose_capture
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,24 +92,23 @@ def reproduce_command(opts: RunOptions, mode: str, trace_file: str, plan_file: s
             f"--time-limit {opts.time_limit:g} && memplan simulate {q(trace_file)} --plan {q(plan_file)}")
 
 
-def trace_mode(opts: RunOptions, mode: str, path: Path | None, fake: bool):
-    """Trace one training step of the model with `mode` layers (real or fake) and save it to `path`."""
-    from traces.format import save
+def trace_mode(opts: RunOptions, mode: str, fake: bool) -> Trace:
+    """Trace one training step of the model with `mode` layers, on real or fake tensors."""
     from traces.trace_model import trace_model_file
 
-    trace = trace_model_file(opts.model_file, batch=opts.batch, seq=opts.seq, dtype=opts.dtype, layers=mode,
-                             fake=fake)
-    if path is not None:
-        save(trace, path)
-    return trace
+    return trace_model_file(opts.model_file, batch=opts.batch, seq=opts.seq, dtype=opts.dtype, layers=mode,
+                            fake=fake)
 
 
-def choose_run_capture(opts: RunOptions, progress: Callable[[str], None]) -> CaptureChoice:
-    """Real or fake traces for the run; auto measures the first mode's step on a fake trace first."""
+def choose_run_capture(opts: RunOptions, progress: Callable[[str], None]) -> tuple[CaptureChoice, dict[str, Trace]]:
+    """Real or fake traces for the run, and the traces already made: auto sizes the step on a fake trace of
+    the first mode, which the run then keeps when it chose fake."""
     if opts.capture != "auto":
-        return choose_capture(opts.capture, 0)
+        return choose_capture(opts.capture, 0), {}
     progress(f"[{opts.modes[0]}] sizing the step on a fake trace")
-    return choose_capture("auto", trace_mode(opts, opts.modes[0], None, fake=True).peak()[0])
+    sizing = trace_mode(opts, opts.modes[0], fake=True)
+    choice = choose_capture("auto", sizing.peak()[0])
+    return choice, {opts.modes[0]: sizing} if choice.fake else {}
 
 
 def mode_files(mode: str) -> tuple[Path, Path]:
@@ -117,15 +116,19 @@ def mode_files(mode: str) -> tuple[Path, Path]:
     return Path("traces") / f"{mode}.trace.json.gz", Path("plans") / f"{mode}.plan.json"
 
 
-def run_mode(opts: RunOptions, mode: str, work: Path, out: Path, fake: bool,
+def run_mode(opts: RunOptions, mode: str, work: Path, out: Path, fake: bool, traced: Trace | None,
              progress: Callable[[str], None]) -> tuple[MemoryReport, ModeRow]:
-    """Trace, solve and simulate one layer mode, writing into `work`; the row names the files in `out`."""
+    """Trace (unless `traced` is this mode's trace already), solve and simulate one layer mode, writing
+    into `work`; the row names the files in `out`."""
     from solvers.solve_file import solve_file
+    from traces.format import save
 
     trace_rel, plan_rel = mode_files(mode)
     trace_file, plan_file = out / trace_rel, out / plan_rel
-    progress(f"[{mode}] tracing one training step ({'fake' if fake else 'real'} tensors)")
-    trace = trace_mode(opts, mode, work / trace_rel, fake)
+    if traced is None:
+        progress(f"[{mode}] tracing one training step ({'fake' if fake else 'real'} tensors)")
+    trace = traced or trace_mode(opts, mode, fake)
+    save(trace, work / trace_rel)
     progress(f"[{mode}] solving {len(trace):,} buffers")
     plan = solve_file(str(work / trace_rel), str(work / plan_rel), time_limit=opts.time_limit).plan
     progress(f"[{mode}] simulating the caching allocator")
@@ -155,11 +158,11 @@ def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> R
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        capture = choose_run_capture(opts, progress)
+        capture, traced = choose_run_capture(opts, progress)
         progress(f"{capture.name} traces ({capture.reason})")
         reports, rows = [], []
         for mode in opts.modes:
-            report, row = run_mode(opts, mode, work, out, capture.fake, progress)
+            report, row = run_mode(opts, mode, work, out, capture.fake, traced.get(mode), progress)
             reports.append(report)
             rows.append(row)
         base = next((r for r in rows if r.mode == "baseline"), None)

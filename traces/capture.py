@@ -194,7 +194,7 @@ def capture_step(build: Callable[[], Workload], device: str | torch.device = "cp
     """Build a workload with `build()` and record one `workload.step()` (after a warm-up step unless
     `warmup=False`) on `device` as a labelled Trace; with `fake`, under fake tensors."""
     device = torch.device(device)
-    with one_cpu_thread(device if not fake else torch.device("meta")), recording(device, fake=fake) as recorder:
+    with one_cpu_thread(device), recording(device, fake=fake) as recorder:
         fake_mode = FakeCapture(recorder) if fake else None
         with fake_mode or contextlib.nullcontext():
             workload = build()

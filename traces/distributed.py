@@ -88,26 +88,19 @@ def _first_error(work: Path, exitcodes: dict[int, int | None]) -> str:
 
 
 def launch(fn: Callable, args: tuple = (), nproc: int = 2, device: str = "cpu",
-           tmp_parent: str | os.PathLike | None = None, keep: Callable[[Path], None] | None = None) -> list[Any]:
+           tmp_parent: str | os.PathLike | None = None, keep: Callable[[Path], None] | None = None,
+           fake: bool = False) -> list[Any]:
     """Run fn(workdir, *args) on `nproc` ranks of one process group and return their JSON results in
     rank order. `keep(workdir)` runs in this process after every rank succeeded, before the private
-    folder is removed (to move files out of it). RankError when any rank fails."""
+    folder is removed (to move files out of it). RankError when any rank fails. With `fake`, the ranks
+    run in turn in this process on the fake process group (`_fake_ranks`)."""
     if nproc < 1:
         raise RankError(f"--nproc {nproc}: need at least one process")
-    if device == "cuda" and torch.cuda.device_count() < nproc:
+    if device == "cuda" and not fake and torch.cuda.device_count() < nproc:
         raise RankError(f"--nproc {nproc}: only {torch.cuda.device_count()} CUDA devices on this machine")
     work = Path(tempfile.mkdtemp(prefix=".memplan-ranks-", dir=tmp_parent))
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"memplan-{uuid.uuid4().hex}",
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-                          start_method="spawn")
     try:
-        with _launcher_quiet():
-            try:
-                elastic_launch(config, _rank_main)(fn, args, device, str(work))
-            except ChildFailedError as e:
-                codes = {rank: failure.exitcode for rank, failure in e.failures.items()}
-                raise RankError(_first_error(work, codes)) from None
-        results = [json.loads((work / f"result{r}.json").read_text()) for r in range(nproc)]
+        results = _fake_ranks(fn, args, nproc, work) if fake else _spawned_ranks(fn, args, nproc, device, work)
         if keep is not None:
             keep(work)
         return results
@@ -142,6 +135,20 @@ def _trace_rank(work: Path, model_file: str, options: dict, meta: dict, top: int
                              meta={**meta, "rank": rank, "world_size": world, "backend": dist.get_backend()})
     save(trace, work / f"rank{rank}.json.gz")
     return summarize(trace, top=top)
+
+
+def _spawned_ranks(fn: Callable, args: tuple, nproc: int, device: str, work: Path) -> list[Any]:
+    """Run fn(work, *args) on `nproc` processes started by torch.distributed's elastic launcher."""
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"memplan-{uuid.uuid4().hex}",
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
+                          start_method="spawn")
+    with _launcher_quiet():
+        try:
+            elastic_launch(config, _rank_main)(fn, args, device, str(work))
+        except ChildFailedError as e:
+            codes = {rank: failure.exitcode for rank, failure in e.failures.items()}
+            raise RankError(_first_error(work, codes)) from None
+    return [json.loads((work / f"result{r}.json").read_text()) for r in range(nproc)]
 
 
 def _fake_ranks(fn: Callable, args: tuple, nproc: int, work: Path) -> list[Any]:
@@ -183,18 +190,8 @@ def trace_ranks(model_file: str, output: str | os.PathLike, nproc: int, *, batch
             raise RankError(f"{output}: cannot write the rank traces ({e.strerror or e})") from None
 
     options = {"batch": batch, "seq": seq, "dtype": dtype, "layers": layers, "device": device, "fake": fake}
-    args = (str(model_file), options, meta, top)
-    if not fake:
-        summaries = launch(_trace_rank, args, nproc, device, tmp_parent=output.parent, keep=keep)
-        return list(zip(paths, summaries))
-    if nproc < 1:
-        raise RankError(f"--nproc {nproc}: need at least one process")
-    work = Path(tempfile.mkdtemp(prefix=".memplan-ranks-", dir=output.parent))
-    try:
-        summaries = _fake_ranks(_trace_rank, args, nproc, work)
-        keep(work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    summaries = launch(_trace_rank, (str(model_file), options, meta, top), nproc, device,
+                       tmp_parent=output.parent, keep=keep, fake=fake)
     return list(zip(paths, summaries))
 
 
