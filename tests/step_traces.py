@@ -3,8 +3,11 @@
 The step follows a real one's shape: parameters and optimizer state exist before recording, the
 forward pass keeps one activation per layer and frees a temporary, the backward pass frees the
 activations in reverse and allocates gradients, the optimizer allocates and frees temporaries.
+`bytes_by_category` totals any trace's bytes per category, for tests that compare two traces.
 """
 from __future__ import annotations
+
+from collections import Counter
 
 import numpy as np
 
@@ -61,3 +64,11 @@ def step_trace(layers: int = 4, activation: int = 3 << 20, param: int = 1 << 20,
         "phase": [r["phase"] for r in rows],
         "module": [r["module"] for r in rows],
     }, meta=meta if meta is not None else {"model": "synthetic", "layers": "baseline"})
+
+
+def bytes_by_category(trace: Trace) -> Counter:
+    """Bytes of every buffer of `trace`, summed per category."""
+    totals: Counter = Counter()
+    for size, category in zip(trace.size, trace.category):
+        totals[category] += int(size)
+    return totals

@@ -4,7 +4,6 @@ against real ones, and a model far larger than this machine."""
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from planner.replay.cpu_session import CPUPlanAllocator
 from planner.replay.runner import replay
 from planner.replay.schedule import schedule_from
 from solvers import solve
+from step_traces import bytes_by_category
 from traces.capture import CaptureError, capture_step
 from traces.model_file import load_workload
 from traces.trace_model import trace_model_file
@@ -25,13 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 MODES = ("baseline", "tempo", "selective", "tempo+selective")
 GPU_PEAK_CTX128 = 7_013_335_044  # ../shared/clients/cs336/NOTICE.md: the snapshot's peak allocated
-
-
-def bytes_by_category(trace) -> Counter:
-    totals: Counter = Counter()
-    for size, category in zip(trace.size, trace.category):
-        totals[category] += int(size)
-    return totals
 
 
 # --- a real program's GPU snapshot --------------------------------------------------------------

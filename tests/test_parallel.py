@@ -14,6 +14,7 @@ from planner.parallel.checks import run_cases
 from planner.parallel.comm import ParallelError
 from planner.parallel.formulas import parallel_formula
 from planner.parallel.model import build_workload
+from step_traces import bytes_by_category
 from traces.distributed import launch, rank_path
 from traces.format import load
 
@@ -99,6 +100,7 @@ MODEL_FILE = """
 import os
 import torch.distributed as dist
 from planner.parallel.model import build_workload
+from step_traces import bytes_by_category
 
 def build(batch_size, seq_len, dtype, device):
     workload = build_workload(batch_size, seq_len, dtype, device, sequence_parallel=True)
@@ -149,13 +151,6 @@ def test_a_failing_rank_fails_the_command_and_leaves_no_files(tmp_path, monkeypa
     assert list(out.parent.iterdir()) == []
 
 
-def _bytes_by_category(trace) -> dict:
-    totals: dict = {}
-    for size, category in zip(trace.size, trace.category):
-        totals[category] = totals.get(category, 0) + int(size)
-    return totals
-
-
 def test_fake_ranks_hold_what_the_gloo_ranks_hold(tmp_path):
     """--nproc --fake: every rank in this process on the fake process group, under fake tensors; each
     rank's state bytes equal the gloo rank's and its peak is within 0.1% (the CPU's wrapped Python
@@ -170,7 +165,7 @@ def test_fake_ranks_hold_what_the_gloo_ranks_hold(tmp_path):
         gloo, faked = load(rank_path(real, r)), load(rank_path(fake, r))
         assert faked.meta["backend"] == "fake" and faked.meta["fake"] and faked.meta["rank"] == r
         assert faked.meta["world_size"] == 2 and gloo.meta["backend"] == "gloo"
-        gloo_bytes, fake_bytes = _bytes_by_category(gloo), _bytes_by_category(faked)
+        gloo_bytes, fake_bytes = bytes_by_category(gloo), bytes_by_category(faked)
         for category in ("parameter", "gradient", "optimizer", "input"):
             assert fake_bytes[category] == gloo_bytes[category], (r, category)
         assert abs(faked.peak()[0] - gloo.peak()[0]) <= 1e-3 * gloo.peak()[0]
