@@ -1,4 +1,5 @@
 """The `memplan` command line: argument parsing, progress and exit codes; the logic lives in the packages."""
+
 from __future__ import annotations
 
 import json
@@ -6,8 +7,8 @@ import sys
 
 import click
 
-from planner.alloc_conf import TIE_BREAKS
-from traces.errors import MemplanError
+from memplan.planner.simulate.alloc_conf import TIE_BREAKS
+from memplan.traces.errors import MemplanError
 
 
 class MemplanGroup(click.Group):
@@ -56,22 +57,39 @@ def main() -> None:
 
 @main.command("trace")
 @click.argument("model_file", type=click.Path(dir_okay=False))
-@click.option("-o", "--output", type=click.Path(dir_okay=False),
-              help="Trace file to write (default: <model>.<layers>.trace.json.gz).")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False),
+    help="Trace file to write (default: <model>.<layers>.trace.json.gz).",
+)
 @click.option("--batch", type=click.IntRange(min=1), default=2, show_default=True, help="Batch size passed to build().")
-@click.option("--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build().")
+@click.option(
+    "--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build()."
+)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
-@click.option("--layers", default="baseline", show_default=True,
-              help="Memory-saving layers applied to the model (baseline, or a mode of planner.layers).")
+@click.option(
+    "--layers",
+    default="baseline",
+    show_default=True,
+    help="Memory-saving layers applied to the model (baseline, or a mode of planner.layers).",
+)
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
-@click.option("--fake", is_flag=True,
-              help="Build and step the model under fake tensors: nothing is allocated or computed, so any size "
-                   "traces in seconds, and --device cuda needs no GPU.")
+@click.option(
+    "--fake",
+    is_flag=True,
+    help="Build and step the model under fake tensors: nothing is allocated or computed, so any size "
+    "traces in seconds, and --device cuda needs no GPU.",
+)
 @click.option("--top", type=click.IntRange(min=0), default=5, show_default=True, help="Largest buffers to list.")
-@click.option("--nproc", type=click.IntRange(min=1), default=None,
-              help="Run N processes under torch.distributed (gloo on cpu, NCCL on cuda) and write one trace "
-                   "per rank, FILE.rank{r}.json.gz; all or none. With --fake, the ranks run in turn in this "
-                   "process on torch.distributed's fake process group.")
+@click.option(
+    "--nproc",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Run N processes under torch.distributed (gloo on cpu, NCCL on cuda) and write one trace "
+    "per rank, FILE.rank{r}.json.gz; all or none. With --fake, the ranks run in turn in this "
+    "process on torch.distributed's fake process group.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def trace_command(model_file, output, batch, seq, dtype, layers, device, fake, top, nproc, as_json):
     """Record one training step of MODEL_FILE and write its trace.
@@ -87,36 +105,36 @@ def trace_command(model_file, output, batch, seq, dtype, layers, device, fake, t
     Example (8 fake ranks of GPT-2 medium, no process or memory needed):
     MEMPLAN_PRESET=medium memplan trace examples/gpt2_parallel.py --nproc 8 --fake --seq 1024 -o m.json.gz
     """
-    if nproc is not None:
-        from traces.distributed import trace_command_ranks
+    from memplan.planner.jobs.trace import trace_to_file
 
-        summary, text = trace_command_ranks(model_file, output, nproc, batch=batch, seq=seq, dtype=dtype,
-                                            layers=layers, device=device, top=top, progress=progress, fake=fake)
-        return emit(summary, as_json, text)
-    from pathlib import Path
-
-    from traces.format import save
-    from traces.summary import render, summarize
-    from traces.trace_model import trace_model_file
-
-    output = output or f"{Path(model_file).stem}.{layers}.trace.json.gz"
-    kind = "fake tensors" if fake else "real tensors"
-    progress(f"building {model_file} (batch {batch}, seq {seq}, {dtype}, {device}, layers {layers}, {kind}) "
-             "and recording one training step after a warm-up step")
-    trace = trace_model_file(model_file, batch=batch, seq=seq, dtype=dtype, device=device, layers=layers, fake=fake)
-    save(trace, output)
-    progress(f"wrote {output}")
-    summary = summarize(trace, top=top)
-    summary["output"] = str(output)
-    emit(summary, as_json, render(summary) + f"\nwritten to {output}")
+    summary, text = trace_to_file(
+        model_file,
+        output,
+        layers=layers,
+        batch=batch,
+        seq=seq,
+        dtype=dtype,
+        device=device,
+        fake=fake,
+        top=top,
+        nproc=nproc,
+        progress=progress,
+    )
+    emit(summary, as_json, text)
 
 
 @main.command("import")
 @click.argument("snapshot", type=click.Path(dir_okay=False))
-@click.option("-o", "--output", type=click.Path(dir_okay=False),
-              help="Trace file to write (default: <snapshot>.trace.json.gz).")
-@click.option("--device", "cuda_device", type=click.IntRange(min=0), default=None,
-              help="CUDA device whose trace to import (default: the one with the most entries).")
+@click.option(
+    "-o", "--output", type=click.Path(dir_okay=False), help="Trace file to write (default: <snapshot>.trace.json.gz)."
+)
+@click.option(
+    "--device",
+    "cuda_device",
+    type=click.IntRange(min=0),
+    default=None,
+    help="CUDA device whose trace to import (default: the one with the most entries).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def import_command(snapshot, output, cuda_device, as_json):
     """Turn a CUDA memory snapshot (torch.cuda.memory._dump_snapshot) into a trace.
@@ -127,8 +145,8 @@ def import_command(snapshot, output, cuda_device, as_json):
     """
     from pathlib import Path
 
-    from traces.format import save
-    from traces.snapshot import import_snapshot, import_summary, render_import_summary
+    from memplan.traces.format import save
+    from memplan.traces.snapshot import import_snapshot, import_summary, render_import_summary
 
     output = output or f"{Path(snapshot).stem}.trace.json.gz"
     progress(f"reading {snapshot}")
@@ -140,28 +158,49 @@ def import_command(snapshot, output, cuda_device, as_json):
     emit(summary, as_json, render_import_summary(summary) + f"\nwritten to {output}")
 
 
-ALLOC_CONF_HELP = ("PYTORCH_CUDA_ALLOC_CONF string for the simulated caching allocator, e.g. "
-                   "'max_split_size_mb:128,roundup_power2_divisions:4' (default: PyTorch's defaults).")
+ALLOC_CONF_HELP = (
+    "PYTORCH_CUDA_ALLOC_CONF string for the simulated caching allocator, e.g. "
+    "'max_split_size_mb:128,roundup_power2_divisions:4' (default: PyTorch's defaults)."
+)
 capture_option = click.option(
-    "--capture", type=click.Choice(["auto", "real", "fake"]), default="auto", show_default=True,
+    "--capture",
+    type=click.Choice(["auto", "real", "fake"]),
+    default="auto",
+    show_default=True,
     help="Trace real or fake tensors; auto: fake where a real step would be slow on a CPU or would not fit "
-         "this machine (README: Choosing real or fake traces).")
+    "this machine (README: Choosing real or fake traces).",
+)
 tie_break_option = click.option(
-    "--tie-break", type=click.Choice(TIE_BREAKS), default=TIE_BREAKS[0],
-    show_default=True, help="Which of several free blocks of the same size the simulated allocator takes: "
-                            "older PyTorch builds take the lowest address, newer ones the oldest segment.")
+    "--tie-break",
+    type=click.Choice(TIE_BREAKS),
+    default=TIE_BREAKS[0],
+    show_default=True,
+    help="Which of several free blocks of the same size the simulated allocator takes: "
+    "older PyTorch builds take the lowest address, newer ones the oldest segment.",
+)
 
 
 @main.command("simulate")
 @click.argument("trace_file", type=click.Path(dir_okay=False))
-@click.option("--plan", "plan_file", type=click.Path(dir_okay=False),
-              help="Plan of this trace (from memplan solve): checked against the trace, arena reported.")
+@click.option(
+    "--plan",
+    "plan_file",
+    type=click.Path(dir_okay=False),
+    help="Plan of this trace (from memplan solve): checked against the trace, arena reported.",
+)
 @click.option("--alloc-conf", default="", help=ALLOC_CONF_HELP)
 @tie_break_option
-@click.option("--capacity", type=click.IntRange(min=1), default=None,
-              help="Device capacity in bytes: the allocator's out-of-memory retry and failure are simulated.")
-@click.option("--timeline", type=click.Path(dir_okay=False),
-              help="Write the per-event series (time, phase, live, allocated, reserved, plan) as CSV.")
+@click.option(
+    "--capacity",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Device capacity in bytes: the allocator's out-of-memory retry and failure are simulated.",
+)
+@click.option(
+    "--timeline",
+    type=click.Path(dir_okay=False),
+    help="Write the per-event series (time, phase, live, allocated, reserved, plan) as CSV.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def simulate_command(trace_file, plan_file, alloc_conf, tie_break, capacity, timeline, as_json):
     """Simulate TRACE_FILE on PyTorch's caching allocator (and on a plan): bound, arena, peaks.
@@ -169,16 +208,17 @@ def simulate_command(trace_file, plan_file, alloc_conf, tie_break, capacity, tim
     \b
     Example: memplan simulate bert.trace.json.gz --plan bert.plan.json --timeline bert.csv
     """
-    from planner.memory_report import build_report, report_summary, report_text, timeline_csv
-    from planner.plan import load_plan
-    from traces.files import atomic_write
-    from traces.format import load
+    from memplan.planner.plan import load_plan
+    from memplan.planner.report.memory_report import build_report, report_summary, report_text, timeline_csv
+    from memplan.traces.files import atomic_write
+    from memplan.traces.format import load
 
     trace = load(trace_file)
     plan = load_plan(plan_file) if plan_file else None
     progress(f"simulating {trace_file} ({len(trace):,} buffers, {trace.end:,} events)")
-    report = build_report(trace, trace_file, plan=plan, plan_name=plan_file, alloc_conf=alloc_conf,
-                          capacity=capacity, tie_break=tie_break)
+    report = build_report(
+        trace, trace_file, plan=plan, plan_name=plan_file, alloc_conf=alloc_conf, capacity=capacity, tie_break=tie_break
+    )
     if timeline:
         atomic_write(timeline, timeline_csv(report))
         progress(f"wrote {timeline}")
@@ -188,16 +228,21 @@ def simulate_command(trace_file, plan_file, alloc_conf, tie_break, capacity, tim
 
 def load_traces_and_plans(trace_files, plan_files):
     """The named traces and plans of a multi-trace command, in the order given."""
-    from planner.plan import load_plan
-    from traces.format import load
+    from memplan.planner.plan import load_plan
+    from memplan.traces.format import load
 
     return [(f, load(f)) for f in trace_files], [(f, load_plan(f)) for f in plan_files]
 
 
 @main.command("plot")
 @click.argument("trace_files", nargs=-1, required=True, type=click.Path(dir_okay=False))
-@click.option("--plan", "plan_files", multiple=True, type=click.Path(dir_okay=False),
-              help="Plan of one of the traces (matched by trace digest); repeat for several.")
+@click.option(
+    "--plan",
+    "plan_files",
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    help="Plan of one of the traces (matched by trace digest); repeat for several.",
+)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Figure to write: .png or .svg.")
 @click.option("--address-space", is_flag=True, help="Also draw each plan's buffers as rectangles (time by offset).")
 @click.option("--alloc-conf", default="", help=ALLOC_CONF_HELP)
@@ -209,9 +254,9 @@ def plot_command(trace_files, plan_files, output, address_space, alloc_conf, tie
     \b
     Example: memplan plot bert.baseline.trace.json.gz bert.tempo.trace.json.gz -o bert.png
     """
-    from planner.memory_report import build_report
-    from planner.plan_memory import match_plans
-    from planner.plots import check_request, plot_reports
+    from memplan.planner.report.memory_report import build_report
+    from memplan.planner.report.plots import check_request, plot_reports
+    from memplan.planner.simulate.plan_footprint import match_plans
 
     check_request(output, address_space, bool(plan_files))
     traces, plans = load_traces_and_plans(trace_files, plan_files)
@@ -219,23 +264,38 @@ def plot_command(trace_files, plan_files, output, address_space, alloc_conf, tie
     for (name, trace), given in zip(traces, match_plans(traces, plans)):
         progress(f"simulating {name} ({len(trace):,} buffers)")
         plan_name, plan = given if given else (None, None)
-        reports.append(build_report(trace, name, plan=plan, plan_name=plan_name, alloc_conf=alloc_conf,
-                                    tie_break=tie_break))
+        reports.append(
+            build_report(trace, name, plan=plan, plan_name=plan_name, alloc_conf=alloc_conf, tie_break=tie_break)
+        )
     plot_reports(reports, output, address_space=address_space)
     progress(f"wrote {output}")
-    summary = {"output": output, "traces": list(trace_files), "plans": list(plan_files),
-               "address_space": address_space}
+    summary = {"output": output, "traces": list(trace_files), "plans": list(plan_files), "address_space": address_space}
     emit(summary, as_json, f"wrote {output}")
 
 
 @main.command("compare")
 @click.argument("trace_files", nargs=-1, required=True, type=click.Path(dir_okay=False))
-@click.option("--plan", "plan_files", multiple=True, type=click.Path(dir_okay=False),
-              help="Plan of one of the traces (matched by trace digest); traces without one get a plan solved here.")
-@click.option("--method", type=click.Choice(["auto", "greedy"]), default="auto", show_default=True,
-              help="Solver for traces without a plan.")
-@click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
-              help="Seconds per trace for the solver.")
+@click.option(
+    "--plan",
+    "plan_files",
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    help="Plan of one of the traces (matched by trace digest); traces without one get a plan solved here.",
+)
+@click.option(
+    "--method",
+    type=click.Choice(["auto", "greedy"]),
+    default="auto",
+    show_default=True,
+    help="Solver for traces without a plan.",
+)
+@click.option(
+    "--time-limit",
+    type=click.FloatRange(min=0, min_open=True),
+    default=5.0,
+    show_default=True,
+    help="Seconds per trace for the solver.",
+)
 @click.option("--alloc-conf", default="", help=ALLOC_CONF_HELP)
 @tie_break_option
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
@@ -245,23 +305,37 @@ def compare_command(trace_files, plan_files, method, time_limit, alloc_conf, tie
     \b
     Example: memplan compare bert.baseline.trace.json.gz bert.tempo.trace.json.gz --method greedy
     """
-    from planner.compare import compare_summary, compare_text, compare_traces
+    from memplan.planner.report.compare import compare_summary, compare_text, compare_traces
 
     traces, plans = load_traces_and_plans(trace_files, plan_files)
-    rows = compare_traces(traces, plans, alloc_conf=alloc_conf, method=method, time_limit=time_limit,
-                          progress=progress, tie_break=tie_break)
+    rows = compare_traces(
+        traces,
+        plans,
+        alloc_conf=alloc_conf,
+        method=method,
+        time_limit=time_limit,
+        progress=progress,
+        tie_break=tie_break,
+    )
     emit(compare_summary(rows), as_json, compare_text(rows))
 
 
 @main.command("replay")
 @click.argument("plan_file", type=click.Path(dir_okay=False))
 @click.argument("model_file", type=click.Path(dir_okay=False))
-@click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None,
-              help="The trace the plan was made from (default on cpu: capture the step now; it must be the plan's).")
+@click.option(
+    "--trace",
+    "trace_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="The trace the plan was made from (default on cpu: capture the step now; it must be the plan's).",
+)
 @click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True, help="Consecutive steps to replay.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--batch", type=click.IntRange(min=1), default=2, show_default=True, help="Batch size passed to build().")
-@click.option("--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build().")
+@click.option(
+    "--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build()."
+)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--layers", default="baseline", show_default=True, help="Memory-saving layers applied to the model.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
@@ -275,52 +349,117 @@ def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq,
 
     Example: memplan replay bert.plan.json examples/bert.py --batch 2 --seq 128 --steps 3
     """
-    from planner.replay.model_replay import replay_model_file
+    from memplan.planner.replay.model_replay import replay_model_file
 
-    report = replay_model_file(plan_file, model_file, trace_file=trace_file, steps=steps, device=device,
-                               batch=batch, seq=seq, dtype=dtype, layers=layers, progress=progress)
+    report = replay_model_file(
+        plan_file,
+        model_file,
+        trace_file=trace_file,
+        steps=steps,
+        device=device,
+        batch=batch,
+        seq=seq,
+        dtype=dtype,
+        layers=layers,
+        progress=progress,
+    )
     emit(report.summary(), as_json, report.text())
 
 
 @main.command("solve")
 @click.argument("source", metavar="TRACE_OR_CSV", type=click.Path(dir_okay=False))
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
-              help="Write the verified plan here (memplan-plan/1 JSON; MiniMalloc CSV with offsets if it ends in .csv).")
-@click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
-              help="Seconds for the whole solve.")
-@click.option("--capacity", type=click.IntRange(min=0), default=None,
-              help="Bytes the plan must fit in; stop at the first plan that fits, exit 1 if none.")
-@click.option("--method", type=click.Choice(["auto", "greedy", "cpsat"]), default="auto", show_default=True,
-              help="auto: greedy, then exact search and CP-SAT while above the bound.")
-@click.option("--alignment", type=click.IntRange(min=1), default=None,
-              help="Round sizes and offsets to this many bytes [default: 512 for traces, 1 for CSV].")
-@click.option("--scope", type=click.Choice(["all", "step"]), default="all", show_default=True,
-              help="all: place every buffer; step: only the step's own, leaving parameters, optimizer "
-                   "state and inputs (alive the whole step) to the allocator that made them.")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the verified plan here (memplan-plan/1 JSON; MiniMalloc CSV with offsets if it ends in .csv).",
+)
+@click.option(
+    "--time-limit",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="Seconds for the whole solve.",
+)
+@click.option(
+    "--capacity",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Bytes the plan must fit in; stop at the first plan that fits, exit 1 if none.",
+)
+@click.option(
+    "--method",
+    type=click.Choice(["auto", "greedy", "cpsat"]),
+    default="auto",
+    show_default=True,
+    help="auto: greedy, then exact search and CP-SAT while above the bound.",
+)
+@click.option(
+    "--alignment",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Round sizes and offsets to this many bytes [default: 512 for traces, 1 for CSV].",
+)
+@click.option(
+    "--scope",
+    type=click.Choice(["all", "step"]),
+    default="all",
+    show_default=True,
+    help="all: place every buffer; step: only the step's own, leaving parameters, optimizer "
+    "state and inputs (alive the whole step) to the allocator that made them.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def solve_command(source, output, time_limit, capacity, method, alignment, scope, as_json):
     """Assign every buffer of a trace (or MiniMalloc CSV) a byte offset; print arena, bound and status.
 
     Example: memplan solve bert.trace.json.gz -o bert.plan.json --time-limit 5
     """
-    from solvers.solve_file import solve_file
+    from memplan.planner.jobs.solve_file import solve_file
 
-    report = solve_file(source, output, method=method, time_limit=time_limit, capacity=capacity,
-                        alignment=alignment, scope=scope, progress=progress)
+    report = solve_file(
+        source,
+        output,
+        method=method,
+        time_limit=time_limit,
+        capacity=capacity,
+        alignment=alignment,
+        scope=scope,
+        progress=progress,
+    )
     emit(report.summary(), as_json, report.text())
 
 
 @main.command("run")
 @click.argument("model_file", required=False, type=click.Path(dir_okay=False))
-@click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False), default="memplan-out", show_default=True,
-              help="Folder for report.md, timeline.png, address_space.png, traces/ and plans/.")
+@click.option(
+    "-o",
+    "--output",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default="memplan-out",
+    show_default=True,
+    help="Folder for report.md, timeline.png, address_space.png, traces/ and plans/.",
+)
 @click.option("--batch", type=click.IntRange(min=1), default=2, show_default=True, help="Batch size passed to build().")
-@click.option("--seq", type=click.IntRange(min=1), default=512, show_default=True, help="Sequence length passed to build().")
+@click.option(
+    "--seq", type=click.IntRange(min=1), default=512, show_default=True, help="Sequence length passed to build()."
+)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
-@click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
-              help="Seconds for each solve.")
-@click.option("--replay-steps", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Steps the tempo plan is replayed for.")
+@click.option(
+    "--time-limit",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="Seconds for each solve.",
+)
+@click.option(
+    "--replay-steps",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Steps the tempo plan is replayed for.",
+)
 @capture_option
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps, capture, as_json):
@@ -328,16 +467,24 @@ def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps
     simulate each, replay the tempo plan on the CPU, and write a report with two pictures. With fake
     traces there is no replay (it runs the real step).
 
-    Without MODEL_FILE it runs the bundled 2-layer slice of BERT-Large (examples/bert_large_slice.py).
+    Without MODEL_FILE it runs the bundled 2-layer slice of BERT-Large (planner/workloads/bert_large_slice.py).
 
     Example: memplan run -o memplan-out && open memplan-out/report.md
     """
     import os
 
-    from planner.main_job import DEFAULT_MODEL, RunOptions, render_text, run
+    from memplan.planner.jobs.run import DEFAULT_MODEL, RunOptions, render_text, run
 
-    opts = RunOptions(model_file=str(model_file or os.path.relpath(DEFAULT_MODEL)), out_dir=out_dir, batch=batch, seq=seq,
-                      dtype=dtype, time_limit=time_limit, replay_steps=replay_steps, capture=capture)
+    opts = RunOptions(
+        model_file=str(model_file or os.path.relpath(DEFAULT_MODEL)),
+        out_dir=out_dir,
+        batch=batch,
+        seq=seq,
+        dtype=dtype,
+        time_limit=time_limit,
+        replay_steps=replay_steps,
+        capture=capture,
+    )
     result = run(opts, progress=progress)
     emit(result.summary(), as_json, render_text(result))
 
@@ -345,15 +492,25 @@ def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps
 @main.command("fit")
 @click.argument("model_file", type=click.Path(dir_okay=False))
 @click.option("--memory", required=True, help="Device memory: 11GiB, 16GB, 512MiB or a number of bytes.")
-@click.option("--layers", "modes", multiple=True,
-              help="Layer mode to fit (baseline, tempo, selective, tempo+selective); repeat for several "
-                   "[default: all four].")
-@click.option("--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build().")
+@click.option(
+    "--layers",
+    "modes",
+    multiple=True,
+    help="Layer mode to fit (baseline, tempo, selective, tempo+selective); repeat for several [default: all four].",
+)
+@click.option(
+    "--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build()."
+)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--alloc-conf", default="", help=ALLOC_CONF_HELP)
 @tie_break_option
-@click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
-              help="Seconds for each solve.")
+@click.option(
+    "--time-limit",
+    type=click.FloatRange(min=0, min_open=True),
+    default=5.0,
+    show_default=True,
+    help="Seconds for each solve.",
+)
 @capture_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def fit_command(model_file, memory, modes, seq, dtype, alloc_conf, tie_break, time_limit, capture, as_json):
@@ -365,13 +522,22 @@ def fit_command(model_file, memory, modes, seq, dtype, alloc_conf, tie_break, ti
     \b
     Example: MEMPLAN_PRESET=tiny memplan fit examples/bert.py --memory 64MiB --seq 64 --layers baseline --layers tempo
     """
-    from planner.fit import fit_model, parse_size
-    from planner.layers import MODES
+    from memplan.planner.jobs.fit import fit_model, parse_size
+    from memplan.planner.layers import MODES
 
     size = parse_size(memory)
-    result = fit_model(model_file, size, modes=tuple(modes) or MODES, seq=seq, dtype=dtype,
-                       alloc_conf=alloc_conf, time_limit=time_limit, tie_break=tie_break, capture=capture,
-                       progress=progress)
+    result = fit_model(
+        model_file,
+        size,
+        modes=tuple(modes) or MODES,
+        seq=seq,
+        dtype=dtype,
+        alloc_conf=alloc_conf,
+        time_limit=time_limit,
+        tie_break=tie_break,
+        capture=capture,
+        progress=progress,
+    )
     emit(result.summary(), as_json, result.text())
 
 

@@ -10,25 +10,24 @@ size (the longest common subsequence of the two size sequences). Target: every e
 A last row traces the step under CPU autocast (bfloat16): the context-512 snapshot's sizes are those of a
 bf16 autocast run, not the fp32 its NOTICE.md describes.
 """
+
 from __future__ import annotations
 
 import argparse
 import difflib
 import os
-import sys
 import time
 from pathlib import Path
 
+import torch
+
+from memplan.planner.simulate.caching_allocator import simulate_caching
+from memplan.traces.errors import MemplanError
+from memplan.traces.format import Trace
+from memplan.traces.snapshot import read_snapshot, snapshot_to_trace
+from memplan.traces.trace_model import trace_model_file
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-from planner.caching_allocator import simulate_caching  # noqa: E402
-from traces.errors import MemplanError  # noqa: E402
-from traces.format import Trace  # noqa: E402
-from traces.snapshot import read_snapshot, snapshot_to_trace  # noqa: E402
-from traces.trace_model import trace_model_file  # noqa: E402
 
 BATCH = 4
 SNAPSHOT = "traces/cuda-snapshots/gpt2_medium_ctx{}_training.pickle"
@@ -44,24 +43,32 @@ def reproduced(snapshot: list[int], traced: list[int]) -> int:
     return sum(block.size for block in matcher.get_matching_blocks())
 
 
-def row(label: str, trace: Trace | None, real_peak: int, real_reserved: int, real_sizes: list[int],
-        seconds: float, note: str = "") -> None:
+def row(
+    label: str,
+    trace: Trace | None,
+    real_peak: int,
+    real_reserved: int,
+    real_sizes: list[int],
+    seconds: float,
+    note: str = "",
+) -> None:
     if trace is None:
         print(f"  {label:22} {note}")
         return
     peak = trace.peak()[0]
     reserved = simulate_caching(trace).peak_reserved
     same = reproduced(real_sizes, sizes_in_order(trace))
-    print(f"  {label:22} peak {peak:>15,} ({(peak / real_peak - 1) * 100:+.3f}%)   "
-          f"simulated reserved {reserved:>15,} ({(reserved / real_reserved - 1) * 100:+.3f}%)   "
-          f"in order {same:,}/{len(real_sizes):,} ({same / len(real_sizes):.1%})   {seconds:.0f} s")
+    print(
+        f"  {label:22} peak {peak:>15,} ({(peak / real_peak - 1) * 100:+.3f}%)   "
+        f"simulated reserved {reserved:>15,} ({(reserved / real_reserved - 1) * 100:+.3f}%)   "
+        f"in order {same:,}/{len(real_sizes):,} ({same / len(real_sizes):.1%})   {seconds:.0f} s"
+    )
 
 
 def traced(context: int, fake: bool, device: str) -> tuple[Trace | None, float, str]:
     start = time.perf_counter()
     try:
-        trace = trace_model_file(ROOT / "examples" / "cs336_lm.py", batch=BATCH, seq=context, fake=fake,
-                                 device=device)
+        trace = trace_model_file(ROOT / "examples" / "cs336_lm.py", batch=BATCH, seq=context, fake=fake, device=device)
     except MemplanError as e:
         return None, 0.0, f"not run: {e}"
     return trace, time.perf_counter() - start, ""
@@ -83,11 +90,16 @@ def main() -> None:
         real_peak = real.peak()[0]
         real_reserved = sum(segment.size for segment in snapshot.segments)  # never shrinks: no empty_cache
         real_sizes = sizes_in_order(real)
-        print(f"{path.name}: CS336 GPT-2-medium step, batch {BATCH}, context {context}; real peak allocated "
-              f"{real_peak:,}, reserved {real_reserved:,}, {len(real_sizes):,} allocations recorded")
+        print(
+            f"{path.name}: CS336 GPT-2-medium step, batch {BATCH}, context {context}; real peak allocated "
+            f"{real_peak:,}, reserved {real_reserved:,}, {len(real_sizes):,} allocations recorded"
+        )
         runs = [("real CPU trace", False, "cpu", "")] * (not args.no_real)
-        runs += [("--fake", True, "cpu", ""), ("--fake --device cuda", True, "cuda", ""),
-                 ("--fake, autocast bf16", True, "cpu", "bf16")]
+        runs += [
+            ("--fake", True, "cpu", ""),
+            ("--fake --device cuda", True, "cuda", ""),
+            ("--fake, autocast bf16", True, "cpu", "bf16"),
+        ]
         for label, fake, device, autocast in runs:
             os.environ["CS336_AUTOCAST"] = autocast
             trace, seconds, note = traced(context, fake, device)

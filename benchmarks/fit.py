@@ -1,7 +1,7 @@
 """`memplan fit` at full size on fake traces: BERT-Large (24 layers) at 11 and 16 GiB, and HF Llama at the 7B
 shape at 24, 40 and 80 GB.
 
-Every figure is `planner.fit.fit_model`'s answer, checked by direct traces of the whole model (batch b fits,
+Every figure is `planner.jobs.fit.fit_model`'s answer, checked by direct traces of the whole model (batch b fits,
 b+1 does not, under the caching allocator simulated at the memory size and under a plan), on fake tensors:
 nothing is allocated, so the 24-layer steps and the 7B steps trace in seconds on this machine. Weights,
 gradients and AdamW state are in the model dtype (no fp32 master copy); there is no CUDA context or library
@@ -10,6 +10,7 @@ workspace. HF Llama runs as built (baseline): memplan's layer modes do not patch
 Example: .venv/bin/python benchmarks/fit.py                 # both tables (about 15 minutes on 2 cores)
          .venv/bin/python benchmarks/fit.py --only llama    # the 7B rows
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,28 +21,50 @@ from pathlib import Path
 
 import torch
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repository, not benchmarks/ (whose solvers.py shadows)
-
-from planner.fit import FitError, fit_model, parse_size  # noqa: E402
-from planner.layers import MODES  # noqa: E402
+from memplan.planner.jobs.fit import FitError, fit_model, parse_size
+from memplan.planner.layers import MODES
 
 ROOT = Path(__file__).resolve().parents[1]
-PAPER = ("Tempo paper (REFERENCE §2): BERT-Large pre-training up to 2x batch (4x RTX 2080 Ti 11 GB; "
-         "4x V100 16 GB); README fine-tuning s=384: 2080 Ti fp32 4->6, fp16 8->11; V100 fp32 8->13, fp16 16->22")
-BERT = {"file": ROOT / "examples" / "bert.py", "preset": "large", "memories": ("11GiB", "16GiB"),
-        "dtypes": ("float32", "bfloat16"), "seqs": (128, 512), "modes": MODES}
-LLAMA = {"file": ROOT / "examples" / "hf_llama.py", "preset": "7b", "memories": ("24GB", "40GB", "80GB"),
-         "dtypes": ("bfloat16",), "seqs": (2048,), "modes": ("baseline",)}
+
+PAPER = (
+    "Tempo paper (REFERENCE §2): BERT-Large pre-training up to 2x batch (4x RTX 2080 Ti 11 GB; "
+    "4x V100 16 GB); README fine-tuning s=384: 2080 Ti fp32 4->6, fp16 8->11; V100 fp32 8->13, fp16 16->22"
+)
+BERT = {
+    "file": ROOT / "examples" / "bert.py",
+    "preset": "large",
+    "memories": ("11GiB", "16GiB"),
+    "dtypes": ("float32", "bfloat16"),
+    "seqs": (128, 512),
+    "modes": MODES,
+}
+LLAMA = {
+    "file": ROOT / "examples" / "hf_llama.py",
+    "preset": "7b",
+    "memories": ("24GB", "40GB", "80GB"),
+    "dtypes": ("bfloat16",),
+    "seqs": (2048,),
+    "modes": ("baseline",),
+}
 
 
 def fit_cell(spec: dict, memory: str, dtype: str, seq: int, mode: str, time_limit: float) -> tuple[str, str, int]:
     """One model, memory, dtype, sequence and mode: (caching batch, plan batch, traces), or why none fits."""
+
     def progress(message: str) -> None:
         print(f"    {message}", file=sys.stderr, flush=True)
 
     try:
-        result = fit_model(str(spec["file"]), parse_size(memory), modes=(mode,), seq=seq, dtype=dtype,
-                           time_limit=time_limit, capture="fake", progress=progress)
+        result = fit_model(
+            str(spec["file"]),
+            parse_size(memory),
+            modes=(mode,),
+            seq=seq,
+            dtype=dtype,
+            time_limit=time_limit,
+            capture="fake",
+            progress=progress,
+        )
     except FitError as e:
         if "batch 1 needs" not in str(e):
             raise
@@ -62,8 +85,12 @@ def table(spec: dict, time_limit: float, start: float) -> list[list[str]]:
                     caching, plan, n = fit_cell(spec, memory, dtype, seq, mode, time_limit)
                     row += [caching, plan]
                     traces += n
-                    print(f"  [{time.monotonic() - start:5.0f} s] {spec['file'].name} {dtype} s={seq} {mode} "
-                          f"{memory}: caching {caching}, plan {plan}", file=sys.stderr, flush=True)
+                    print(
+                        f"  [{time.monotonic() - start:5.0f} s] {spec['file'].name} {dtype} s={seq} {mode} "
+                        f"{memory}: caching {caching}, plan {plan}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 rows.append(row + [str(traces)])
     return rows
 
@@ -86,8 +113,10 @@ def main(argv=None) -> int:
         if args.only not in (None, name):
             continue
         rows = table(spec, args.time_limit, start)
-        print(f"largest batch, {spec['file'].name} MEMPLAN_PRESET={spec['preset']}, fake traces of the whole model "
-              "(0: batch 1 does not fit):")
+        print(
+            f"largest batch, {spec['file'].name} MEMPLAN_PRESET={spec['preset']}, fake traces of the whole model "
+            "(0: batch 1 does not fit):"
+        )
         show(spec, rows)
     if args.only in (None, "bert"):
         print(PAPER)

@@ -8,6 +8,7 @@ Part 2 times training steps of a small BERT per mode on the CPU (median of sever
     .venv/bin/python benchmarks/layers.py
     .venv/bin/python benchmarks/layers.py --seqs 128 --dtypes bf16 --method saved --steps 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,10 +18,10 @@ import time
 
 import torch
 
-from planner.layers import MODES, patch
-from planner.layers.memory import LayerShape, held_for_backward, saved_bytes
-from planner.workloads import bert
-from traces.capture import capture_step
+from memplan.planner.layers import MODES, patch
+from memplan.planner.layers.memory import LayerShape, held_for_backward, saved_bytes
+from memplan.planner.workloads import bert
+from memplan.traces.capture import capture_step
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -42,7 +43,8 @@ def held(mode: str, layers: int, seq: int, batch: int, dtype: torch.dtype, metho
 
 def memory_table(seqs, dtypes, batch: int, method: str) -> None:
     print(f"bytes per layer, BERT-Large shape (h=1024, a=16), b={batch}, measured by {method} (L=2 minus L=1)")
-    print(f"{'s':>4} {'dtype':>5} {'mode':>16} {'measured':>12} {'formula':>12} {'meas/form':>9} {'saving':>7} {'formula saving':>14}")
+    print(f"{'s':>4} {'dtype':>5} {'mode':>16} {'measured':>12} {'formula':>12} {'meas/form':>9} {'saving':>7} "
+          f"{'formula saving':>14}")
     for seq in seqs:
         for name in dtypes:
             dtype = DTYPES[name]
@@ -53,14 +55,19 @@ def memory_table(seqs, dtypes, batch: int, method: str) -> None:
                 formula = shape.formula(mode)
                 base = per_layer if base is None else base
                 saving, formula_saving = 1 - per_layer / base, 1 - formula / shape.formula("baseline")
-                print(f"{seq:>4} {name:>5} {mode:>16} {per_layer:>12,} {formula:>12,} {per_layer / formula:>9.4f} "
-                      f"{saving:>7.1%} {formula_saving:>14.1%}", flush=True)
+                print(
+                    f"{seq:>4} {name:>5} {mode:>16} {per_layer:>12,} {formula:>12,} {per_layer / formula:>9.4f} "
+                    f"{saving:>7.1%} {formula_saving:>14.1%}",
+                    flush=True,
+                )
 
 
 def step_times(seq: int, batch: int, hidden: int, heads: int, layers: int, steps: int) -> None:
     config = dataclasses.replace(bert.TINY, hidden=hidden, heads=heads, layers=layers)
-    print(f"\nCPU step time, BERT h={hidden} a={heads} L={layers} s={seq} b={batch} fp32, "
-          f"{torch.get_num_threads()} thread(s), median of {steps} interleaved steps")
+    print(
+        f"\nCPU step time, BERT h={hidden} a={heads} L={layers} s={seq} b={batch} fp32, "
+        f"{torch.get_num_threads()} thread(s), median of {steps} interleaved steps"
+    )
     workloads = {}
     for mode in MODES:
         workloads[mode] = bert.build_workload(batch_size=batch, seq_len=seq, config=config)
@@ -85,7 +92,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="micro-batch of the memory part")
     parser.add_argument("--method", choices=["tracer", "saved"], default="tracer")
     parser.add_argument("--steps", type=int, default=9, help="timed steps per mode (0 skips the timing part)")
-    parser.add_argument("--time-shape", type=int, nargs=5, default=[128, 4, 256, 4, 2], metavar=("S", "B", "H", "A", "L"))
+    parser.add_argument(
+        "--time-shape", type=int, nargs=5, default=[128, 4, 256, 4, 2], metavar=("S", "B", "H", "A", "L")
+    )
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -8,14 +8,15 @@ formula in its p-byte form, and measured / formula. Ranks are symmetric; the lar
 Usage: .venv/bin/python benchmarks/parallel.py [--sizes 1,2,4] [--seq 128] [--batch 2] [--hidden 256]
        [--heads 8] [--dtype float32|bfloat16] [--modes baseline,selective,tempo,tempo+selective]
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import time
 
-from planner.parallel.checks import run_cases
-from traces.distributed import launch
+from memplan.planner.parallel.checks import run_cases
+from memplan.traces.distributed import launch
 
 P = {"float32": 4, "bfloat16": 2}
 
@@ -31,18 +32,29 @@ def main() -> None:
     parser.add_argument("--modes", default="baseline,selective,tempo,tempo+selective")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
-    sizes = ([int(x) for x in args.sizes.split(",")] if args.sizes
-             else [t for t in (1, 2, 4, 8) if t <= 2 * cores and args.heads % t == 0 and args.seq % t == 0])
+    sizes = (
+        [int(x) for x in args.sizes.split(",")]
+        if args.sizes
+        else [t for t in (1, 2, 4, 8) if t <= 2 * cores and args.heads % t == 0 and args.seq % t == 0]
+    )
     modes = args.modes.split(",")
     shape = [args.seq, args.batch, args.hidden, args.heads, P[args.dtype]]
-    print(f"one GPT-2 layer, s={args.seq} b={args.batch} h={args.hidden} a={args.heads} {args.dtype} "
-          f"(p={P[args.dtype]}), gloo on {cores} cores; bytes per rank")
-    print(f"{'t':>2} {'parallel':<8} {'mode':<16} {'saved':>10} {'traced':>10} {'formula':>12} "
-          f"{'saved/f':>8} {'traced/f':>8}")
+    print(
+        f"one GPT-2 layer, s={args.seq} b={args.batch} h={args.hidden} a={args.heads} {args.dtype} "
+        f"(p={P[args.dtype]}), gloo on {cores} cores; bytes per rank"
+    )
+    print(
+        f"{'t':>2} {'parallel':<8} {'mode':<16} {'saved':>10} {'traced':>10} {'formula':>12} "
+        f"{'saved/f':>8} {'traced/f':>8}"
+    )
     for t in sizes:
         kinds = [False] if t == 1 else [False, True]
-        cases = [{"check": check, "shape": shape, "mode": mode, "sequence_parallel": sp}
-                 for sp in kinds for mode in modes for check in ("bytes", "traced")]
+        cases = [
+            {"check": check, "shape": shape, "mode": mode, "sequence_parallel": sp}
+            for sp in kinds
+            for mode in modes
+            for check in ("bytes", "traced")
+        ]
         start = time.perf_counter()
         per_rank = launch(run_cases, (cases,), nproc=t)
         seconds = time.perf_counter() - start
@@ -51,8 +63,10 @@ def main() -> None:
             traced = max(r[i + 1]["measured"] for r in per_rank)
             formula = per_rank[0][i]["formula"]
             kind = "-" if t == 1 else "tp+sp" if cases[i]["sequence_parallel"] else "tp"
-            print(f"{t:>2} {kind:<8} {cases[i]['mode']:<16} {saved:>10,} {traced:>10,} {formula:>12,.0f} "
-                  f"{saved / formula:>8.4f} {traced / formula:>8.4f}")
+            print(
+                f"{t:>2} {kind:<8} {cases[i]['mode']:<16} {saved:>10,} {traced:>10,} {formula:>12,.0f} "
+                f"{saved / formula:>8.4f} {traced / formula:>8.4f}"
+            )
         print(f"   ({t} process{'es' if t > 1 else ''}: {seconds:.1f} s)")
 
 

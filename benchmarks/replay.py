@@ -9,35 +9,37 @@ fallback + outside), the bytes adoption left outside the arena, and the fallback
 
 Example: .venv/bin/python benchmarks/replay.py --batch 4 --seq 64 --steps 10 --rounds 3
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
-import sys
 from contextlib import nullcontext
 from pathlib import Path
 
+import torch
+
+from memplan.planner.problem import problem_from_trace
+from memplan.planner.replay.adoption import adopt_resident
+from memplan.planner.replay.cpu_session import CPUPlanAllocator
+from memplan.planner.replay.fingerprint import RunPrints
+from memplan.planner.replay.runner import run_steps, warm_up
+from memplan.planner.replay.schedule import schedule_from
+from memplan.solvers import solve
+from memplan.traces.capture import capture_step
+from memplan.traces.model_file import load_workload
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-from planner.problem import problem_from_trace  # noqa: E402
-from planner.replay.adoption import adopt_resident  # noqa: E402
-from planner.replay.cpu_session import CPUPlanAllocator  # noqa: E402
-from planner.replay.fingerprint import RunPrints  # noqa: E402
-from planner.replay.runner import run_steps, warm_up  # noqa: E402
-from planner.replay.schedule import schedule_from  # noqa: E402
-from solvers import solve  # noqa: E402
-from traces.capture import capture_step  # noqa: E402
-from traces.model_file import load_workload  # noqa: E402
 
 
 def bench(model: str, args) -> dict:
     os.environ["MEMPLAN_PRESET"] = args.preset
-    make = lambda: load_workload(ROOT / "examples" / f"{model}.py", batch=args.batch, seq=args.seq,  # noqa: E731
-                                 dtype=torch.float32, device="cpu")
+
+    def make():
+        return load_workload(ROOT / "examples" / f"{model}.py", batch=args.batch, seq=args.seq, dtype=torch.float32,
+                             device="cpu")
+
     trace = capture_step(make)
     plan = solve(problem_from_trace(trace), method=args.method, time_limit=args.time_limit)
     schedule = schedule_from(plan, trace)
@@ -58,10 +60,22 @@ def bench(model: str, args) -> dict:
         outside = max(outside, left_outside)
         adopted = min(adopted, stats["adopted_bytes"])
     d, p = statistics.median(default_s), statistics.median(plan_s)
-    return {"workload": f"{workload.name} b{args.batch} s{args.seq}", "default_ms": 1e3 * d, "plan_ms": 1e3 * p,
-            "ratio": p / d, "arena": plan.arena, "max_live": trace.peak()[0], "bound": plan.bound,
-            "measured_peak": peak, "outside": outside, "fallbacks": fallbacks, "fallback_bytes": fallback_bytes,
-            "planned_per_step": len(schedule), "adopted": adopted, "reserved": sum(schedule.reserved_sizes)}
+    return {
+        "workload": f"{workload.name} b{args.batch} s{args.seq}",
+        "default_ms": 1e3 * d,
+        "plan_ms": 1e3 * p,
+        "ratio": p / d,
+        "arena": plan.arena,
+        "max_live": trace.peak()[0],
+        "bound": plan.bound,
+        "measured_peak": peak,
+        "outside": outside,
+        "fallbacks": fallbacks,
+        "fallback_bytes": fallback_bytes,
+        "planned_per_step": len(schedule),
+        "adopted": adopted,
+        "reserved": sum(schedule.reserved_sizes),
+    }
 
 
 def main() -> None:
@@ -77,16 +91,24 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=10.0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"{'workload':<22} {'default ms':>10} {'plan ms':>9} {'ratio':>6} {'arena B':>11} {'bound B':>11} "
-          f"{'max-live B':>11} {'peak B':>11} {'fallbacks':>9}")
+    print(
+        f"{'workload':<22} {'default ms':>10} {'plan ms':>9} {'ratio':>6} {'arena B':>11} {'bound B':>11} "
+        f"{'max-live B':>11} {'peak B':>11} {'fallbacks':>9}"
+    )
     for model in args.models.split(","):
         r = bench(model, args)
-        print(f"{r['workload']:<22} {r['default_ms']:>10.2f} {r['plan_ms']:>9.2f} {r['ratio']:>6.3f} "
-              f"{r['arena']:>11} {r['bound']:>11} {r['max_live']:>11} {r['measured_peak']:>11} {r['fallbacks']:>9}", flush=True)
-        print(f"  arena/bound {r['arena'] / r['bound']:.4f}, arena/max-live {r['arena'] / r['max_live']:.4f} "
-              f"(bound: sizes rounded to the plan's alignment; max-live: requested sizes), planned allocations per step "
-              f"{r['planned_per_step']}, fallback bytes {r['fallback_bytes']}; adopted {r['adopted']} of "
-              f"{r['reserved']} reserved B, {r['outside']} B left outside the arena", flush=True)
+        print(
+            f"{r['workload']:<22} {r['default_ms']:>10.2f} {r['plan_ms']:>9.2f} {r['ratio']:>6.3f} "
+            f"{r['arena']:>11} {r['bound']:>11} {r['max_live']:>11} {r['measured_peak']:>11} {r['fallbacks']:>9}",
+            flush=True,
+        )
+        print(
+            f"  arena/bound {r['arena'] / r['bound']:.4f}, arena/max-live {r['arena'] / r['max_live']:.4f} "
+            f"(bound: sizes rounded to the plan's alignment; max-live: requested sizes), planned allocations per step "
+            f"{r['planned_per_step']}, fallback bytes {r['fallback_bytes']}; adopted {r['adopted']} of "
+            f"{r['reserved']} reserved B, {r['outside']} B left outside the arena",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -7,23 +7,22 @@ for snapshots the replay against the snapshot's own decisions (addresses, new se
 allocated, peak reserved, the max-live bound (sizes rounded to 512 B) and the arena of a plan solved
 for it (auto portfolio, verified), with the fragmentation at the reserved peak.
 """
+
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from memplan.planner.problem import problem_from_trace
+from memplan.planner.simulate.caching_allocator import simulate_caching
+from memplan.planner.simulate.snapshot_check import replay_snapshot
+from memplan.solvers import solve
+from memplan.traces.format import Trace, load
+from memplan.traces.snapshot import read_snapshot, snapshot_to_trace
 
-from planner.caching_allocator import simulate_caching  # noqa: E402
-from planner.problem import problem_from_trace  # noqa: E402
-from planner.snapshot_replay import replay_snapshot  # noqa: E402
-from solvers import solve  # noqa: E402
-from traces.format import Trace, load  # noqa: E402
-from traces.snapshot import read_snapshot, snapshot_to_trace  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 GiB = 2**30
 
@@ -48,9 +47,11 @@ def row(name: str, trace: Trace, repeat: int, match: str, time_limit: float) -> 
     rate, sim = speed(trace, repeat)
     plan = solve(problem_from_trace(trace), time_limit=time_limit)  # verified inside solve()
     status = "opt" if plan.status == "optimal" else f"+{plan.gap:.2%}"
-    return (f"{name:<44} {events_of(trace):>8,} {rate:>10,.0f} {match:>22} "
-            f"{sim.peak_allocated / GiB:>9.3f} {sim.peak_reserved / GiB:>9.3f} {plan.bound / GiB:>9.3f} "
-            f"{plan.arena / GiB:>9.3f} {status:>6} {sim.fragmentation_at_peak:>6.1%}")
+    return (
+        f"{name:<44} {events_of(trace):>8,} {rate:>10,.0f} {match:>22} "
+        f"{sim.peak_allocated / GiB:>9.3f} {sim.peak_reserved / GiB:>9.3f} {plan.bound / GiB:>9.3f} "
+        f"{plan.arena / GiB:>9.3f} {status:>6} {sim.fragmentation_at_peak:>6.1%}"
+    )
 
 
 def main() -> None:
@@ -61,8 +62,10 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=10.0, help="seconds to solve each plan")
     args = parser.parse_args()
 
-    print(f"{'trace':<44} {'events':>8} {'events/s':>10} {'addresses / segments':>22} "
-          f"{'alloc GiB':>9} {'resv GiB':>9} {'bound GiB':>9} {'plan GiB':>9} {'status':>6} {'frag':>6}")
+    print(
+        f"{'trace':<44} {'events':>8} {'events/s':>10} {'addresses / segments':>22} "
+        f"{'alloc GiB':>9} {'resv GiB':>9} {'bound GiB':>9} {'plan GiB':>9} {'status':>6} {'frag':>6}"
+    )
     snapshots = sorted((Path(args.shared) / "traces" / "cuda-snapshots").glob("*.pickle"))
     bundled = sorted((ROOT / "traces" / "data").glob("*.json.gz"))
     for path in snapshots:
@@ -70,14 +73,22 @@ def main() -> None:
         t0 = time.perf_counter()
         rep = replay_snapshot(snap)
         replay_s = time.perf_counter() - t0
-        match = (f"{rep.addr_matches}/{rep.allocs} {rep.segment_matches}/{rep.segment_decisions}"
-                 f"{'' if rep.extra_segments == 0 else f' +{rep.extra_segments}'}")
+        match = (
+            f"{rep.addr_matches}/{rep.allocs} {rep.segment_matches}/{rep.segment_decisions}"
+            f"{'' if rep.extra_segments == 0 else f' +{rep.extra_segments}'}"
+        )
         print(row(path.stem, snapshot_to_trace(snap, path.name), args.repeat, match, args.time_limit))
-        print(f"{'':<44} replay of {len(snap.entries):,} snapshot entries: {len(snap.entries) / replay_s:,.0f} entries/s, "
-              f"real-state peak reserved {rep.peak_reserved / GiB:.3f} GiB, exact={rep.exact}")
+        print(
+            f"{'':<44} replay of {len(snap.entries):,} snapshot entries: "
+            f"{len(snap.entries) / replay_s:,.0f} entries/s, "
+            f"real-state peak reserved {rep.peak_reserved / GiB:.3f} GiB, exact={rep.exact}"
+        )
     for path in bundled + [Path(name) for name in args.trace]:
-        print(row(path.name.removesuffix(".json.gz").removesuffix(".trace"), load(path), args.repeat, "-",
-                  args.time_limit))
+        print(
+            row(
+                path.name.removesuffix(".json.gz").removesuffix(".trace"), load(path), args.repeat, "-", args.time_limit
+            )
+        )
 
 
 if __name__ == "__main__":

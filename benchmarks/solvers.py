@@ -6,19 +6,17 @@ A CSV named NAME.CAPACITY.csv (MiniMalloc's challenging set) is solved in "fits 
 --no-capacity; other CSVs and traces are minimised. --bert captures a step of the bundled BERT first.
 Every plan is checked by the independent verifier before its row is printed.
 """
+
 from __future__ import annotations
 
 import argparse
 import re
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from planner.verify import verify_plan  # noqa: E402
-from solvers import CapacityError, solve  # noqa: E402
-from solvers.solve_file import load_problem  # noqa: E402
+from memplan.planner.jobs.solve_file import load_problem
+from memplan.planner.verify import verify_plan
+from memplan.solvers import CapacityError, solve
 
 
 def instances(args) -> list[Path]:
@@ -35,14 +33,17 @@ def instances(args) -> list[Path]:
 def bert_problem(preset: str, batch: int, seq: int):
     import torch
 
-    from planner.problem import problem_from_trace
-    from planner.workloads.bert import PRESETS, build_workload
-    from traces.capture import capture_step
+    from memplan.planner.problem import problem_from_trace
+    from memplan.planner.workloads.bert import PRESETS, build_workload
+    from memplan.traces.capture import capture_step
+
     torch.set_num_threads(1)
     t = time.monotonic()
     trace = capture_step(lambda: build_workload(batch, seq, config=PRESETS[preset]))
-    print(f"# captured bert-{preset} batch {batch} seq {seq}: {len(trace)} buffers in "
-          f"{time.monotonic() - t:.1f} s", flush=True)
+    print(
+        f"# captured bert-{preset} batch {batch} seq {seq}: {len(trace)} buffers in {time.monotonic() - t:.1f} s",
+        flush=True,
+    )
     return problem_from_trace(trace)
 
 
@@ -56,8 +57,11 @@ def row(name: str, problem, capacity, args) -> None:
     verify_plan(problem, plan.offsets, plan.arena, plan.capacity)
     status = plan.status if plan.status == "optimal" else f"feasible (gap {100 * plan.gap:.3g}%)"
     fits = "" if capacity is None else ("  fits" if plan.arena <= capacity else "  OVER")
-    print(f"{name:28s} {len(problem):7d}  {plan.bound:15,d}  {plan.arena:15,d}  {plan.arena / plan.bound:9.5f}  "
-          f"{status:24s} {plan.solver:32s} {time.monotonic() - t:7.2f}{fits}", flush=True)
+    print(
+        f"{name:28s} {len(problem):7d}  {plan.bound:15,d}  {plan.arena:15,d}  {plan.arena / plan.bound:9.5f}  "
+        f"{status:24s} {plan.solver:32s} {time.monotonic() - t:7.2f}{fits}",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -70,8 +74,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
     args = ap.parse_args()
-    print(f"{'instance':28s} {'buffers':>7s}  {'bound':>15s}  {'arena':>15s}  {'arena/bnd':>9s}  "
-          f"{'status':24s} {'solver':32s} {'seconds':>7s}")
+    print(
+        f"{'instance':28s} {'buffers':>7s}  {'bound':>15s}  {'arena':>15s}  {'arena/bnd':>9s}  "
+        f"{'status':24s} {'solver':32s} {'seconds':>7s}"
+    )
     for path in instances(args.paths):
         m = re.fullmatch(r".*\.(\d+)\.csv", path.name)
         capacity = int(m.group(1)) if m and not args.no_capacity else None

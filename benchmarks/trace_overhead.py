@@ -9,6 +9,7 @@ against a plain step, and a whole `capture_step` (build, warm-up, recorded step,
 building the workload and running two plain steps. The fake trace runs in a child process, so its peak
 resident memory is its own: HF LlamaForCausalLM at the 7B shape, bf16, batch 1, sequence 2048.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,21 +18,21 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from planner.workloads.bert import PRESETS, build_workload
-from traces.capture import capture_step
-from traces.recorder import recording
-from traces.step_marks import marked_step
+from memplan.planner.workloads.bert import PRESETS, build_workload
+from memplan.traces.capture import capture_step
+from memplan.traces.recorder import recording
+from memplan.traces.step_marks import marked_step
 
 ROOT = Path(__file__).resolve().parents[1]
+
 FAKE_7B = """
 import json, os, resource, time, torch
 torch.set_num_threads(1)
 os.environ["MEMPLAN_PRESET"] = "7b"
-from traces.trace_model import trace_model_file
+from memplan.traces.trace_model import trace_model_file
 start = time.perf_counter()
 trace = trace_model_file("examples/hf_llama.py", batch=1, seq=2048, dtype="bfloat16", fake=True)
 print(json.dumps({"seconds": time.perf_counter() - start, "buffers": len(trace), "peak": trace.peak()[0],
@@ -41,11 +42,12 @@ FAKE_RANKS = """
 import json, os, resource, tempfile, time, torch
 torch.set_num_threads(1)
 os.environ.update(MEMPLAN_PRESET="medium", MEMPLAN_PARALLEL="tp+sp")
-from traces.distributed import trace_ranks
+from memplan.planner.layers import LayerMode
+from memplan.traces.distributed import trace_ranks
 start = time.perf_counter()
 with tempfile.TemporaryDirectory() as folder:
     ranks = trace_ranks("examples/gpt2_parallel.py", f"{folder}/m.json.gz", 8, batch=8, seq=1024, dtype="float32",
-                        layers="baseline", device="cpu", meta={}, fake=True)
+                        layers=LayerMode("baseline"), device="cpu", meta={}, fake=True)
 print(json.dumps({"seconds": time.perf_counter() - start, "peak": max(s["peak_bytes"] for _, s in ranks),
                   "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
@@ -102,14 +104,21 @@ def main() -> None:
                 recorded.step()
             recorder.end_step()
 
-        step_timings = median_seconds({"plain step": workload.step, "step under the recorder": recorded_step},
-                                      args.repeats)
-    whole = median_seconds({"build + 2 plain steps": build_and_two_plain_steps,
-                            "capture_step (build, warm-up, step, trace)": lambda: capture_step(build)},
-                           max(3, args.repeats // 3))
+        step_timings = median_seconds(
+            {"plain step": workload.step, "step under the recorder": recorded_step}, args.repeats
+        )
+    whole = median_seconds(
+        {
+            "build + 2 plain steps": build_and_two_plain_steps,
+            "capture_step (build, warm-up, step, trace)": lambda: capture_step(build),
+        },
+        max(3, args.repeats // 3),
+    )
     trace = capture_step(build)
-    print(f"bert preset {args.preset}, batch {args.batch}, seq {args.seq}, {args.threads} thread(s), "
-          f"median of {args.repeats}; {len(trace.recorded)} allocations per step")
+    print(
+        f"bert preset {args.preset}, batch {args.batch}, seq {args.seq}, {args.threads} thread(s), "
+        f"median of {args.repeats}; {len(trace.recorded)} allocations per step"
+    )
     print(f"{'':44} {'wall ms':>9} {'ratio':>6}   {'cpu ms':>9} {'ratio':>6}")
     for timings, base in ((step_timings, "plain step"), (whole, "build + 2 plain steps")):
         plain = timings[base]
@@ -120,12 +129,16 @@ def main() -> None:
     print(f"step under the recorder / plain: {wall / plain[0]:.2f} wall, {cpu / plain[1]:.2f} cpu (target <= 3)")
 
     fake = child(FAKE_7B)
-    print(f"fake trace, HF Llama 7B shape, bf16, batch 1, seq 2048: {fake['seconds']:.1f} s (target <= 120), "
-          f"peak RSS {fake['rss'] / 2**30:.2f} GiB (target <= 4), {fake['buffers']} buffers, "
-          f"peak live {fake['peak'] / 2**30:.2f} GiB")
+    print(
+        f"fake trace, HF Llama 7B shape, bf16, batch 1, seq 2048: {fake['seconds']:.1f} s (target <= 120), "
+        f"peak RSS {fake['rss'] / 2**30:.2f} GiB (target <= 4), {fake['buffers']} buffers, "
+        f"peak live {fake['peak'] / 2**30:.2f} GiB"
+    )
     ranks = child(FAKE_RANKS)
-    print(f"8 fake ranks, GPT-2 medium tp+sp, fp32, batch 8, seq 1024: {ranks['seconds']:.1f} s, peak RSS "
-          f"{ranks['rss'] / 2**30:.2f} GiB, largest rank peak live {ranks['peak'] / 2**30:.2f} GiB")
+    print(
+        f"8 fake ranks, GPT-2 medium tp+sp, fp32, batch 8, seq 1024: {ranks['seconds']:.1f} s, peak RSS "
+        f"{ranks['rss'] / 2**30:.2f} GiB, largest rank peak live {ranks['peak'] / 2**30:.2f} GiB"
+    )
 
 
 if __name__ == "__main__":

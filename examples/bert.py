@@ -3,9 +3,10 @@
 The shape comes from MEMPLAN_PRESET: tiny (default, 2 layers x 64), base (BERT-Base) or large (BERT-Large).
 Example: MEMPLAN_PRESET=large memplan trace examples/bert.py --batch 8 --seq 512
 """
+
 import os
 
-from planner.workloads.bert import PRESETS, build_workload
+from memplan.planner.workloads.bert import PRESETS, build_workload
 
 
 def build(batch_size, seq_len, dtype, device):

@@ -5,6 +5,7 @@ its own cross-entropy. The program is imported from ../shared/clients/cs336 (or 
 CS336_AUTOCAST=bf16 runs forward and loss under torch.autocast(bfloat16) on the model's device type.
 Example: memplan trace examples/cs336_lm.py --batch 4 --seq 128 --fake
 """
+
 import os
 import sys
 from pathlib import Path
@@ -23,14 +24,20 @@ def build(batch_size, seq_len, dtype, device):
     from cs336_basics.nn_utils import cross_entropy
     from cs336_basics.optimizer import AdamW
 
-    model = BasicsTransformerLM(vocab_size=10000, context_length=seq_len, d_model=1024, num_layers=24,
-                                num_heads=16, d_ff=4096)
+    model = BasicsTransformerLM(
+        vocab_size=10000, context_length=seq_len, d_model=1024, num_layers=24, num_heads=16, d_ff=4096
+    )
     x = torch.randint(0, 10000, (batch_size, seq_len), device=device)
     y = torch.randint(0, 10000, (batch_size, seq_len), device=device)
     if os.environ.get("CS336_AUTOCAST") == "bf16":
         model = Autocast(model)
-    return {"model": model, "inputs": x, "loss": lambda output, _: autocast(output)(cross_entropy)(output, y),
-            "optimizer": AdamW, "name": "cs336-gpt2-medium"}
+    return {
+        "model": model,
+        "inputs": x,
+        "loss": lambda output, _: autocast(output)(cross_entropy)(output, y),
+        "optimizer": AdamW,
+        "name": "cs336-gpt2-medium",
+    }
 
 
 def autocast(tensor):

@@ -3,9 +3,10 @@
 The shape comes from MEMPLAN_PRESET: tiny (default, 2 layers x 64), small (GPT-2 124M) or medium (GPT-2 355M).
 Example: MEMPLAN_PRESET=small memplan trace examples/gpt2.py --batch 4 --seq 1024
 """
+
 import os
 
-from planner.workloads.gpt2 import PRESETS, build_workload
+from memplan.planner.workloads.gpt2 import PRESETS, build_workload
 
 
 def build(batch_size, seq_len, dtype, device):

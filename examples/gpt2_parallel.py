@@ -5,10 +5,11 @@ the tensor-parallel size is the number of ranks (1 without --nproc). The shape c
 tiny (default), small (GPT-2 124M) or medium (GPT-2 355M).
 Example: MEMPLAN_PARALLEL=tp+sp memplan trace examples/gpt2_parallel.py --nproc 2 --seq 64 -o gpt2.json.gz
 """
+
 import os
 
-from planner.parallel.model import build_workload
-from planner.workloads.gpt2 import PRESETS
+from memplan.planner.parallel.model import build_workload
+from memplan.planner.workloads.gpt2 import PRESETS
 
 KINDS = {"tp": False, "tp+sp": True}
 
@@ -21,5 +22,4 @@ def build(batch_size, seq_len, dtype, device):
         raise ValueError(f"MEMPLAN_PRESET={preset!r} is not one of {', '.join(PRESETS)}")
     if kind not in KINDS:
         raise ValueError(f"MEMPLAN_PARALLEL={kind!r} is not one of {', '.join(KINDS)}")
-    return build_workload(batch_size, seq_len, dtype, device, config=PRESETS[preset],
-                          sequence_parallel=KINDS[kind])
+    return build_workload(batch_size, seq_len, dtype, device, config=PRESETS[preset], sequence_parallel=KINDS[kind])

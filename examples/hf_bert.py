@@ -4,15 +4,28 @@ MEMPLAN_PRESET picks the shape: tiny (default: 2 layers, hidden 64) or large (BE
 The loss is the mean of both outputs (sequence output and pooler), so every parameter gets a gradient.
 Example: memplan trace examples/hf_bert.py --batch 2 --seq 128
 """
+
 import os
 
 import torch
 
 PRESETS = {
-    "tiny": dict(vocab_size=1024, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 intermediate_size=256, max_position_embeddings=512),
-    "large": dict(vocab_size=30522, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                  intermediate_size=4096, max_position_embeddings=512),
+    "tiny": dict(
+        vocab_size=1024,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=256,
+        max_position_embeddings=512,
+    ),
+    "large": dict(
+        vocab_size=30522,
+        hidden_size=1024,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        intermediate_size=4096,
+        max_position_embeddings=512,
+    ),
 }
 
 

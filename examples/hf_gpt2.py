@@ -4,13 +4,15 @@ MEMPLAN_PRESET picks the shape: tiny (default: 2 layers, hidden 64) or small (GP
 The loss is the mean of the final hidden states (the model has no head).
 Example: memplan trace examples/hf_gpt2.py --batch 2 --seq 128
 """
+
 import os
 
 import torch
 
 PRESETS = {
-    "tiny": dict(vocab_size=1024, n_embd=64, n_layer=2, n_head=4, n_positions=1024,
-                 bos_token_id=1023, eos_token_id=1023),
+    "tiny": dict(
+        vocab_size=1024, n_embd=64, n_layer=2, n_head=4, n_positions=1024, bos_token_id=1023, eos_token_id=1023
+    ),
     "small": dict(vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024),
 }
 

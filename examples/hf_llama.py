@@ -5,13 +5,21 @@ MEMPLAN_PRESET picks the shape: tiny (default: 2 layers, hidden 64, 4 heads, 2 k
 config's defaults, Llama 2 7B: 32 x 4096, ffn 11008, vocabulary 32000), which needs --fake here.
 Example: MEMPLAN_PRESET=7b memplan trace examples/hf_llama.py --fake --dtype bfloat16 --batch 1 --seq 2048
 """
+
 import os
 
 import torch
 
 PRESETS = {
-    "tiny": dict(vocab_size=1024, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096),
+    "tiny": dict(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    ),
     "7b": dict(max_position_embeddings=4096),
 }
 

@@ -5,9 +5,10 @@ MEMPLAN_PRESET picks the shape: tiny (default: 2 layers, hidden 64, 4 heads, 2 k
 or 8b (Llama 3 8B). The 7B and 8B shapes need --fake on a machine without their ~100 GB of training state.
 Example: MEMPLAN_PRESET=7b memplan trace examples/llama.py --fake --device cuda --dtype bfloat16 --batch 1 --seq 2048
 """
+
 import os
 
-from planner.workloads.llama import PRESETS, build_workload
+from memplan.planner.workloads.llama import PRESETS, build_workload
 
 
 def build(batch_size, seq_len, dtype, device):

@@ -3,6 +3,7 @@
 Buffer `id` is live on [lower, upper) on one stream. An `offset` column holds a placement (a solution);
 it is read back as offsets, not as constraints.
 """
+
 from __future__ import annotations
 
 import csv
@@ -11,10 +12,10 @@ import os
 
 import numpy as np
 
-from planner.plan import columns_digest
-from planner.problem import MAX_BYTES, Problem, ProblemError, build_problem
-from traces.errors import MemplanError
-from traces.files import atomic_write, read_bytes
+from memplan.planner.problem import MAX_BYTES, Problem, ProblemError, build_problem
+from memplan.traces.errors import MemplanError
+from memplan.traces.files import atomic_write, read_bytes
+from memplan.traces.format import columns_digest
 
 REQUIRED = ("id", "lower", "upper", "size")
 

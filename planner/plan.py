@@ -1,61 +1,42 @@
 """The memplan-plan/1 format: one byte offset per trace buffer, the arena, the bound and how it was found.
 
-A plan is only written after planner.verify accepted it against its problem.
+A plan is only written after the verifier (planner/verify.py) accepted it against its problem.
 """
+
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
 
-import numpy as np
-
-from traces.errors import MemplanError
-from traces.files import atomic_write, read_bytes
-from traces.format import Trace
+from memplan.planner.problem import Problem
+from memplan.planner.verify import verify_plan
+from memplan.traces.errors import PlanError
+from memplan.traces.files import atomic_write, read_bytes
 
 FORMAT = "memplan-plan/1"
 STATUSES = ("optimal", "feasible")
-
-
-class PlanError(MemplanError):
-    """A plan is invalid, unreadable, or does not match its trace."""
 
 
 @dataclass
 class Plan:
     """A verified placement: offsets[i] is the byte offset of trace buffer i inside an arena of `arena` bytes."""
 
-    digest: str          # trace_digest of the trace (or CSV digest) it was made for
+    digest: str  # trace_digest of the trace (or CSV digest) it was made for
     alignment: int
     offsets: list[int]
     arena: int
-    bound: int           # best proven lower bound on the arena
-    status: str          # "optimal" (arena == bound) or "feasible"
-    gap: float           # arena / bound - 1 (0 when optimal)
-    solver: str          # which method produced the offsets
+    bound: int  # best proven lower bound on the arena
+    status: str  # "optimal" (arena == bound) or "feasible"
+    gap: float  # arena / bound - 1 (0 when optimal)
+    solver: str  # which method produced the offsets
     seconds: float
     capacity: int | None = None  # the capacity the plan was asked to fit, if any
-    scope: str = "all"   # "all" buffers placed, or the "step"'s own (whole-window buffers at offset -1)
+    scope: str = "all"  # "all" buffers placed, or the "step"'s own (whole-window buffers at offset -1)
 
     @property
     def buffers(self) -> int:
         return len(self.offsets)
-
-
-def columns_digest(size, alloc, free, stream, syncs=()) -> str:
-    """sha256 over the int64 little-endian size, alloc, free and stream columns and the syncs."""
-    h = hashlib.sha256()
-    for col in (size, alloc, free, stream):
-        h.update(np.ascontiguousarray(col, dtype="<i8").tobytes())
-    h.update(np.asarray(list(syncs), dtype="<i8").reshape(-1).tobytes())
-    return "sha256:" + h.hexdigest()
-
-
-def trace_digest(trace: Trace) -> str:
-    """The digest a plan records to name its trace (columns_digest of the trace's columns and syncs)."""
-    return columns_digest(trace.size, trace.alloc, trace.free, trace.stream, trace.syncs)
 
 
 def plan_to_dict(plan: Plan) -> dict:
@@ -63,9 +44,8 @@ def plan_to_dict(plan: Plan) -> dict:
     return {"format": FORMAT, **asdict(plan)}
 
 
-def save_plan(plan: Plan, problem, path: str | os.PathLike) -> None:
+def save_plan(plan: Plan, problem: Problem, path: str | os.PathLike) -> None:
     """Verify the plan against its problem, then write it atomically (gzipped if the name ends in .gz)."""
-    from planner.verify import verify_plan
     if plan.digest != problem.digest:
         raise PlanError("plan was made for a different trace (digest mismatch)")
     if plan.alignment != problem.alignment:
@@ -109,8 +89,16 @@ def load_plan(path: str | os.PathLike) -> Plan:
     capacity = data.get("capacity")
     if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool)):
         raise PlanError(f"{name}: field 'capacity' has the wrong type")
-    return Plan(digest=_field(data, "digest", str, name), alignment=_field(data, "alignment", int, name),
-                offsets=offsets, arena=_field(data, "arena", int, name), bound=_field(data, "bound", int, name),
-                status=status, gap=float(_field(data, "gap", (int, float), name)),
-                solver=_field(data, "solver", str, name), seconds=float(_field(data, "seconds", (int, float), name)),
-                capacity=capacity, scope=scope)
+    return Plan(
+        digest=_field(data, "digest", str, name),
+        alignment=_field(data, "alignment", int, name),
+        offsets=offsets,
+        arena=_field(data, "arena", int, name),
+        bound=_field(data, "bound", int, name),
+        status=status,
+        gap=float(_field(data, "gap", (int, float), name)),
+        solver=_field(data, "solver", str, name),
+        seconds=float(_field(data, "seconds", (int, float), name)),
+        capacity=capacity,
+        scope=scope,
+    )

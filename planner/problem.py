@@ -8,16 +8,16 @@ A plan's scope says which buffers it places: `all` of them, or only the `step`'s
 buffers that exist for the whole window (parameters, optimizer state, inputs: allocated once, outside
 the step, by whatever allocator made them). Buffers outside the plan are in the problem with size 0.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from planner.safety import conflicts_with, release_matrix
-from traces.errors import MemplanError
-from traces.format import Trace
-
+from memplan.planner.safety import conflicts_with, release_matrix
+from memplan.traces.errors import MemplanError
+from memplan.traces.format import Trace, trace_digest
 
 MAX_BYTES = 2**62  # sizes, offsets and times stay below this, so their sums never overflow int64
 SCOPES = ("all", "step")
@@ -32,18 +32,18 @@ class ProblemError(MemplanError):
 class Problem:
     """Everything a solver needs; `release` (n x streams) encodes the conflict relation."""
 
-    size: np.ndarray        # bytes, rounded up to the alignment
-    requested: np.ndarray   # bytes as given
+    size: np.ndarray  # bytes, rounded up to the alignment
+    requested: np.ndarray  # bytes as given
     alloc: np.ndarray
     free: np.ndarray
-    stream: np.ndarray      # dense stream index 0..nstreams-1
-    release: np.ndarray     # release[i, s]: first time on stream s ordered after i's free
+    stream: np.ndarray  # dense stream index 0..nstreams-1
+    release: np.ndarray  # release[i, s]: first time on stream s ordered after i's free
     alignment: int
-    digest: str             # digest of the source (trace or CSV) the problem was built from
-    ids: list[str]          # buffer names (CSV ids, or the trace index)
+    digest: str  # digest of the source (trace or CSV) the problem was built from
+    ids: list[str]  # buffer names (CSV ids, or the trace index)
     syncs: list[tuple[int, int, int]] = field(default_factory=list)  # (time, from, to), dense stream ids
     groups: list[list[int]] = field(default_factory=list)  # back to back, in the given order
-    fixed: dict[int, int] = field(default_factory=dict)    # buffer index -> required offset
+    fixed: dict[int, int] = field(default_factory=dict)  # buffer index -> required offset
     outside: np.ndarray = None  # bool mask of buffers left out of the plan (all False for scope "all")
     scope: str = "all"
 
@@ -83,8 +83,9 @@ def align_up(size: np.ndarray, alignment: int) -> np.ndarray:
     return (size + alignment - 1) // alignment * alignment
 
 
-def build_problem(size, alloc, free, *, stream=None, syncs=(), alignment: int = 512, digest: str = "",
-                  ids=None, groups=(), fixed=None) -> Problem:
+def build_problem(
+    size, alloc, free, *, stream=None, syncs=(), alignment: int = 512, digest: str = "", ids=None, groups=(), fixed=None
+) -> Problem:
     """Validate and assemble a Problem from columns; `stream`/`syncs` use the caller's stream ids."""
     if not isinstance(alignment, (int, np.integer)) or alignment < 1:
         raise ProblemError(f"alignment must be a positive integer, got {alignment!r}")
@@ -102,10 +103,21 @@ def build_problem(size, alloc, free, *, stream=None, syncs=(), alignment: int = 
     never = int(max(free.max(initial=0), alloc.max(initial=0)) + 1)
     release = release_matrix(alloc, free, dstream, len(names), dsyncs, never)
     ids = [str(i) for i in range(n)] if ids is None else [str(x) for x in ids]
-    problem = Problem(size=align_up(requested, alignment), requested=requested, alloc=alloc, free=free,
-                      stream=dstream, release=release, alignment=alignment, digest=digest, ids=ids,
-                      syncs=dsyncs, groups=[[int(i) for i in g] for g in groups],
-                      fixed={int(k): int(v) for k, v in (fixed or {}).items()}, outside=np.zeros(n, dtype=bool))
+    problem = Problem(
+        size=align_up(requested, alignment),
+        requested=requested,
+        alloc=alloc,
+        free=free,
+        stream=dstream,
+        release=release,
+        alignment=alignment,
+        digest=digest,
+        ids=ids,
+        syncs=dsyncs,
+        groups=[[int(i) for i in g] for g in groups],
+        fixed={int(k): int(v) for k, v in (fixed or {}).items()},
+        outside=np.zeros(n, dtype=bool),
+    )
     _check_groups_and_fixed(problem)
     return problem
 
@@ -141,21 +153,27 @@ def _check_groups_and_fixed(p: Problem) -> None:
         if not 0 <= i < n:
             raise ProblemError(f"fixed offset for buffer {i}: no such buffer ({n} buffers)")
         if off < 0 or off % p.alignment or off >= MAX_BYTES:
-            raise ProblemError(f"fixed offset {off} of buffer {i} is negative or not a multiple of "
-                               f"the alignment {p.alignment}")
+            raise ProblemError(
+                f"fixed offset {off} of buffer {i} is negative or not a multiple of the alignment {p.alignment}"
+            )
     pinned = np.array(sorted(p.fixed), dtype=np.int64)
     for k, i in enumerate(pinned[:-1]):
-        others = pinned[k + 1:]
+        others = pinned[k + 1 :]
         off = np.array([p.fixed[int(j)] for j in others], dtype=np.int64)
-        clash = p.conflicts_with(int(i), others) & (off < p.fixed[int(i)] + p.size[i]) & \
-            (p.fixed[int(i)] < off + p.size[others])
+        clash = (
+            p.conflicts_with(int(i), others)
+            & (off < p.fixed[int(i)] + p.size[i])
+            & (p.fixed[int(i)] < off + p.size[others])
+        )
         if clash.any():
-            raise ProblemError(f"fixed offsets of buffers {int(i)} and {int(others[clash][0])} overlap while "
-                               f"both may be live")
+            raise ProblemError(
+                f"fixed offsets of buffers {int(i)} and {int(others[clash][0])} overlap while both may be live"
+            )
     for g, members in enumerate(p.groups):
         bases = {p.fixed[i] - int(p.size[members[:k]].sum()) for k, i in enumerate(members) if i in p.fixed}
         if len(bases) > 1 or min(bases, default=0) < 0:
             raise ProblemError(f"contiguous group {g}: its fixed offsets do not put its buffers back to back")
+
 
 def outside_of_scope(trace: Trace, scope: str) -> np.ndarray:
     """Mask of the trace's buffers a plan of `scope` leaves out: none for `all`; for `step`, the buffers
@@ -170,13 +188,20 @@ def outside_of_scope(trace: Trace, scope: str) -> np.ndarray:
 def problem_from_trace(trace: Trace, alignment: int = 512, groups=(), fixed=None, scope: str = "all") -> Problem:
     """The allocation problem of a trace: sizes rounded up to `alignment`, streams and syncs kept; with
     scope `step` the whole-window buffers are outside the plan (size 0 here)."""
-    from planner.plan import trace_digest
     outside = outside_of_scope(trace, scope)
     held = sorted({int(i) for g in groups for i in g} | set(fixed or {}))
     if any(outside[i] for i in held if 0 <= i < len(trace)):
         raise ProblemError("a contiguous group or fixed offset names a buffer outside the plan's scope")
-    problem = build_problem(np.where(outside, 0, trace.size), trace.alloc, trace.free, stream=trace.stream,
-                            syncs=trace.syncs, alignment=alignment, digest=trace_digest(trace), groups=groups,
-                            fixed=fixed)
+    problem = build_problem(
+        np.where(outside, 0, trace.size),
+        trace.alloc,
+        trace.free,
+        stream=trace.stream,
+        syncs=trace.syncs,
+        alignment=alignment,
+        digest=trace_digest(trace),
+        groups=groups,
+        fixed=fixed,
+    )
     problem.outside, problem.scope = outside, scope
     return problem

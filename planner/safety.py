@@ -6,13 +6,20 @@ through later syncs (two syncs at the same time do not chain). The result is a r
 R[i, s] is the first time at which an event on stream s knows that buffer i was freed, so a buffer j
 on stream s allocated at time >= R[i, s] may reuse i's bytes. On i's own stream R[i, s] is its free.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 
-def release_matrix(alloc: np.ndarray, free: np.ndarray, stream: np.ndarray, nstreams: int,
-                   syncs: list[tuple[int, int, int]], never: int) -> np.ndarray:
+def release_matrix(
+    alloc: np.ndarray,
+    free: np.ndarray,
+    stream: np.ndarray,
+    nstreams: int,
+    syncs: list[tuple[int, int, int]],
+    never: int,
+) -> np.ndarray:
     """R[i, s] (n x nstreams): earliest time on stream s ordered after buffer i's free; `never` if none.
 
     `stream` and the syncs use dense stream indices 0..nstreams-1.
@@ -54,8 +61,9 @@ def release_matrix(alloc: np.ndarray, free: np.ndarray, stream: np.ndarray, nstr
     return release
 
 
-def conflicts_with(alloc: np.ndarray, stream: np.ndarray, release: np.ndarray, active: np.ndarray,
-                   i: int, others: np.ndarray) -> np.ndarray:
+def conflicts_with(
+    alloc: np.ndarray, stream: np.ndarray, release: np.ndarray, active: np.ndarray, i: int, others: np.ndarray
+) -> np.ndarray:
     """Boolean mask over `others`: which of them may not share a byte with buffer i."""
     si = stream[i]
     mask = (alloc[others] < release[i, stream[others]]) & (alloc[i] < release[others, si])

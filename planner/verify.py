@@ -4,12 +4,13 @@ It checks one offset per buffer (-1 exactly for the buffers outside a step plan'
 arena and capacity, contiguous groups, fixed offsets, and that no two conflicting buffers share a byte;
 a failure names the buffers involved.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
-from planner.plan import PlanError
-from planner.problem import MAX_BYTES, OUTSIDE, Problem
+from memplan.planner.problem import MAX_BYTES, OUTSIDE, Problem
+from memplan.traces.errors import PlanError
 
 
 def _name(p: Problem, i: int) -> str:
@@ -40,8 +41,9 @@ def verify_plan(problem: Problem, offsets, arena: int, capacity: int | None = No
         raise PlanError(f"{_name(p, int(bad[0]))} has a negative offset {int(off[bad[0]])}")
     bad = np.nonzero(off % p.alignment)[0]
     if len(bad):
-        raise PlanError(f"{_name(p, int(bad[0]))} offset {int(off[bad[0]])} is not a multiple of "
-                        f"the alignment {p.alignment}")
+        raise PlanError(
+            f"{_name(p, int(bad[0]))} offset {int(off[bad[0]])} is not a multiple of the alignment {p.alignment}"
+        )
     bad = np.nonzero((end > arena) & (p.size > 0))[0]
     if len(bad):
         i = int(bad[0])
@@ -65,10 +67,9 @@ def verify_plan(problem: Problem, offsets, arena: int, capacity: int | None = No
         if hi <= pos + 1:
             continue
         i = int(order[pos])
-        others = order[pos + 1:hi]
+        others = order[pos + 1 : hi]
         hit = np.nonzero(p.conflicts_with(i, others))[0]
         if len(hit):
             j = int(others[hit[0]])
             lo, top = max(off[i], off[j]), min(end[i], end[j])
-            raise PlanError(f"{_name(p, i)} and {_name(p, j)} may be live together but share bytes "
-                            f"[{lo}, {top})")
+            raise PlanError(f"{_name(p, i)} and {_name(p, j)} may be live together but share bytes [{lo}, {top})")

@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=traces/data
 for mode in baseline tempo selective tempo+selective; do
-  .venv/bin/memplan trace examples/bert_large_slice.py --batch 2 --seq 512 --layers "$mode" \
+  .venv/bin/memplan trace planner/workloads/bert_large_slice.py --batch 2 --seq 512 --layers "$mode" \
     -o "$out/bert_large_slice.b2s512.$mode.trace.json.gz" >/dev/null
 done
 for mode in baseline tempo; do

@@ -10,4 +10,4 @@ fi
 .venv/bin/python -m pip install --quiet -e ".[test,hf]"
 # Compile the C++ parts now (plan allocator, CUDA plugin when a toolkit is there, solver kernels),
 # so no command waits for them; without a compiler this stops with what to install.
-.venv/bin/python -m planner.replay.build
+.venv/bin/python -m memplan.planner.replay.build

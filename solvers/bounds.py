@@ -7,11 +7,12 @@ graph (per-stream program order plus sync edges), so the bound is a maximum-weig
 allocation event, -size on each free event, solved as a minimum cut with OR-Tools' max flow.
 Fixed offsets, the largest buffer and the largest contiguous group bound the arena too.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
-from planner.problem import Problem
+from memplan.planner.problem import Problem
 
 # Ranks of same-time events on one stream: frees, then allocations, then sync sends, then sync receives.
 FREE, ALLOC, SEND, RECV = 0, 1, 2, 3
@@ -20,6 +21,7 @@ FREE, ALLOC, SEND, RECV = 0, 1, 2, 3
 def heaviest_unordered(p: Problem, syncs: list[tuple[int, int, int]]) -> int:
     """Max total size of mutually unordered active buffers (dense stream ids in `syncs`)."""
     from ortools.graph.python import max_flow
+
     act = np.nonzero(p.active)[0]
     # events: (stream, time, rank, weight, key)
     ev_stream = np.concatenate([p.stream[act], p.stream[act]])

@@ -7,6 +7,7 @@ Sizes are divided by their GCD, buffers that conflict with every other one are s
 outside the model, the lower bound is in the arena variable's domain, the greedy plan is the hint, and
 identical buffers are ordered to break symmetry. Contiguous groups are rigid blocks, fixed offsets constants.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from planner.problem import Problem
-from solvers.items import make_items
+from memplan.planner.problem import Problem
+from memplan.solvers.items import make_items
 
 MAX_TERMS = 400_000  # clique memberships beyond which the model is too big to help within seconds
 MAX_PAIRWISE_BUFFERS = 5000  # several streams: beyond this, listing unordered pairs costs too much
@@ -57,7 +58,7 @@ def _unordered_pairs(p: Problem, active: np.ndarray, limit: int) -> list[np.ndar
     if len(active) > MAX_PAIRWISE_BUFFERS:
         return None
     for k, i in enumerate(active):
-        others = active[k + 1:]
+        others = active[k + 1 :]
         apart = (p.alloc[others] >= p.free[i]) | (p.alloc[i] >= p.free[others])
         for j in others[apart & p.conflicts_with(int(i), others)]:
             out.append(np.array([i, j], dtype=np.int64))
@@ -87,8 +88,15 @@ def model_terms(p: Problem) -> int:
     return MAX_TERMS + 1 if pairs is None else terms + 2 * len(pairs)
 
 
-def cpsat_place(p: Problem, bound: int, seconds: float, hint: np.ndarray | None = None,
-                capacity: int | None = None, workers: int = 2, on_solution=None) -> CpResult:
+def cpsat_place(
+    p: Problem,
+    bound: int,
+    seconds: float,
+    hint: np.ndarray | None = None,
+    capacity: int | None = None,
+    workers: int = 2,
+    on_solution=None,
+) -> CpResult:
     """Minimise the arena (or find one within `capacity`) in `seconds`; on_solution(arena) as it improves.
 
     The arena is the top of every buffer of positive size, as the verifier counts it: buffers with an
@@ -115,7 +123,9 @@ def cpsat_place(p: Problem, bound: int, seconds: float, hint: np.ndarray | None 
     in_bottom = np.zeros(len(p), dtype=bool)
     in_bottom[bottom] = True
     model_active = np.nonzero(act & ~in_bottom)[0]
-    placed_items = [k for k in range(len(items)) if not in_bottom[items.members[items.start[k]:items.start[k + 1]]].any()]
+    placed_items = [
+        k for k in range(len(items)) if not in_bottom[items.members[items.start[k] : items.start[k + 1]]].any()
+    ]
     pinned = np.nonzero((preset >= 0) & positive)[0]
     # Every offset of a canonical placement is a sum of sizes and fixed offsets: a multiple of their GCD.
     g = max(int(np.gcd.reduce(np.concatenate([p.size[~in_bottom], items.rel, items.size, preset[pinned]]))), 1)
@@ -145,12 +155,12 @@ def cpsat_place(p: Problem, bound: int, seconds: float, hint: np.ndarray | None 
         for pos in range(items.start[k], items.start[k + 1]):
             b = int(items.members[pos])
             if act[b]:
-                interval[b] = m.new_fixed_size_interval_var(x[k] + int(items.rel[pos]) // g, int(p.size[b]) // g,
-                                                            f"b{b}")
+                interval[b] = m.new_fixed_size_interval_var(
+                    x[k] + int(items.rel[pos]) // g, int(p.size[b]) // g, f"b{b}"
+                )
     for i in model_active:
         if preset[i] >= 0:
-            interval[int(i)] = m.new_fixed_size_interval_var((int(preset[i]) - base) // g, int(p.size[i]) // g,
-                                                             f"f{i}")
+            interval[int(i)] = m.new_fixed_size_interval_var((int(preset[i]) - base) // g, int(p.size[i]) // g, f"f{i}")
     for clique in _cliques(p, model_active):
         if len(clique) > 1:
             m.add_no_overlap([interval[int(b)] for b in clique])
@@ -199,8 +209,9 @@ def cpsat_place(p: Problem, bound: int, seconds: float, hint: np.ndarray | None 
             proven = arena_bytes
         else:
             proven = max(bound, int(math.ceil(solver.best_objective_bound)) * g + base)
-        return CpResult("optimal" if proven >= arena_bytes else "feasible", offsets, arena_bytes,
-                        min(proven, arena_bytes))
+        return CpResult(
+            "optimal" if proven >= arena_bytes else "feasible", offsets, arena_bytes, min(proven, arena_bytes)
+        )
     if status == cp_model.INFEASIBLE:
         return CpResult("infeasible", None, None, bound if capacity is None else capacity + 1)
     return CpResult("unknown", None, None, bound)

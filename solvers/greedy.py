@@ -1,6 +1,7 @@
 """Greedy placement: several item orders (pressure over the lifetime, size, area, lifetime, allocation time)
 with best fit and first fit, run side by side in the native kernel; the smallest arena wins (SOMAS-style).
 """
+
 from __future__ import annotations
 
 import time
@@ -8,10 +9,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.problem import Problem
-from solvers.items import Items, make_items
-from solvers.native import library
-from solvers.ranges import range_max
+from memplan.planner.problem import Problem
+from memplan.solvers.items import Items, make_items
+from memplan.solvers.native import library
+from memplan.solvers.ranges import range_max
 
 
 def pressure(p: Problem, items: Items) -> np.ndarray:
@@ -54,9 +55,20 @@ def place(p: Problem, items: Items, preset: np.ndarray, order: np.ndarray, best_
     """Place the items in `order` on top of the preset offsets; returns (offsets, arena)."""
     offsets = preset.copy()
     arena = library().mp_greedy(
-        len(p), p.nstreams, p.alloc, p.stream, np.ascontiguousarray(p.release), p.size, len(items),
-        items.start, items.members, items.rel, np.ascontiguousarray(order, dtype=np.int32), int(best_fit),
-        offsets)
+        len(p),
+        p.nstreams,
+        p.alloc,
+        p.stream,
+        np.ascontiguousarray(p.release),
+        p.size,
+        len(items),
+        items.start,
+        items.members,
+        items.rel,
+        np.ascontiguousarray(order, dtype=np.int32),
+        int(best_fit),
+        offsets,
+    )
     offsets[offsets < 0] = 0
     return offsets, int(arena)
 
@@ -84,15 +96,19 @@ def greedy(p: Problem, stop_at: int | None = None, deadline: float | None = None
         for best_fit in (True, False):
             offsets, arena = place(p, items, preset, order, best_fit)
             if best is None or arena < best.arena:
-                best = GreedyResult(offsets, arena, f"greedy-{name}-{'best' if best_fit else 'first'}-fit",
-                                    order, best_fit)
-            if (stop_at is not None and best.arena <= stop_at) or (deadline is not None and time.monotonic() > deadline):
+                best = GreedyResult(
+                    offsets, arena, f"greedy-{name}-{'best' if best_fit else 'first'}-fit", order, best_fit
+                )
+            if (stop_at is not None and best.arena <= stop_at) or (
+                deadline is not None and time.monotonic() > deadline
+            ):
                 return best
     return best
 
 
-def squeaky_wheel(p: Problem, start: GreedyResult, bound: int, deadline: float,
-                  boost: float = 0.01, patience: int = 100) -> tuple[np.ndarray, int]:
+def squeaky_wheel(
+    p: Problem, start: GreedyResult, bound: int, deadline: float, boost: float = 0.01, patience: int = 100
+) -> tuple[np.ndarray, int]:
     """Improve a greedy placement by moving the items that end above the bound earlier, again and again.
 
     Each round re-places everything in an order where an item's position drops by boost x items x its

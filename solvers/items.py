@@ -2,25 +2,26 @@
 
 Fixed offsets are applied up front (a group with a fixed member is fixed as a whole).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
 
-from planner.problem import Problem
+from memplan.planner.problem import Problem
 
 
 @dataclass
 class Items:
     """m items in CSR form: members[start[k]:start[k+1]] at offsets rel[...] relative to the item's base."""
 
-    start: np.ndarray    # int32, m + 1
+    start: np.ndarray  # int32, m + 1
     members: np.ndarray  # int32 buffer indices
-    rel: np.ndarray      # int64 offset of each member inside its item
-    size: np.ndarray     # int64 bytes of each item
-    alloc: np.ndarray    # int64 earliest allocation among the members
-    free: np.ndarray     # int64 latest time a member still blocks another stream (its free on one stream)
+    rel: np.ndarray  # int64 offset of each member inside its item
+    size: np.ndarray  # int64 bytes of each item
+    alloc: np.ndarray  # int64 earliest allocation among the members
+    free: np.ndarray  # int64 latest time a member still blocks another stream (its free on one stream)
 
     def __len__(self) -> int:
         return len(self.size)

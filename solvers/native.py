@@ -3,6 +3,7 @@
 The shared library is cached in traces.cxx.cache_dir() (default ~/.cache/memplan), keyed by the source's hash,
 so the first solve compiles it (about a second) and later ones load it directly.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from traces.cxx import cxx_shared_library
+from memplan.traces.cxx import cxx_shared_library
 
 SOURCE = Path(__file__).with_name("csrc") / "place.cpp"
 
@@ -31,6 +32,19 @@ def library() -> ctypes.CDLL:
     lib.mp_greedy.restype = c_i64
     lib.mp_greedy.argtypes = [c_int, c_int, i64p, i64p, i64p, i64p, c_int, i32p, i32p, i64p, i32p, c_int, i64p]
     lib.mp_search.restype = c_int
-    lib.mp_search.argtypes = [c_int, c_int, i64p, i64p, i64p, i32p, i32p, c_i64, c_int,
-                              ctypes.POINTER(ctypes.c_char_p), ctypes.c_double, i64p, ctypes.POINTER(c_i64)]
+    lib.mp_search.argtypes = [
+        c_int,
+        c_int,
+        i64p,
+        i64p,
+        i64p,
+        i32p,
+        i32p,
+        c_i64,
+        c_int,
+        ctypes.POINTER(ctypes.c_char_p),
+        ctypes.c_double,
+        i64p,
+        ctypes.POINTER(c_i64),
+    ]
     return lib

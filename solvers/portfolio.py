@@ -7,22 +7,23 @@ squeaky-wheel loop re-runs the best greedy order with the buffers that end above
 CP-SAT then minimises (or decides the capacity) in the rest of the time, hinted with the best plan so far,
 when its model is small enough to help.
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
-from planner.plan import Plan
-from planner.problem import OUTSIDE, Problem
-from planner.verify import verify_plan
-from solvers.bounds import lower_bound
-from solvers.cpsat import MAX_TERMS, cpsat_place, model_terms
-from solvers.greedy import greedy, squeaky_wheel
-from solvers.search import FITS, INFEASIBLE, applicable, search_fit
-from traces.errors import MemplanError
+from memplan.planner.plan import Plan
+from memplan.planner.problem import OUTSIDE, Problem
+from memplan.planner.verify import verify_plan
+from memplan.solvers.bounds import lower_bound
+from memplan.solvers.cpsat import MAX_TERMS, cpsat_place, model_terms
+from memplan.solvers.greedy import greedy, squeaky_wheel
+from memplan.solvers.search import FITS, INFEASIBLE, applicable, search_fit
+from memplan.traces.errors import MemplanError
 
 METHODS = ("auto", "greedy", "cpsat")
 SEARCH_MAX_BUFFERS = 5000  # the exact search is hopeless beyond this (MiniMalloc-style DFS)
@@ -72,10 +73,19 @@ class _Best:
     def plan(self, capacity: int | None) -> Plan:
         arena, bound = int(self.arena), int(min(self.bound, self.arena))
         offsets = np.where(self.p.outside, OUTSIDE, self.offsets)
-        return Plan(digest=self.p.digest, alignment=self.p.alignment, offsets=[int(x) for x in offsets],
-                    arena=arena, bound=bound, status="optimal" if arena == bound else "feasible",
-                    gap=(arena / bound - 1.0) if bound else 0.0, solver=self.solver,
-                    seconds=round(self.elapsed(), 3), capacity=capacity, scope=self.p.scope)
+        return Plan(
+            digest=self.p.digest,
+            alignment=self.p.alignment,
+            offsets=[int(x) for x in offsets],
+            arena=arena,
+            bound=bound,
+            status="optimal" if arena == bound else "feasible",
+            gap=(arena / bound - 1.0) if bound else 0.0,
+            solver=self.solver,
+            seconds=round(self.elapsed(), 3),
+            capacity=capacity,
+            scope=self.p.scope,
+        )
 
 
 def _search_at(best: _Best, target: int, seconds: float, capacity: int | None) -> str:
@@ -85,8 +95,11 @@ def _search_at(best: _Best, target: int, seconds: float, capacity: int | None) -
         best.offer(offs, int((offs + best.p.size)[best.p.size > 0].max(initial=0)), "search")
     elif status == INFEASIBLE:
         if capacity is not None:
-            raise CapacityError(f"cannot fit in {capacity} bytes: no placement exists "
-                                f"(proven by search; lower bound {best.bound} bytes)", proven=True)
+            raise CapacityError(
+                f"cannot fit in {capacity} bytes: no placement exists "
+                f"(proven by search; lower bound {best.bound} bytes)",
+                proven=True,
+            )
         best.bound = max(best.bound, target + 1)
         best.tell("search")
     return status
@@ -106,8 +119,13 @@ def _search_down(best: _Best, deadline: float) -> None:
             low = target + 1  # proven (infeasible) or given up (timeout): look higher
 
 
-def solve(problem: Problem, method: str = "auto", time_limit: float = 10.0, capacity: int | None = None,
-          progress: Callable[[Progress], None] | None = None) -> Plan:
+def solve(
+    problem: Problem,
+    method: str = "auto",
+    time_limit: float = 10.0,
+    capacity: int | None = None,
+    progress: Callable[[Progress], None] | None = None,
+) -> Plan:
     """Place every buffer of `problem`; with `capacity`, stop at the first plan that fits (error if none).
     The plan returned has passed the independent verifier."""
     if method not in METHODS:
@@ -137,18 +155,25 @@ def solve(problem: Problem, method: str = "auto", time_limit: float = 10.0, capa
         left = time_limit - best.elapsed()
         goal = capacity if capacity is not None else best.bound
         if best.arena > goal and left > 0.05 and model_fits:
-            res = cpsat_place(p, best.bound, left, hint=best.offsets, capacity=capacity,
-                              on_solution=lambda a: best.tell("cpsat", a))
+            res = cpsat_place(
+                p, best.bound, left, hint=best.offsets, capacity=capacity, on_solution=lambda a: best.tell("cpsat", a)
+            )
             if res.offsets is not None:
                 best.offer(res.offsets, res.arena, "cpsat")
             if res.status == "infeasible" and capacity is not None:
-                raise CapacityError(f"cannot fit in {capacity} bytes: no placement exists "
-                                    f"(proven by CP-SAT; lower bound {bound} bytes)", proven=True)
+                raise CapacityError(
+                    f"cannot fit in {capacity} bytes: no placement exists "
+                    f"(proven by CP-SAT; lower bound {bound} bytes)",
+                    proven=True,
+                )
             if res.status in ("optimal", "feasible"):
                 best.bound = max(best.bound, res.bound)
     if capacity is not None and best.arena > capacity:
-        raise CapacityError(f"no plan within {capacity} bytes found in {best.elapsed():.1f} s "
-                            f"(best {best.arena} bytes, lower bound {best.bound} bytes)", proven=False)
+        raise CapacityError(
+            f"no plan within {capacity} bytes found in {best.elapsed():.1f} s "
+            f"(best {best.arena} bytes, lower bound {best.bound} bytes)",
+            proven=False,
+        )
     plan = best.plan(capacity)
     verify_plan(p, plan.offsets, plan.arena, capacity)  # no plan leaves here unchecked, printed or written
     return plan

@@ -1,4 +1,5 @@
 """Range maxima over a time profile, used to rank buffers by the pressure over their lifetime."""
+
 from __future__ import annotations
 
 import numpy as np

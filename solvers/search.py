@@ -7,14 +7,15 @@ is skipped, and the problem splits into independent parts whenever no unplaced b
 boundary. Three static orders (re-ranked in every independent part) search in parallel threads; the first
 to find a placement or prove that none exists wins.
 """
+
 from __future__ import annotations
 
 import ctypes
 
 import numpy as np
 
-from planner.problem import Problem
-from solvers.native import library
+from memplan.planner.problem import Problem
+from memplan.solvers.native import library
 
 FITS, INFEASIBLE, TIMEOUT = "fits", "infeasible", "timeout"
 # Static orders, most significant key first, all descending: W lifetime, A area, T section pressure, Z size.
@@ -45,9 +46,21 @@ def search_fit(p: Problem, capacity: int, seconds: float) -> tuple[str, np.ndarr
     out = np.zeros(len(act), dtype=np.int64)
     nodes = ctypes.c_longlong(0)
     heuristics = (ctypes.c_char_p * len(HEURISTICS))(*[h.encode() for h in HEURISTICS])
-    res = library().mp_search(len(act), nsec, size, np.ascontiguousarray(alloc), np.ascontiguousarray(free),
-                              slo, shi, int(capacity), len(HEURISTICS), heuristics, float(seconds), out,
-                              ctypes.byref(nodes))
+    res = library().mp_search(
+        len(act),
+        nsec,
+        size,
+        np.ascontiguousarray(alloc),
+        np.ascontiguousarray(free),
+        slo,
+        shi,
+        int(capacity),
+        len(HEURISTICS),
+        heuristics,
+        float(seconds),
+        out,
+        ctypes.byref(nodes),
+    )
     if res == 1:
         offsets[act] = out
         return FITS, offsets, nodes.value

@@ -1,4 +1,5 @@
 """Shared test set-up: single-threaded torch, and the ../shared data folder (skipped when absent)."""
+
 from __future__ import annotations
 
 import os

@@ -5,26 +5,36 @@ forward pass keeps one activation per layer and frees a temporary, the backward 
 activations in reverse and allocates gradients, the optimizer allocates and frees temporaries.
 `bytes_by_category` totals any trace's bytes per category, for tests that compare two traces.
 """
+
 from __future__ import annotations
 
 from collections import Counter
 
 import numpy as np
 
-from traces import make_trace
-from traces.format import Trace
+from memplan.traces import make_trace
+from memplan.traces.format import Trace
 
 
-def step_trace(layers: int = 4, activation: int = 3 << 20, param: int = 1 << 20, seed: int = 0,
-               meta: dict | None = None) -> Trace:
+def step_trace(
+    layers: int = 4, activation: int = 3 << 20, param: int = 1 << 20, seed: int = 0, meta: dict | None = None
+) -> Trace:
     """A one-stream step of `layers` layers; sizes vary by a random factor so traces differ by seed."""
     rng = np.random.default_rng(seed)
     rows: list[dict] = []  # size, category, phase, module, alloc event, free event (None: never freed)
     events: list[tuple[int, str]] = []  # (row, "alloc" | "free") in program order
 
     def new(size, category, phase, module, before_recording=False):
-        rows.append({"size": int(size), "category": category, "phase": phase, "module": module,
-                     "alloc": 0 if before_recording else None, "free": None})
+        rows.append(
+            {
+                "size": int(size),
+                "category": category,
+                "phase": phase,
+                "module": module,
+                "alloc": 0 if before_recording else None,
+                "free": None,
+            }
+        )
         if not before_recording:
             events.append((len(rows) - 1, "alloc"))
         return len(rows) - 1
@@ -56,14 +66,17 @@ def step_trace(layers: int = 4, activation: int = 3 << 20, param: int = 1 << 20,
     for t, (row, kind) in enumerate(events, start=1):
         rows[row][kind] = t
     end = len(events) + 1
-    return make_trace({
-        "size": [r["size"] for r in rows],
-        "alloc": [r["alloc"] for r in rows],
-        "free": [end if r["free"] is None else r["free"] for r in rows],
-        "category": [r["category"] for r in rows],
-        "phase": [r["phase"] for r in rows],
-        "module": [r["module"] for r in rows],
-    }, meta=meta if meta is not None else {"model": "synthetic", "layers": "baseline"})
+    return make_trace(
+        {
+            "size": [r["size"] for r in rows],
+            "alloc": [r["alloc"] for r in rows],
+            "free": [end if r["free"] is None else r["free"] for r in rows],
+            "category": [r["category"] for r in rows],
+            "phase": [r["phase"] for r in rows],
+            "module": [r["module"] for r in rows],
+        },
+        meta=meta if meta is not None else {"model": "synthetic", "layers": "baseline"},
+    )
 
 
 def bytes_by_category(trace: Trace) -> Counter:

@@ -1,4 +1,5 @@
 """The caching-allocator simulator: PyTorch's rules on hand-made sequences, invariants, and the real-snapshot match."""
+
 from __future__ import annotations
 
 import random
@@ -7,12 +8,17 @@ import zlib
 import numpy as np
 import pytest
 
-from planner.alloc_conf import AllocConf, AllocConfError, parse_alloc_conf
-from planner.caching_allocator import (CachingAllocator, SimulatedOOM, allocation_size, round_size,
-                                       simulate_caching)
-from planner.snapshot_replay import replay_snapshot
-from traces.format import make_trace
-from traces.snapshot import parse_snapshot, read_snapshot
+from memplan.planner.simulate.alloc_conf import AllocConf, AllocConfError, parse_alloc_conf
+from memplan.planner.simulate.caching_allocator import (
+    CachingAllocator,
+    SimulatedOOM,
+    allocation_size,
+    round_size,
+    simulate_caching,
+)
+from memplan.planner.simulate.snapshot_check import replay_snapshot
+from memplan.traces.format import make_trace
+from memplan.traces.snapshot import parse_snapshot, read_snapshot
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -49,8 +55,14 @@ def test_rounding_and_segment_sizes():
     assert round_size(3 * MiB + 1, four) == 3 * MiB + 512 * KiB  # 2 MiB..4 MiB in steps of 512 KiB
     assert round_size(4 * MiB, four) == 4 * MiB
     assert round_size(1200, four) == 1536  # below 512 * divisions: plain 512 B rounding
-    assert [allocation_size(n) for n in (512, MiB, MiB + 512, 10 * MiB - 512, 10 * MiB, 11 * MiB)] == \
-        [2 * MiB, 2 * MiB, 20 * MiB, 20 * MiB, 10 * MiB, 12 * MiB]
+    assert [allocation_size(n) for n in (512, MiB, MiB + 512, 10 * MiB - 512, 10 * MiB, 11 * MiB)] == [
+        2 * MiB,
+        2 * MiB,
+        20 * MiB,
+        20 * MiB,
+        10 * MiB,
+        12 * MiB,
+    ]
 
 
 def test_small_pool_split():
@@ -103,6 +115,7 @@ def test_best_fit_and_tie_breaks():
         big = a.malloc(14 * MiB)
         a.free(old), a.free(big), a.free(new)
         return a.malloc(12 * MiB - 4096), old, new  # each new segment lies below the previous one
+
     got, old, new = run("lowest_address")
     assert got == new  # equal sizes: the lower address (the newer segment here)
     got, old, new = run("oldest_segment")
@@ -142,6 +155,7 @@ def test_garbage_collection_threshold():
         a.free(x), a.free(y)
         a.malloc(34 * MiB)
         return a.reserved
+
     assert run("") == 94 * MiB
     assert run("garbage_collection_threshold:0.5") == 34 * MiB
 
@@ -158,8 +172,13 @@ def test_expandable_segments_grow_in_pages_and_unmap():
     assert a.reserved == 0 and _blocks(a) == []
 
 
-CONFS = ["", "max_split_size_mb:40", "expandable_segments:True", "roundup_power2_divisions:4",
-         "garbage_collection_threshold:0.7"]
+CONFS = [
+    "",
+    "max_split_size_mb:40",
+    "expandable_segments:True",
+    "roundup_power2_divisions:4",
+    "garbage_collection_threshold:0.7",
+]
 
 
 @pytest.mark.parametrize("conf_text", CONFS)
@@ -168,8 +187,11 @@ def test_invariants_on_random_sequences(conf_text, tie):
     rng = random.Random(zlib.crc32(f"{conf_text}/{tie}".encode()))
     a = CachingAllocator(parse_alloc_conf(conf_text, tie), capacity=4 << 30)
     live = []
-    sizes = [rng.choice([1, 700, 4096, 300 * KiB, MiB, MiB + 1, 3 * MiB, 9 * MiB, 25 * MiB, 70 * MiB])
-             + rng.randrange(0, 4096) for _ in range(1500)]
+    sizes = [
+        rng.choice([1, 700, 4096, 300 * KiB, MiB, MiB + 1, 3 * MiB, 9 * MiB, 25 * MiB, 70 * MiB])
+        + rng.randrange(0, 4096)
+        for _ in range(1500)
+    ]
     for n in sizes:
         if live and rng.random() < 0.45:
             a.free(live.pop(rng.randrange(len(live))))
@@ -200,15 +222,24 @@ def test_simulate_caching_series_and_oom():
 
 
 def test_alloc_conf_strings():
-    conf = parse_alloc_conf("max_split_size_mb:128, garbage_collection_threshold:0.6,"
-                            "roundup_power2_divisions:[256:1,512:2,>:8],expandable_segments:False")
+    conf = parse_alloc_conf(
+        "max_split_size_mb:128, garbage_collection_threshold:0.6,"
+        "roundup_power2_divisions:[256:1,512:2,>:8],expandable_segments:False"
+    )
     assert conf.max_split_size == 128 * MiB and conf.garbage_collection_threshold == 0.6
     # as in c10's parser, '>' fills from the last listed interval on, so 512 MiB ends up with 8 too
     assert conf.divisions_for(300 * MiB) == 1 and conf.divisions_for(600 * MiB) == 8
     assert parse_alloc_conf("roundup_power2_divisions:[256:1,512:2,1024:4]").divisions_for(600 * MiB) == 2
     assert conf.divisions_for(4 << 30) == 8 and conf.divisions_for(3 * MiB) == 1
-    for bad in ["max_split_size_mb:4", "colour:blue", "expandable_segments:yes", "roundup_power2_divisions:3",
-                "garbage_collection_threshold:1.5", "max_split_size_mb", "roundup_power2_divisions:[256:1"]:
+    for bad in [
+        "max_split_size_mb:4",
+        "colour:blue",
+        "expandable_segments:yes",
+        "roundup_power2_divisions:3",
+        "garbage_collection_threshold:1.5",
+        "max_split_size_mb",
+        "roundup_power2_divisions:[256:1",
+    ]:
         with pytest.raises(AllocConfError):
             parse_alloc_conf(bad)
     with pytest.raises(AllocConfError):
@@ -237,22 +268,43 @@ def _hand_made_snapshot(third_addr_offset: int) -> dict:
 
     def blk(addr, size, state):
         return {"address": addr, "size": size, "requested_size": size, "state": state, "frames": []}
+
     return {
         "segments": [
-            {"address": base, "total_size": 20 * MiB, "stream": 0, "segment_type": "large",
-             "blocks": [blk(base, 4 * MiB, "active_allocated")]
-             + ([blk(base + 4 * MiB, third_addr_offset - 4 * MiB, "inactive")] if third_addr_offset > 4 * MiB else [])
-             + [blk(base + third_addr_offset, 2 * MiB, "active_allocated"),
-                blk(base + third_addr_offset + 2 * MiB, 18 * MiB - third_addr_offset, "inactive")]},
-            {"address": base2, "total_size": 16 * MiB, "stream": 0, "segment_type": "large",
-             "blocks": [blk(base2, 16 * MiB, "active_allocated")]}],
-        "device_traces": [[
-            e("alloc", base + 4 * MiB, 2 * MiB),
-            e("segment_alloc", base2, 16 * MiB),
-            e("alloc", base2, 15 * MiB),
-            e("free_requested", base + 4 * MiB, 2 * MiB),
-            e("free_completed", base + 4 * MiB, 2 * MiB),
-            e("alloc", base + third_addr_offset, 2 * MiB)]],
+            {
+                "address": base,
+                "total_size": 20 * MiB,
+                "stream": 0,
+                "segment_type": "large",
+                "blocks": [blk(base, 4 * MiB, "active_allocated")]
+                + (
+                    [blk(base + 4 * MiB, third_addr_offset - 4 * MiB, "inactive")]
+                    if third_addr_offset > 4 * MiB
+                    else []
+                )
+                + [
+                    blk(base + third_addr_offset, 2 * MiB, "active_allocated"),
+                    blk(base + third_addr_offset + 2 * MiB, 18 * MiB - third_addr_offset, "inactive"),
+                ],
+            },
+            {
+                "address": base2,
+                "total_size": 16 * MiB,
+                "stream": 0,
+                "segment_type": "large",
+                "blocks": [blk(base2, 16 * MiB, "active_allocated")],
+            },
+        ],
+        "device_traces": [
+            [
+                e("alloc", base + 4 * MiB, 2 * MiB),
+                e("segment_alloc", base2, 16 * MiB),
+                e("alloc", base2, 15 * MiB),
+                e("free_requested", base + 4 * MiB, 2 * MiB),
+                e("free_completed", base + 4 * MiB, 2 * MiB),
+                e("alloc", base + third_addr_offset, 2 * MiB),
+            ]
+        ],
         "allocator_settings": {"max_split_size": -1, "expandable_segments": False},
     }
 

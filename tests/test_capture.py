@@ -1,5 +1,6 @@
 """Capture of a real training step: exact bytes of model state, peak against an independent counter,
 determinism of the allocation sequence, and labels (phase, category, module, op)."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -12,10 +13,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from planner.workloads import bert
-from traces.capture import capture_step
-from traces.model_file import load_workload
-from traces.workload import Workload
+from memplan.planner.layers import LayerMode
+from memplan.planner.workloads import bert
+from memplan.traces.capture import capture_step
+from memplan.traces.model_file import load_workload
+from memplan.traces.workload import Workload
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -27,8 +29,15 @@ class TinyNet(nn.Module):
         super().__init__()
         self.emb = nn.Embedding(vocab, hidden)
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden), nn.GELU(),
-                          nn.Dropout(0.1), nn.Linear(4 * hidden, hidden)) for _ in range(2))
+            nn.Sequential(
+                nn.LayerNorm(hidden),
+                nn.Linear(hidden, 4 * hidden),
+                nn.GELU(),
+                nn.Dropout(0.1),
+                nn.Linear(4 * hidden, hidden),
+            )
+            for _ in range(2)
+        )
         self.head = nn.Linear(hidden, vocab, bias=False)
         self.head.weight = self.emb.weight
 
@@ -103,7 +112,9 @@ def resident_tensors(w: Workload) -> list[torch.Tensor]:
     tensors = list(w.model.parameters()) + list(w.model.buffers())
     tensors += [t for s in w.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     tensors += [t for t in tree_leaves(w.inputs) if isinstance(t, torch.Tensor)]
-    tensors += [t for t in vars(w.loss_fn).values() if isinstance(t, torch.Tensor)] if hasattr(w.loss_fn, "__dict__") else []
+    tensors += (
+        [t for t in vars(w.loss_fn).values() if isinstance(t, torch.Tensor)] if hasattr(w.loss_fn, "__dict__") else []
+    )
     return tensors
 
 
@@ -123,7 +134,9 @@ def test_model_state_bytes_match_the_model():
     assert got["optimizer"] == 2 * param_bytes + 4 * n_params
     # every gradient buffer is freed by zero_grad(set_to_none=True) within the step
     grads = [i for i, c in enumerate(trace.category) if c == "gradient"]
-    assert sorted(int(trace.size[i]) for i in grads) == sorted(p.numel() * p.element_size() for p in w.model.parameters())
+    assert sorted(int(trace.size[i]) for i in grads) == sorted(
+        p.numel() * p.element_size() for p in w.model.parameters()
+    )
     assert all(trace.free[i] < trace.end and trace.phase[i] == "backward" for i in grads)
 
 
@@ -170,7 +183,7 @@ def test_phases_follow_the_step_and_labels_name_modules_and_ops(bert_trace):
 
 @pytest.mark.parametrize("mode", ["tempo", "tempo+selective"])
 def test_backward_buffers_of_custom_autograd_functions_name_their_module(mode):
-    from planner.layers import patch
+    from memplan.planner.layers import patch
 
     def build():
         w = bert.build_workload(2, 16)
@@ -212,11 +225,13 @@ def test_example_model_files_capture_with_exact_state_bytes(name):
 def test_a_plain_step_allocates_exactly_the_recorded_sequence():
     """The k-th allocation of a plain (unprofiled) step is the k-th recorded buffer, with its exact size:
     the replay allocator, given one slot per recorded buffer, sees no size mismatch, extra or missing request."""
-    from planner.replay.cpu_session import CPUPlanAllocator
-    from planner.replay.schedule import CPU_ALIGNMENT, Schedule
+    from memplan.planner.replay.cpu_session import CPUPlanAllocator
+    from memplan.planner.replay.schedule import CPU_ALIGNMENT, Schedule
 
     def build():
-        return load_workload(EXAMPLES / "gpt2.py", batch=2, seq=16, dtype=torch.float32, device="cpu", layers="tempo")
+        return load_workload(
+            EXAMPLES / "gpt2.py", batch=2, seq=16, dtype=torch.float32, device="cpu", layers=LayerMode("tempo")
+        )
 
     trace = capture_step(build)
     w = build()
@@ -226,8 +241,15 @@ def test_a_plain_step_allocates_exactly_the_recorded_sequence():
     for size in sizes[:-1]:
         offsets.append(offsets[-1] + -(-size // CPU_ALIGNMENT) * CPU_ALIGNMENT)
     arena = offsets[-1] + -(-sizes[-1] // CPU_ALIGNMENT) * CPU_ALIGNMENT
-    schedule = Schedule(offsets=offsets, sizes=sizes, reserved_offsets=[], reserved_sizes=[], arena=arena,
-                        bound=arena, alignment=CPU_ALIGNMENT)
+    schedule = Schedule(
+        offsets=offsets,
+        sizes=sizes,
+        reserved_offsets=[],
+        reserved_sizes=[],
+        arena=arena,
+        bound=arena,
+        alignment=CPU_ALIGNMENT,
+    )
     with CPUPlanAllocator(schedule) as allocator:
         for _ in range(2):
             with allocator.step():

@@ -1,6 +1,7 @@
 """The step recorder against what a step really does: a real GPU snapshot of a program no one here wrote,
 storages a program rebinds, an unrecorded step's allocations (replayed from the plan), fake tensors
 against real ones, and a model far larger than this machine."""
+
 from __future__ import annotations
 
 import json
@@ -8,18 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from step_traces import bytes_by_category
 from torch import nn
 
-from planner.problem import problem_from_trace
-from planner.replay.cpu_session import CPUPlanAllocator
-from planner.replay.runner import replay
-from planner.replay.schedule import schedule_from
-from solvers import solve
-from step_traces import bytes_by_category
-from traces.capture import CaptureError, capture_step
-from traces.model_file import load_workload
-from traces.trace_model import trace_model_file
-from traces.workload import Workload
+from memplan.planner.layers import LayerMode
+from memplan.planner.problem import problem_from_trace
+from memplan.planner.replay.cpu_session import CPUPlanAllocator
+from memplan.planner.replay.runner import replay
+from memplan.planner.replay.schedule import schedule_from
+from memplan.solvers import solve
+from memplan.traces.capture import CaptureError, capture_step
+from memplan.traces.model_file import load_workload
+from memplan.traces.trace_model import trace_model_file
+from memplan.traces.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -28,6 +30,7 @@ GPU_PEAK_CTX128 = 7_013_335_044  # ../shared/clients/cs336/NOTICE.md: the snapsh
 
 
 # --- a real program's GPU snapshot --------------------------------------------------------------
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
@@ -45,6 +48,7 @@ def test_cs336_step_peak_is_within_one_percent_of_the_gpu_snapshot(shared, fake,
 
 
 # --- storages the program rebinds ---------------------------------------------------------------
+
 
 class RunningMean(nn.Module):
     """A linear layer that rebinds a registered buffer every call (as a running statistic does)."""
@@ -108,8 +112,13 @@ def test_a_module_outside_the_workload_counts_as_parameters():
         frozen = nn.Linear(32, 32).requires_grad_(False)
         teacher.append(frozen)
         model = nn.Linear(32, 32)
-        return Workload(model, torch.randn(8, 32), torch.optim.SGD(model.parameters(), lr=0.1),
-                        loss_fn=lambda out, x: (out - frozen(x)).pow(2).mean(), name="distill")
+        return Workload(
+            model,
+            torch.randn(8, 32),
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            loss_fn=lambda out, x: (out - frozen(x)).pow(2).mean(),
+            name="distill",
+        )
 
     trace = capture_step(build)
     named = [i for i in range(len(trace)) if trace.module[i].startswith("Linear")]
@@ -124,7 +133,7 @@ HF_DECODERS = {
     "hf_mistral": "from transformers import MistralConfig as Config, MistralForCausalLM as Model",
     "hf_qwen2": "from transformers import Qwen2Config as Config, Qwen2ForCausalLM as Model",
 }
-HF_DECODER_FILE = '''import torch
+HF_DECODER_FILE = """import torch
 {imports}
 
 
@@ -133,7 +142,7 @@ def build(batch_size, seq_len, dtype, device):
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     ids = torch.randint(0, 1024, (batch_size, seq_len), generator=torch.Generator().manual_seed(0)).to(device)
     return {{"model": Model(config).train(), "inputs": {{"input_ids": ids, "labels": ids}}}}
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +159,9 @@ def model_files(tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "hf_llama", "hf_gpt2", "hf_mistral", "hf_qwen2"])
 def test_the_plan_of_a_traced_step_serves_untraced_steps_exactly(model_files, name, mode):
     def make():
-        return load_workload(model_files[name], batch=2, seq=16, dtype=torch.float32, device="cpu", layers=mode)
+        return load_workload(
+            model_files[name], batch=2, seq=16, dtype=torch.float32, device="cpu", layers=LayerMode(mode)
+        )
 
     trace = capture_step(make)
     plan = solve(problem_from_trace(trace), method="greedy", time_limit=5.0)
@@ -163,6 +174,7 @@ def test_the_plan_of_a_traced_step_serves_untraced_steps_exactly(model_files, na
 
 
 # --- fake tensors -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "hf_llama"])
 def test_fake_and_real_traces_hold_the_same_state_and_peak(name):
@@ -198,12 +210,13 @@ def test_fake_trace_of_a_7b_llama_has_the_models_own_state_bytes(monkeypatch):
 def test_trace_command_fake_writes_a_fake_trace(tmp_path):
     from click.testing import CliRunner
 
-    from cli import main
-    from traces.format import load
+    from memplan.cli import main
+    from memplan.traces.format import load
 
     out = tmp_path / "llama.json.gz"
-    result = CliRunner().invoke(main, ["trace", str(EXAMPLES / "llama.py"), "--fake", "--seq", "16", "-o", str(out),
-                                       "--json"])
+    result = CliRunner().invoke(
+        main, ["trace", str(EXAMPLES / "llama.py"), "--fake", "--seq", "16", "-o", str(out), "--json"]
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["fake"] is True and summary["data_dependent"] == {}
@@ -216,7 +229,7 @@ def test_trace_command_fake_writes_a_fake_trace(tmp_path):
 def test_fake_cuda_on_a_build_without_cuda_is_one_line():
     from click.testing import CliRunner
 
-    from cli import main
+    from memplan.cli import main
 
     result = CliRunner().invoke(main, ["trace", str(EXAMPLES / "llama.py"), "--fake", "--device", "cuda"])
     assert result.exit_code == 1
@@ -231,11 +244,12 @@ def test_a_fake_trace_leaves_memplans_own_tables_real():
 
     code = (
         "import torch\n"
-        "from traces.trace_model import trace_model_file\n"
-        "trace_model_file('examples/gpt2.py', batch=2, seq=16, layers='tempo', fake=True)\n"
-        "from planner.layers import gelu\n"
+        "from memplan.planner.layers import LayerMode\n"
+        "from memplan.traces.trace_model import trace_model_file\n"
+        "trace_model_file('examples/gpt2.py', batch=2, seq=16, layers=LayerMode('tempo'), fake=True)\n"
+        "from memplan.planner.layers import gelu\n"
         "assert type(gelu.TABLES['tanh'].main) is torch.Tensor, type(gelu.TABLES['tanh'].main)\n"
-        "real = trace_model_file('examples/gpt2.py', batch=2, seq=16, layers='tempo')\n"
+        "real = trace_model_file('examples/gpt2.py', batch=2, seq=16, layers=LayerMode('tempo'))\n"
         "assert 'unknown' not in real.category, sorted(set(real.category))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
@@ -247,6 +261,7 @@ def test_a_plan_replays_exactly_when_torch_has_several_threads():
     per-thread scratch in a varying order and the plan missed 426 of 1,046 allocations."""
     torch.set_num_threads(2)
     try:
+
         def make():
             return load_workload(EXAMPLES / "llama.py", batch=2, seq=16, dtype=torch.float32, device="cpu")
 

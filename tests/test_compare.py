@@ -1,4 +1,5 @@
 """`memplan compare`: every figure of the table equals an independent computation on the same traces."""
+
 from __future__ import annotations
 
 import json
@@ -6,16 +7,16 @@ import re
 
 import pytest
 from click.testing import CliRunner
-
-from cli import main
-from planner.caching_allocator import simulate_caching
-from planner.compare import compare_traces, solve_plan
-from planner.plan import save_plan
-from planner.problem import problem_from_trace
-from planner.verify import verify_plan
 from step_traces import step_trace
 from test_simulate_cli import brute_max_live, side_by_side_plan
-from traces import save
+
+from memplan.cli import main
+from memplan.planner.plan import save_plan
+from memplan.planner.problem import problem_from_trace
+from memplan.planner.report.compare import compare_traces, solve_plan
+from memplan.planner.simulate.caching_allocator import simulate_caching
+from memplan.planner.verify import verify_plan
+from memplan.traces import save
 
 
 def brute_peak(trace):
@@ -44,8 +45,21 @@ def files(tmp_path):
 
 def test_table_equals_independent_computations(files):
     tmp, base, tempo = files
-    r = CliRunner().invoke(main, ["compare", str(tmp / "base.json"), str(tmp / "tempo.json"), "--plan",
-                                  str(tmp / "base.plan.json"), "--method", "greedy", "--time-limit", "2", "--json"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "compare",
+            str(tmp / "base.json"),
+            str(tmp / "tempo.json"),
+            "--plan",
+            str(tmp / "base.plan.json"),
+            "--method",
+            "greedy",
+            "--time-limit",
+            "2",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     rows = json.loads(r.stdout)["traces"]
     assert [row["name"] for row in rows] == [str(tmp / "base.json"), str(tmp / "tempo.json")]
@@ -76,8 +90,20 @@ def test_solved_plan_is_verified_and_is_the_one_reported(files):
 
 def test_text_table_has_a_column_per_trace_and_changes(files):
     tmp, base, tempo = files
-    r = CliRunner().invoke(main, ["compare", str(tmp / "base.json"), str(tmp / "tempo.json"), "--plan",
-                                  str(tmp / "base.plan.json"), "--method", "greedy", "--time-limit", "2"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "compare",
+            str(tmp / "base.json"),
+            str(tmp / "tempo.json"),
+            "--plan",
+            str(tmp / "base.plan.json"),
+            "--method",
+            "greedy",
+            "--time-limit",
+            "2",
+        ],
+    )
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
     assert "base.json" in lines[0] and "tempo.json" in lines[0]
@@ -91,7 +117,7 @@ def test_text_table_has_a_column_per_trace_and_changes(files):
 
 def test_identical_traces_take_their_plans_in_order_or_share_one():
     """Symmetric ranks give identical traces: two plans go one to each, one plan serves both."""
-    from planner.plan_memory import PlanMismatchError, match_plans
+    from memplan.planner.simulate.plan_footprint import PlanMismatchError, match_plans
 
     a, b, other = step_trace(layers=3, seed=4), step_trace(layers=3, seed=4), step_trace(layers=3, seed=5)
     p, q = side_by_side_plan(a), side_by_side_plan(b)

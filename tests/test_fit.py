@@ -1,4 +1,5 @@
 """memplan fit: its batch fits and one more does not, checked here by direct traces; sizes; bad inputs."""
+
 import json
 from pathlib import Path
 
@@ -6,14 +7,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from cli import main
-from planner.caching_allocator import simulate_caching
-from planner.fit import FitError, fit_model, parse_size
-from planner.problem import problem_from_trace
-from solvers import CapacityError, solve
-from solvers.bounds import lower_bound
-from traces.capture import capture_step
-from traces.model_file import load_workload
+from memplan.cli import main
+from memplan.planner.jobs.fit import FitError, fit_model, parse_size
+from memplan.planner.layers import LayerMode
+from memplan.planner.problem import problem_from_trace
+from memplan.planner.simulate.caching_allocator import simulate_caching
+from memplan.solvers import CapacityError, solve
+from memplan.solvers.bounds import lower_bound
+from memplan.traces.capture import capture_step
+from memplan.traces.model_file import load_workload
 
 MODEL = str(Path(__file__).resolve().parents[1] / "examples" / "bert.py")
 SEQ = 32
@@ -26,8 +28,9 @@ def tiny_preset(monkeypatch):
 
 
 def direct_trace(batch, mode):
-    return capture_step(lambda: load_workload(MODEL, batch=batch, seq=SEQ, dtype=torch.float32, device="cpu",
-                                              layers=mode))
+    return capture_step(
+        lambda: load_workload(MODEL, batch=batch, seq=SEQ, dtype=torch.float32, device="cpu", layers=LayerMode(mode))
+    )
 
 
 def plan_fits(trace, memory):
@@ -42,8 +45,17 @@ def plan_fits(trace, memory):
     return True
 
 
-@pytest.mark.parametrize("text,expected", [("11GiB", 11 << 30), ("16GB", 16 * 10**9), ("512MiB", 512 << 20),
-                                           ("4096", 4096), ("1.5 KiB", 1536), ("2gib", 2 << 30)])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("11GiB", 11 << 30),
+        ("16GB", 16 * 10**9),
+        ("512MiB", 512 << 20),
+        ("4096", 4096),
+        ("1.5 KiB", 1536),
+        ("2gib", 2 << 30),
+    ],
+)
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
@@ -79,19 +91,20 @@ def test_memory_beyond_the_largest_batch_is_one_line():
 
 
 def test_a_real_trace_too_large_for_this_machine_is_refused(monkeypatch):
-    import planner.fit
-    monkeypatch.setattr(planner.fit, "host_memory_available", lambda: 64 << 20)
+    import memplan.planner.jobs.fit
+
+    monkeypatch.setattr(memplan.planner.jobs.fit, "host_memory_available", lambda: 64 << 20)
     with pytest.raises(FitError, match=r"tracing batch \d+ would need about .* memory.*: use --capture fake"):
         fit_model(MODEL, 1 << 40, modes=("baseline",), seq=SEQ, time_limit=1.0, capture="real")
 
 
 def test_auto_capture_is_fake_where_a_real_step_is_slow_or_does_not_fit(monkeypatch):
-    import traces.trace_model
-    from traces.trace_model import choose_capture
+    import memplan.traces.trace_model
+    from memplan.traces.trace_model import choose_capture
 
-    monkeypatch.setattr(traces.trace_model, "host_memory_available", lambda: 20 << 30)
+    monkeypatch.setattr(memplan.traces.trace_model, "host_memory_available", lambda: 20 << 30)
     assert not choose_capture("auto", 1 << 30).fake and choose_capture("auto", 3 << 30).fake
-    monkeypatch.setattr(traces.trace_model, "host_memory_available", lambda: 1 << 30)
+    monkeypatch.setattr(memplan.traces.trace_model, "host_memory_available", lambda: 1 << 30)
     assert choose_capture("auto", 1 << 30).fake  # more than 70% of the RAM available
     assert not choose_capture("real", 1 << 40).fake and choose_capture("fake", 1).fake
 
@@ -99,8 +112,24 @@ def test_auto_capture_is_fake_where_a_real_step_is_slow_or_does_not_fit(monkeypa
 def test_fake_traces_give_the_real_traces_answer():
     """Fake tensors hold what real ones do: the same batch under both allocator models, and JSON says fake."""
     real = fit_model(MODEL, MEMORY, modes=("tempo",), seq=SEQ, time_limit=2.0, capture="real")
-    res = CliRunner().invoke(main, ["fit", MODEL, "--memory", str(MEMORY), "--seq", str(SEQ), "--layers", "tempo",
-                                    "--time-limit", "2", "--capture", "fake", "--json"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "fit",
+            MODEL,
+            "--memory",
+            str(MEMORY),
+            "--seq",
+            str(SEQ),
+            "--layers",
+            "tempo",
+            "--time-limit",
+            "2",
+            "--capture",
+            "fake",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert real.capture.name == "real" and doc["capture"] == "fake" and doc["capture_reason"] == "--capture fake"
@@ -109,8 +138,9 @@ def test_fake_traces_give_the_real_traces_answer():
 
 
 def test_cli_json():
-    res = CliRunner().invoke(main, ["fit", MODEL, "--memory", "16MiB", "--seq", str(SEQ), "--layers", "tempo",
-                                    "--time-limit", "1", "--json"])
+    res = CliRunner().invoke(
+        main, ["fit", MODEL, "--memory", "16MiB", "--seq", str(SEQ), "--layers", "tempo", "--time-limit", "1", "--json"]
+    )
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["memory"] == 16 << 20 and [m["mode"] for m in doc["modes"]] == ["tempo"]
@@ -118,13 +148,16 @@ def test_cli_json():
     assert tempo["caching"]["batch"] >= 1 and tempo["plan"]["batch"] >= tempo["caching"]["batch"]
 
 
-@pytest.mark.parametrize("args,words", [
-    (["--memory", "11 parsecs"], "not a size"),
-    (["--memory", "0"], "must be positive"),
-    (["--memory", "1MiB"], "batch 1 needs"),
-    (["--memory", "1GiB", "--layers", "sparse"], "unknown mode"),
-    (["--memory", "1GiB", "--alloc-conf", "max_split_size_mb:x"], "max_split_size_mb"),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--memory", "11 parsecs"], "not a size"),
+        (["--memory", "0"], "must be positive"),
+        (["--memory", "1MiB"], "batch 1 needs"),
+        (["--memory", "1GiB", "--layers", "sparse"], "unknown mode"),
+        (["--memory", "1GiB", "--alloc-conf", "max_split_size_mb:x"], "max_split_size_mb"),
+    ],
+)
 def test_cli_bad_inputs(args, words):
     modes = [] if "--layers" in args else ["--layers", "baseline"]
     res = CliRunner().invoke(main, ["fit", MODEL, "--seq", str(SEQ), *modes, *args])

@@ -1,11 +1,12 @@
 """Attention cores: dropout recomputation and selective recomputation give the baseline's outputs and gradients, same mask."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from planner.layers.attention import CORES, baseline_attention
-from planner.layers.memory import saved_bytes
+from memplan.planner.layers.attention import CORES, baseline_attention
+from memplan.planner.layers.memory import saved_bytes
 
 B, A, S, D = 2, 4, 16, 16
 
@@ -34,7 +35,9 @@ def test_same_outputs_gradients_and_mask_as_baseline(tensors, kind, dtype, train
     want = run("baseline", *tensors, dtype, training)
     got = run(kind, *tensors, dtype, training)
     for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-5 if dtype == torch.float32 else 2**-7, atol=1e-6 if dtype == torch.float32 else 2**-7)
+        torch.testing.assert_close(
+            g, w, rtol=1e-5 if dtype == torch.float32 else 2**-7, atol=1e-6 if dtype == torch.float32 else 2**-7
+        )
 
 
 @pytest.mark.parametrize("kind", ["tempo", "selective"])
@@ -82,9 +85,11 @@ def test_gradcheck_in_float64(tensors):
     q, k, v, causal, _ = (t.double() if t.is_floating_point() else t for t in tensors)
     args = [t[:1, :1, :6, :4].clone().requires_grad_() for t in (q, k, v)]
     for kind in ("tempo", "selective"):
+
         def core(q_, k_, v_, kind=kind):
             torch.manual_seed(1)  # the same dropout mask at every evaluation
             return CORES[kind](q_, k_, v_, causal[:6, :6], 0.25, 0.2, True)
+
         assert torch.autograd.gradcheck(core, args)
 
 
@@ -104,7 +109,7 @@ def test_held_bytes_per_core(tensors):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_byte_dropout_draws_the_same_mask_as_nn_dropout(dtype):
-    from planner.workloads.blocks import Dropout
+    from memplan.planner.workloads.blocks import Dropout
 
     x, dy = torch.randn(64, 257).to(dtype), torch.randn(64, 257).to(dtype)
     results = []

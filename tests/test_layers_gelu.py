@@ -1,13 +1,14 @@
 """In-place GELU: same output as nn.GELU, gradient from output + 1-byte mask matching the exact derivative."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 from torch.nn import functional as F
 
-from planner.layers.gelu import TABLES, InplaceGELU, InplaceGELUFunction, recover_input
-from planner.layers.memory import saved_bytes
-from traces.errors import MemplanError
+from memplan.planner.layers.gelu import TABLES, InplaceGELU, InplaceGELUFunction, recover_input
+from memplan.planner.layers.memory import saved_bytes
+from memplan.traces.errors import MemplanError
 
 FORMS = ["none", "tanh"]
 

@@ -1,11 +1,12 @@
 """In-place LayerNorm: same output and gradients as nn.LayerNorm, including zero and tiny weights, fp32 and bf16."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from planner.layers.layernorm import InplaceLayerNorm, exact_channels
-from planner.layers.memory import saved_bytes
+from memplan.planner.layers.layernorm import InplaceLayerNorm, exact_channels
+from memplan.planner.layers.memory import saved_bytes
 
 H = 64
 

@@ -1,4 +1,5 @@
 """Bytes per layer measured by the tracer (stacks of L and L+1 layers) against REFERENCE §1's formulas."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -6,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from planner.layers import patch
-from planner.layers.memory import LayerShape, held_for_backward
-from planner.workloads import bert
-from traces.capture import capture_step
+from memplan.planner.layers import patch
+from memplan.planner.layers.memory import LayerShape, held_for_backward
+from memplan.planner.workloads import bert
+from memplan.traces.capture import capture_step
 
 H, A = 64, 4
 SHAPES = {1: (16, 16), 4: (64, 4)}  # as/h -> (seq, batch)
@@ -20,7 +21,7 @@ def held_per_layer(mode: str, dtype: torch.dtype, seq: int, batch: int) -> int:
     for layers in (1, 2):
         config = dataclasses.replace(bert.TINY, layers=layers, hidden=H, heads=A)
 
-        def build():
+        def build(config=config):
             workload = bert.build_workload(batch_size=batch, seq_len=seq, dtype=dtype, config=config)
             patch(workload.model, mode)
             return workload

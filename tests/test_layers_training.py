@@ -1,4 +1,5 @@
 """100 training steps of the small BERT: memplan's layers follow the baseline's losses within 1% at every step."""
+
 from __future__ import annotations
 
 import functools
@@ -6,8 +7,8 @@ import functools
 import pytest
 import torch
 
-from planner.layers import patch
-from planner.workloads import bert
+from memplan.planner.layers import patch
+from memplan.planner.workloads import bert
 
 
 @functools.cache

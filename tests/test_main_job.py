@@ -1,22 +1,39 @@
 """`memplan run`: the main job on a tiny model writes a report, two pictures and a verified plan per mode."""
+
 from __future__ import annotations
 
 import json
 
-from click.testing import CliRunner
 import numpy as np
+from click.testing import CliRunner
 from PIL import Image
 
-from cli import main
-from planner.main_job import MODES
-from planner.plan import load_plan
-from traces.format import load
+from memplan.cli import main
+from memplan.planner.jobs.run import MODES
+from memplan.planner.plan import load_plan
+from memplan.traces.format import load
 
 
 def test_run_writes_report_pictures_and_one_row_per_mode(tmp_path):
     out = tmp_path / "out"
-    r = CliRunner().invoke(main, ["run", "examples/bert.py", "-o", str(out), "--seq", "64", "--batch", "2",
-                                  "--time-limit", "2", "--replay-steps", "1", "--json"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "run",
+            "examples/bert.py",
+            "-o",
+            str(out),
+            "--seq",
+            "64",
+            "--batch",
+            "2",
+            "--time-limit",
+            "2",
+            "--replay-steps",
+            "1",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     s = json.loads(r.stdout)
     assert [row["mode"] for row in s["rows"]] == list(MODES)
@@ -39,8 +56,10 @@ def test_run_writes_report_pictures_and_one_row_per_mode(tmp_path):
 
 def test_run_on_fake_traces_says_so_and_replays_nothing(tmp_path):
     out = tmp_path / "out"
-    r = CliRunner().invoke(main, ["run", "examples/llama.py", "-o", str(out), "--seq", "32", "--time-limit", "1",
-                                  "--capture", "fake", "--json"])
+    r = CliRunner().invoke(
+        main,
+        ["run", "examples/llama.py", "-o", str(out), "--seq", "32", "--time-limit", "1", "--capture", "fake", "--json"],
+    )
     assert r.exit_code == 0, r.output
     s = json.loads(r.stdout)
     assert s["capture"] == "fake" and s["replay"] is None
@@ -59,7 +78,7 @@ def test_run_with_a_missing_model_file_is_one_line(tmp_path):
 
 FAILS_THIRD_TIME = """
 from pathlib import Path
-from planner.workloads.bert import build_workload
+from memplan.planner.workloads.bert import build_workload
 
 COUNT = Path(__file__).with_name("builds.txt")
 
@@ -79,8 +98,9 @@ def test_a_run_failing_midway_leaves_nothing_and_keeps_other_files(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    r = CliRunner().invoke(main, ["run", str(model), "-o", str(out), "--seq", "16", "--time-limit", "1",
-                                  "--replay-steps", "1"])
+    r = CliRunner().invoke(
+        main, ["run", str(model), "-o", str(out), "--seq", "16", "--time-limit", "1", "--replay-steps", "1"]
+    )
     assert r.exit_code == 1 and "third build fails" in r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "out"]  # no private folder left either
     assert [p.name for p in out.iterdir()] == ["notes.txt"]

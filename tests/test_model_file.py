@@ -1,4 +1,5 @@
 """The model-file protocol and the `memplan trace` command: good files trace, bad ones give one line."""
+
 from __future__ import annotations
 
 import json
@@ -8,14 +9,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from cli import main
-from traces.errors import MemplanError, ModelFileError
-from traces.format import load
-from traces.model_file import DeviceError, load_workload
+from memplan.cli import main
+from memplan.planner.layers import LayerMode
+from memplan.traces.errors import MemplanError, ModelFileError
+from memplan.traces.format import load
+from memplan.traces.model_file import DeviceError, load_workload
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
-GOOD = '''
+GOOD = """
 import torch
 from torch import nn
 
@@ -25,22 +27,30 @@ def build(batch_size, seq_len, dtype, device):
     return {"model": model, "inputs": ids,
             "loss": lambda out, ids: nn.functional.cross_entropy(out.flatten(0, 1).float(), ids.flatten()),
             "optimizer": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)}
-'''
+"""
 
 BAD = {
     "no_function": ("import torch\nMODEL = None\n", "defines no function build(batch_size, seq_len, dtype, device)"),
     "wrong_signature": ("def build(batch):\n    return None\n", "must accept the arguments"),
-    "raises": ("def build(batch_size, seq_len, dtype, device):\n    raise ValueError('no GPU here\\nsecond line')\n",
-               "build() raised ValueError: no GPU here"),
+    "raises": (
+        "def build(batch_size, seq_len, dtype, device):\n    raise ValueError('no GPU here\\nsecond line')\n",
+        "build() raised ValueError: no GPU here",
+    ),
     "import_fails": ("import no_such_module_for_memplan\n", "importing it raised ModuleNotFoundError"),
     "wrong_return": ("def build(batch_size, seq_len, dtype, device):\n    return [1, 2]\n", "build() returned list"),
-    "missing_inputs": ("from torch import nn\ndef build(batch_size, seq_len, dtype, device):\n"
-                       "    return {'model': nn.Linear(2, 2)}\n", "without the key 'inputs'"),
-    "not_a_module": ("def build(batch_size, seq_len, dtype, device):\n    return {'model': 3, 'inputs': 1}\n",
-                     "build()['model'] is int, not a torch.nn.Module"),
-    "bad_optimizer": ("import torch\nfrom torch import nn\ndef build(batch_size, seq_len, dtype, device):\n"
-                      "    return {'model': nn.Linear(2, 2), 'inputs': torch.ones(1, 2), 'optimizer': 'adam'}\n",
-                      "build()['optimizer'] is str"),
+    "missing_inputs": (
+        "from torch import nn\ndef build(batch_size, seq_len, dtype, device):\n    return {'model': nn.Linear(2, 2)}\n",
+        "without the key 'inputs'",
+    ),
+    "not_a_module": (
+        "def build(batch_size, seq_len, dtype, device):\n    return {'model': 3, 'inputs': 1}\n",
+        "build()['model'] is int, not a torch.nn.Module",
+    ),
+    "bad_optimizer": (
+        "import torch\nfrom torch import nn\ndef build(batch_size, seq_len, dtype, device):\n"
+        "    return {'model': nn.Linear(2, 2), 'inputs': torch.ones(1, 2), 'optimizer': 'adam'}\n",
+        "build()['optimizer'] is str",
+    ),
 }
 
 
@@ -97,14 +107,35 @@ def test_cuda_on_a_machine_without_it_is_refused_before_building(tmp_path):
 
 
 def test_layers_mode_is_applied_to_the_built_model_and_unknown_modes_are_refused(tmp_path):
-    w = load_workload(EXAMPLES / "bert.py", batch=2, seq=8, dtype=torch.float32, device="cpu", layers="tempo")
+    w = load_workload(
+        EXAMPLES / "bert.py", batch=2, seq=8, dtype=torch.float32, device="cpu", layers=LayerMode("tempo")
+    )
     kinds = {type(m).__module__ for m in w.model.modules()}
-    assert any(k.startswith("planner.layers") for k in kinds)
+    assert any(k.startswith("memplan.planner.layers") for k in kinds)
     assert {id(p) for g in w.optimizer.param_groups for p in g["params"]} == {id(p) for p in w.model.parameters()}
     with pytest.raises(MemplanError) as err:
-        load_workload(write(tmp_path, "good", GOOD), batch=2, seq=4, dtype=torch.float32, device="cpu",
-                      layers="no-such-mode")
+        LayerMode("no-such-mode")
     assert "\n" not in str(err.value) and "no-such-mode" in str(err.value)
+
+
+def test_an_unknown_layers_mode_is_refused_before_build_runs(tmp_path):
+    """`--layers` is checked first: a wrong mode never costs a build (which may be minutes for a large model)."""
+    marker = tmp_path / "built"
+    model = write(
+        tmp_path,
+        "marks",
+        f"{GOOD}\n_build = build\n\n\ndef build(batch_size, seq_len, dtype, device):\n"
+        f"    open({str(marker)!r}, 'w').close()\n"
+        "    return _build(batch_size, seq_len, dtype, device)\n",
+    )
+    for command in (
+        ["trace", str(model)],
+        ["replay", "plan.json", str(model)],
+        ["fit", str(model), "--memory", "1GiB"],
+    ):
+        result = CliRunner().invoke(main, [*command, "--layers", "no-such-mode"])
+        assert result.exit_code != 0 and one_error_line(result) and "no-such-mode" in result.stderr, command
+        assert not marker.exists(), command
 
 
 def test_cli_without_build_function_exits_nonzero_with_one_line_and_writes_nothing(tmp_path):
@@ -117,8 +148,10 @@ def test_cli_without_build_function_exits_nonzero_with_one_line_and_writes_nothi
 
 
 def test_cli_reports_a_failing_training_step_in_one_line(tmp_path):
-    text = GOOD.replace('"loss": lambda out, ids: nn.functional.cross_entropy(out.flatten(0, 1).float(), ids.flatten()),',
-                        '"loss": lambda out, ids: out.float().view(7, -1).mean(),')
+    text = GOOD.replace(
+        '"loss": lambda out, ids: nn.functional.cross_entropy(out.flatten(0, 1).float(), ids.flatten()),',
+        '"loss": lambda out, ids: out.float().view(7, -1).mean(),',
+    )
     out = tmp_path / "t.json.gz"
     result = CliRunner().invoke(main, ["trace", str(write(tmp_path, "badloss", text)), "--seq", "4", "-o", str(out)])
     assert result.exit_code != 0 and not out.exists()
@@ -136,8 +169,14 @@ def test_cli_traces_a_model_file_and_prints_the_summary_as_json(tmp_path, monkey
     trace = load(out)
     assert summary["peak_bytes"] == trace.peak()[0] and summary["buffers"] == len(trace)
     assert trace.meta["batch"] == 2 and trace.meta["seq"] == 4 and trace.meta["model"] == "good"
-    assert set(summary["at_peak_by_category"]) <= {"parameter", "gradient", "optimizer", "activation",
-                                                    "input", "temporary"}
+    assert set(summary["at_peak_by_category"]) <= {
+        "parameter",
+        "gradient",
+        "optimizer",
+        "activation",
+        "input",
+        "temporary",
+    }
     assert sum(summary["at_peak_by_category"].values()) == summary["peak_bytes"]
     assert [b["size"] for b in summary["largest"]] == sorted(trace.size.tolist(), reverse=True)[:5]
     # SGD with momentum: one momentum buffer per parameter, no step counters

@@ -1,5 +1,6 @@
 """Tensor and sequence parallelism on 2 gloo processes (fp32): equality with the single-process layer,
 per-rank bytes against REFERENCE §1's formulas, and `memplan trace --nproc` (one trace per rank, all or none)."""
+
 from __future__ import annotations
 
 import json
@@ -7,29 +8,36 @@ import textwrap
 
 import pytest
 from click.testing import CliRunner
-
-from cli import main
-from planner.layers.memory import LayerShape
-from planner.parallel.checks import run_cases
-from planner.parallel.comm import ParallelError
-from planner.parallel.formulas import parallel_formula
-from planner.parallel.model import build_workload
 from step_traces import bytes_by_category
-from traces.distributed import launch, rank_path
-from traces.format import load
+
+from memplan.cli import main
+from memplan.planner.layers.memory import LayerShape
+from memplan.planner.parallel.checks import run_cases
+from memplan.planner.parallel.comm import ParallelError
+from memplan.planner.parallel.formulas import parallel_formula
+from memplan.planner.parallel.model import build_workload
+from memplan.traces.distributed import launch, rank_path
+from memplan.traces.format import load
 
 MODES = ("baseline", "tempo", "selective", "tempo+selective")
 SMALL = [16, 2, 32, 4, 4]  # s, b, h, a, p: equality checks
 SHAPE = [64, 2, 64, 4, 4]  # bytes: as/h = 4, large enough that the selective core's saved RNG state is < 1%
 BYTE_CASES = [(m, sp) for m in MODES for sp in (False, True)]
-TRACED_CASES = [("baseline", False), ("baseline", True), ("selective", True), ("tempo", True),
-                ("tempo+selective", False)]
+TRACED_CASES = [
+    ("baseline", False),
+    ("baseline", True),
+    ("selective", True),
+    ("tempo", True),
+    ("tempo+selective", False),
+]
 
 
 @pytest.fixture(scope="module")
 def ranks():
     """Every rank-side check in one 2-process run (starting processes is the slow part)."""
-    cases = [{"check": "errors", "shape": SMALL, "mode": m, "sequence_parallel": sp} for m in MODES for sp in (False, True)]
+    cases = [
+        {"check": "errors", "shape": SMALL, "mode": m, "sequence_parallel": sp} for m in MODES for sp in (False, True)
+    ]
     cases += [{"check": "model", "sequence_parallel": sp} for sp in (False, True)]
     cases += [{"check": "frees"}]
     cases += [{"check": "bytes", "shape": SHAPE, "mode": m, "sequence_parallel": sp} for m, sp in BYTE_CASES]
@@ -55,8 +63,10 @@ def test_parallel_layer_equals_single_process_layer(ranks):
 
 def test_parallel_model_equals_single_process_model(ranks):
     for case, result in _results(ranks, "model"):
-        assert result["loss"] < 1e-6 and result["wte"] < 1e-5 and result["wpe"] < 1e-5 and result["ln_f"] < 1e-5, \
-            (case, result)
+        assert result["loss"] < 1e-6 and result["wte"] < 1e-5 and result["wpe"] < 1e-5 and result["ln_f"] < 1e-5, (
+            case,
+            result,
+        )
 
 
 @pytest.mark.parametrize("check", ["bytes", "traced"])
@@ -99,7 +109,7 @@ def test_parallel_options_that_cannot_work_are_refused():
 MODEL_FILE = """
 import os
 import torch.distributed as dist
-from planner.parallel.model import build_workload
+from memplan.planner.parallel.model import build_workload
 from step_traces import bytes_by_category
 
 def build(batch_size, seq_len, dtype, device):

@@ -1,4 +1,5 @@
 """patch/unpatch on the bundled workloads and on HuggingFace BertModel/GPT2Model: same outputs, same weights, reversible."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from planner.layers import MODES, PatchError, patch, unpatch
-from planner.layers.memory import LayerShape, saved_bytes
-from planner.workloads import bert, gpt2
+from memplan.planner.layers import MODES, LayerMode, PatchError, patch, unpatch
+from memplan.planner.layers.memory import LayerShape, saved_bytes
+from memplan.planner.workloads import bert, gpt2
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -18,14 +19,20 @@ transformers.logging.set_verbosity_error()
 
 def hf_bert(layers=2):
     torch.manual_seed(0)
-    return transformers.BertModel(transformers.BertConfig(
-        vocab_size=300, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=256))
+    return transformers.BertModel(
+        transformers.BertConfig(
+            vocab_size=300, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=256
+        )
+    )
 
 
 def hf_gpt2(layers=2):
     torch.manual_seed(0)
-    return transformers.GPT2Model(transformers.GPT2Config(
-        vocab_size=300, n_embd=64, n_layer=layers, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0))
+    return transformers.GPT2Model(
+        transformers.GPT2Config(
+            vocab_size=300, n_embd=64, n_layer=layers, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0
+        )
+    )
 
 
 def ours_bert():
@@ -42,7 +49,12 @@ def forward(model, ids):
 
 
 BUILDERS = {"bert": ours_bert, "gpt2": ours_gpt2, "hf-bert": hf_bert, "hf-gpt2": hf_gpt2}
-GELUS_AND_LAYERNORMS = {"bert": (3, 6), "gpt2": (2, 5), "hf-bert": (2, 5), "hf-gpt2": (2, 5)}  # ours have an MLM head / none
+GELUS_AND_LAYERNORMS = {
+    "bert": (3, 6),
+    "gpt2": (2, 5),
+    "hf-bert": (2, 5),
+    "hf-gpt2": (2, 5),
+}  # ours have an MLM head / none
 
 
 @pytest.mark.parametrize("name", BUILDERS)
@@ -106,7 +118,7 @@ def test_hf_layer_holds_formula_bytes(builder, mode):
     for layers in (1, 2):
         model = builder(layers).train()
         patch(model, mode)
-        held.append(saved_bytes(model, lambda: forward(model, ids)))
+        held.append(saved_bytes(model, lambda model=model: forward(model, ids)))
     formula = LayerShape(s=16, b=2, h=64, a=4, p=4).formula(mode)
     if builder is hf_gpt2 and not mode.startswith("tempo"):
         formula += 3 * 16 * 2 * 4 * 64 * 4  # HF's NewGELU is written out: it also keeps 0.5x, tanh(u) and 1 + tanh(u)
@@ -117,10 +129,10 @@ def test_hf_layer_holds_formula_bytes(builder, mode):
 def test_model_files_are_patched_for_baseline_too(file):
     """`--layers baseline` traces memplan's reference layers (1-byte dropout masks, attention written out),
     so baseline and tempo differ only in what tempo saves."""
-    from traces.model_file import load_workload
+    from memplan.traces.model_file import load_workload
 
     path = Path(__file__).resolve().parents[1] / "examples" / file
-    w = load_workload(path, batch=2, seq=16, dtype=torch.float32, device="cpu", layers="baseline")
+    w = load_workload(path, batch=2, seq=16, dtype=torch.float32, device="cpu", layers=LayerMode("baseline"))
     assert not any(type(m) is nn.Dropout for m in w.model.modules())
     assert w.model.config._attn_implementation == "memplan_baseline"
 
@@ -149,8 +161,11 @@ def test_patching_twice_replaces_the_first_patch():
 
 
 def test_hf_features_the_cores_do_not_have_are_refused():
-    model = transformers.GPT2Model(transformers.GPT2Config(
-        vocab_size=300, n_embd=64, n_layer=1, n_head=4, n_positions=64, reorder_and_upcast_attn=True))
+    model = transformers.GPT2Model(
+        transformers.GPT2Config(
+            vocab_size=300, n_embd=64, n_layer=1, n_head=4, n_positions=64, reorder_and_upcast_attn=True
+        )
+    )
     with pytest.raises(PatchError, match="reorder_and_upcast_attn"):
         patch(model, "tempo")
     assert not any(type(m).__name__ == "InplaceGELU" for m in model.modules())  # nothing half-patched

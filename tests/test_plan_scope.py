@@ -1,4 +1,5 @@
 """Plan scopes: a `step` plan places only the step's own buffers; the rest is counted outside its arena."""
+
 from __future__ import annotations
 
 import json
@@ -6,15 +7,16 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
-from cli import main
-from planner.plan import PlanError, load_plan, save_plan
-from planner.plan_memory import simulate_plan
-from planner.problem import ProblemError, problem_from_trace
-from planner.verify import verify_plan
-from solvers import solve
 from step_traces import step_trace
-from traces import save
+
+from memplan.cli import main
+from memplan.planner.plan import load_plan, save_plan
+from memplan.planner.problem import ProblemError, problem_from_trace
+from memplan.planner.simulate.plan_footprint import simulate_plan
+from memplan.planner.verify import verify_plan
+from memplan.solvers import solve
+from memplan.traces import save
+from memplan.traces.errors import PlanError
 
 
 @pytest.fixture
@@ -36,8 +38,10 @@ def test_step_plan_leaves_whole_window_buffers_out_and_counts_them_outside(trace
     assert (offsets[out] == -1).all() and (offsets[~out] >= 0).all() and plan.scope == "step"
     # the step's bound: most aligned bytes of the step's own buffers live at once, computed here directly
     aligned = (trace.size + 511) // 512 * 512
-    step_live = max(int(sum(aligned[i] for i in range(len(trace)) if not out[i] and trace.alloc[i] <= t < trace.free[i]))
-                    for t in range(trace.end))
+    step_live = max(
+        int(sum(aligned[i] for i in range(len(trace)) if not out[i] and trace.alloc[i] <= t < trace.free[i]))
+        for t in range(trace.end)
+    )
     assert plan.bound == step_live and plan.arena >= plan.bound
     memory = simulate_plan(trace, plan)
     assert memory.peak_outside == int(aligned[out].sum())
@@ -82,8 +86,9 @@ def test_step_plan_file_round_trip_and_old_plans_place_everything(trace, tmp_pat
 
 def test_cli_scope_and_what_it_refuses(trace, tmp_path):
     save(trace, tmp_path / "t.json")
-    r = CliRunner().invoke(main, ["solve", str(tmp_path / "t.json"), "--scope", "step", "-o",
-                                  str(tmp_path / "p.json"), "--json"])
+    r = CliRunner().invoke(
+        main, ["solve", str(tmp_path / "t.json"), "--scope", "step", "-o", str(tmp_path / "p.json"), "--json"]
+    )
     assert r.exit_code == 0, r.output
     s = json.loads(r.stdout)
     assert s["scope"] == "step" and s["outside"] == int(whole_window(trace).sum())

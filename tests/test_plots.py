@@ -1,4 +1,5 @@
 """`memplan plot`: figures are written, not blank, show every category, and large traces are pooled."""
+
 from __future__ import annotations
 
 import json
@@ -6,15 +7,23 @@ import json
 import numpy as np
 from click.testing import CliRunner
 from matplotlib.image import imread
-
-from cli import main
-from planner.memory_report import build_report
-from planner.plan import save_plan
-from planner.plots import CATEGORY_COLORS, MAX_POINTS, PLAN_COLOR, byte_unit, plot_reports, pool_max, pool_points
-from planner.problem import problem_from_trace
 from step_traces import step_trace
 from test_simulate_cli import side_by_side_plan
-from traces import save
+
+from memplan.cli import main
+from memplan.planner.plan import save_plan
+from memplan.planner.problem import problem_from_trace
+from memplan.planner.report.memory_report import build_report
+from memplan.planner.report.plots import (
+    CATEGORY_COLORS,
+    MAX_POINTS,
+    PLAN_COLOR,
+    byte_unit,
+    plot_reports,
+    pool_max,
+    pool_points,
+)
+from memplan.traces import save
 
 
 def colours(png) -> set[tuple[int, int, int]]:
@@ -25,7 +34,7 @@ def colours(png) -> set[tuple[int, int, int]]:
 
 
 def rgb(hex_colour: str) -> tuple[int, int, int]:
-    return tuple(int(hex_colour[k:k + 2], 16) for k in (1, 3, 5))
+    return tuple(int(hex_colour[k : k + 2], 16) for k in (1, 3, 5))
 
 
 def test_side_by_side_png_shows_every_category_and_plan(tmp_path):
@@ -34,9 +43,20 @@ def test_side_by_side_png_shows_every_category_and_plan(tmp_path):
     save(a, tmp_path / "a.json")
     save(b, tmp_path / "b.json")
     save_plan(side_by_side_plan(a), problem_from_trace(a), tmp_path / "a.plan.json")
-    r = CliRunner().invoke(main, ["plot", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--plan",
-                                  str(tmp_path / "a.plan.json"), "--address-space", "-o", str(tmp_path / "m.png"),
-                                  "--json"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "plot",
+            str(tmp_path / "a.json"),
+            str(tmp_path / "b.json"),
+            "--plan",
+            str(tmp_path / "a.plan.json"),
+            "--address-space",
+            "-o",
+            str(tmp_path / "m.png"),
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["output"] == str(tmp_path / "m.png")
     image = imread(tmp_path / "m.png")
@@ -65,7 +85,7 @@ def test_pooling_keeps_every_peak():
     keep, w = pool_points(total, MAX_POINTS)
     assert len(keep) <= MAX_POINTS and w == 6
     assert np.argmax(total) in keep
-    bins = [total[k:k + w].max() for k in range(0, len(total), w)]
+    bins = [total[k : k + w].max() for k in range(0, len(total), w)]
     assert total[keep].tolist() == bins
     assert pool_max(total, w).tolist() == bins
     assert pool_points(total[:100], MAX_POINTS)[1] == 1
@@ -87,7 +107,7 @@ def test_axis_unit_follows_magnitude():
 
 
 def test_titles_come_from_meta_with_rank():
-    from planner.memory_report import trace_title
+    from memplan.planner.report.memory_report import trace_title
 
     meta = {"model": "gpt2_parallel", "layers": "tempo", "rank": 1, "world_size": 2}
     assert trace_title(step_trace(layers=2, meta=meta), "x.json") == "gpt2_parallel · tempo · rank 1/2"

@@ -1,4 +1,5 @@
 """The allocation problem from traces and MiniMalloc CSV: alignment, validation, digest, CSV round trip."""
+
 from __future__ import annotations
 
 import gzip
@@ -6,11 +7,11 @@ import gzip
 import numpy as np
 import pytest
 
-from planner.minimalloc_csv import CsvError, read_csv, write_csv
-from planner.plan import trace_digest
-from planner.problem import ProblemError, build_problem, problem_from_trace
-from solvers.solve_file import load_problem
-from traces import make_trace
+from memplan.planner.jobs.solve_file import load_problem
+from memplan.planner.minimalloc_csv import CsvError, read_csv, write_csv
+from memplan.planner.problem import ProblemError, build_problem, problem_from_trace
+from memplan.traces import make_trace
+from memplan.traces.format import trace_digest
 
 
 def small_trace(**extra):
@@ -41,14 +42,17 @@ def test_digest_follows_the_columns():
     assert problem_from_trace(a).digest == trace_digest(a)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"alignment": 0}, "alignment"),
-    ({"groups": [[0, 5]]}, "does not exist"),
-    ({"groups": [[0, 1], [1, 3]]}, "more than one group"),
-    ({"fixed": {0: 100}}, "multiple of the alignment"),
-    ({"fixed": {0: 0, 1: 4096}, "groups": [[0, 1]]}, "back to back"),
-    ({"fixed": {0: 0, 3: 0}}, "buffers 0 and 3 overlap while both may be live"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"alignment": 0}, "alignment"),
+        ({"groups": [[0, 5]]}, "does not exist"),
+        ({"groups": [[0, 1], [1, 3]]}, "more than one group"),
+        ({"fixed": {0: 100}}, "multiple of the alignment"),
+        ({"fixed": {0: 0, 1: 4096}, "groups": [[0, 1]]}, "back to back"),
+        ({"fixed": {0: 0, 3: 0}}, "buffers 0 and 3 overlap while both may be live"),
+    ],
+)
 def test_bad_groups_and_fixed_offsets_are_one_line_errors(kwargs, message):
     with pytest.raises(ProblemError, match=message) as e:
         problem_from_trace(small_trace(), **kwargs)
@@ -70,15 +74,18 @@ def test_csv_round_trip_keeps_every_field(tmp_path):
     assert again.digest == problem.digest
 
 
-@pytest.mark.parametrize("text, message", [
-    ("id,lower,size\n", "header lacks column 'upper'"),
-    ("id,lower,upper,size\na,0,3\n", ":2: has 3 fields"),
-    ("id,lower,upper,size\na,0,x,4\n", ":2: upper 'x' is not an integer"),
-    ("id,lower,upper,size\na,5,3,4\n", "upper 3 is below lower 5"),
-    ("id,lower,upper,size\na,0,3,4\na,1,2,4\n", "not unique"),
-    ("id,lower,upper,size\na,0,3,99999999999999999999\n", ":2: size 99999999999999999999 is beyond 2"),
-    ("id,lower,upper,size\na,0,3,4611686018427387000\nb,0,3,4611686018427387000\n", "add up to about 9.22e"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("id,lower,size\n", "header lacks column 'upper'"),
+        ("id,lower,upper,size\na,0,3\n", ":2: has 3 fields"),
+        ("id,lower,upper,size\na,0,x,4\n", ":2: upper 'x' is not an integer"),
+        ("id,lower,upper,size\na,5,3,4\n", "upper 3 is below lower 5"),
+        ("id,lower,upper,size\na,0,3,4\na,1,2,4\n", "not unique"),
+        ("id,lower,upper,size\na,0,3,99999999999999999999\n", ":2: size 99999999999999999999 is beyond 2"),
+        ("id,lower,upper,size\na,0,3,4611686018427387000\nb,0,3,4611686018427387000\n", "add up to about 9.22e"),
+    ],
+)
 def test_bad_csv_is_a_one_line_error(tmp_path, text, message):
     path = tmp_path / "bad.csv"
     path.write_text(text)

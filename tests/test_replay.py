@@ -1,4 +1,5 @@
 """Replay of plans through the C++ allocator behind PyTorch's CPU allocator, on the bundled workloads."""
+
 from __future__ import annotations
 
 import ctypes
@@ -11,19 +12,19 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from cli import main
-from planner.plan import save_plan
-from planner.problem import problem_from_trace
-from planner.replay import build
-from planner.replay.adoption import adopt_resident, resident_groups
-from planner.replay.cpu_session import CPUPlanAllocator
-from planner.replay.fingerprint import RunPrints, first_difference, tensor_digest
-from planner.replay.runner import replay, run_steps, warm_up
-from planner.replay.schedule import ReplayError, Schedule, schedule_from
-from solvers import solve
-from traces.capture import capture_step
-from traces.format import save
-from traces.model_file import load_workload
+from memplan.cli import main
+from memplan.planner.plan import save_plan
+from memplan.planner.problem import problem_from_trace
+from memplan.planner.replay import build
+from memplan.planner.replay.adoption import adopt_resident, resident_groups
+from memplan.planner.replay.cpu_session import CPUPlanAllocator
+from memplan.planner.replay.fingerprint import RunPrints, first_difference, tensor_digest
+from memplan.planner.replay.runner import replay, run_steps, warm_up
+from memplan.planner.replay.schedule import ReplayError, Schedule, schedule_from
+from memplan.solvers import solve
+from memplan.traces.capture import capture_step
+from memplan.traces.format import save
+from memplan.traces.model_file import load_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"bert": ROOT / "examples" / "bert.py", "gpt2": ROOT / "examples" / "gpt2.py"}
@@ -141,15 +142,16 @@ def test_fingerprints_tell_different_runs_apart():
 def test_tensors_made_in_a_step_outlive_the_plan_and_the_allocator_is_restored():
     ext = build.cpu_extension()
     default = torch.empty(16)  # made by the default allocator before the swap
-    schedule = Schedule(offsets=[0], sizes=[4096], reserved_offsets=[], reserved_sizes=[], arena=4096, bound=4096,
-                        alignment=64)
+    schedule = Schedule(
+        offsets=[0], sizes=[4096], reserved_offsets=[], reserved_sizes=[], arena=4096, bound=4096, alignment=64
+    )
     alive_before = ext.plans_alive()
     with CPUPlanAllocator(schedule) as alloc:
         assert ext.installed()
         with alloc.step():
             kept = torch.full((1024,), 7.0)  # 4096 bytes: the planned slot
-            extra = torch.full((10,), 3.0)   # beyond the plan: served by the fallback
-        between = torch.ones(3)              # outside a step: the previous allocator
+            extra = torch.full((10,), 3.0)  # beyond the plan: served by the fallback
+        between = torch.ones(3)  # outside a step: the previous allocator
     assert not ext.installed()
     stats = alloc.stats()
     assert (stats["planned_count"], stats["fallback_count"], stats["extra"]) == (1, 1, 1)
@@ -174,8 +176,21 @@ def bert_files(tmp_path_factory):
 
 def test_cli_replay_json(bert_files):
     folder, plan = bert_files
-    result = CliRunner().invoke(main, ["replay", str(folder / "bert.plan.json"), str(MODELS["bert"]), "--batch", "2",
-                                       "--seq", str(SEQ), "--steps", "2", "--json"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "replay",
+            str(folder / "bert.plan.json"),
+            str(MODELS["bert"]),
+            "--batch",
+            "2",
+            "--seq",
+            str(SEQ),
+            "--steps",
+            "2",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["fallback_count"] == 0 and summary["bitwise_equal"] is True
@@ -185,8 +200,17 @@ def test_cli_replay_json(bert_files):
 
 def test_cli_replay_other_batch_needs_the_trace_then_falls_back(bert_files):
     folder, _ = bert_files
-    args = ["replay", str(folder / "bert.plan.json"), str(MODELS["bert"]), "--batch", "3", "--seq", str(SEQ),
-            "--steps", "1"]
+    args = [
+        "replay",
+        str(folder / "bert.plan.json"),
+        str(MODELS["bert"]),
+        "--batch",
+        "3",
+        "--seq",
+        str(SEQ),
+        "--steps",
+        "1",
+    ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 1
     assert "pass the plan's trace with --trace" in result.output and "Traceback" not in result.output
@@ -199,7 +223,17 @@ def test_cli_replay_other_batch_needs_the_trace_then_falls_back(bert_files):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given when no GPU is present")
 def test_cli_replay_cuda_without_gpu_fails_in_one_line(bert_files):
     folder, _ = bert_files
-    result = CliRunner().invoke(main, ["replay", str(folder / "bert.plan.json"), str(MODELS["bert"]),
-                                       "--device", "cuda", "--trace", str(folder / "bert.trace.json.gz")])
+    result = CliRunner().invoke(
+        main,
+        [
+            "replay",
+            str(folder / "bert.plan.json"),
+            str(MODELS["bert"]),
+            "--device",
+            "cuda",
+            "--trace",
+            str(folder / "bert.trace.json.gz"),
+        ],
+    )
     assert result.exit_code == 1
     assert "no CUDA GPU is available" in result.output and len(result.output.strip().splitlines()) == 1

@@ -1,4 +1,5 @@
 """The plan allocator's C++ core driven through its C interface, and the CUDA plugin's exports."""
+
 from __future__ import annotations
 
 import ctypes
@@ -8,8 +9,8 @@ import threading
 
 import pytest
 
-from planner.replay import build
-from planner.replay.native import create_plan, load_library, plan_stats
+from memplan.planner.replay import build
+from memplan.planner.replay.native import create_plan, load_library, plan_stats
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +70,8 @@ def test_block_outliving_a_step_blocks_its_slot_in_the_next(lib):
 def test_divergences_are_counted(lib):
     h = create_plan(lib, offsets=[0, 128, 256], sizes=[128, 128, 128], arena_bytes=384)
     assert lib.memplan_step_begin(h)
-    a = lib.memplan_alloc(100)   # size differs from the plan's 128
-    b = lib.memplan_alloc(128)   # planned
+    a = lib.memplan_alloc(100)  # size differs from the plan's 128
+    b = lib.memplan_alloc(128)  # planned
     assert lib.memplan_step_end(h)  # the third planned allocation never came
     assert lib.memplan_step_begin(h)
     blocks = [lib.memplan_alloc(128) for _ in range(4)]  # one more than planned
@@ -87,8 +88,9 @@ def test_divergences_are_counted(lib):
 
 def test_unadopted_reserved_slots_are_free(lib):
     # Slot [256, 768) belongs to a buffer that predates the step but was never adopted: it holds nothing.
-    h = create_plan(lib, offsets=[0, 512], sizes=[256, 256], reserved_offsets=[256], reserved_sizes=[512],
-                    arena_bytes=768)
+    h = create_plan(
+        lib, offsets=[0, 512], sizes=[256, 256], reserved_offsets=[256], reserved_sizes=[512], arena_bytes=768
+    )
     assert lib.memplan_step_begin(h)
     a = lib.memplan_alloc(256)
     s = plan_stats(lib, h)
@@ -110,17 +112,24 @@ def test_unadopted_reserved_slots_are_free(lib):
 
 def test_adoption_takes_reserved_slots_by_exact_size(lib):
     # Reserved slots: 256 B at 0, 128 B at 256, 256 B at 384 (alignment 64); one planned block at 640.
-    h = create_plan(lib, offsets=[640], sizes=[64], reserved_offsets=[0, 256, 384], reserved_sizes=[256, 128, 256],
-                    arena_bytes=704, alignment=64)
+    h = create_plan(
+        lib,
+        offsets=[640],
+        sizes=[64],
+        reserved_offsets=[0, 256, 384],
+        reserved_sizes=[256, 128, 256],
+        arena_bytes=704,
+        alignment=64,
+    )
     base = lib.memplan_plan_arena(h)
     assert base and plan_stats(lib, h)["arena_top_peak"] == 0  # reserved slots are not live at creation
     assert lib.memplan_adopt_begin(h)
     assert lib.memplan_step_begin(h) == 0  # one phase at a time
-    assert lib.memplan_step_end(h) == 0    # the open phase is an adoption, not a step
+    assert lib.memplan_step_end(h) == 0  # the open phase is an adoption, not a step
     small = lib.memplan_alloc(128)
     first, second = lib.memplan_alloc(256), lib.memplan_alloc(256)
     third = lib.memplan_alloc(256)  # both 256 B slots are taken
-    odd = lib.memplan_alloc(200)    # no slot of that size
+    odd = lib.memplan_alloc(200)  # no slot of that size
     assert lib.memplan_adopt_end(h)
     assert (small, first, second) == (base + 256, base, base + 384)
     assert not in_arena(third, base, 704) and not in_arena(odd, base, 704)
@@ -153,8 +162,9 @@ def test_adoption_takes_reserved_slots_by_exact_size(lib):
 
 def test_adoption_skips_a_slot_overlapping_a_live_block(lib):
     # Two 128 B slots; a block kept from a step still covers the first one.
-    h = create_plan(lib, offsets=[0], sizes=[128], reserved_offsets=[0, 128], reserved_sizes=[128, 128],
-                    arena_bytes=256)
+    h = create_plan(
+        lib, offsets=[0], sizes=[128], reserved_offsets=[0, 128], reserved_sizes=[128, 128], arena_bytes=256
+    )
     base = lib.memplan_plan_arena(h)
     assert lib.memplan_step_begin(h)
     kept = lib.memplan_alloc(128)
@@ -237,9 +247,18 @@ def test_cuda_plugin_compiles_and_exports_the_pluggable_allocator_symbols():
     assert nm, "nm (binutils) is needed to list the library's symbols"
     out = subprocess.run([nm, "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True).stdout
     exported = {line.split()[-1] for line in out.splitlines() if " T " in line}
-    assert {"memplan_malloc", "memplan_free", "memplan_plan_create", "memplan_step_begin", "memplan_step_end",
-            "memplan_adopt_begin", "memplan_adopt_end", "memplan_plan_arena", "memplan_plan_stats",
-            "memplan_plan_release"} <= exported
+    assert {
+        "memplan_malloc",
+        "memplan_free",
+        "memplan_plan_create",
+        "memplan_step_begin",
+        "memplan_step_end",
+        "memplan_adopt_begin",
+        "memplan_adopt_end",
+        "memplan_plan_arena",
+        "memplan_plan_stats",
+        "memplan_plan_release",
+    } <= exported
 
 
 def test_build_without_a_compiler_says_what_to_install(tmp_path):
@@ -248,8 +267,14 @@ def test_build_without_a_compiler_says_what_to_install(tmp_path):
 
     venv_bin = os.path.dirname(sys.executable)
     env = {"PATH": venv_bin, "MEMPLAN_CACHE": str(tmp_path), "HOME": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-m", "planner.replay.build"], capture_output=True, text=True, env=env,
-                          cwd=build.CSRC.parents[2])
+    done = subprocess.run(
+        [sys.executable, "-m", "memplan.planner.replay.build"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=build.CSRC.parents[2],
+    )
     assert done.returncode == 1
-    assert done.stderr.strip().splitlines() == ["memplan: no C++ compiler found: install g++ "
-                                                "(e.g. `apt-get install g++`) or set CXX"]
+    assert done.stderr.strip().splitlines() == [
+        "memplan: no C++ compiler found: install g++ (e.g. `apt-get install g++`) or set CXX"
+    ]

@@ -1,4 +1,5 @@
 """Reuse safety across streams: only a free that happens before an allocation lets two buffers share bytes."""
+
 from __future__ import annotations
 
 import itertools
@@ -7,10 +8,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.problem import build_problem
-from planner.verify import verify_plan
-from solvers import solve
-from solvers.bounds import lower_bound
+from memplan.planner.problem import build_problem
+from memplan.planner.verify import verify_plan
+from memplan.solvers import solve
+from memplan.solvers.bounds import lower_bound
 
 KB = 1024
 
@@ -38,15 +39,16 @@ def test_cross_stream_with_sync_may_share():
 
 
 def test_sync_must_follow_the_free_and_go_the_right_way():
-    assert two_streams([(4, 0, 1)]).conflict(0, 1)   # wrong direction
-    assert two_streams([(2, 1, 0)]).conflict(0, 1)   # before the free at 3
+    assert two_streams([(4, 0, 1)]).conflict(0, 1)  # wrong direction
+    assert two_streams([(2, 1, 0)]).conflict(0, 1)  # before the free at 3
     assert not two_streams([(3, 1, 0)]).conflict(0, 1)  # at the free's time: ordered after it
-    assert two_streams([(5, 1, 0)]).conflict(0, 1)   # the allocation at 5 is not after the sync
+    assert two_streams([(5, 1, 0)]).conflict(0, 1)  # the allocation at 5 is not after the sync
 
 
 def test_syncs_chain_through_a_third_stream_but_not_at_the_same_time():
     def p(syncs):
         return build_problem([KB, KB], [1, 6], [2, 8], stream=[2, 0], syncs=syncs, alignment=512)
+
     assert not p([(3, 2, 1), (5, 1, 0)]).conflict(0, 1)
     assert p([(3, 2, 1), (3, 1, 0)]).conflict(0, 1)
     assert p([(3, 1, 0), (5, 2, 1)]).conflict(0, 1)  # wrong order
@@ -57,8 +59,9 @@ def test_bound_is_the_heaviest_unordered_set_not_max_live():
     p = build_problem([KB, 2 * KB, 4 * KB], [1, 3, 5], [2, 4, 6], stream=[0, 1, 2], alignment=512)
     assert p.max_live() == 4 * KB
     assert lower_bound(p) == 7 * KB
-    q = build_problem([KB, 2 * KB, 4 * KB], [1, 3, 5], [2, 4, 6], stream=[0, 1, 2],
-                      syncs=[(2, 0, 1), (4, 1, 2)], alignment=512)
+    q = build_problem(
+        [KB, 2 * KB, 4 * KB], [1, 3, 5], [2, 4, 6], stream=[0, 1, 2], syncs=[(2, 0, 1), (4, 1, 2)], alignment=512
+    )
     assert lower_bound(q) == 4 * KB
 
 
@@ -78,8 +81,10 @@ def multi_stream(draw):
     free = [a + draw(st.integers(1, 8)) for a in alloc]
     size = [draw(st.integers(1, 4)) * 512 for _ in range(n)]
     stream = [draw(st.integers(0, 2)) for _ in range(n)]
-    syncs = [(draw(st.integers(0, 30)), draw(st.integers(0, 2)), draw(st.integers(0, 2)))
-             for _ in range(draw(st.integers(0, 4)))]
+    syncs = [
+        (draw(st.integers(0, 30)), draw(st.integers(0, 2)), draw(st.integers(0, 2)))
+        for _ in range(draw(st.integers(0, 4)))
+    ]
     return build_problem(size, alloc, free, stream=stream, syncs=syncs, alignment=512)
 
 

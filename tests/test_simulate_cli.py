@@ -1,4 +1,5 @@
 """`memplan simulate`: summary figures against independent counts, the timeline CSV, the plan check, bad input."""
+
 from __future__ import annotations
 
 import csv
@@ -7,19 +8,38 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
-from cli import main
-from planner.alloc_conf import parse_alloc_conf
-from planner.caching_allocator import simulate_caching
-from planner.plan import Plan, save_plan, trace_digest
-from planner.problem import problem_from_trace
 from step_traces import step_trace
-from traces import save
 
-SUMMARY_KEYS = {"trace", "buffers", "events", "peak_live", "peak_live_time", "peak_live_phase", "bound",
-                "plan", "caching", "timeline"}
-CACHING_KEYS = {"alloc_conf", "tie_break", "capacity", "peak_allocated", "peak_reserved", "fragmentation_at_peak",
-                "segment_allocs", "oom"}
+from memplan.cli import main
+from memplan.planner.plan import Plan, save_plan
+from memplan.planner.problem import problem_from_trace
+from memplan.planner.simulate.alloc_conf import parse_alloc_conf
+from memplan.planner.simulate.caching_allocator import simulate_caching
+from memplan.traces import save
+from memplan.traces.format import trace_digest
+
+SUMMARY_KEYS = {
+    "trace",
+    "buffers",
+    "events",
+    "peak_live",
+    "peak_live_time",
+    "peak_live_phase",
+    "bound",
+    "plan",
+    "caching",
+    "timeline",
+}
+CACHING_KEYS = {
+    "alloc_conf",
+    "tie_break",
+    "capacity",
+    "peak_allocated",
+    "peak_reserved",
+    "fragmentation_at_peak",
+    "segment_allocs",
+    "oom",
+}
 
 
 def side_by_side_plan(trace) -> Plan:
@@ -28,8 +48,17 @@ def side_by_side_plan(trace) -> Plan:
     offsets = np.concatenate(([0], np.cumsum(problem.size)[:-1])).tolist()
     arena = int(problem.size.sum())
     bound = problem.max_live()
-    return Plan(digest=trace_digest(trace), alignment=512, offsets=[int(o) for o in offsets], arena=arena,
-                bound=bound, status="feasible", gap=arena / bound - 1, solver="side-by-side", seconds=0.0)
+    return Plan(
+        digest=trace_digest(trace),
+        alignment=512,
+        offsets=[int(o) for o in offsets],
+        arena=arena,
+        bound=bound,
+        status="feasible",
+        gap=arena / bound - 1,
+        solver="side-by-side",
+        seconds=0.0,
+    )
 
 
 @pytest.fixture
@@ -78,7 +107,10 @@ def test_tie_break_reaches_the_simulator(files):
         s = json.loads(r.stdout)
         assert s["caching"]["tie_break"] == tie
         sim = simulate_caching(a, parse_alloc_conf("", tie))
-        assert (s["caching"]["peak_reserved"], s["caching"]["segment_allocs"]) == (sim.peak_reserved, sim.segment_allocs)
+        assert (s["caching"]["peak_reserved"], s["caching"]["segment_allocs"]) == (
+            sim.peak_reserved,
+            sim.segment_allocs,
+        )
     r = run("simulate", tmp / "a.json", "--tie-break", "newest")
     assert r.exit_code == 2 and "Error:" in r.output
 
@@ -105,8 +137,15 @@ def test_text_summary_names_every_figure(files):
     tmp, _, _ = files
     r = run("simulate", tmp / "a.json", "--plan", tmp / "a.plan.json")
     assert r.exit_code == 0, r.output
-    for label in ("max-live bound", "plan arena", "peak allocated", "peak reserved", "fragmentation",
-                  "segment allocs", "out of memory    no"):
+    for label in (
+        "max-live bound",
+        "plan arena",
+        "peak allocated",
+        "peak reserved",
+        "fragmentation",
+        "segment allocs",
+        "out of memory    no",
+    ):
         assert label in r.stdout
 
 
@@ -122,19 +161,26 @@ def test_capacity_reports_where_memory_ran_out(files):
     assert json.loads(r.stdout)["plan"]["fits_capacity"] is False
 
 
-@pytest.mark.parametrize("args, message", [
-    (["simulate", "{tmp}/missing.json"], "missing.json: no such file"),
-    (["simulate", "{tmp}/a.json", "--plan", "{tmp}/b.plan.json", "--timeline", "{tmp}/t.csv"],
-     "b.plan.json: plan was made for another trace"),
-    (["simulate", "{tmp}/a.json", "--plan", "{tmp}/missing.plan.json"], "missing.plan.json: no such file"),
-    (["simulate", "{tmp}/a.json", "--alloc-conf", "max_split_size_mb:lots"], "max_split_size_mb"),
-    (["plot", "{tmp}/a.json", "-o", "{tmp}/t.jpg"], "t.jpg: the figure must end in .png or .svg"),
-    (["plot", "{tmp}/a.json", "--plan", "{tmp}/b.plan.json", "-o", "{tmp}/t.png"],
-     "b.plan.json: plan was made for none of the given traces"),
-    (["plot", "{tmp}/a.json", "--address-space", "-o", "{tmp}/t.png"], "--address-space needs a plan"),
-    (["compare", "{tmp}/a.json", "{tmp}/missing.json"], "missing.json: no such file"),
-    (["compare", "{tmp}/a.json", "--plan", "{tmp}/b.plan.json"], "plan was made for none of the given traces"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["simulate", "{tmp}/missing.json"], "missing.json: no such file"),
+        (
+            ["simulate", "{tmp}/a.json", "--plan", "{tmp}/b.plan.json", "--timeline", "{tmp}/t.csv"],
+            "b.plan.json: plan was made for another trace",
+        ),
+        (["simulate", "{tmp}/a.json", "--plan", "{tmp}/missing.plan.json"], "missing.plan.json: no such file"),
+        (["simulate", "{tmp}/a.json", "--alloc-conf", "max_split_size_mb:lots"], "max_split_size_mb"),
+        (["plot", "{tmp}/a.json", "-o", "{tmp}/t.jpg"], "t.jpg: the figure must end in .png or .svg"),
+        (
+            ["plot", "{tmp}/a.json", "--plan", "{tmp}/b.plan.json", "-o", "{tmp}/t.png"],
+            "b.plan.json: plan was made for none of the given traces",
+        ),
+        (["plot", "{tmp}/a.json", "--address-space", "-o", "{tmp}/t.png"], "--address-space needs a plan"),
+        (["compare", "{tmp}/a.json", "{tmp}/missing.json"], "missing.json: no such file"),
+        (["compare", "{tmp}/a.json", "--plan", "{tmp}/b.plan.json"], "plan was made for none of the given traces"),
+    ],
+)
 def test_bad_input_gives_one_line_and_no_file(files, args, message):
     tmp, _, _ = files
     r = run(*[a.format(tmp=tmp) for a in args])

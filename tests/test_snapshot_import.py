@@ -1,4 +1,5 @@
 """`memplan import`: the restricted unpickler refuses objects without running them; snapshots become traces."""
+
 from __future__ import annotations
 
 import os
@@ -7,10 +8,10 @@ import pickle
 import pytest
 from click.testing import CliRunner
 
-from cli import main
-from traces.errors import SnapshotError
-from traces.format import load
-from traces.snapshot import import_snapshot, load_plain_pickle, parse_snapshot, snapshot_to_trace
+from memplan.cli import main
+from memplan.traces.errors import SnapshotError
+from memplan.traces.format import load
+from memplan.traces.snapshot import import_snapshot, load_plain_pickle, parse_snapshot, snapshot_to_trace
 
 SNAPSHOTS = ("gpt_ctx128_fullstep", "gpt2_medium_ctx128_training", "gpt2_medium_ctx512_training")
 MiB = 1 << 20
@@ -76,32 +77,60 @@ def test_not_a_snapshot_is_refused():
 
 
 def _entry(action, addr, size, line=0):
-    frames = [{"name": "malloc", "filename": "CUDACachingAllocator.cpp", "line": 0},
-              {"name": "linear", "filename": "/x/site-packages/torch/nn/functional.py", "line": 9},
-              {"name": "forward", "filename": "/home/u/model.py", "line": line}]
+    frames = [
+        {"name": "malloc", "filename": "CUDACachingAllocator.cpp", "line": 0},
+        {"name": "linear", "filename": "/x/site-packages/torch/nn/functional.py", "line": 9},
+        {"name": "forward", "filename": "/home/u/model.py", "line": line},
+    ]
     return {"action": action, "addr": addr, "size": size, "stream": 7, "time_us": 0, "frames": frames}
 
 
 def test_hand_made_snapshot_keeps_blocks_from_before_recording():
     base = 1 << 30
     snap = {
-        "segments": [{"device": 0, "address": base, "total_size": 20 * MiB, "stream": 7,
-                      "segment_type": "large", "blocks": [
-                          {"address": base, "size": 4 * MiB, "requested_size": 4 * MiB - 100,
-                           "state": "active_allocated", "frames": []},  # alive before, never freed
-                          {"address": base + 4 * MiB, "size": 2 * MiB, "requested_size": 2 * MiB,
-                           "state": "active_allocated", "frames": []},  # allocated while recording
-                          {"address": base + 6 * MiB, "size": 14 * MiB, "requested_size": 0,
-                           "state": "inactive", "frames": []}]}],
-        "device_traces": [[
-            _entry("free_requested", base + 6 * MiB, 3 * MiB),
-            _entry("free_completed", base + 6 * MiB, 3 * MiB),  # allocated before recording
-            _entry("alloc", base + 4 * MiB, 2 * MiB, line=12),
-            _entry("alloc", base + 6 * MiB, 5 * MiB, line=13),
-            _entry("free_requested", base + 6 * MiB, 5 * MiB),
-            _entry("free_completed", base + 6 * MiB, 5 * MiB),
-            _entry("segment_alloc", base, 20 * MiB),  # ignored
-        ]],
+        "segments": [
+            {
+                "device": 0,
+                "address": base,
+                "total_size": 20 * MiB,
+                "stream": 7,
+                "segment_type": "large",
+                "blocks": [
+                    {
+                        "address": base,
+                        "size": 4 * MiB,
+                        "requested_size": 4 * MiB - 100,
+                        "state": "active_allocated",
+                        "frames": [],
+                    },  # alive before, never freed
+                    {
+                        "address": base + 4 * MiB,
+                        "size": 2 * MiB,
+                        "requested_size": 2 * MiB,
+                        "state": "active_allocated",
+                        "frames": [],
+                    },  # allocated while recording
+                    {
+                        "address": base + 6 * MiB,
+                        "size": 14 * MiB,
+                        "requested_size": 0,
+                        "state": "inactive",
+                        "frames": [],
+                    },
+                ],
+            }
+        ],
+        "device_traces": [
+            [
+                _entry("free_requested", base + 6 * MiB, 3 * MiB),
+                _entry("free_completed", base + 6 * MiB, 3 * MiB),  # allocated before recording
+                _entry("alloc", base + 4 * MiB, 2 * MiB, line=12),
+                _entry("alloc", base + 6 * MiB, 5 * MiB, line=13),
+                _entry("free_requested", base + 6 * MiB, 5 * MiB),
+                _entry("free_completed", base + 6 * MiB, 5 * MiB),
+                _entry("segment_alloc", base, 20 * MiB),  # ignored
+            ]
+        ],
     }
     trace = snapshot_to_trace(parse_snapshot(snap))
     rows = sorted(zip(trace.alloc.tolist(), trace.free.tolist(), trace.size.tolist(), trace.addr.tolist(), trace.op))
@@ -127,8 +156,9 @@ def _independent_peak(raw: dict) -> tuple[int, int, int]:
             if live.pop(e["addr"], None) is None:
                 freed_unrecorded += e["size"]
                 n_unrecorded += 1
-    still = [b for s in raw["segments"] for b in s["blocks"]
-             if b["state"] == "active_allocated" and b["address"] not in live]
+    still = [
+        b for s in raw["segments"] for b in s["blocks"] if b["state"] == "active_allocated" and b["address"] not in live
+    ]
     current = freed_unrecorded + sum(b["requested_size"] for b in still)
     peak, live = current, {}
     for e in entries:
@@ -143,15 +173,23 @@ def _independent_peak(raw: dict) -> tuple[int, int, int]:
 
 
 def test_allocations_of_the_autograd_engine_are_backward_and_name_their_node():
-    engine = [{"name": "c10::cuda::CUDACachingAllocator::Native::DeviceCachingAllocator::malloc()", "filename": "??"},
-              {"name": "at::_ops::mul_Tensor::call(at::Tensor const&, at::Tensor const&)", "filename": "??"},
-              {"name": "torch::autograd::generated::MulBackward0::apply(std::vector<at::Tensor>&&)", "filename": "??"},
-              {"name": "torch::autograd::Engine::evaluate_function(std::shared_ptr<GraphTask>&)", "filename": "??"}]
+    engine = [
+        {"name": "c10::cuda::CUDACachingAllocator::Native::DeviceCachingAllocator::malloc()", "filename": "??"},
+        {"name": "at::_ops::mul_Tensor::call(at::Tensor const&, at::Tensor const&)", "filename": "??"},
+        {"name": "torch::autograd::generated::MulBackward0::apply(std::vector<at::Tensor>&&)", "filename": "??"},
+        {"name": "torch::autograd::Engine::evaluate_function(std::shared_ptr<GraphTask>&)", "filename": "??"},
+    ]
     internal = [engine[0], engine[1], engine[3]]  # the engine's own work: no node on the stack
-    snap = {"segments": [], "device_traces": [[
-        _entry("alloc", 1 << 20, 512, line=5),
-        {"action": "alloc", "addr": 2 << 20, "size": 512, "stream": 0, "time_us": 1, "frames": engine},
-        {"action": "alloc", "addr": 3 << 20, "size": 512, "stream": 0, "time_us": 2, "frames": internal}]]}
+    snap = {
+        "segments": [],
+        "device_traces": [
+            [
+                _entry("alloc", 1 << 20, 512, line=5),
+                {"action": "alloc", "addr": 2 << 20, "size": 512, "stream": 0, "time_us": 1, "frames": engine},
+                {"action": "alloc", "addr": 3 << 20, "size": 512, "stream": 0, "time_us": 2, "frames": internal},
+            ]
+        ],
+    }
     trace = snapshot_to_trace(parse_snapshot(snap))
     assert trace.op == ["model.py:5 forward", "MulBackward0", "aten::mul_Tensor"]
     assert trace.phase == ["other", "backward", "backward"]
@@ -175,8 +213,9 @@ def test_gpt_ctx128_import_matches_its_own_entries(shared):
 @pytest.mark.parametrize("name", SNAPSHOTS)
 def test_every_shared_snapshot_imports_and_round_trips(shared, tmp_path, name):
     out = tmp_path / f"{name}.trace.json.gz"
-    result = CliRunner().invoke(main, ["import", str(shared / f"traces/cuda-snapshots/{name}.pickle"),
-                                       "-o", str(out), "--json"])
+    result = CliRunner().invoke(
+        main, ["import", str(shared / f"traces/cuda-snapshots/{name}.pickle"), "-o", str(out), "--json"]
+    )
     assert result.exit_code == 0, result.output
     trace = load(out)
     assert len(trace) > 6000 and trace.meta["source"] == "cuda-snapshot"

@@ -1,17 +1,18 @@
 """`memplan solve` end to end: traces and CSV in, verified plans out, --json, capacity failures."""
+
 from __future__ import annotations
 
 import json
 
 from click.testing import CliRunner
 
-from cli import main
-from planner.minimalloc_csv import read_csv
-from planner.plan import load_plan, trace_digest
-from planner.problem import problem_from_trace
-from planner.verify import verify_plan
-from traces import make_trace
-from traces.format import save
+from memplan.cli import main
+from memplan.planner.minimalloc_csv import read_csv
+from memplan.planner.plan import load_plan
+from memplan.planner.problem import problem_from_trace
+from memplan.planner.verify import verify_plan
+from memplan.traces import make_trace
+from memplan.traces.format import save, trace_digest
 
 README = "id,lower,upper,size\nb1,0,3,4\nb2,3,9,4\nb3,0,9,4\nb4,9,21,4\nb5,0,21,4\n"
 

@@ -1,4 +1,5 @@
 """Solvers: every plan verifies and never beats the bound; tiny instances reach their brute-force optimum."""
+
 from __future__ import annotations
 
 import itertools
@@ -8,14 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.minimalloc_csv import read_csv
-from planner.problem import build_problem
-from planner.verify import verify_plan
-from solvers import CapacityError, solve
-from solvers.bounds import lower_bound
-from solvers.cpsat import cpsat_place
-from solvers.greedy import greedy
-from solvers.search import FITS, INFEASIBLE, search_fit
+from memplan.planner.minimalloc_csv import read_csv
+from memplan.planner.problem import build_problem
+from memplan.planner.verify import verify_plan
+from memplan.solvers import CapacityError, solve
+from memplan.solvers.bounds import lower_bound
+from memplan.solvers.cpsat import cpsat_place
+from memplan.solvers.greedy import greedy
+from memplan.solvers.search import FITS, INFEASIBLE, search_fit
 
 
 @st.composite
@@ -25,8 +26,10 @@ def instances(draw, streams=1, groups=False, fixed=False, max_n=9):
     free = [a + draw(st.integers(0, 8)) for a in alloc]
     size = [draw(st.integers(0, 5)) * 512 for _ in range(n)]
     stream = [draw(st.integers(0, streams - 1)) for _ in range(n)]
-    syncs = [(draw(st.integers(0, 25)), draw(st.integers(0, streams - 1)), draw(st.integers(0, streams - 1)))
-             for _ in range(draw(st.integers(0, 3)) if streams > 1 else 0)]
+    syncs = [
+        (draw(st.integers(0, 25)), draw(st.integers(0, streams - 1)), draw(st.integers(0, streams - 1)))
+        for _ in range(draw(st.integers(0, 3)) if streams > 1 else 0)
+    ]
     order = draw(st.permutations(range(n)))
     group_list, pinned = [], {}
     if groups and n >= 2:
@@ -35,11 +38,10 @@ def instances(draw, streams=1, groups=False, fixed=False, max_n=9):
         order = order[k:]
     if fixed and order:
         top = 0
-        for i in order[:draw(st.integers(0, min(2, len(order))))]:
+        for i in order[: draw(st.integers(0, min(2, len(order))))]:
             pinned[i] = top + 512 * draw(st.integers(0, 2))
             top = pinned[i] + size[i]
-    return build_problem(size, alloc, free, stream=stream, syncs=syncs, alignment=512, groups=group_list,
-                         fixed=pinned)
+    return build_problem(size, alloc, free, stream=stream, syncs=syncs, alignment=512, groups=group_list, fixed=pinned)
 
 
 def check(p, plan):
@@ -49,8 +51,13 @@ def check(p, plan):
     assert (plan.status == "optimal") == (plan.arena == plan.bound)
 
 
-KINDS = {"one": {}, "streams": dict(streams=3), "groups": dict(groups=True), "fixed": dict(fixed=True),
-         "mixed": dict(streams=2, groups=True, fixed=True)}
+KINDS = {
+    "one": {},
+    "streams": dict(streams=3),
+    "groups": dict(groups=True),
+    "fixed": dict(fixed=True),
+    "mixed": dict(streams=2, groups=True, fixed=True),
+}
 
 
 @pytest.mark.parametrize("method", ["greedy", "auto", "cpsat"])
@@ -74,7 +81,9 @@ def brute_optimum(p) -> int:
             base = p.fixed[g[k]] - int(p.size[g[:k]].sum())
             pinned.update({i: base + int(p.size[g[:m]].sum()) for m, i in enumerate(g)})
     pinned.update({i: o for i, o in p.fixed.items() if i not in grouped})
-    items = [g for g in groups if g[0] not in pinned] + [[i] for i in range(len(p)) if i not in grouped and i not in pinned]
+    items = [g for g in groups if g[0] not in pinned] + [
+        [i] for i in range(len(p)) if i not in grouped and i not in pinned
+    ]
     best = None
     for perm in itertools.permutations(items):
         off = dict(pinned)
@@ -82,8 +91,11 @@ def brute_optimum(p) -> int:
             rel = np.concatenate([[0], np.cumsum(p.size[item])[:-1]])
             tops = sorted({0} | {off[j] + int(p.size[j]) - int(r) for j in off for r in rel})
             for base in (t for t in tops if t >= 0):
-                if not any(p.conflict(i, j) and base + r < off[j] + p.size[j] and off[j] < base + r + p.size[i]
-                           for i, r in zip(item, rel) for j in off):
+                if not any(
+                    p.conflict(i, j) and base + r < off[j] + p.size[j] and off[j] < base + r + p.size[i]
+                    for i, r in zip(item, rel)
+                    for j in off
+                ):
                     off.update({i: base + int(r) for i, r in zip(item, rel)})
                     break
         arena = max([off[i] + int(p.size[i]) for i in off if p.size[i] > 0], default=0)
@@ -138,8 +150,9 @@ def test_exact_methods_reach_what_greedy_misses():
 @pytest.mark.parametrize("capacity", [None, 4096])
 def test_group_holes_count_in_the_arena_and_do_not_make_cpsat_claim_infeasible(capacity):
     """Regression: a group with members of empty lifetime (its holes) once made CP-SAT prove 'no placement'."""
-    p = build_problem([512, 2048, 1536, 0, 512], [0, 1, 1, 8, 4], [0, 4, 6, 11, 5], alignment=512,
-                      groups=[[3, 0, 4, 1]])
+    p = build_problem(
+        [512, 2048, 1536, 0, 512], [0, 1, 1, 8, 4], [0, 4, 6, 11, 5], alignment=512, groups=[[3, 0, 4, 1]]
+    )
     assert brute_optimum(p) == 4096
     res = cpsat_place(p, lower_bound(p), 5.0, capacity=capacity)
     verify_plan(p, res.offsets, res.arena, capacity)
@@ -196,8 +209,7 @@ def test_cpsat_fits_mode_and_capacity_errors():
 
 
 def test_contiguous_group_is_placed_back_to_back_with_fixed_neighbour():
-    p = build_problem([1024, 512, 2048, 512], [0, 0, 0, 2], [5, 5, 5, 4], alignment=512,
-                      groups=[[2, 0]], fixed={1: 0})
+    p = build_problem([1024, 512, 2048, 512], [0, 0, 0, 2], [5, 5, 5, 4], alignment=512, groups=[[2, 0]], fixed={1: 0})
     plan = solve(p, time_limit=2)
     check(p, plan)
     assert plan.offsets[0] == plan.offsets[2] + 2048 and plan.offsets[1] == 0

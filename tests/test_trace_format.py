@@ -1,4 +1,5 @@
 """The memplan-trace/1 format: round trips, live bytes, and one-line refusals of bad files."""
+
 from __future__ import annotations
 
 import json
@@ -6,17 +7,27 @@ import json
 import numpy as np
 import pytest
 
-from traces import load, make_trace, save
-from traces.errors import TraceError
-from traces.format import to_dict
+from memplan.traces import load, make_trace, save
+from memplan.traces.errors import TraceError
+from memplan.traces.format import to_dict
 
 
 def small_trace():
-    return make_trace({"size": [100, 200, 50], "alloc": [0, 1, 3], "free": [2, 5, 4],
-                       "category": ["activation", "parameter", "temporary"],
-                       "phase": ["forward", "other", "backward"], "op": ["aten::mm", "", "aten::add"],
-                       "module": ["enc.0", "", "enc.1"], "stream": [0, 0, 7], "addr": [16, 4096, -1]},
-                      syncs=[(3, 0, 7)], meta={"model": "toy"})
+    return make_trace(
+        {
+            "size": [100, 200, 50],
+            "alloc": [0, 1, 3],
+            "free": [2, 5, 4],
+            "category": ["activation", "parameter", "temporary"],
+            "phase": ["forward", "other", "backward"],
+            "op": ["aten::mm", "", "aten::add"],
+            "module": ["enc.0", "", "enc.1"],
+            "stream": [0, 0, 7],
+            "addr": [16, 4096, -1],
+        },
+        syncs=[(3, 0, 7)],
+        meta={"model": "toy"},
+    )
 
 
 @pytest.mark.parametrize("name", ["t.json", "t.json.gz"])
@@ -41,16 +52,22 @@ def write(tmp_path, doc):
     return p
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda d: d.update(format="memplan-trace/9"), "format: unknown format version"),
-    (lambda d: d["buffers"]["free"].pop(), "buffers.free: has 2 entries but buffers.size has 3"),
-    (lambda d: d["buffers"]["size"].__setitem__(1, -4), "buffers.size[1]: negative value -4"),
-    (lambda d: d["buffers"]["alloc"].__setitem__(0, 1.5), "buffers.alloc[0]: expected an integer"),
-    (lambda d: d["buffers"]["free"].__setitem__(2, 2), "buffers.free[2]: free at 2 is before its allocation at 3"),
-    (lambda d: d["buffers"]["category"].__setitem__(0, "weights"), "buffers.category[0]: unknown category 'weights'"),
-    (lambda d: d["buffers"]["phase"].__setitem__(0, "warmup"), "buffers.phase[0]: unknown phase 'warmup'"),
-    (lambda d: d.update(syncs=[[1, 2]]), "syncs[0]: expected [time, from_stream, to_stream]"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.update(format="memplan-trace/9"), "format: unknown format version"),
+        (lambda d: d["buffers"]["free"].pop(), "buffers.free: has 2 entries but buffers.size has 3"),
+        (lambda d: d["buffers"]["size"].__setitem__(1, -4), "buffers.size[1]: negative value -4"),
+        (lambda d: d["buffers"]["alloc"].__setitem__(0, 1.5), "buffers.alloc[0]: expected an integer"),
+        (lambda d: d["buffers"]["free"].__setitem__(2, 2), "buffers.free[2]: free at 2 is before its allocation at 3"),
+        (
+            lambda d: d["buffers"]["category"].__setitem__(0, "weights"),
+            "buffers.category[0]: unknown category 'weights'",
+        ),
+        (lambda d: d["buffers"]["phase"].__setitem__(0, "warmup"), "buffers.phase[0]: unknown phase 'warmup'"),
+        (lambda d: d.update(syncs=[[1, 2]]), "syncs[0]: expected [time, from_stream, to_stream]"),
+    ],
+)
 def test_validation_names_field_and_problem(tmp_path, mutate, message):
     doc = to_dict(small_trace())
     mutate(doc)

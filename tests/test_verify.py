@@ -1,13 +1,15 @@
 """The independent verifier and the plan file: hand-made bad plans are caught and named."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from planner.plan import Plan, PlanError, load_plan, save_plan
-from planner.problem import build_problem
-from planner.verify import verify_plan
+from memplan.planner.plan import Plan, load_plan, save_plan
+from memplan.planner.problem import build_problem
+from memplan.planner.verify import verify_plan
+from memplan.traces.errors import PlanError
 
 
 def problem(**kw):
@@ -22,17 +24,20 @@ def test_a_valid_plan_passes():
     verify_plan(problem(), GOOD, 2560)
 
 
-@pytest.mark.parametrize("offsets, arena, capacity, message", [
-    ([0, 512, 0, 2048], 2560, None, r"buffer 0 and buffer 1 may be live together but share bytes \[512, 1024\)"),
-    ([0, 1024, 0, 1536], 2560, None, "buffer 2 and buffer 3 may be live together"),
-    ([0, 1024, 0, 2100], 2612, None, "buffer 3 offset 2100 is not a multiple of the alignment 512"),
-    ([0, 1024, 0, 2048], 2048, None, "buffer 3 ends at byte 2560, beyond the arena of 2048 bytes"),
-    ([0, 1024, 0, 2048], 2560, 2048, "exceeds the capacity of 2048 bytes"),
-    ([0, 1024, 0], 2560, None, "3 offsets but the problem has 4 buffers"),
-    ([-512, 1024, 0, 2048], 2560, None, "negative offset"),
-    ([0, 1024, 0, 2**63 - 512], 2560, None, "buffer 3 has an offset 9223372036854775296 beyond 2"),
-    ([0, 1024, 0, 2**64], 2560, None, "does not fit in 64 bits"),
-])
+@pytest.mark.parametrize(
+    "offsets, arena, capacity, message",
+    [
+        ([0, 512, 0, 2048], 2560, None, r"buffer 0 and buffer 1 may be live together but share bytes \[512, 1024\)"),
+        ([0, 1024, 0, 1536], 2560, None, "buffer 2 and buffer 3 may be live together"),
+        ([0, 1024, 0, 2100], 2612, None, "buffer 3 offset 2100 is not a multiple of the alignment 512"),
+        ([0, 1024, 0, 2048], 2048, None, "buffer 3 ends at byte 2560, beyond the arena of 2048 bytes"),
+        ([0, 1024, 0, 2048], 2560, 2048, "exceeds the capacity of 2048 bytes"),
+        ([0, 1024, 0], 2560, None, "3 offsets but the problem has 4 buffers"),
+        ([-512, 1024, 0, 2048], 2560, None, "negative offset"),
+        ([0, 1024, 0, 2**63 - 512], 2560, None, "buffer 3 has an offset 9223372036854775296 beyond 2"),
+        ([0, 1024, 0, 2**64], 2560, None, "does not fit in 64 bits"),
+    ],
+)
 def test_bad_plans_are_caught_and_named(offsets, arena, capacity, message):
     with pytest.raises(PlanError, match=message):
         verify_plan(problem(), offsets, arena, capacity)
@@ -58,8 +63,17 @@ def test_names_use_csv_ids():
 
 
 def plan(offsets, arena=2560, digest="d"):
-    return Plan(digest=digest, alignment=512, offsets=offsets, arena=arena, bound=2560, status="optimal",
-                gap=0.0, solver="test", seconds=0.1)
+    return Plan(
+        digest=digest,
+        alignment=512,
+        offsets=offsets,
+        arena=arena,
+        bound=2560,
+        status="optimal",
+        gap=0.0,
+        solver="test",
+        seconds=0.1,
+    )
 
 
 def test_save_verifies_first_and_load_round_trips(tmp_path):
@@ -74,11 +88,14 @@ def test_save_verifies_first_and_load_round_trips(tmp_path):
         save_plan(plan(GOOD, digest="other"), problem(), bad)
 
 
-@pytest.mark.parametrize("doc, message", [
-    ({"format": "x"}, "not a memplan-plan/1 file"),
-    ({"format": "memplan-plan/1"}, "missing field 'offsets'"),
-    ({"format": "memplan-plan/1", "offsets": [0, "a"]}, "non-negative integers"),
-])
+@pytest.mark.parametrize(
+    "doc, message",
+    [
+        ({"format": "x"}, "not a memplan-plan/1 file"),
+        ({"format": "memplan-plan/1"}, "missing field 'offsets'"),
+        ({"format": "memplan-plan/1", "offsets": [0, "a"]}, "non-negative integers"),
+    ],
+)
 def test_bad_plan_files_are_one_line_errors(tmp_path, doc, message):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(doc))

@@ -1,4 +1,5 @@
 """The bundled BERT and GPT-2 workloads: deterministic from a seed, trainable, and Megatron's baseline accounting."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -6,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from planner.layers.memory import LayerShape, saved_bytes
-from planner.workloads import bert, gpt2
-from traces.errors import MemplanError
+from memplan.planner.layers.memory import LayerShape, saved_bytes
+from memplan.planner.workloads import bert, gpt2
+from memplan.traces.errors import MemplanError
 
 MODELS = [bert, gpt2]
 
@@ -49,7 +50,9 @@ def test_gpt2_is_causal():
 def test_baseline_layer_holds_megatron_bytes(module, dtype, p):
     per_stack = []
     for layers in (1, 2):
-        w = module.build_workload(batch_size=2, seq_len=16, dtype=dtype, config=dataclasses.replace(module.TINY, layers=layers))
+        w = module.build_workload(
+            batch_size=2, seq_len=16, dtype=dtype, config=dataclasses.replace(module.TINY, layers=layers)
+        )
         per_stack.append(saved_bytes(w.model, w.forward))
     shape = LayerShape(s=16, b=2, h=64, a=4, p=p)
     stat_bytes = torch.native_layer_norm(torch.ones(1, 2, dtype=dtype), (2,), None, None, 1e-5)[1].element_size()
@@ -65,12 +68,23 @@ def test_bad_shapes_raise_memplan_errors():
 
 
 def test_formula_and_measure_errors_are_memplan_errors():
-    from planner.layers.memory import LayerShape, held_for_backward
-    from traces.format import make_trace
+    from memplan.planner.layers.memory import LayerShape, held_for_backward
+    from memplan.traces.format import make_trace
 
     with pytest.raises(MemplanError, match="no formula"):
         LayerShape(s=1, b=1, h=1, a=1, p=4).formula("full")
-    trace = make_trace({"size": [8], "alloc": [1], "free": [2], "stream": [0], "addr": [-1],
-                        "category": ["activation"], "phase": ["forward"], "op": ["x"], "module": ["m"]})
+    trace = make_trace(
+        {
+            "size": [8],
+            "alloc": [1],
+            "free": [2],
+            "stream": [0],
+            "addr": [-1],
+            "category": ["activation"],
+            "phase": ["forward"],
+            "op": ["x"],
+            "module": ["m"],
+        }
+    )
     with pytest.raises(MemplanError, match="no backward phase"):
         held_for_backward(trace)

@@ -12,22 +12,23 @@ allocated or computed, and the trace holds every storage the program's ops retur
 labels. On CUDA the caching allocator's history of the step gives the requested (unrounded) sizes
 and the streams. A real CPU capture runs on one intra-op thread (see `one_cpu_thread`).
 """
+
 from __future__ import annotations
 
 import contextlib
 import gc
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 
-from traces.errors import MemplanError
-from traces.fake import DATA_RULE, FakeCapture
-from traces.format import PHASES, Trace, make_trace
-from traces.recorder import Events, Recorder, recording
-from traces.resident import resident_storages, resident_tensors
-from traces.step_marks import StepMarks, marked_step
-from traces.workload import Workload
+from memplan.traces.errors import MemplanError
+from memplan.traces.fake import DATA_RULE, FakeCapture
+from memplan.traces.format import PHASES, Trace, make_trace
+from memplan.traces.recorder import Events, Recorder, recording
+from memplan.traces.resident import resident_storages, resident_tensors
+from memplan.traces.step_marks import StepMarks, marked_step
+from memplan.traces.workload import Workload
 
 SCALAR_OP = "python scalar"  # an allocation outside any op: a Python number wrapped as a tensor
 
@@ -98,15 +99,25 @@ def _assemble(live: Events, step: Events, names: list[str], resident: dict) -> l
     index: dict[int, int] = {}  # storage key -> its buffer, while live
     for key, size, module in zip(live.key.tolist(), live.size.tolist(), live.module.tolist()):
         known = resident.get(key)
-        buffers.append(_Buffer(known.size if known else size, 0, end, key, "other",
-                               known.module if known else names[module], "", known.category if known else "unknown"))
+        buffers.append(
+            _Buffer(
+                known.size if known else size,
+                0,
+                end,
+                key,
+                "other",
+                known.module if known else names[module],
+                "",
+                known.category if known else "unknown",
+            )
+        )
         index[key] = len(buffers) - 1
-    for t, (key, size, op, module, phase) in enumerate(zip(step.key.tolist(), step.size.tolist(), step.op.tolist(),
-                                                            step.module.tolist(), step.phase.tolist()), start=1):
+    for t, (key, size, op, module, phase) in enumerate(
+        zip(step.key.tolist(), step.size.tolist(), step.op.tolist(), step.module.tolist(), step.phase.tolist()), start=1
+    ):
         if size > 0:
             index[key] = len(buffers)
-            buffers.append(_Buffer(size, t, end, key, PHASES[phase], names[module],
-                                   names[op] or SCALAR_OP))
+            buffers.append(_Buffer(size, t, end, key, PHASES[phase], names[module], names[op] or SCALAR_OP))
         else:
             buffers[index.pop(key)].free = t
     return buffers
@@ -115,6 +126,7 @@ def _assemble(live: Events, step: Events, names: list[str], resident: dict) -> l
 def _categorize(buffers: list[_Buffer], marks: StepMarks) -> None:
     """Label the step's buffers: gradient, optimizer state, activation (saved across the forward/backward
     boundary), or temporary."""
+
     def live(b: _Buffer, t: int | None) -> bool:
         return t is not None and b.alloc <= t < b.free
 
@@ -137,8 +149,10 @@ def _requested_sizes(buffers: list[_Buffer], history: list[dict]) -> None:
     allocated = [b for b in buffers if b.alloc > 0]
     entries = [e for e in history if e["action"] == "alloc"]
     if len(allocated) != len(entries):
-        raise CaptureError(f"the CUDA allocator history holds {len(entries)} allocations but the recorder "
-                           f"saw {len(allocated)}: cannot recover the requested sizes")
+        raise CaptureError(
+            f"the CUDA allocator history holds {len(entries)} allocations but the recorder "
+            f"saw {len(allocated)}: cannot recover the requested sizes"
+        )
     for b, entry in zip(allocated, entries):
         if int(entry["addr"]) != b.key:
             raise CaptureError(f"the CUDA allocator history and the recorder disagree at address {b.key:#x}")
@@ -149,8 +163,7 @@ def _requested_sizes(buffers: list[_Buffer], history: list[dict]) -> None:
 def _cuda_history(device: torch.device):
     """The caching allocator's history of the block (a list filled in when it ends)."""
     history: list[dict] = []
-    torch.cuda.memory._record_memory_history(context=None, max_entries=10_000_000, device=device,
-                                             clear_history=True)
+    torch.cuda.memory._record_memory_history(context=None, max_entries=10_000_000, device=device, clear_history=True)
     try:
         yield history
         torch.cuda.synchronize(device)
@@ -164,11 +177,16 @@ def _resident_at_start(workload: Workload, recorder: Recorder, live: Events) -> 
     """Labels of the storages alive as the step begins; every storage the workload holds must be among
     them (one allocated before recording began would be invisible)."""
     alive = set(live.key.tolist())
-    outside = [t for t, _, _ in resident_tensors(workload)
-               if t.untyped_storage().nbytes() > 0 and recorder.storage_key(t) not in alive]
+    outside = [
+        t
+        for t, _, _ in resident_tensors(workload)
+        if t.untyped_storage().nbytes() > 0 and recorder.storage_key(t) not in alive
+    ]
     if outside:
-        raise CaptureError(f"{workload.name}: {len(outside)} of its tensors existed before recording began: "
-                           "pass capture_step a function that builds the workload, not a built one")
+        raise CaptureError(
+            f"{workload.name}: {len(outside)} of its tensors existed before recording began: "
+            "pass capture_step a function that builds the workload, not a built one"
+        )
     return resident_storages(workload, recorder.storage_key, alive)
 
 
@@ -189,8 +207,14 @@ def _record_step(workload: Workload, recorder: Recorder, device: torch.device, f
     return live, resident, step, marks, history
 
 
-def capture_step(build: Callable[[], Workload], device: str | torch.device = "cpu", *, fake: bool = False,
-                 warmup: bool = True, meta: dict | None = None) -> Trace:
+def capture_step(
+    build: Callable[[], Workload],
+    device: str | torch.device = "cpu",
+    *,
+    fake: bool = False,
+    warmup: bool = True,
+    meta: dict | None = None,
+) -> Trace:
     """Build a workload with `build()` and record one `workload.step()` (after a warm-up step unless
     `warmup=False`) on `device` as a labelled Trace; with `fake`, under fake tensors."""
     device = torch.device(device)
@@ -214,17 +238,29 @@ def capture_step(build: Callable[[], Workload], device: str | torch.device = "cp
     _categorize(buffers, marks)
     if history is not None:
         _requested_sizes(buffers, history)
-    info = {"source": "memplan trace", "model": name, "layers": "baseline", "device": device.type,
-            "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__, "warmup": warmup,
-            "fake": fake, "events": len(step)}
+    info = {
+        "source": "memplan trace",
+        "model": name,
+        "layers": "baseline",
+        "device": device.type,
+        "dtype": str(dtype).replace("torch.", ""),
+        "torch": torch.__version__,
+        "warmup": warmup,
+        "fake": fake,
+        "events": len(step),
+    }
     if fake_mode is not None:
         info.update(data_rule=DATA_RULE, data_dependent=dict(fake_mode.data_dependent))
     info.update(meta or {})
     columns = {
-        "size": [b.size for b in buffers], "alloc": [b.alloc for b in buffers],
-        "free": [b.free for b in buffers], "stream": [b.stream for b in buffers],
-        "addr": [b.key if not fake else -1 for b in buffers], "category": [b.category for b in buffers],
-        "phase": [b.phase for b in buffers], "op": [b.op for b in buffers],
+        "size": [b.size for b in buffers],
+        "alloc": [b.alloc for b in buffers],
+        "free": [b.free for b in buffers],
+        "stream": [b.stream for b in buffers],
+        "addr": [b.key if not fake else -1 for b in buffers],
+        "category": [b.category for b in buffers],
+        "phase": [b.phase for b in buffers],
+        "op": [b.op for b in buffers],
         "module": [b.module for b in buffers],
     }
     return make_trace(columns, meta=info)

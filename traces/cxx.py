@@ -4,6 +4,7 @@ The step recorder (traces/csrc), the solver kernels (solvers/csrc) and the plan 
 (planner/replay/csrc) are built here; each library is named after a hash of its sources and written
 under a temporary name, then renamed, so a cached library is complete or absent.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -11,10 +12,10 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
-from traces.errors import MemplanError
+from memplan.traces.errors import MemplanError
 
 
 class BuildError(MemplanError):
@@ -50,8 +51,10 @@ def _run_compiler(cmd: list[str], what: str) -> None:
     """Run one compile command; a failure becomes a BuildError naming `what` and the first error line."""
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        first = next((ln for ln in done.stderr.splitlines() if "error" in ln.lower()),
-                     done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no output")
+        first = next(
+            (ln for ln in done.stderr.splitlines() if "error" in ln.lower()),
+            done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no output",
+        )
         raise BuildError(f"compiling {what} failed: {first.strip()}")
 
 
@@ -77,8 +80,9 @@ def cxx_shared_library(name: str, sources: list[Path], what: str, headers: Itera
     if out.exists():
         return out
     cxx = compiler()
-    return link_shared(out, lambda tmp: [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-pthread",
-                                         *map(str, sources), "-o", tmp], what)
+    return link_shared(
+        out, lambda tmp: [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-pthread", *map(str, sources), "-o", tmp], what
+    )
 
 
 def torch_extension(name: str, sources: list[Path], what: str, headers: Iterable[Path] = ()):
@@ -93,8 +97,14 @@ def torch_extension(name: str, sources: list[Path], what: str, headers: Iterable
         raise BuildError(f"building {what} needs ninja: `pip install ninja`")
     includes = sorted({str(p.parent) for p in sources})
     try:
-        return cpp_extension.load(name=name, sources=[str(p) for p in sources], extra_include_paths=includes,
-                                  extra_cflags=["-O2"], build_directory=str(build_dir), verbose=False)
+        return cpp_extension.load(
+            name=name,
+            sources=[str(p) for p in sources],
+            extra_include_paths=includes,
+            extra_cflags=["-O2"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
     except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
         lines = [ln for ln in str(e).splitlines() if "error:" in ln.lower()]
         raise BuildError(f"compiling {what} failed: {(lines or [str(e)])[0].strip()}") from None

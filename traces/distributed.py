@@ -8,6 +8,7 @@ When a rank fails, the launcher stops the others and RankError carries the first
 error. `trace_ranks` writes FILE.rank{r}.json.gz for every rank, all or none: the ranks write into the
 temporary folder and the files are renamed into place only when every rank succeeded.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,17 +19,22 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from traces.errors import MemplanError
-from traces.files import atomic_write
+from memplan.traces.errors import MemplanError
+from memplan.traces.files import atomic_write
+from memplan.traces.format import save
+from memplan.traces.model_file import AS_BUILT, ModelPatch
+from memplan.traces.summary import render, summarize
+from memplan.traces.trace_model import trace_model_file
 
 TIMEOUT_S = 300  # a collective waiting longer than this fails the rank
 
@@ -51,7 +57,7 @@ def rank_path(output: str | os.PathLike, rank: int) -> Path:
     path = Path(output)
     for suffix in (".json.gz", ".json"):
         if path.name.endswith(suffix):
-            return path.with_name(f"{path.name[:-len(suffix)]}.rank{rank}{suffix}")
+            return path.with_name(f"{path.name[: -len(suffix)]}.rank{rank}{suffix}")
     return path.with_name(f"{path.name}.rank{rank}")
 
 
@@ -78,7 +84,7 @@ def _first_error(work: Path, exitcodes: dict[int, int | None]) -> str:
     errors = []
     for path in work.glob("error*.json"):
         info = json.loads(path.read_text())
-        errors.append((info["time"], int(path.stem[len("error"):]), info["message"]))
+        errors.append((info["time"], int(path.stem[len("error") :]), info["message"]))
     if errors:
         _, rank, message = min(errors)
         return f"rank {rank}: {message}"
@@ -87,9 +93,15 @@ def _first_error(work: Path, exitcodes: dict[int, int | None]) -> str:
     return f"rank {rank}: exited with code {failed.get(rank)} without an error message"
 
 
-def launch(fn: Callable, args: tuple = (), nproc: int = 2, device: str = "cpu",
-           tmp_parent: str | os.PathLike | None = None, keep: Callable[[Path], None] | None = None,
-           fake: bool = False) -> list[Any]:
+def launch(
+    fn: Callable,
+    args: tuple = (),
+    nproc: int = 2,
+    device: str = "cpu",
+    tmp_parent: str | os.PathLike | None = None,
+    keep: Callable[[Path], None] | None = None,
+    fake: bool = False,
+) -> list[Any]:
     """Run fn(workdir, *args) on `nproc` ranks of one process group and return their JSON results in
     rank order. `keep(workdir)` runs in this process after every rank succeeded, before the private
     folder is removed (to move files out of it). RankError when any rank fails. With `fake`, the ranks
@@ -124,24 +136,35 @@ def _launcher_quiet() -> Iterator[None]:
 
 def _trace_rank(work: Path, model_file: str, options: dict, meta: dict, top: int) -> dict:
     """One rank of `memplan trace --nproc`: build the workload, capture its step, save, summarise."""
-    from traces.format import save
-    from traces.summary import summarize
-    from traces.trace_model import trace_model_file
-
     rank, world = dist.get_rank(), dist.get_world_size()
     device = f"cuda:{rank}" if options["device"] == "cuda" else "cpu"
-    trace = trace_model_file(model_file, batch=options["batch"], seq=options["seq"], dtype=options["dtype"],
-                             device=device, layers=options["layers"], fake=options["fake"],
-                             meta={**meta, "rank": rank, "world_size": world, "backend": dist.get_backend()})
+    trace = trace_model_file(
+        model_file,
+        batch=options["batch"],
+        seq=options["seq"],
+        dtype=options["dtype"],
+        device=device,
+        layers=options["layers"],
+        fake=options["fake"],
+        meta={**meta, "rank": rank, "world_size": world, "backend": dist.get_backend()},
+    )
     save(trace, work / f"rank{rank}.json.gz")
     return summarize(trace, top=top)
 
 
 def _spawned_ranks(fn: Callable, args: tuple, nproc: int, device: str, work: Path) -> list[Any]:
     """Run fn(work, *args) on `nproc` processes started by torch.distributed's elastic launcher."""
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"memplan-{uuid.uuid4().hex}",
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-                          start_method="spawn")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"memplan-{uuid.uuid4().hex}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
     with _launcher_quiet():
         try:
             elastic_launch(config, _rank_main)(fn, args, device, str(work))
@@ -169,8 +192,20 @@ def _fake_ranks(fn: Callable, args: tuple, nproc: int, work: Path) -> list[Any]:
     return results
 
 
-def trace_ranks(model_file: str, output: str | os.PathLike, nproc: int, *, batch: int, seq: int, dtype: str,
-                layers: str, device: str, meta: dict, top: int = 5, fake: bool = False) -> list[tuple[Path, dict]]:
+def trace_ranks(
+    model_file: str,
+    output: str | os.PathLike,
+    nproc: int,
+    *,
+    batch: int,
+    seq: int,
+    dtype: str,
+    layers: ModelPatch | None,
+    device: str,
+    meta: dict,
+    top: int = 5,
+    fake: bool = False,
+) -> list[tuple[Path, dict]]:
     """Trace one training step on each of `nproc` ranks; returns (file, summary) per rank. The files
     FILE.rank{r}.json.gz appear only when every rank succeeded (RankError otherwise). With `fake`, the
     ranks run one after another in this process under fake tensors, on the fake process group."""
@@ -190,26 +225,55 @@ def trace_ranks(model_file: str, output: str | os.PathLike, nproc: int, *, batch
             raise RankError(f"{output}: cannot write the rank traces ({e.strerror or e})") from None
 
     options = {"batch": batch, "seq": seq, "dtype": dtype, "layers": layers, "device": device, "fake": fake}
-    summaries = launch(_trace_rank, (str(model_file), options, meta, top), nproc, device,
-                       tmp_parent=output.parent, keep=keep, fake=fake)
+    summaries = launch(
+        _trace_rank,
+        (str(model_file), options, meta, top),
+        nproc,
+        device,
+        tmp_parent=output.parent,
+        keep=keep,
+        fake=fake,
+    )
     return list(zip(paths, summaries))
 
 
-def trace_command_ranks(model_file: str, output: str | None, nproc: int, *, batch: int, seq: int, dtype: str,
-                        layers: str, device: str, top: int, progress: Callable[[str], None],
-                        fake: bool = False) -> tuple[dict, str]:
+def trace_command_ranks(
+    model_file: str,
+    output: str | None,
+    nproc: int,
+    *,
+    batch: int,
+    seq: int,
+    dtype: str,
+    layers: ModelPatch | None,
+    device: str,
+    top: int,
+    progress: Callable[[str], None],
+    fake: bool = False,
+) -> tuple[dict, str]:
     """`memplan trace --nproc N`: trace every rank and return the summary (JSON keys: world_size, ranks,
     each rank's summary with rank and output) and its text."""
-    from traces.summary import render
-
-    stem = Path(model_file).stem
-    output = output or f"{stem}.{layers}.trace.json.gz"
+    stem, mode = Path(model_file).stem, layers.name if layers else AS_BUILT
+    output = output or f"{stem}.{mode}.trace.json.gz"
     backend = "fake process group, fake tensors" if fake else "nccl" if device == "cuda" else "gloo"
-    progress(f"{'tracing' if fake else 'starting'} {nproc} ranks ({backend}): {model_file} (batch {batch}, "
-             f"seq {seq}, {dtype}, layers {layers}), one training step each after a warm-up step")
-    meta = {"model": stem, "layers": layers, "batch": batch, "seq": seq, "model_file": str(model_file)}
-    results = trace_ranks(model_file, output, nproc, batch=batch, seq=seq, dtype=dtype, layers=layers,
-                          device=device, meta=meta, top=top, fake=fake)
+    progress(
+        f"{'tracing' if fake else 'starting'} {nproc} ranks ({backend}): {model_file} (batch {batch}, "
+        f"seq {seq}, {dtype}, layers {mode}), one training step each after a warm-up step"
+    )
+    meta = {"model": stem, "batch": batch, "seq": seq, "model_file": str(model_file)}
+    results = trace_ranks(
+        model_file,
+        output,
+        nproc,
+        batch=batch,
+        seq=seq,
+        dtype=dtype,
+        layers=layers,
+        device=device,
+        meta=meta,
+        top=top,
+        fake=fake,
+    )
     ranks, texts = [], []
     for r, (path, summary) in enumerate(results):
         progress(f"wrote {path}")

@@ -13,5 +13,9 @@ class SnapshotError(MemplanError):
     """A CUDA memory snapshot cannot be read safely or has an unexpected shape."""
 
 
+class PlanError(MemplanError):
+    """A plan is invalid, unreadable, or does not match its trace."""
+
+
 class ModelFileError(MemplanError):
     """A model file for `memplan trace` breaks the model-file protocol."""

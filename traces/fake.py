@@ -15,6 +15,7 @@
   without one (the Python bindings would ask for the device first), and fake parameters are rebound
   instead of swapped.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -29,12 +30,22 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._pytree import tree_leaves
 
-from traces.errors import MemplanError
-from traces.recorder import Recorder
+from memplan.traces.errors import MemplanError
+from memplan.traces.recorder import Recorder
 
 aten = torch.ops.aten
-RANDOM_FILLS = frozenset({aten.uniform_, aten.normal_, aten.bernoulli_, aten.random_, aten.exponential_,
-                          aten.cauchy_, aten.log_normal_, aten.geometric_})  # every overload: all in place
+RANDOM_FILLS = frozenset(
+    {
+        aten.uniform_,
+        aten.normal_,
+        aten.bernoulli_,
+        aten.random_,
+        aten.exponential_,
+        aten.cauchy_,
+        aten.log_normal_,
+        aten.geometric_,
+    }
+)  # every overload: all in place
 DATA_RULE = "a scalar read from a fake tensor is 0 (False); a data-dependent selection selects nothing"
 
 
@@ -71,6 +82,7 @@ def module_to(model: nn.Module, device=None, dtype: torch.dtype | None = None) -
 
 def _tensor_to(original):
     """Tensor.to that moves a fake tensor with aten._to_copy (no device is asked for)."""
+
     def to(self, *args, **kwargs):
         if not is_fake(self):
             return original(self, *args, **kwargs)
@@ -80,27 +92,33 @@ def _tensor_to(original):
         device, dtype = device or self.device, dtype or self.dtype
         if device == self.device and dtype == self.dtype and not kwargs.get("copy"):
             return self
-        return torch.ops.aten._to_copy(self, dtype=dtype, device=device,
-                                       memory_format=memory_format or torch.preserve_format)
+        return torch.ops.aten._to_copy(
+            self, dtype=dtype, device=device, memory_format=memory_format or torch.preserve_format
+        )
+
     return to
 
 
 def _module_to(original):
     """Module.to that moves a model of fake tensors with module_to."""
+
     def to(self, *args, **kwargs):
         if not any(is_fake(t) for t in (*self.parameters(), *self.buffers())):
             return original(self, *args, **kwargs)
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
         return module_to(self, device=device, dtype=dtype)
+
     return to
 
 
 def _cuda(to):
     """`.cuda(device=None)` as `.to("cuda[:device]")`."""
+
     def cuda(self, device=None, *args, **kwargs):
         if isinstance(device, int):
             device = f"cuda:{device}"
         return to(self, torch.device(device or "cuda"))
+
     return cuda
 
 
@@ -117,8 +135,12 @@ class FakeCapture(FakeTensorMode):
     def __enter__(self):
         if self._depth == 0:
             to, module_to_ = _tensor_to(torch.Tensor.to), _module_to(nn.Module.to)
-            for owner, name, method in ((torch.Tensor, "to", to), (torch.Tensor, "cuda", _cuda(to)),
-                                        (nn.Module, "to", module_to_), (nn.Module, "cuda", _cuda(module_to_))):
+            for owner, name, method in (
+                (torch.Tensor, "to", to),
+                (torch.Tensor, "cuda", _cuda(to)),
+                (nn.Module, "to", module_to_),
+                (nn.Module, "cuda", _cuda(module_to_)),
+            ):
                 self._originals.append((owner, name, getattr(owner, name)))
                 setattr(owner, name, method)
         self._depth += 1
@@ -156,5 +178,6 @@ class FakeCapture(FakeTensorMode):
         if packet is aten.masked_select:
             with self:
                 return torch.empty(0, dtype=args[0].dtype, device=args[0].device)
-        raise DataDependentError(f"{packet}: its output size depends on tensor values, which fake tensors do "
-                                 "not have (trace without --fake)")
+        raise DataDependentError(
+            f"{packet}: its output size depends on tensor values, which fake tensors do not have (trace without --fake)"
+        )

@@ -1,4 +1,5 @@
 """File helpers: gzip-aware reading and all-or-nothing writing (temporary file, then rename)."""
+
 from __future__ import annotations
 
 import gzip
@@ -7,7 +8,7 @@ import tempfile
 import zlib
 from pathlib import Path
 
-from traces.errors import MemplanError
+from memplan.traces.errors import MemplanError
 
 
 class OutputError(MemplanError):

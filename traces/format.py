@@ -7,8 +7,10 @@ Time 0 stands for "before recording": buffers that already existed when recordin
 (parameters, optimizer state, blocks a CUDA snapshot shows only in its segments) have
 alloc 0, and the recorded events take times 1, 2, ... A buffer never freed has free = end.
 """
+
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -16,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from traces.errors import TraceError
-from traces.files import atomic_write, read_bytes
+from memplan.traces.errors import TraceError
+from memplan.traces.files import atomic_write, read_bytes
 
 FORMAT = "memplan-trace/1"
 CATEGORIES = ("parameter", "gradient", "optimizer", "activation", "input", "temporary", "unknown")
@@ -84,11 +86,29 @@ class Trace:
         return np.nonzero((self.alloc <= t) & (self.free > t))[0]
 
 
+def columns_digest(size, alloc, free, stream, syncs=()) -> str:
+    """sha256 over the int64 little-endian size, alloc, free and stream columns and the syncs."""
+    h = hashlib.sha256()
+    for col in (size, alloc, free, stream):
+        h.update(np.ascontiguousarray(col, dtype="<i8").tobytes())
+    h.update(np.asarray(list(syncs), dtype="<i8").reshape(-1).tobytes())
+    return "sha256:" + h.hexdigest()
+
+
+def trace_digest(trace: Trace) -> str:
+    """The digest a plan records to name its trace (columns_digest of the trace's columns and syncs)."""
+    return columns_digest(trace.size, trace.alloc, trace.free, trace.stream, trace.syncs)
+
+
 def make_trace(columns: dict[str, Any], syncs=(), meta=None) -> Trace:
     """Build and validate a Trace from plain columns (lists or arrays); missing labels get defaults."""
     buffers = {c: [int(x) for x in v] if c in INT_COLUMNS else list(v) for c, v in columns.items()}
-    data = {"format": FORMAT, "meta": dict(meta or {}), "buffers": buffers,
-            "syncs": [[int(x) for x in s] for s in syncs]}
+    data = {
+        "format": FORMAT,
+        "meta": dict(meta or {}),
+        "buffers": buffers,
+        "syncs": [[int(x) for x in s] for s in syncs],
+    }
     return from_dict(data)
 
 
@@ -153,21 +173,20 @@ def from_dict(data: Any) -> Trace:
     bad = np.nonzero(cols["free"] < cols["alloc"])[0]
     if len(bad):
         i = int(bad[0])
-        raise TraceError(f"buffers.free[{i}]: free at {int(cols['free'][i])} is before its allocation "
-                         f"at {int(cols['alloc'][i])}")
+        raise TraceError(
+            f"buffers.free[{i}]: free at {int(cols['free'][i])} is before its allocation at {int(cols['alloc'][i])}"
+        )
     for name, allowed in (("category", CATEGORIES), ("phase", PHASES)):
         for i, v in enumerate(cols[name]):
             if v not in allowed:
-                raise TraceError(f"buffers.{name}[{i}]: unknown {name} {v!r} "
-                                 f"(expected one of {', '.join(allowed)})")
+                raise TraceError(f"buffers.{name}[{i}]: unknown {name} {v!r} (expected one of {', '.join(allowed)})")
 
     syncs_raw = data.get("syncs", [])
     if not isinstance(syncs_raw, list):
         raise TraceError("syncs: expected a list of [time, from_stream, to_stream]")
     syncs = []
     for i, s in enumerate(syncs_raw):
-        if (not isinstance(s, list) or len(s) != 3
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in s)):
+        if not isinstance(s, list) or len(s) != 3 or not all(isinstance(x, int) and not isinstance(x, bool) for x in s):
             raise TraceError(f"syncs[{i}]: expected [time, from_stream, to_stream] integers, got {s!r}")
         if s[0] < 0:
             raise TraceError(f"syncs[{i}]: negative time {s[0]}")
@@ -179,8 +198,7 @@ def to_dict(trace: Trace) -> dict[str, Any]:
     """The JSON-ready memplan-trace/1 document of a trace."""
     buffers = {name: [int(x) for x in getattr(trace, name)] for name in INT_COLUMNS}
     buffers.update({name: list(getattr(trace, name)) for name in STR_COLUMNS})
-    return {"format": FORMAT, "meta": trace.meta, "buffers": buffers,
-            "syncs": [list(s) for s in trace.syncs]}
+    return {"format": FORMAT, "meta": trace.meta, "buffers": buffers, "syncs": [list(s) for s in trace.syncs]}
 
 
 def load(path: str | os.PathLike) -> Trace:

@@ -9,28 +9,42 @@ A model file defines
 
 or returns a `traces.workload.Workload`. `inputs` is a tensor, a tuple (passed positionally) or a
 dict (passed by keyword). memplan seeds torch with 0 before calling build(), casts a dict's model
-to `dtype` and `device`, and applies the requested memory-saving layers before the optimizer is made.
+to `dtype` and `device`, and applies the caller's ModelPatch (memplan's layer modes) before the optimizer
+is made.
 Every breach of the protocol raises ModelFileError with one line naming what is wrong.
 """
+
 from __future__ import annotations
 
 import importlib.util
 import inspect
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from traces.errors import MemplanError, ModelFileError
-from traces.fake import module_to
-from traces.workload import Workload, default_loss
+from memplan.traces.errors import MemplanError, ModelFileError
+from memplan.traces.fake import module_to
+from memplan.traces.workload import Workload, default_loss
 
 BUILD = "build"
 BUILD_ARGS = ("batch_size", "seq_len", "dtype", "device")
 DICT_KEYS = ("model", "inputs", "loss", "optimizer", "name")
+
+
+class ModelPatch(Protocol):
+    """What changes a built model before its optimizer is made: memplan's layer modes (planner.layers.LayerMode)."""
+
+    name: str  # the trace's meta "layers"
+
+    def __call__(self, model: nn.Module) -> Any: ...
+
+
+AS_BUILT = "as-built"  # meta "layers" of a model traced with no ModelPatch
 
 
 class DeviceError(MemplanError):
@@ -55,9 +69,11 @@ def require_device(device: str, fake: bool = False) -> torch.device:
     except RuntimeError:
         raise DeviceError(f"--device {device}: not a device name (use cpu or cuda)") from None
     if dev.type == "cuda" and fake and not torch.backends.cuda.is_built():
-        raise DeviceError(f"--fake --device {device}: this torch ({torch.__version__}) is built without CUDA, and "
-                          "a fake CUDA step's backward needs CUDA's streams: use a CUDA build of torch, or "
-                          "trace --fake on cpu")
+        raise DeviceError(
+            f"--fake --device {device}: this torch ({torch.__version__}) is built without CUDA, and "
+            "a fake CUDA step's backward needs CUDA's streams: use a CUDA build of torch, or "
+            "trace --fake on cpu"
+        )
     if dev.type == "cuda" and not fake and not torch.cuda.is_available():
         raise DeviceError(f"--device {device}: CUDA is not available on this machine (torch {torch.__version__})")
     if dev.type not in ("cpu", "cuda"):
@@ -107,28 +123,26 @@ def _optimizer(path: Path, spec: Any, model: nn.Module) -> torch.optim.Optimizer
             raise ModelFileError(f"{path}: {BUILD}()['optimizer'](params) raised {_describe(e)}") from None
         if isinstance(opt, torch.optim.Optimizer):
             return opt
-        raise ModelFileError(f"{path}: {BUILD}()['optimizer'](params) returned {type(opt).__name__}, "
-                             "not a torch.optim.Optimizer")
-    raise ModelFileError(f"{path}: {BUILD}()['optimizer'] is {type(spec).__name__}; expected a "
-                         "torch.optim.Optimizer or a callable taking the parameters")
+        raise ModelFileError(
+            f"{path}: {BUILD}()['optimizer'](params) returned {type(opt).__name__}, not a torch.optim.Optimizer"
+        )
+    raise ModelFileError(
+        f"{path}: {BUILD}()['optimizer'] is {type(spec).__name__}; expected a "
+        "torch.optim.Optimizer or a callable taking the parameters"
+    )
 
 
-def _apply_layers(model: nn.Module, layers: str) -> None:
-    """Patch the model for `layers`; baseline too, so every mode shares the same reference layers
-    (1-byte dropout masks as on GPUs, the attention core written out) and differs only in what it saves."""
-    from planner.layers import patch
-
-    patch(model, layers)
-
-
-def _from_dict(path: Path, built: dict, dtype: torch.dtype, device: torch.device, layers: str) -> Workload:
+def _from_dict(
+    path: Path, built: dict, dtype: torch.dtype, device: torch.device, layers: ModelPatch | None
+) -> Workload:
     for key in ("model", "inputs"):
         if key not in built:
             raise ModelFileError(f"{path}: {BUILD}() returned a dict without the key '{key}'")
     unknown = sorted(set(built) - set(DICT_KEYS))
     if unknown:
-        raise ModelFileError(f"{path}: {BUILD}() returned an unknown key '{unknown[0]}' "
-                             f"(allowed: {', '.join(DICT_KEYS)})")
+        raise ModelFileError(
+            f"{path}: {BUILD}() returned an unknown key '{unknown[0]}' (allowed: {', '.join(DICT_KEYS)})"
+        )
     model = built["model"]
     if not isinstance(model, nn.Module):
         raise ModelFileError(f"{path}: {BUILD}()['model'] is {type(model).__name__}, not a torch.nn.Module")
@@ -136,10 +150,12 @@ def _from_dict(path: Path, built: dict, dtype: torch.dtype, device: torch.device
     if not callable(loss):
         raise ModelFileError(f"{path}: {BUILD}()['loss'] is {type(loss).__name__}, not callable")
     module_to(model, device=device, dtype=dtype)
-    _apply_layers(model, layers)
+    if layers is not None:
+        layers(model)
     optimizer = _optimizer(path, built.get("optimizer"), model)
-    return Workload(model=model, inputs=built["inputs"], optimizer=optimizer, loss_fn=loss,
-                    name=str(built.get("name") or path.stem))
+    return Workload(
+        model=model, inputs=built["inputs"], optimizer=optimizer, loss_fn=loss, name=str(built.get("name") or path.stem)
+    )
 
 
 def _check_placement(path: Path, workload: Workload, dtype: torch.dtype, device: torch.device) -> None:
@@ -154,16 +170,23 @@ def _check_placement(path: Path, workload: Workload, dtype: torch.dtype, device:
 
 
 def import_model_file(path: str | os.PathLike) -> Callable[..., Any]:
-    """Import a model file (and memplan's layers) and return its build(). Run it before recording: what
-    a module makes at import (constants, memplan's GELU tables) is not part of the step, and never fake."""
-    import planner.layers  # noqa: F401  (patch() needs it; importing it under fake tensors would fake its tables)
-
+    """Import a model file and return its build(). Run it before recording: what a module makes at import
+    (constants, memplan's GELU tables) is not part of the step, and never fake."""
     path = Path(path)
     return _build_function(path, _import(path))
 
 
-def build_workload(path: str | os.PathLike, build: Callable[..., Any], *, batch: int, seq: int,
-                   dtype: torch.dtype, device: str, layers: str = "baseline", fake: bool = False) -> Workload:
+def build_workload(
+    path: str | os.PathLike,
+    build: Callable[..., Any],
+    *,
+    batch: int,
+    seq: int,
+    dtype: torch.dtype,
+    device: str,
+    layers: ModelPatch | None = None,
+    fake: bool = False,
+) -> Workload:
     """Call a model file's build() and return the Workload (with `layers` applied); `fake` when it is
     called under fake tensors, where a CUDA device needs no GPU but a CUDA build of torch."""
     path = Path(path)
@@ -176,20 +199,32 @@ def build_workload(path: str | os.PathLike, build: Callable[..., Any], *, batch:
     except (Exception, SystemExit) as e:
         raise ModelFileError(f"{path}: {BUILD}() raised {_describe(e)}") from None
     if isinstance(built, Workload):
-        _apply_layers(built.model, layers)
+        if layers is not None:
+            layers(built.model)
         workload = built
     elif isinstance(built, dict):
         workload = _from_dict(path, built, dtype, dev, layers)
     else:
-        raise ModelFileError(f"{path}: {BUILD}() returned {type(built).__name__}; expected a dict with "
-                             "'model' and 'inputs', or a traces.workload.Workload")
+        raise ModelFileError(
+            f"{path}: {BUILD}() returned {type(built).__name__}; expected a dict with "
+            "'model' and 'inputs', or a traces.workload.Workload"
+        )
     _check_placement(path, workload, dtype, dev)
     return workload
 
 
-def load_workload(path: str | os.PathLike, *, batch: int, seq: int, dtype: torch.dtype,
-                  device: str, layers: str = "baseline", fake: bool = False) -> Workload:
+def load_workload(
+    path: str | os.PathLike,
+    *,
+    batch: int,
+    seq: int,
+    dtype: torch.dtype,
+    device: str,
+    layers: ModelPatch | None = None,
+    fake: bool = False,
+) -> Workload:
     """Import a model file, call its build(), and return the Workload (with `layers` applied)."""
     require_device(device, fake)
-    return build_workload(path, import_model_file(path), batch=batch, seq=seq, dtype=dtype, device=device,
-                          layers=layers, fake=fake)
+    return build_workload(
+        path, import_model_file(path), batch=batch, seq=seq, dtype=dtype, device=device, layers=layers, fake=fake
+    )

@@ -5,18 +5,19 @@ alive when the step begins is known with its size and its free is seen wherever 
 tensors report through c10's memory reporter (every allocator of the thread calls it); fake tensors
 through a meta allocator that reports the creation and death of each storage.
 """
+
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
 
-from traces.cxx import torch_extension
-from traces.format import PHASES
+from memplan.traces.cxx import torch_extension
+from memplan.traces.format import PHASES
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "recorder.cpp"
 # Phases as the recorder numbers them: indices into traces.format.PHASES (and recorder.cpp's Phase).
@@ -39,11 +40,15 @@ class Events:
     phase: np.ndarray  # FORWARD, BACKWARD, OPTIMIZER or OTHER
 
     @classmethod
-    def from_columns(cls, columns: tuple) -> "Events":
+    def from_columns(cls, columns: tuple) -> Events:
         key, size, op, module, phase = columns
-        return cls(np.asarray(key, dtype=np.int64), np.asarray(size, dtype=np.int64),
-                   np.asarray(op, dtype=np.int32), np.asarray(module, dtype=np.int32),
-                   np.asarray(phase, dtype=np.int8))
+        return cls(
+            np.asarray(key, dtype=np.int64),
+            np.asarray(size, dtype=np.int64),
+            np.asarray(op, dtype=np.int32),
+            np.asarray(module, dtype=np.int32),
+            np.asarray(phase, dtype=np.int8),
+        )
 
     def __len__(self) -> int:
         return int(self.key.shape[0])

@@ -6,16 +6,18 @@ Inputs include tensors held by the loss object or closure (labels, masks).
 They become the trace's buffers with allocation time 0. Storages are keyed as the recorder keys
 them, so tied weights (one storage behind several parameters) count once.
 """
+
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
-from traces.workload import Workload
+from memplan.traces.workload import Workload
 
 
 @dataclass
@@ -57,6 +59,7 @@ def resident_tensors(workload: Workload) -> Iterator[tuple[torch.Tensor, str, st
 
     Capture and replay's adoption both walk this order, so they see the same storages first.
     """
+
     def where(path: str) -> str:
         return f"model.{path}" if path else "model"
 
@@ -69,8 +72,9 @@ def resident_tensors(workload: Workload) -> Iterator[tuple[torch.Tensor, str, st
         for p in module.parameters(recurse=False):
             if p.grad is not None:
                 yield p.grad, "gradient", where(path)
-    owner = {id(p): where(path) for path, module in workload.model.named_modules()
-             for p in module.parameters(recurse=False)}
+    owner = {
+        id(p): where(path) for path, module in workload.model.named_modules() for p in module.parameters(recurse=False)
+    }
     for param, state in workload.optimizer.state.items():
         for t in _tensors_in(state):
             yield t, "optimizer", owner.get(id(param), "")
@@ -93,8 +97,9 @@ def _loose_module_tensors(workload: Workload) -> Iterator[tuple[torch.Tensor, st
                     yield t, "parameter", f"{root}.{path}" if path else root
 
 
-def resident_storages(workload: Workload, key: Callable[[torch.Tensor], int],
-                      alive: set[int]) -> dict[int, ResidentStorage]:
+def resident_storages(
+    workload: Workload, key: Callable[[torch.Tensor], int], alive: set[int]
+) -> dict[int, ResidentStorage]:
     """Storage key -> ResidentStorage for each storage in `alive` (the keys alive when the step begins)
     that the workload holds, or that a module outside the workload holds; the rest are unnamed."""
     found: dict[int, ResidentStorage] = {}

@@ -5,6 +5,7 @@ int, float, bool and None, so a file holding any object is refused before anythi
 The trace keeps one buffer per `alloc` entry plus one per block that was allocated before
 recording began (alloc time 0); times count the `alloc` and `free_completed` entries.
 """
+
 from __future__ import annotations
 
 import io
@@ -14,8 +15,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from traces.errors import SnapshotError
-from traces.format import Trace, make_trace
+from memplan.traces.errors import SnapshotError
+from memplan.traces.format import Trace, make_trace
 
 PLAIN_TYPES = (dict, list, tuple, str, int, float, bool, type(None))
 KEYS = ("segments", "device_traces")
@@ -58,7 +59,9 @@ def load_plain_pickle(data: bytes) -> Any:
     except SnapshotError:
         raise
     except Exception as e:  # any malformed pickle: truncated, bad opcode, ...
-        raise SnapshotError(f"not a readable pickle ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise SnapshotError(
+            f"not a readable pickle ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     _check_plain(obj)
     return obj
 
@@ -145,7 +148,8 @@ def _autograd_node(frames: list) -> str:
 def in_backward(frames: Any) -> bool:
     """Whether the autograd engine is on the stack (the allocation belongs to a backward pass)."""
     return isinstance(frames, list) and any(
-        isinstance(f, dict) and str(f.get("name", "")).startswith(ENGINE_FRAME) for f in frames)
+        isinstance(f, dict) and str(f.get("name", "")).startswith(ENGINE_FRAME) for f in frames
+    )
 
 
 def _int(d: dict, key: str, where: str) -> int:
@@ -192,12 +196,17 @@ def parse_snapshot(raw: Any, device: int | None = None) -> Snapshot:
         where = f"device_traces[{device}][{i}]"
         if not isinstance(e, dict) or not isinstance(e.get("action"), str):
             raise SnapshotError(f"{where}: expected an entry with an 'action'")
-        entries.append(SnapshotEntry(
-            action=e["action"], addr=_int(e, "addr", where), size=_int(e, "size", where),
-            stream=_int(e, "stream", where) if "stream" in e else 0,
-            op=top_user_frame(e.get("frames")) if e["action"] == "alloc" else "",
-            time_us=e["time_us"] if isinstance(e.get("time_us"), int) else 0,
-            backward=e["action"] == "alloc" and in_backward(e.get("frames"))))
+        entries.append(
+            SnapshotEntry(
+                action=e["action"],
+                addr=_int(e, "addr", where),
+                size=_int(e, "size", where),
+                stream=_int(e, "stream", where) if "stream" in e else 0,
+                op=top_user_frame(e.get("frames")) if e["action"] == "alloc" else "",
+                time_us=e["time_us"] if isinstance(e.get("time_us"), int) else 0,
+                backward=e["action"] == "alloc" and in_backward(e.get("frames")),
+            )
+        )
     segments = []
     for i, s in enumerate(raw["segments"]):
         where = f"segments[{i}]"
@@ -211,19 +220,36 @@ def parse_snapshot(raw: Any, device: int | None = None) -> Snapshot:
             if not isinstance(b, dict):
                 raise SnapshotError(f"{bw}: expected a dict")
             size = _int(b, "size", bw)
-            blocks.append(SnapshotBlock(addr=b["address"] if isinstance(b.get("address"), int) else addr,
-                                        size=size, requested=b.get("requested_size", size) or 0,
-                                        state=str(b.get("state", "")), op=top_user_frame(b.get("frames"))))
+            blocks.append(
+                SnapshotBlock(
+                    addr=b["address"] if isinstance(b.get("address"), int) else addr,
+                    size=size,
+                    requested=b.get("requested_size", size) or 0,
+                    state=str(b.get("state", "")),
+                    op=top_user_frame(b.get("frames")),
+                )
+            )
             addr = blocks[-1].addr + size
         total = _int(s, "total_size", where)
         small = s.get("segment_type") == "small" if "segment_type" in s else total == 2 * MiB
-        segments.append(SnapshotSegment(addr=_int(s, "address", where), size=total,
-                                        stream=_int(s, "stream", where) if "stream" in s else 0,
-                                        small=small, expandable=bool(s.get("is_expandable", False)),
-                                        blocks=blocks))
+        segments.append(
+            SnapshotSegment(
+                addr=_int(s, "address", where),
+                size=total,
+                stream=_int(s, "stream", where) if "stream" in s else 0,
+                small=small,
+                expandable=bool(s.get("is_expandable", False)),
+                blocks=blocks,
+            )
+        )
     settings = raw.get("allocator_settings") if isinstance(raw.get("allocator_settings"), dict) else {}
-    return Snapshot(device=device, entries=entries, segments=sorted(segments, key=lambda s: s.addr),
-                    settings=settings, optimizer_windows=_optimizer_windows(raw.get("external_annotations"), device))
+    return Snapshot(
+        device=device,
+        entries=entries,
+        segments=sorted(segments, key=lambda s: s.addr),
+        settings=settings,
+        optimizer_windows=_optimizer_windows(raw.get("external_annotations"), device),
+    )
 
 
 def read_snapshot(path: str | os.PathLike, device: int | None = None) -> Snapshot:
@@ -287,10 +313,17 @@ def snapshot_to_trace(snap: Snapshot, source: str = "") -> Trace:
             if is_live_block(b) and b.addr not in open_at:
                 add(b.requested, 0, seg.stream, b.addr, b.op, "other")
     free = [end if f < 0 else f for f in free]
-    meta = {"source": "cuda-snapshot", "snapshot": source, "device": "cuda", "cuda_device": snap.device,
-            "alloc_conf": str(snap.settings.get("PYTORCH_CUDA_ALLOC_CONF", "") or "")}
-    return make_trace({"size": size, "alloc": alloc, "free": free, "stream": stream, "addr": addr,
-                       "op": op, "phase": phase}, meta=meta)
+    meta = {
+        "source": "cuda-snapshot",
+        "snapshot": source,
+        "device": "cuda",
+        "cuda_device": snap.device,
+        "alloc_conf": str(snap.settings.get("PYTORCH_CUDA_ALLOC_CONF", "") or ""),
+    }
+    return make_trace(
+        {"size": size, "alloc": alloc, "free": free, "stream": stream, "addr": addr, "op": op, "phase": phase},
+        meta=meta,
+    )
 
 
 def import_snapshot(path: str | os.PathLike, device: int | None = None) -> Trace:
@@ -303,16 +336,26 @@ def import_summary(trace: Trace) -> dict:
     """Short JSON-ready description of an imported trace: counts, streams and the peak."""
     peak, when = trace.peak()
     before = int((trace.alloc == 0).sum())
-    return {"buffers": len(trace), "allocated_in_trace": len(trace) - before, "before_recording": before,
-            "never_freed": int((trace.free == trace.end).sum()), "events_end": trace.end,
-            "streams": trace.streams, "peak_live_bytes": peak, "peak_time": when,
-            "cuda_device": trace.meta.get("cuda_device"), "alloc_conf": trace.meta.get("alloc_conf", "")}
+    return {
+        "buffers": len(trace),
+        "allocated_in_trace": len(trace) - before,
+        "before_recording": before,
+        "never_freed": int((trace.free == trace.end).sum()),
+        "events_end": trace.end,
+        "streams": trace.streams,
+        "peak_live_bytes": peak,
+        "peak_time": when,
+        "cuda_device": trace.meta.get("cuda_device"),
+        "alloc_conf": trace.meta.get("alloc_conf", ""),
+    }
 
 
 def render_import_summary(s: dict) -> str:
     """The import summary as a few human-readable lines."""
     gib = s["peak_live_bytes"] / 2**30
-    return (f"buffers: {s['buffers']} ({s['allocated_in_trace']} allocated while recording, "
-            f"{s['before_recording']} alive before, {s['never_freed']} never freed)\n"
-            f"device cuda:{s['cuda_device']}, streams {s['streams']}, {s['events_end'] - 1} events\n"
-            f"peak live: {s['peak_live_bytes']} bytes ({gib:.2f} GiB) at time {s['peak_time']}")
+    return (
+        f"buffers: {s['buffers']} ({s['allocated_in_trace']} allocated while recording, "
+        f"{s['before_recording']} alive before, {s['never_freed']} never freed)\n"
+        f"device cuda:{s['cuda_device']}, streams {s['streams']}, {s['events_end'] - 1} events\n"
+        f"peak live: {s['peak_live_bytes']} bytes ({gib:.2f} GiB) at time {s['peak_time']}"
+    )

@@ -6,16 +6,17 @@ runs in the backward phase and `optimizer.step()` in the optimizer phase, and th
 note which storages hold gradients when the step starts and optimizer state when it ends. None of
 this allocates tensor memory, so the step's allocations stay those of a plain step.
 """
+
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
-from traces.recorder import BACKWARD, FORWARD, OPTIMIZER, OTHER, Recorder
-from traces.workload import Workload
+from memplan.traces.recorder import BACKWARD, FORWARD, OPTIMIZER, OTHER, Recorder
+from memplan.traces.workload import Workload
 
 ROOT_MODULE = "model"
 LOSS_MODULE = "loss"
@@ -140,8 +141,12 @@ def marked_step(workload: Workload, recorder: Recorder) -> Iterator[StepMarks]:
     marks = StepMarks()
     recorder.set_phase(FORWARD)
     try:
-        with (_module_labels(workload.model, recorder), _loss_label(workload, recorder),
-              _backward_phase(recorder, marks), _optimizer_hooks(workload.optimizer, recorder, marks)):
+        with (
+            _module_labels(workload.model, recorder),
+            _loss_label(workload, recorder),
+            _backward_phase(recorder, marks),
+            _optimizer_hooks(workload.optimizer, recorder, marks),
+        ):
             yield marks
     finally:
         recorder.set_phase(OTHER)

@@ -1,17 +1,25 @@
 """A trace's summary: peak live bytes, when it happens, what is live then, and the largest buffers."""
+
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
 
-from traces.format import CATEGORIES, Trace
+from memplan.traces.format import CATEGORIES, Trace
 
 
 def _buffer(trace: Trace, i: int) -> dict[str, Any]:
-    return {"index": int(i), "size": int(trace.size[i]), "alloc": int(trace.alloc[i]),
-            "free": int(trace.free[i]), "category": trace.category[i], "phase": trace.phase[i],
-            "module": trace.module[i], "op": trace.op[i]}
+    return {
+        "index": int(i),
+        "size": int(trace.size[i]),
+        "alloc": int(trace.alloc[i]),
+        "free": int(trace.free[i]),
+        "category": trace.category[i],
+        "phase": trace.phase[i],
+        "module": trace.module[i],
+        "op": trace.op[i],
+    }
 
 
 def summarize(trace: Trace, top: int = 5) -> dict[str, Any]:
@@ -25,11 +33,17 @@ def summarize(trace: Trace, top: int = 5) -> dict[str, Any]:
     reached_by = np.nonzero(trace.alloc == t)[0] if t > 0 else np.zeros(0, dtype=np.int64)
     largest = np.argsort(-trace.size, kind="stable")[:top]
     return {
-        "model": trace.meta.get("model", ""), "layers": trace.meta.get("layers", ""),
-        "device": trace.meta.get("device", ""), "dtype": trace.meta.get("dtype", ""),
-        "fake": bool(trace.meta.get("fake", False)), "data_dependent": trace.meta.get("data_dependent", {}),
-        "buffers": len(trace), "recorded": int(len(trace.recorded)), "end": trace.end,
-        "peak_bytes": peak, "peak_time": t,
+        "model": trace.meta.get("model", ""),
+        "layers": trace.meta.get("layers", ""),
+        "device": trace.meta.get("device", ""),
+        "dtype": trace.meta.get("dtype", ""),
+        "fake": bool(trace.meta.get("fake", False)),
+        "data_dependent": trace.meta.get("data_dependent", {}),
+        "buffers": len(trace),
+        "recorded": int(len(trace.recorded)),
+        "end": trace.end,
+        "peak_bytes": peak,
+        "peak_time": t,
         "peak_phase": trace.phase[reached_by[0]] if len(reached_by) else "other",
         "peak_module": trace.module[reached_by[0]] if len(reached_by) else "",
         "peak_op": trace.op[reached_by[0]] if len(reached_by) else "",
@@ -58,13 +72,18 @@ def render(summary: dict[str, Any]) -> str:
         "live at the peak by category:",
     ]
     if s["data_dependent"]:
-        lines.insert(1, "data-dependent values taken by rule (a scalar reads 0, a selection selects nothing): "
-                     + ", ".join(f"{op} x{n}" for op, n in sorted(s["data_dependent"].items())))
+        lines.insert(
+            1,
+            "data-dependent values taken by rule (a scalar reads 0, a selection selects nothing): "
+            + ", ".join(f"{op} x{n}" for op, n in sorted(s["data_dependent"].items())),
+        )
     for cat, b in sorted(s["at_peak_by_category"].items(), key=lambda kv: -kv[1]):
         share = 100.0 * b / s["peak_bytes"] if s["peak_bytes"] else 0.0
         lines.append(f"  {cat:<11} {_mib(b):>14}  {share:5.1f}%")
     lines.append("largest buffers:")
     for b in s["largest"]:
-        lines.append(f"  {_mib(b['size']):>14}  {b['category']:<10} {b['phase']:<9} [{b['alloc']}, {b['free']})  "
-                     f"{b['module'] or '-'}  {b['op'] or '-'}")
+        lines.append(
+            f"  {_mib(b['size']):>14}  {b['category']:<10} {b['phase']:<9} [{b['alloc']}, {b['free']})  "
+            f"{b['module'] or '-'}  {b['op'] or '-'}"
+        )
     return "\n".join(lines)

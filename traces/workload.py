@@ -1,8 +1,10 @@
 """The Workload type: what a model file builds, and the one training step every stage runs."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -1,5 +1,6 @@
-"""Memory-saving Transformer layers (Tempo's in-place GELU and LayerNorm, dropout and selective recomputation) and the patcher."""
+"""Memory-saving Transformer layers (Tempo's in-place GELU and LayerNorm, dropout and selective recomputation)
+and the patcher that swaps them into a model."""
 
-from planner.layers.patch import MODES, PatchError, PatchReport, patch, unpatch
+from memplan.planner.layers.patch import MODES, LayerMode, PatchError, PatchReport, patch, unpatch
 
-__all__ = ["MODES", "PatchError", "PatchReport", "patch", "unpatch"]
+__all__ = ["MODES", "LayerMode", "PatchError", "PatchReport", "patch", "unpatch"]

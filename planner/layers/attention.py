@@ -1,8 +1,10 @@
-"""Attention cores with less held for backward: Tempo's sub-layer dropout recomputation and Megatron's selective recomputation.
+"""Attention cores with less held for backward: Tempo's sub-layer dropout recomputation and Megatron's
+selective recomputation.
 
 Both compute softmax(q·kᵀ·scale + bias), dropout (1-byte mask), times v, exactly like
 `planner.workloads.blocks.AttentionCore`; q, k, v are (batch, heads, seq, head_dim).
 """
+
 from __future__ import annotations
 
 import math
@@ -19,7 +21,7 @@ def attention_scores(q, k, scale: float, bias):
 
 
 def baseline_attention(q, k, v, bias, scale: float, dropout_p: float, training: bool):
-    """The reference core: what autograd keeps is Megatron's baseline (Q, K, softmax out, 1-byte mask, dropout out, V)."""
+    """The reference core: autograd keeps Megatron's baseline (Q, K, softmax out, 1-byte mask, dropout out, V)."""
     probs = F.softmax(attention_scores(q, k, scale, bias), dim=-1)
     if training and dropout_p > 0.0:
         probs = torch.native_dropout(probs, dropout_p, True)[0]
@@ -28,12 +30,17 @@ def baseline_attention(q, k, v, bias, scale: float, dropout_p: float, training: 
 
 def autocast_state(device_type: str) -> dict:
     """The autocast setting in force for `device_type`, to re-enter in backward (as torch.utils.checkpoint does)."""
-    return {"device_type": device_type, "enabled": torch.is_autocast_enabled(device_type),
-            "dtype": torch.get_autocast_dtype(device_type), "cache_enabled": torch.is_autocast_cache_enabled()}
+    return {
+        "device_type": device_type,
+        "enabled": torch.is_autocast_enabled(device_type),
+        "dtype": torch.get_autocast_dtype(device_type),
+        "cache_enabled": torch.is_autocast_cache_enabled(),
+    }
 
 
 class DropoutMatmulFunction(torch.autograd.Function):
-    """dropout(probs)·v holding probs (the softmax keeps it anyway), the 1-byte mask and v; the dropout output is rebuilt.
+    """dropout(probs)·v holding probs (the softmax keeps it anyway), the 1-byte mask and v; the dropout output
+    is rebuilt.
 
     Backward runs under the forward's autocast setting, so under mixed precision both matmuls see the
     dtypes they saw in forward and the gradients round as the baseline's do."""
@@ -82,11 +89,16 @@ class RecomputedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, bias = ctx.saved_tensors
-        inputs = [t.detach().requires_grad_(need) if t is not None else None
-                  for t, need in zip((q, k, v, bias), ctx.needs_input_grad[:4])]
+        inputs = [
+            t.detach().requires_grad_(need) if t is not None else None
+            for t, need in zip((q, k, v, bias), ctx.needs_input_grad[:4])
+        ]
         devices = [ctx.device] if ctx.device.type == "cuda" else []
-        with (torch.random.fork_rng(devices=devices, device_type=ctx.device.type), torch.enable_grad(),
-              torch.autocast(**ctx.autocast)):
+        with (
+            torch.random.fork_rng(devices=devices, device_type=ctx.device.type),
+            torch.enable_grad(),
+            torch.autocast(**ctx.autocast),
+        ):
             if ctx.rng is not None:
                 set_rng_state(ctx.device, ctx.rng)
             out = baseline_attention(*inputs, *ctx.args)

@@ -8,6 +8,7 @@ so linear interpolation recovers x to about 1e-6. Tempo's published kernel used 
 polynomials instead, with a sign error and fp32 cancellation (REFERENCE §2). Both the erf form
 (BERT) and the tanh form (GPT-2) are handled; fp32, bf16 and fp16 recover in fp32.
 """
+
 from __future__ import annotations
 
 import functools
@@ -20,7 +21,7 @@ from torch import nn
 from torch._guards import detect_fake_mode
 from torch.nn import functional as F
 
-from traces.errors import MemplanError
+from memplan.traces.errors import MemplanError
 
 FORMS = ("none", "tanh")
 Y_LINEAR = 10.0  # beyond this output GELU(x) = x in fp32: the main table ends there
@@ -80,8 +81,15 @@ def build_tables(approximate: str) -> InverseTables:
     main = torch.where(s >= 0, right, left) - y
     log_y = torch.linspace(LOG_Y_MIN, math.log(-Y_TAIL), TAIL_POINTS, dtype=torch.float64)
     tail = invert(-torch.exp(log_y), -40.0, x_min, approximate, increasing=False)
-    return InverseTables(x_min, y_min, s_start, (s_end - s_start) / (MAIN_POINTS - 1), main.float(),
-                         (math.log(-Y_TAIL) - LOG_Y_MIN) / (TAIL_POINTS - 1), tail.float())
+    return InverseTables(
+        x_min,
+        y_min,
+        s_start,
+        (s_end - s_start) / (MAIN_POINTS - 1),
+        main.float(),
+        (math.log(-Y_TAIL) - LOG_Y_MIN) / (TAIL_POINTS - 1),
+        tail.float(),
+    )
 
 
 TABLES = {form: build_tables(form) for form in FORMS}
@@ -90,7 +98,7 @@ TABLES = {form: build_tables(form) for form in FORMS}
 FAKE_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fake mode -> its copies of the tables
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _copied(approximate: str, which: str, device: torch.device) -> torch.Tensor:
     return getattr(TABLES[approximate], which).to(device)
 
@@ -131,7 +139,9 @@ def recover_input(y: torch.Tensor, right: torch.Tensor, approximate: str) -> tor
     x = interpolate(table_on(approximate, "main", y.device), pos).add_(y)
     if tail.numel():
         magnitude = y.index_select(0, tail).neg_()
-        far = interpolate(table_on(approximate, "tail", y.device), magnitude.clamp(min=1e-38).log_().sub_(LOG_Y_MIN).div_(t.tail_step))
+        far = interpolate(
+            table_on(approximate, "tail", y.device), magnitude.clamp(min=1e-38).log_().sub_(LOG_Y_MIN).div_(t.tail_step)
+        )
         x.index_copy_(0, tail, far.masked_fill_(magnitude == 0, -40.0))
     return x
 

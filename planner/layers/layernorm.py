@@ -4,6 +4,7 @@ Where γ is zero, tiny, or small next to β, (y - β)/γ loses x̂ (Tempo divide
 REFERENCE §2). Those channels, and only those, keep their exact x̂ in fp32 from the forward pass,
 so the gradients stay exact for any weights at a cost proportional to the number of such channels.
 """
+
 from __future__ import annotations
 
 import math
@@ -57,7 +58,11 @@ class InplaceLayerNormFunction(torch.autograd.Function):
             g = dy * w
         r = rstd.reshape(-1, 1).float()
         dx = r * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
-        dweight = (dy * xhat).sum(0).reshape(weight.shape).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+        dweight = (
+            (dy * xhat).sum(0).reshape(weight.shape).to(weight.dtype)
+            if weight is not None and ctx.needs_input_grad[1]
+            else None
+        )
         dbias = dy.sum(0).reshape(bias.shape).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
         return dx.reshape(grad.shape).to(grad.dtype), dweight, dbias, None, None
 
@@ -74,11 +79,15 @@ class InplaceLayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.normalized_shape)) if elementwise_affine and bias else None
 
     @classmethod
-    def from_layernorm(cls, ln: nn.LayerNorm) -> "InplaceLayerNorm":
+    def from_layernorm(cls, ln: nn.LayerNorm) -> InplaceLayerNorm:
         """A replacement sharing `ln`'s parameter objects (so optimizers and state dicts keep working)."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
-        new.normalized_shape, new.eps, new.elementwise_affine = tuple(ln.normalized_shape), ln.eps, ln.elementwise_affine
+        new.normalized_shape, new.eps, new.elementwise_affine = (
+            tuple(ln.normalized_shape),
+            ln.eps,
+            ln.elementwise_affine,
+        )
         new.weight, new.bias = ln.weight, ln.bias
         new.train(ln.training)
         return new

@@ -1,13 +1,14 @@
 """Bytes a forward pass holds for backward, and the per-layer formulas of REFERENCE §1 they are checked against."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
 
-from traces.errors import MemplanError
+from memplan.traces.errors import MemplanError
 
 
 class MeasureError(MemplanError):
@@ -15,7 +16,8 @@ class MeasureError(MemplanError):
 
 
 def saved_bytes(model: nn.Module, forward: Callable[[], object]) -> int:
-    """Bytes of the distinct non-parameter storages autograd saves while `forward()` runs (the graph is kept until return)."""
+    """Bytes of the distinct non-parameter storages autograd saves while `forward()` runs (the graph is kept
+    until return)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
     storages: dict[int, int] = {}

@@ -5,6 +5,7 @@ built from configs. Parameters and buffers are moved, never copied or re-initial
 optimizer built before patching keeps working and a patched model in eval mode computes the same
 outputs. HuggingFace attention is switched through its attention-function registry.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -12,18 +13,33 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from planner.layers.attention import CORES, PatchedAttentionCore
-from planner.layers.gelu import InplaceGELU
-from planner.layers.layernorm import InplaceLayerNorm
-from planner.workloads.blocks import AttentionCore, Dropout
-from traces.errors import MemplanError
+from memplan.planner.layers.attention import CORES, PatchedAttentionCore
+from memplan.planner.layers.gelu import InplaceGELU
+from memplan.planner.layers.layernorm import InplaceLayerNorm
+from memplan.planner.workloads.blocks import AttentionCore, Dropout
+from memplan.traces.errors import MemplanError
 
 MODES = ("baseline", "tempo", "selective", "tempo+selective")
 HF_GELU_FORMS = {"GELUActivation": "none", "NewGELUActivation": "tanh", "GELUTanh": "tanh"}
 HF_ATTENTION = {"BertSelfAttention", "GPT2Attention"}
 HF_CONTAINERS = {"BertAttention"}
-NEUTRAL = (nn.Linear, nn.Embedding, nn.Identity, nn.Tanh, Dropout, InplaceGELU, InplaceLayerNorm, PatchedAttentionCore, AttentionCore)
-NEUTRAL_NAMES = {"Conv1D", "ColumnParallelLinear", "RowParallelLinear", "ParallelSelfAttention"}  # parallel: planner.parallel
+NEUTRAL = (
+    nn.Linear,
+    nn.Embedding,
+    nn.Identity,
+    nn.Tanh,
+    Dropout,
+    InplaceGELU,
+    InplaceLayerNorm,
+    PatchedAttentionCore,
+    AttentionCore,
+)
+NEUTRAL_NAMES = {
+    "Conv1D",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "ParallelSelfAttention",
+}  # parallel: planner.parallel
 STATE = "_memplan_patch"
 
 
@@ -86,13 +102,22 @@ def is_known(module: nn.Module) -> bool:
     return next(module.children(), None) is not None
 
 
-def patch(model: nn.Module, mode: str) -> PatchReport:
-    """Swap `model`'s layers in place for `mode` (baseline, tempo, selective, tempo+selective); undoes any earlier patch first."""
+def check_mode(mode: str) -> str:
+    """`mode` if it is one of MODES; PatchError naming the choices otherwise."""
     if mode not in MODES:
         raise PatchError(f"unknown layers mode {mode!r}; choose one of {', '.join(MODES)}")
+    return mode
+
+
+def patch(model: nn.Module, mode: str) -> PatchReport:
+    """Swap `model`'s layers in place for `mode` (baseline, tempo, selective, tempo+selective); undoes any
+    earlier patch first."""
+    check_mode(mode)
     if any(type(m).__name__ in HF_ATTENTION and getattr(m, "reorder_and_upcast_attn", False) for m in model.modules()):
-        raise PatchError("GPT-2's reorder_and_upcast_attn computes attention in fp32 its own way; "
-                         "memplan's attention cores would change its numbers: turn it off to patch")
+        raise PatchError(
+            "GPT-2's reorder_and_upcast_attn computes attention in fp32 its own way; "
+            "memplan's attention cores would change its numbers: turn it off to patch"
+        )
     unpatch(model)
     report = PatchReport(mode)
     swapped: Counter[str] = Counter()
@@ -122,6 +147,20 @@ def patch(model: nn.Module, mode: str) -> PatchReport:
     report.swapped = dict(sorted(swapped.items()))
     report.unknown = sorted(unknown)
     return report
+
+
+@dataclass(frozen=True)
+class LayerMode:
+    """A layer mode, checked when named and applied by calling it on a model: what a trace of a model file
+    takes as its `layers` (a traces.model_file.ModelPatch), so a wrong name fails before build() runs."""
+
+    name: str  # one of MODES
+
+    def __post_init__(self) -> None:
+        check_mode(self.name)
+
+    def __call__(self, model: nn.Module) -> PatchReport:
+        return patch(model, self.name)
 
 
 def unpatch(model: nn.Module) -> int:

@@ -5,17 +5,22 @@
 `layer_errors` compares the parallel layer's output and gradients with the single-process layer's
 on the same weights and input. Both return JSON-ready dicts.
 """
+
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from planner.layers.memory import LayerShape, saved_bytes
-from planner.layers.patch import patch
-from planner.parallel import comm
-from planner.parallel.formulas import parallel_formula
-from planner.parallel.layer import ParallelGPT2Layer
-from planner.workloads.gpt2 import GPT2Config, GPT2Layer
+from memplan.planner.layers.memory import LayerShape, held_for_backward, saved_bytes
+from memplan.planner.layers.patch import patch
+from memplan.planner.parallel import comm
+from memplan.planner.parallel.formulas import parallel_formula
+from memplan.planner.parallel.layer import ParallelGPT2Layer
+from memplan.planner.parallel.model import build_workload as build_parallel
+from memplan.planner.workloads import gpt2
+from memplan.planner.workloads.gpt2 import GPT2Config, GPT2Layer
+from memplan.traces.capture import capture_step
+from memplan.traces.recorder import recording
 
 DTYPES = {4: torch.float32, 2: torch.bfloat16}
 
@@ -34,8 +39,9 @@ def _causal(s: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.full((s, s), float("-inf"), dtype=dtype).triu(1)
 
 
-def layer_bytes(shape: LayerShape, mode: str, sequence_parallel: bool, dropout: float = 0.1,
-                group=None, seed: int = 0) -> dict:
+def layer_bytes(
+    shape: LayerShape, mode: str, sequence_parallel: bool, dropout: float = 0.1, group=None, seed: int = 0
+) -> dict:
     """Bytes this rank's share of one layer holds for backward (the causal mask, a buffer, not counted)."""
     t, dtype = comm.world(group), DTYPES[shape.p]
     layer = ParallelGPT2Layer.from_layer(_full_layer(shape, dropout, seed), group, sequence_parallel).train()
@@ -47,29 +53,41 @@ def layer_bytes(shape: LayerShape, mode: str, sequence_parallel: bool, dropout: 
     x = torch.randn(s_local, shape.b, shape.h, dtype=dtype, requires_grad=True)
     measured = saved_bytes(holder, lambda: layer(x, holder.causal))
     formula = parallel_formula(shape, mode, t, sequence_parallel)
-    return {"rank": comm.rank(group), "t": t, "mode": mode, "sequence_parallel": sequence_parallel,
-            "measured": measured, "formula": formula, "ratio": measured / formula}
+    return {
+        "rank": comm.rank(group),
+        "t": t,
+        "mode": mode,
+        "sequence_parallel": sequence_parallel,
+        "measured": measured,
+        "formula": formula,
+        "ratio": measured / formula,
+    }
 
 
 def traced_layer_bytes(shape: LayerShape, mode: str, sequence_parallel: bool, group=None) -> dict:
     """Bytes one layer holds for backward on this rank, from the tracer: what a captured training step of
     the parallel GPT-2 holds into backward with two layers minus with one (REFERENCE §1's measure)."""
-    from planner.layers.memory import held_for_backward
-    from planner.parallel.model import build_workload
-    from traces.capture import capture_step
 
     def build(layers: int):
         config = GPT2Config(hidden=shape.h, heads=shape.a, layers=layers)
-        workload = build_workload(shape.b, shape.s, DTYPES[shape.p], config=config,
-                                  sequence_parallel=sequence_parallel, group=group)
+        workload = build_parallel(
+            shape.b, shape.s, DTYPES[shape.p], config=config, sequence_parallel=sequence_parallel, group=group
+        )
         patch(workload.model, mode)
         return workload
 
-    held = [held_for_backward(capture_step(lambda: build(layers))) for layers in (1, 2)]
+    held = [held_for_backward(capture_step(lambda layers=layers: build(layers))) for layers in (1, 2)]
     t = comm.world(group)
     formula = parallel_formula(shape, mode, t, sequence_parallel)
-    return {"rank": comm.rank(group), "t": t, "mode": mode, "sequence_parallel": sequence_parallel,
-            "measured": held[1] - held[0], "formula": formula, "ratio": (held[1] - held[0]) / formula}
+    return {
+        "rank": comm.rank(group),
+        "t": t,
+        "mode": mode,
+        "sequence_parallel": sequence_parallel,
+        "measured": held[1] - held[0],
+        "formula": formula,
+        "ratio": (held[1] - held[0]) / formula,
+    }
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -98,47 +116,53 @@ def layer_errors(shape: LayerShape, mode: str, sequence_parallel: bool, group=No
     h, n4 = shape.h // t, layer.mlp.fc1.weight.shape[0]
     qkv_rows = torch.cat([torch.arange(i * shape.h + r * h, i * shape.h + (r + 1) * h) for i in range(3)])
     pairs = {
-        "output": (y_par, seq(y)), "input_grad": (x_par.grad, seq(x_full.grad)),
+        "output": (y_par, seq(y)),
+        "input_grad": (x_par.grad, seq(x_full.grad)),
         "ln1.weight": (layer.ln1.weight.grad, full.ln1.weight.grad),
         "ln1.bias": (layer.ln1.bias.grad, full.ln1.bias.grad),
         "ln2.weight": (layer.ln2.weight.grad, full.ln2.weight.grad),
         "ln2.bias": (layer.ln2.bias.grad, full.ln2.bias.grad),
         "qkv.weight": (layer.attention.qkv.weight.grad, full.attention.qkv.weight.grad[qkv_rows]),
         "qkv.bias": (layer.attention.qkv.bias.grad, full.attention.qkv.bias.grad[qkv_rows]),
-        "proj.weight": (layer.attention.proj.weight.grad, full.attention.proj.weight.grad[:, r * h:(r + 1) * h]),
+        "proj.weight": (layer.attention.proj.weight.grad, full.attention.proj.weight.grad[:, r * h : (r + 1) * h]),
         "proj.bias": (layer.attention.proj.bias.grad, full.attention.proj.bias.grad),
-        "fc1.weight": (layer.mlp.fc1.weight.grad, full.mlp.fc1.weight.grad[r * n4:(r + 1) * n4]),
-        "fc1.bias": (layer.mlp.fc1.bias.grad, full.mlp.fc1.bias.grad[r * n4:(r + 1) * n4]),
-        "fc2.weight": (layer.mlp.fc2.weight.grad, full.mlp.fc2.weight.grad[:, r * n4:(r + 1) * n4]),
+        "fc1.weight": (layer.mlp.fc1.weight.grad, full.mlp.fc1.weight.grad[r * n4 : (r + 1) * n4]),
+        "fc1.bias": (layer.mlp.fc1.bias.grad, full.mlp.fc1.bias.grad[r * n4 : (r + 1) * n4]),
+        "fc2.weight": (layer.mlp.fc2.weight.grad, full.mlp.fc2.weight.grad[:, r * n4 : (r + 1) * n4]),
         "fc2.bias": (layer.mlp.fc2.bias.grad, full.mlp.fc2.bias.grad),
     }
-    return {"rank": r, "t": t, "mode": mode, "sequence_parallel": sequence_parallel,
-            "errors": {name: _rel(a.detach(), b.detach()) for name, (a, b) in pairs.items()}}
+    return {
+        "rank": r,
+        "t": t,
+        "mode": mode,
+        "sequence_parallel": sequence_parallel,
+        "errors": {name: _rel(a.detach(), b.detach()) for name, (a, b) in pairs.items()},
+    }
 
 
 def model_errors(sequence_parallel: bool, seq_len: int = 16, group=None) -> dict:
     """Relative difference of the loss and of the (replicated) embedding gradients between the tiny
     parallel GPT-2 and the single-process one built from the same seed (dropout 0)."""
-    from planner.parallel.model import build_workload as build_parallel
-    from planner.workloads.gpt2 import build_workload
 
     config = GPT2Config(dropout=0.0, attn_dropout=0.0)
-    plain = build_workload(2, seq_len, config=config)
+    plain = gpt2.build_workload(2, seq_len, config=config)
     plain.loss_fn(plain.forward(), plain.inputs).backward()
     par = build_parallel(2, seq_len, config=config, sequence_parallel=sequence_parallel, group=group)
     loss = par.loss_fn(par.forward(), par.inputs)
     loss.backward()
     reference = plain.loss_fn(plain.forward(), plain.inputs).detach()
-    return {"rank": comm.rank(group), "loss": _rel(loss.detach(), reference),
-            "wte": _rel(par.model.wte.weight.grad, plain.model.wte.weight.grad),
-            "wpe": _rel(par.model.wpe.weight.grad, plain.model.wpe.weight.grad),
-            "ln_f": _rel(par.model.ln_f.weight.grad, plain.model.ln_f.weight.grad)}
+    return {
+        "rank": comm.rank(group),
+        "loss": _rel(loss.detach(), reference),
+        "wte": _rel(par.model.wte.weight.grad, plain.model.wte.weight.grad),
+        "wpe": _rel(par.model.wpe.weight.grad, plain.model.wpe.weight.grad),
+        "ln_f": _rel(par.model.ln_f.weight.grad, plain.model.ln_f.weight.grad),
+    }
 
 
 def collective_frees(repeats: int = 20, group=None) -> dict:
     """Record `repeats` rounds of every collective on fresh temporaries and count the allocations the
     recorder saw and the frees it saw: equal when no tensor is freed on the backend's own threads."""
-    from traces.recorder import recording
 
     with recording(torch.device("cpu")) as recorder:
         recorder.begin_step()
@@ -147,8 +171,11 @@ def collective_frees(repeats: int = 20, group=None) -> dict:
             comm.reduce_scatter_seq(torch.randn(8, 2, 16), group)
             comm.all_reduce_(torch.randn(8, 2, 16), group)
         events = recorder.end_step()
-    return {"rank": comm.rank(group), "allocations": int((events.size > 0).sum()),
-            "frees": int((events.size < 0).sum())}
+    return {
+        "rank": comm.rank(group),
+        "allocations": int((events.size > 0).sum()),
+        "frees": int((events.size < 0).sum()),
+    }
 
 
 def run_cases(work, cases: list[dict]) -> list[dict]:
@@ -157,5 +184,9 @@ def run_cases(work, cases: list[dict]) -> list[dict]:
     nothing); returns one result per case."""
     checks = {"bytes": layer_bytes, "traced": traced_layer_bytes, "errors": layer_errors}
     special = {"model": lambda c: model_errors(c["sequence_parallel"]), "frees": lambda c: collective_frees()}
-    return [special[c["check"]](c) if c["check"] in special
-            else checks[c["check"]](LayerShape(*c["shape"]), c["mode"], c["sequence_parallel"]) for c in cases]
+    return [
+        special[c["check"]](c)
+        if c["check"] in special
+        else checks[c["check"]](LayerShape(*c["shape"]), c["mode"], c["sequence_parallel"])
+        for c in cases
+    ]

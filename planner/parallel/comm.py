@@ -5,6 +5,7 @@ reduce (all-reduce / identity), gather (all-gather / split), reduce-scatter (red
 all-gather) and scatter (split / all-gather). Every collective runs on contiguous
 tensors of the given process group (gloo on CPU, NCCL on CUDA).
 """
+
 from __future__ import annotations
 
 import time
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from traces.errors import MemplanError
+from memplan.traces.errors import MemplanError
 
 
 class ParallelError(MemplanError):
@@ -42,8 +43,9 @@ def _collective(group, op, *tensors: torch.Tensor) -> None:
     deadline = time.monotonic() + RELEASE_TIMEOUT_S
     while any(torch._C._storage_Use_Count(s._cdata) > n for s, n in zip(storages, held)):
         if time.monotonic() > deadline:
-            raise ParallelError(f"the gloo backend still holds a tensor "
-                                f"{RELEASE_TIMEOUT_S:.0f} s after its collective completed")
+            raise ParallelError(
+                f"the gloo backend still holds a tensor {RELEASE_TIMEOUT_S:.0f} s after its collective completed"
+            )
         time.sleep(0)
 
 

@@ -6,9 +6,10 @@ the two column-parallel linears and the two dropout masks after the sub-layers s
 (Tempo: the two LayerNorm outputs and masks, sbh(2p+2)), and the rest is divided by t. The baseline and
 selective rows are REFERENCE §1's; the Tempo rows follow from the same split.
 """
+
 from __future__ import annotations
 
-from planner.layers.memory import LayerShape
+from memplan.planner.layers.memory import LayerShape
 
 # mode -> (replicated bytes per sbh, split bytes per sbh, as²b bytes per element) as functions of p
 _TENSOR_PARALLEL = {

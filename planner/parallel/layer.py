@@ -6,22 +6,34 @@ residual adds and the dropouts after each sub-layer run on the whole sequence (r
 rank's sequence shard. The LayerNorm, GELU, attention core and dropout are the bundled blocks' modules,
 so `planner.layers.patch` swaps in the Tempo and selective-recomputation layers here too.
 """
+
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from planner.parallel import comm
-from planner.parallel.linear import (ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel,
-                                     sync_sequence_parallel_grads)
-from planner.workloads.blocks import AttentionCore, Dropout, PreLNLayer
+from memplan.planner.parallel import comm
+from memplan.planner.parallel.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    mark_sequence_parallel,
+    sync_sequence_parallel_grads,
+)
+from memplan.planner.workloads.blocks import AttentionCore, Dropout, PreLNLayer
 
 
 class ParallelSelfAttention(nn.Module):
     """Self-attention over this rank's heads: column-parallel QKV, the attention core, row-parallel output."""
 
-    def __init__(self, hidden: int, heads: int, attn_dropout: float, hidden_dropout: float,
-                 group=None, sequence_parallel: bool = False):
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        attn_dropout: float,
+        hidden_dropout: float,
+        group=None,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         t = comm.world(group)
         if hidden % heads or heads % t:
@@ -46,8 +58,9 @@ class ParallelSelfAttention(nn.Module):
     def load_full(self, full: nn.Module) -> None:
         """Copy this rank's share of a single-process SelfAttention (fused QKV rows q|k|v, heads contiguous)."""
         n, r = self.hidden // comm.world(self.qkv.group), comm.rank(self.qkv.group)
-        rows = torch.cat([torch.arange(part * self.hidden + r * n, part * self.hidden + (r + 1) * n)
-                          for part in range(3)])
+        rows = torch.cat(
+            [torch.arange(part * self.hidden + r * n, part * self.hidden + (r + 1) * n) for part in range(3)]
+        )
         self.qkv.load_full(full.qkv.weight, full.qkv.bias, rows)
         self.proj.load_full(full.proj.weight, full.proj.bias)
 
@@ -55,8 +68,15 @@ class ParallelSelfAttention(nn.Module):
 class ParallelMLP(nn.Module):
     """Feed-forward block over this rank's 1/t of the 4h features: column-parallel fc1, GELU, row-parallel fc2."""
 
-    def __init__(self, hidden: int, ffn_hidden: int, dropout: float, gelu_approximate: str = "tanh",
-                 group=None, sequence_parallel: bool = False):
+    def __init__(
+        self,
+        hidden: int,
+        ffn_hidden: int,
+        dropout: float,
+        gelu_approximate: str = "tanh",
+        group=None,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, group=group, sequence_parallel=sequence_parallel)
         self.act = nn.GELU(approximate=gelu_approximate)
@@ -78,8 +98,17 @@ class ParallelGPT2Layer(PreLNLayer):
     Input and output are [s, b, h] (tensor parallel) or this rank's [s/t, b, h] (sequence parallel).
     """
 
-    def __init__(self, hidden: int, heads: int, ffn_hidden: int, dropout: float, attn_dropout: float,
-                 eps: float = 1e-5, group=None, sequence_parallel: bool = False):
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        ffn_hidden: int,
+        dropout: float,
+        attn_dropout: float,
+        eps: float = 1e-5,
+        group=None,
+        sequence_parallel: bool = False,
+    ):
         super().__init__(
             ParallelSelfAttention(hidden, heads, attn_dropout, dropout, group, sequence_parallel),
             ParallelMLP(hidden, ffn_hidden, dropout, "tanh", group, sequence_parallel),
@@ -93,11 +122,19 @@ class ParallelGPT2Layer(PreLNLayer):
         sync_sequence_parallel_grads(self, group)
 
     @classmethod
-    def from_layer(cls, full: PreLNLayer, group=None, sequence_parallel: bool = False) -> "ParallelGPT2Layer":
+    def from_layer(cls, full: PreLNLayer, group=None, sequence_parallel: bool = False) -> ParallelGPT2Layer:
         """This rank's share of a single-process GPT-2 layer (same weights, same dropout rates)."""
         attn, mlp = full.attention, full.mlp
-        layer = cls(full.ln1.normalized_shape[0], attn.heads, mlp.fc1.out_features, mlp.dropout.p,
-                    attn.core.dropout.p, full.ln1.eps, group, sequence_parallel)
+        layer = cls(
+            full.ln1.normalized_shape[0],
+            attn.heads,
+            mlp.fc1.out_features,
+            mlp.dropout.p,
+            attn.core.dropout.p,
+            full.ln1.eps,
+            group,
+            sequence_parallel,
+        )
         layer.to(dtype=full.ln1.weight.dtype, device=full.ln1.weight.device)
         layer.ln1.load_state_dict(full.ln1.state_dict())
         layer.ln2.load_state_dict(full.ln2.state_dict())

@@ -6,6 +6,7 @@ features; a row-parallel one 1/t of the input features and sums the partial outp
 parallelism the column-parallel linear keeps only its sequence shard of the input for backward and
 all-gathers it again there, so its saved input is 1/t of the replicated one (Megatron's choice).
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
-from planner.parallel import comm
+from memplan.planner.parallel import comm
 
 INIT_STD = 0.02  # GPT-2's initialisation; `load_full` copies a single-process layer's weights instead
 
@@ -33,8 +34,11 @@ def sync_sequence_parallel_grads(module: nn.Module, group=None) -> int:
     def reduce(grad: torch.Tensor) -> torch.Tensor:
         return comm.all_reduce_(grad.clone(), group)
 
-    hooked = [p for p in module.parameters()
-              if getattr(p, "sequence_parallel", False) and not getattr(p, "_grad_synced", False)]
+    hooked = [
+        p
+        for p in module.parameters()
+        if getattr(p, "sequence_parallel", False) and not getattr(p, "_grad_synced", False)
+    ]
     for p in hooked:
         p.register_hook(reduce)
         p._grad_synced = True  # hooked once, however many enclosing modules ask
@@ -68,8 +72,16 @@ class _GatherLinear(Function):
 class ColumnParallelLinear(nn.Module):
     """y_r = x W_r^T + b_r with W_r this rank's 1/t of the output rows; the output stays split."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
-                 sequence_parallel: bool = False, device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        group=None,
+        sequence_parallel: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         t = comm.world(group)
         if out_features % t:
@@ -100,8 +112,16 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = sum_r x_r W_r^T + b with W_r this rank's 1/t of the input columns; the input arrives split."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
-                 sequence_parallel: bool = False, device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        group=None,
+        sequence_parallel: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         t = comm.world(group)
         if in_features % t:
@@ -119,7 +139,7 @@ class RowParallelLinear(nn.Module):
         n = self.weight.shape[1]
         r = comm.rank(self.group)
         with torch.no_grad():
-            self.weight.copy_(weight[:, r * n:(r + 1) * n])
+            self.weight.copy_(weight[:, r * n : (r + 1) * n])
             if self.bias is not None:
                 self.bias.copy_(bias)
 

@@ -8,6 +8,7 @@ bitwise the same and the old storage is freed. A storage asks only while the pla
 size left (none for another shape, none for a plan of scope `step`), so nothing is allocated in vain;
 one that gets no slot stays where it is.
 """
+
 from __future__ import annotations
 
 import gc
@@ -16,8 +17,8 @@ from collections import Counter
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from traces.resident import resident_tensors
-from traces.workload import Workload
+from memplan.traces.resident import resident_tensors
+from memplan.traces.workload import Workload
 
 
 def resident_groups(workload: Workload, device_type: str) -> list[list[torch.Tensor]]:
@@ -62,8 +63,10 @@ def adopt_resident(workload: Workload, alloc, device_type: str) -> int:
         asks.append(left[size] > 0)
         left[size] -= asks[-1]
     with alloc.adopt():
-        fresh = [torch.empty(size, dtype=torch.uint8, device=g[0].device).untyped_storage() if ask else None
-                 for g, size, ask in zip(groups, sizes, asks)]
+        fresh = [
+            torch.empty(size, dtype=torch.uint8, device=g[0].device).untyped_storage() if ask else None
+            for g, size, ask in zip(groups, sizes, asks)
+        ]
     begin, end = alloc.arena_base, alloc.arena_base + alloc.schedule.arena
     fresh = [s if s is not None and begin <= s.data_ptr() < end else None for s in fresh]  # fallbacks freed now
     old = [_move(g, s) if s is not None else None for g, s in zip(groups, fresh)]

@@ -1,9 +1,10 @@
 """Build the C++ plan allocator: the CPU torch extension, the plain C library and the CUDA plugin.
 
 Builds are cached in traces.cxx.cache_dir() (~/.cache/memplan) keyed by the sources' hash, so only
-the first call compiles. `python -m planner.replay.build` builds everything, the step recorder and the solver kernels too
-(scripts/setup.sh runs it).
+the first call compiles. `python -m memplan.planner.replay.build` builds everything, the step
+recorder and the solver kernels too (scripts/setup.sh runs it).
 """
+
 from __future__ import annotations
 
 import os
@@ -11,7 +12,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from traces.cxx import BuildError, cache_dir, compiler, cxx_shared_library, digest, link_shared, torch_extension
+from memplan.solvers.native import library_path
+from memplan.traces.cxx import BuildError, cache_dir, compiler, cxx_shared_library, digest, link_shared, torch_extension
+from memplan.traces.recorder import extension as recorder_extension
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 CORE_SOURCES = ("plan_core.cpp", "c_api.cpp")
@@ -24,8 +27,9 @@ def _paths(names: tuple[str, ...]) -> list[Path]:
 
 def core_library() -> Path:
     """The core with CPU memory behind its C interface (for ctypes): libmemplan_core-<hash>.so."""
-    return cxx_shared_library("libmemplan_core", _paths(CORE_SOURCES + ("cpu_memory.cpp",)),
-                              "the plan allocator core", _paths(HEADERS))
+    return cxx_shared_library(
+        "libmemplan_core", _paths(CORE_SOURCES + ("cpu_memory.cpp",)), "the plan allocator core", _paths(HEADERS)
+    )
 
 
 def cuda_home() -> Path | None:
@@ -57,13 +61,15 @@ def cuda_library() -> Path:
     srcs = [str(CSRC / n) for n in names]
     nvcc = shutil.which("nvcc") or (str(home / "bin" / "nvcc") if (home / "bin" / "nvcc").exists() else None)
     if nvcc:
-        cmd = lambda tmp: [nvcc, "-O2", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",  # noqa: E731
-                           "--cudart", "static", *srcs, "-o", tmp]
+        flags = [nvcc, "-O2", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "--cudart", "static", *srcs]
     else:
-        cxx = compiler()
-        cmd = lambda tmp: [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-pthread",  # noqa: E731
-                           f"-I{home / 'include'}", *srcs, f"-L{home / 'lib64'}", "-lcudart", "-o", tmp]
-    return link_shared(out, cmd, "the CUDA replay library")
+        flags = [compiler(), "-O2", "-std=c++17", "-shared", "-fPIC", "-pthread", f"-I{home / 'include'}", *srcs,
+                 f"-L{home / 'lib64'}", "-lcudart"]  # fmt: skip
+
+    def command(tmp: str) -> list[str]:
+        return [*flags, "-o", tmp]
+
+    return link_shared(out, command, "the CUDA replay library")
 
 
 def cpu_extension():
@@ -74,12 +80,13 @@ def cpu_extension():
 
 def build_all() -> dict[str, str]:
     """Build every part; returns what was built (path) or why CUDA was skipped."""
-    from solvers.native import library_path
-    from traces.recorder import extension as recorder_extension
 
-    built = {"recorder": recorder_extension().__file__, "cpu_extension": cpu_extension().__file__,
-             "core_library": str(core_library()),
-             "solver_kernels": str(library_path())}
+    built = {
+        "recorder": recorder_extension().__file__,
+        "cpu_extension": cpu_extension().__file__,
+        "core_library": str(core_library()),
+        "solver_kernels": str(library_path()),
+    }
     try:
         built["cuda_library"] = str(cuda_library())
     except BuildError as e:

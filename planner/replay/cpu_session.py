@@ -5,13 +5,14 @@ previous allocator on exit; `with alloc.adopt():` opens the adoption of reserved
 `with alloc.step():` one planned step. Tensors made inside keep their own deleter, so they stay
 valid after the steps and after the plan is released.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
 
-from planner.replay import build
-from planner.replay.native import STATS_FIELDS
-from planner.replay.schedule import ReplayError, Schedule
+from memplan.planner.replay import build
+from memplan.planner.replay.native import STATS_FIELDS
+from memplan.planner.replay.schedule import ReplayError, Schedule
 
 
 class CPUPlanAllocator:
@@ -24,7 +25,7 @@ class CPUPlanAllocator:
         self.arena_base = 0  # address of the arena's first byte while the plan is alive
         self.final_stats: dict[str, int] | None = None
 
-    def __enter__(self) -> "CPUPlanAllocator":
+    def __enter__(self) -> CPUPlanAllocator:
         s = self.schedule
         self.handle = self.ext.create(s.offsets, s.sizes, s.reserved_offsets, s.reserved_sizes, s.arena, s.alignment)
         if self.handle == 0:

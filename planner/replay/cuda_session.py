@@ -4,6 +4,7 @@ PyTorch cannot swap its CUDA allocator once CUDA is initialised, so `install_plu
 first in the process; from then on every CUDA allocation goes through memplan_malloc, served by the
 plan inside an open step or adoption and by plain cudaMalloc outside one. Plans replay on device 0.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -11,9 +12,9 @@ from contextlib import contextmanager
 
 import torch
 
-from planner.replay import build
-from planner.replay.native import create_plan, load_library, plan_stats
-from planner.replay.schedule import ReplayError, Schedule
+from memplan.planner.replay import build
+from memplan.planner.replay.native import create_plan, load_library, plan_stats
+from memplan.planner.replay.schedule import ReplayError, Schedule
 
 _installed: dict[str, ctypes.CDLL] = {}
 
@@ -30,8 +31,9 @@ def install_plugin() -> ctypes.CDLL:
     try:
         torch.cuda.memory.change_current_allocator(plugin)
     except RuntimeError:
-        raise ReplayError("CUDA was initialised before the plan allocator could be installed: "
-                          "replay in a fresh process") from None
+        raise ReplayError(
+            "CUDA was initialised before the plan allocator could be installed: replay in a fresh process"
+        ) from None
     _installed["lib"] = load_library(path)
     return _installed["lib"]
 
@@ -46,11 +48,12 @@ class CUDAPlanAllocator:
         self.arena_base = 0  # address of the arena's first byte while the plan is alive
         self.final_stats: dict[str, int] | None = None
 
-    def __enter__(self) -> "CUDAPlanAllocator":
+    def __enter__(self) -> CUDAPlanAllocator:
         s = self.schedule
         torch.cuda.set_device(0)
-        self.handle = create_plan(self.lib, s.offsets, s.sizes, s.reserved_offsets, s.reserved_sizes, s.arena,
-                                  s.alignment)
+        self.handle = create_plan(
+            self.lib, s.offsets, s.sizes, s.reserved_offsets, s.reserved_sizes, s.arena, s.alignment
+        )
         if self.handle == 0:
             raise ReplayError(f"cannot allocate an arena of {s.arena} bytes on cuda:0")
         self.arena_base = self.lib.memplan_plan_arena(self.handle) or 0

@@ -4,6 +4,7 @@ Gradients are read by an optimizer step pre-hook (the moment they are complete, 
 and before Workload.step() sets them to None). Bytes are read with ctypes, so taking a fingerprint
 allocates no tensor memory and leaves the allocation sequence of the step unchanged.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from traces.workload import Workload
+from memplan.traces.workload import Workload
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -41,9 +42,14 @@ def watch_gradients(workload: Workload, prints: RunPrints):
     names = {id(p): n for n, p in workload.model.named_parameters()}
 
     def hook(optimizer, args, kwargs):
-        prints.grads.append({names.get(id(p), f"param{i}"): tensor_digest(p.grad)
-                             for group in optimizer.param_groups for i, p in enumerate(group["params"])
-                             if p.grad is not None})
+        prints.grads.append(
+            {
+                names.get(id(p), f"param{i}"): tensor_digest(p.grad)
+                for group in optimizer.param_groups
+                for i, p in enumerate(group["params"])
+                if p.grad is not None
+            }
+        )
 
     return workload.optimizer.register_step_pre_hook(hook)
 

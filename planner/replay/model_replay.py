@@ -1,52 +1,70 @@
 """`memplan replay`: replay a plan on a model file's training step and compare with the reference run."""
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from planner.plan import load_plan, trace_digest
-from planner.replay.report import ReplayReport
-from planner.replay.runner import replay
-from planner.replay.schedule import ReplayError, schedule_from
-from traces.format import load
+from memplan.planner.layers import LayerMode
+from memplan.planner.plan import load_plan
+from memplan.planner.replay.cpu_session import CPUPlanAllocator
+from memplan.planner.replay.report import ReplayReport
+from memplan.planner.replay.runner import replay
+from memplan.planner.replay.schedule import ReplayError, schedule_from
+from memplan.traces.capture import capture_step
+from memplan.traces.format import load, trace_digest
+from memplan.traces.model_file import load_workload
 
 
-def replay_model_file(plan_file: str, model_file: str, *, trace_file: str | None = None, steps: int = 3,
-                      device: str = "cpu", batch: int = 2, seq: int = 128, dtype: str = "float32",
-                      layers: str = "baseline", progress: Callable[[str], None] = lambda m: None) -> ReplayReport:
+def replay_model_file(
+    plan_file: str,
+    model_file: str,
+    *,
+    trace_file: str | None = None,
+    steps: int = 3,
+    device: str = "cpu",
+    batch: int = 2,
+    seq: int = 128,
+    dtype: str = "float32",
+    layers: str = "baseline",
+    progress: Callable[[str], None] = lambda m: None,
+) -> ReplayReport:
     """Replay PLAN on MODEL's step. The plan's trace is `trace_file`, or (CPU) the model's step captured now."""
     if device == "cuda":
-        from planner.replay.cuda_session import CUDAPlanAllocator, install_plugin
+        from memplan.planner.replay.cuda_session import CUDAPlanAllocator, install_plugin
+
         lib = install_plugin()  # before anything touches CUDA
     elif device != "cpu":
         raise ReplayError(f"--device {device}: replay supports cpu and cuda")
-    from traces.model_file import load_workload
 
+    mode = LayerMode(layers)
     plan = load_plan(plan_file)
     torch_dtype = getattr(torch, dtype)
 
     def make_workload():
-        return load_workload(model_file, batch=batch, seq=seq, dtype=torch_dtype, device=device, layers=layers)
+        return load_workload(model_file, batch=batch, seq=seq, dtype=torch_dtype, device=device, layers=mode)
 
     if trace_file is not None:
         trace = load(trace_file)
     elif device == "cuda":
-        raise ReplayError("--device cuda needs --trace (the plan's trace): a capture cannot see allocations "
-                          "made through the plan plugin")
+        raise ReplayError(
+            "--device cuda needs --trace (the plan's trace): a capture cannot see allocations "
+            "made through the plan plugin"
+        )
     else:
-        from traces.capture import capture_step
         progress(f"capturing one step of {model_file} to find the plan's allocation order")
         trace = capture_step(make_workload)
         if trace_digest(trace) != plan.digest:
-            raise ReplayError(f"{plan_file} was not made from this step of {model_file} (batch {batch}, seq {seq}, "
-                              f"{dtype}, {layers}): pass the plan's trace with --trace")
+            raise ReplayError(
+                f"{plan_file} was not made from this step of {model_file} (batch {batch}, seq {seq}, "
+                f"{dtype}, {layers}): pass the plan's trace with --trace"
+            )
     schedule = schedule_from(plan, trace, device)
     if device == "cuda":
         allocator = CUDAPlanAllocator(lib, schedule)
         reference = "cudaMalloc/cudaFree (the plugin with no plan; PyTorch's caching allocator cannot come back)"
     else:
-        from planner.replay.cpu_session import CPUPlanAllocator
         allocator = CPUPlanAllocator(schedule)
         reference = "PyTorch's default CPU allocator"
     progress(f"replaying {steps} step(s) with the plan allocator, then with the reference allocator")

@@ -1,13 +1,29 @@
 """ctypes access to the plan allocator's C interface (the core library and the CUDA plugin)."""
+
 from __future__ import annotations
 
 import ctypes
 from pathlib import Path
 
 # PlanStats' fields, in the order memplan_plan_stats writes them (see csrc/plan_core.h).
-STATS_FIELDS = ("arena_bytes", "adopted_count", "adopted_bytes", "planned_count", "fallback_count",
-                "fallback_bytes", "fallback_peak", "refused_in_use", "size_mismatch", "extra", "no_slot",
-                "missing", "arena_top_peak", "held_peak", "steps", "live_blocks")
+STATS_FIELDS = (
+    "arena_bytes",
+    "adopted_count",
+    "adopted_bytes",
+    "planned_count",
+    "fallback_count",
+    "fallback_bytes",
+    "fallback_peak",
+    "refused_in_use",
+    "size_mismatch",
+    "extra",
+    "no_slot",
+    "missing",
+    "arena_top_peak",
+    "held_peak",
+    "steps",
+    "live_blocks",
+)
 
 _I64 = ctypes.c_int64
 _P = ctypes.POINTER(ctypes.c_int64)
@@ -41,11 +57,20 @@ def _array(values) -> ctypes.Array:
     return (ctypes.c_int64 * max(len(values), 1))(*values)
 
 
-def create_plan(lib: ctypes.CDLL, offsets, sizes, reserved_offsets=(), reserved_sizes=(), arena_bytes=0,
-                alignment=1) -> int:
+def create_plan(
+    lib: ctypes.CDLL, offsets, sizes, reserved_offsets=(), reserved_sizes=(), arena_bytes=0, alignment=1
+) -> int:
     """A plan handle (> 0) over a new arena; 0 when the arena cannot be allocated."""
-    return lib.memplan_plan_create(_array(offsets), _array(sizes), len(sizes), _array(reserved_offsets),
-                                   _array(reserved_sizes), len(reserved_sizes), int(arena_bytes), int(alignment))
+    return lib.memplan_plan_create(
+        _array(offsets),
+        _array(sizes),
+        len(sizes),
+        _array(reserved_offsets),
+        _array(reserved_sizes),
+        len(reserved_sizes),
+        int(arena_bytes),
+        int(alignment),
+    )
 
 
 def plan_stats(lib: ctypes.CDLL, handle: int) -> dict[str, int]:

@@ -6,21 +6,28 @@ again before the measured steps. The planned run first adopts the resident stora
 (planner/replay/adoption.py). Loss, every gradient and the parameters after the steps are compared
 bitwise. CPU steps run on one intra-op thread, as capture runs them (traces.capture.one_cpu_thread).
 """
+
 from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Callable
 
 import torch
 
-from planner.replay.adoption import adopt_resident
-from planner.replay.fingerprint import RunPrints, first_difference, record_params, tensor_digest, watch_gradients
-from planner.replay.report import ReplayReport
-from planner.replay.schedule import Schedule
-from traces.capture import one_cpu_thread
-from traces.workload import Workload
+from memplan.planner.replay.adoption import adopt_resident
+from memplan.planner.replay.fingerprint import (
+    RunPrints,
+    first_difference,
+    record_params,
+    tensor_digest,
+    watch_gradients,
+)
+from memplan.planner.replay.report import ReplayReport
+from memplan.planner.replay.schedule import Schedule
+from memplan.traces.capture import one_cpu_thread
+from memplan.traces.workload import Workload
 
 SEED = 1234
 
@@ -59,8 +66,15 @@ def run_steps(workload: Workload, steps: int, step_context: Callable, prints: Ru
     return seconds
 
 
-def replay(schedule: Schedule, make_workload: Callable[[], Workload], plan_allocator, *, steps: int = 3,
-           device: str = "cpu", reference: str = "PyTorch's default CPU allocator") -> ReplayReport:
+def replay(
+    schedule: Schedule,
+    make_workload: Callable[[], Workload],
+    plan_allocator,
+    *,
+    steps: int = 3,
+    device: str = "cpu",
+    reference: str = "PyTorch's default CPU allocator",
+) -> ReplayReport:
     """Replay `steps` steps under `plan_allocator` (a context manager with adopt(), step() and stats()),
     after adopting the resident storages into its arena, and compare."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else None
@@ -81,12 +95,38 @@ def replay(schedule: Schedule, make_workload: Callable[[], Workload], plan_alloc
         del workload
     diff = first_difference(planned, ref)
     return ReplayReport(
-        workload=name, device=device, steps=steps, reference=reference, planned_per_step=len(schedule),
-        arena_bytes=schedule.arena, bound=schedule.bound, reserved_count=len(schedule.reserved_sizes),
-        reserved_bytes=sum(schedule.reserved_sizes), outside_bytes=outside, peak_bytes=stats["held_peak"] + outside,
-        **{k: stats[k] for k in ("adopted_count", "adopted_bytes", "planned_count", "fallback_count", "fallback_bytes",
-                                 "fallback_peak", "refused_in_use", "size_mismatch", "extra", "no_slot", "missing",
-                                 "arena_top_peak")},
-        loss_equal=planned.losses == ref.losses, grads_equal=planned.grads == ref.grads,
-        params_equal=planned.params == ref.params, first_difference=diff,
-        plan_step_seconds=plan_seconds, reference_step_seconds=ref_seconds)
+        workload=name,
+        device=device,
+        steps=steps,
+        reference=reference,
+        planned_per_step=len(schedule),
+        arena_bytes=schedule.arena,
+        bound=schedule.bound,
+        reserved_count=len(schedule.reserved_sizes),
+        reserved_bytes=sum(schedule.reserved_sizes),
+        outside_bytes=outside,
+        peak_bytes=stats["held_peak"] + outside,
+        **{
+            k: stats[k]
+            for k in (
+                "adopted_count",
+                "adopted_bytes",
+                "planned_count",
+                "fallback_count",
+                "fallback_bytes",
+                "fallback_peak",
+                "refused_in_use",
+                "size_mismatch",
+                "extra",
+                "no_slot",
+                "missing",
+                "arena_top_peak",
+            )
+        },
+        loss_equal=planned.losses == ref.losses,
+        grads_equal=planned.grads == ref.grads,
+        params_equal=planned.params == ref.params,
+        first_difference=diff,
+        plan_step_seconds=plan_seconds,
+        reference_step_seconds=ref_seconds,
+    )

@@ -1,11 +1,12 @@
 """What the allocator replays from a plan and its trace: the slot of the k-th allocation of a step."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.plan import Plan, trace_digest
-from traces.errors import MemplanError
-from traces.format import Trace
+from memplan.planner.plan import Plan
+from memplan.traces.errors import MemplanError
+from memplan.traces.format import Trace, trace_digest
 
 CPU_ALIGNMENT = 64  # PyTorch's CPU allocator aligns every block to 64 bytes; kernels may rely on it
 
@@ -42,13 +43,23 @@ def schedule_from(plan: Plan, trace: Trace, device: str = "cpu") -> Schedule:
     if len(plan.offsets) != len(trace):
         raise ReplayError(f"the plan has {len(plan.offsets)} offsets but the trace has {len(trace)} buffers")
     if device == "cpu" and plan.alignment % CPU_ALIGNMENT:
-        raise ReplayError(f"plan alignment {plan.alignment} is not a multiple of {CPU_ALIGNMENT}, the CPU "
-                          f"allocator's alignment: solve again with --alignment {CPU_ALIGNMENT} or more")
+        raise ReplayError(
+            f"plan alignment {plan.alignment} is not a multiple of {CPU_ALIGNMENT}, the CPU "
+            f"allocator's alignment: solve again with --alignment {CPU_ALIGNMENT} or more"
+        )
     order = [int(i) for i in trace.recorded if trace.size[i] > 0]  # size-0 requests touch no memory
     end = trace.end
-    whole = [i for i in range(len(trace))
-             if trace.alloc[i] == 0 and trace.free[i] == end and trace.size[i] > 0 and plan.offsets[i] >= 0]
-    return Schedule(offsets=[int(plan.offsets[i]) for i in order], sizes=[int(trace.size[i]) for i in order],
-                    reserved_offsets=[int(plan.offsets[i]) for i in whole],
-                    reserved_sizes=[int(trace.size[i]) for i in whole], arena=int(plan.arena), bound=int(plan.bound),
-                    alignment=int(plan.alignment))
+    whole = [
+        i
+        for i in range(len(trace))
+        if trace.alloc[i] == 0 and trace.free[i] == end and trace.size[i] > 0 and plan.offsets[i] >= 0
+    ]
+    return Schedule(
+        offsets=[int(plan.offsets[i]) for i in order],
+        sizes=[int(trace.size[i]) for i in order],
+        reserved_offsets=[int(plan.offsets[i]) for i in whole],
+        reserved_sizes=[int(trace.size[i]) for i in whole],
+        arena=int(plan.arena),
+        bound=int(plan.bound),
+        alignment=int(plan.alignment),
+    )

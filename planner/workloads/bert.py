@@ -1,4 +1,5 @@
 """A BERT encoder with a masked-language-model head, in plain torch.nn, and its training-step workload."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,9 +7,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from planner.workloads.blocks import MLP, Dropout, PostLNLayer, SelfAttention, TokenLoss, WorkloadConfigError, init_weights
-from traces.fake import module_to
-from traces.workload import Workload
+from memplan.planner.workloads.blocks import (
+    MLP,
+    Dropout,
+    PostLNLayer,
+    SelfAttention,
+    TokenLoss,
+    WorkloadConfigError,
+    init_weights,
+)
+from memplan.traces.fake import module_to
+from memplan.traces.workload import Workload
 
 
 @dataclass(frozen=True)

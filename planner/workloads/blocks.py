@@ -5,6 +5,7 @@ attention is spelled out (QKᵀ, softmax, dropout, ·V) and every dropout keeps 
 (`torch.native_dropout`), on the CPU too. The patcher swaps `nn.GELU`, `nn.LayerNorm` and
 `AttentionCore` for memplan's memory-saving layers.
 """
+
 from __future__ import annotations
 
 import math
@@ -13,9 +14,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from traces.errors import MemplanError
-from traces.fake import module_to
-from traces.workload import Workload
+from memplan.traces.errors import MemplanError
+from memplan.traces.fake import module_to
+from memplan.traces.workload import Workload
 
 
 class WorkloadConfigError(MemplanError):
@@ -39,13 +40,16 @@ class Dropout(nn.Module):
 
 
 class AttentionCore(nn.Module):
-    """softmax(q·kᵀ·scale + bias) with dropout on the probabilities, times v; q, k, v are (batch, heads, seq, head_dim)."""
+    """softmax(q·kᵀ·scale + bias) with dropout on the probabilities, times v; q, k, v are
+    (batch, heads, seq, head_dim)."""
 
     def __init__(self, dropout_p: float):
         super().__init__()
         self.dropout = Dropout(dropout_p)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
         if bias is not None:
             scores = scores + bias
@@ -137,8 +141,17 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
         nn.init.zeros_(module.bias)
 
 
-def language_model_workload(make_model, vocab_size: int, batch_size: int, seq_len: int, dtype: torch.dtype,
-                            device, seed: int, lr: float, name: str) -> Workload:
+def language_model_workload(
+    make_model,
+    vocab_size: int,
+    batch_size: int,
+    seq_len: int,
+    dtype: torch.dtype,
+    device,
+    seed: int,
+    lr: float,
+    name: str,
+) -> Workload:
     """A next-token training step: the model `make_model()` builds (weights seeded with `seed`) on `device`
     in `dtype`, random tokens from `seed`, cross-entropy on the shifted tokens, AdamW."""
     with torch.random.fork_rng(devices=[]):
@@ -146,9 +159,13 @@ def language_model_workload(make_model, vocab_size: int, batch_size: int, seq_le
         model = make_model()
     model = module_to(model, device, dtype).train()
     tokens = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=torch.Generator().manual_seed(seed))
-    return Workload(model=model, inputs=(tokens[:, :-1].to(device),),
-                    optimizer=torch.optim.AdamW(model.parameters(), lr=lr),
-                    loss_fn=TokenLoss(tokens[:, 1:].to(device)), name=name)
+    return Workload(
+        model=model,
+        inputs=(tokens[:, :-1].to(device),),
+        optimizer=torch.optim.AdamW(model.parameters(), lr=lr),
+        loss_fn=TokenLoss(tokens[:, 1:].to(device)),
+        name=name,
+    )
 
 
 class TokenLoss:

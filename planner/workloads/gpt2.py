@@ -1,4 +1,5 @@
 """A GPT-2 decoder with a tied language-model head, in plain torch.nn, and its training-step workload."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from planner.workloads.blocks import (
+from memplan.planner.workloads.blocks import (
     MLP,
     Dropout,
     PreLNLayer,
@@ -15,7 +16,7 @@ from planner.workloads.blocks import (
     init_weights,
     language_model_workload,
 )
-from traces.workload import Workload
+from memplan.traces.workload import Workload
 
 
 @dataclass(frozen=True)
@@ -87,5 +88,14 @@ def build_workload(
     """A GPT-2 language-model training step: random weights and tokens from `seed`, next-token loss, AdamW."""
     if seq_len > config.max_positions:
         raise WorkloadConfigError(f"seq_len {seq_len} exceeds the model's {config.max_positions} positions")
-    return language_model_workload(lambda: GPT2(config), config.vocab_size, batch_size, seq_len, dtype, device,
-                                   seed, lr, f"gpt2-{config.layers}x{config.hidden}")
+    return language_model_workload(
+        lambda: GPT2(config),
+        config.vocab_size,
+        batch_size,
+        seq_len,
+        dtype,
+        device,
+        seed,
+        lr,
+        f"gpt2-{config.layers}x{config.hidden}",
+    )

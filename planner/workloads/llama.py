@@ -1,5 +1,6 @@
 """A Llama-style decoder in plain torch.nn (RMSNorm, SwiGLU, rotary positions, grouped-query attention
 through scaled_dot_product_attention, no dropout, untied head) and its training-step workload."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,8 +9,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from planner.workloads.blocks import WorkloadConfigError, language_model_workload
-from traces.workload import Workload
+from memplan.planner.workloads.blocks import WorkloadConfigError, language_model_workload
+from memplan.traces.workload import Workload
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,9 @@ class LlamaConfig:
 
 TINY = LlamaConfig()
 LLAMA2_7B = LlamaConfig(vocab_size=32000, hidden=4096, heads=32, kv_heads=32, layers=32, ffn_hidden=11008)
-LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden=4096, heads=32, kv_heads=8, layers=32, ffn_hidden=14336,
-                        rope_theta=500000.0)
+LLAMA3_8B = LlamaConfig(
+    vocab_size=128256, hidden=4096, heads=32, kv_heads=8, layers=32, ffn_hidden=14336, rope_theta=500000.0
+)
 PRESETS = {"tiny": TINY, "7b": LLAMA2_7B, "8b": LLAMA3_8B}
 
 
@@ -102,8 +104,9 @@ class Llama(nn.Module):
         self.norm = nn.RMSNorm(c.hidden, eps=c.eps)
         self.head = nn.Linear(c.hidden, c.vocab_size, bias=False)
         head_dim = c.hidden // c.heads
-        self.register_buffer("inv_freq", c.rope_theta ** -(torch.arange(0, head_dim, 2).float() / head_dim),
-                             persistent=False)
+        self.register_buffer(
+            "inv_freq", c.rope_theta ** -(torch.arange(0, head_dim, 2).float() / head_dim), persistent=False
+        )
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
@@ -119,9 +122,24 @@ class Llama(nn.Module):
         return self.head(self.norm(h))
 
 
-def build_workload(batch_size: int = 2, seq_len: int = 32, dtype: torch.dtype = torch.float32,
-                   device: str | torch.device = "cpu", config: LlamaConfig = TINY, seed: int = 0,
-                   lr: float = 1e-4) -> Workload:
+def build_workload(
+    batch_size: int = 2,
+    seq_len: int = 32,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    config: LlamaConfig = TINY,
+    seed: int = 0,
+    lr: float = 1e-4,
+) -> Workload:
     """A Llama-style language-model training step: random weights and tokens from `seed`, next-token loss, AdamW."""
-    return language_model_workload(lambda: Llama(config), config.vocab_size, batch_size, seq_len, dtype, device,
-                                   seed, lr, f"llama-{config.layers}x{config.hidden}")
+    return language_model_workload(
+        lambda: Llama(config),
+        config.vocab_size,
+        batch_size,
+        seq_len,
+        dtype,
+        device,
+        seed,
+        lr,
+        f"llama-{config.layers}x{config.hidden}",
+    )

@@ -3,12 +3,13 @@
 Parsing follows c10's AllocatorConfig: `key:value` pairs separated by commas, spaces ignored,
 `roundup_power2_divisions` either one power of two or a list `[256:1,512:2,>:4]` keyed by MiB.
 """
+
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 
-from traces.errors import MemplanError
+from memplan.traces.errors import MemplanError
 
 MiB = 1 << 20
 LARGE_BUFFER = 20 * MiB
@@ -133,9 +134,14 @@ def parse_alloc_conf(text: str, tie_break: str = "lowest_address") -> AllocConf:
             elif key == "backend":
                 if tok != "native":
                     raise AllocConfError(f"backend: only the native caching allocator is simulated, got {tok!r}")
-            elif key in ("release_lock_on_cudamalloc", "pinned_use_cuda_host_register",
-                         "pinned_num_register_threads", "pinned_use_background_threads",
-                         "pinned_reserve_segment_size_mb", "graph_capture_record_stream_reuse"):
+            elif key in (
+                "release_lock_on_cudamalloc",
+                "pinned_use_cuda_host_register",
+                "pinned_num_register_threads",
+                "pinned_use_background_threads",
+                "pinned_reserve_segment_size_mb",
+                "graph_capture_record_stream_reuse",
+            ):
                 pass  # accepted by PyTorch, no effect on device memory placement
             else:
                 raise AllocConfError(f"PYTORCH_CUDA_ALLOC_CONF: unknown option {key!r}")
@@ -156,8 +162,10 @@ def conf_from_snapshot_settings(settings: dict, tie_break: str = "lowest_address
             if str(mib).isdigit() and int(mib) > 0 and isinstance(v, int):
                 div[min(int(mib).bit_length() - 1, N_INTERVALS - 1)] = v
     gc = settings.get("garbage_collection_threshold", 0.0)
-    return AllocConf(max_split_size=mss if isinstance(mss, int) and 0 < mss < (1 << 62) else None,
-                     roundup_power2_divisions=tuple(div),
-                     expandable_segments=bool(settings.get("expandable_segments", False)),
-                     garbage_collection_threshold=float(gc) if isinstance(gc, (int, float)) else 0.0,
-                     tie_break=tie_break)
+    return AllocConf(
+        max_split_size=mss if isinstance(mss, int) and 0 < mss < (1 << 62) else None,
+        roundup_power2_divisions=tuple(div),
+        expandable_segments=bool(settings.get("expandable_segments", False)),
+        garbage_collection_threshold=float(gc) if isinstance(gc, (int, float)) else 0.0,
+        tie_break=tie_break,
+    )

@@ -5,6 +5,7 @@ file it writes is one a user could have made with those commands: report.md says
 All files are made in a private folder beside the output folder and moved into it only when the whole
 run succeeded, so a failed run leaves nothing behind (and other files in the output folder alone).
 """
+
 from __future__ import annotations
 
 import os
@@ -12,17 +13,21 @@ import shlex
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
-from planner.memory_report import MemoryReport, build_report, human_bytes
-from traces.errors import MemplanError
-from traces.format import Trace
-from traces.trace_model import CaptureChoice, choose_capture
+from memplan.planner.jobs.solve_file import solve_file
+from memplan.planner.layers import LayerMode
+from memplan.planner.replay.model_replay import replay_model_file
+from memplan.planner.report.memory_report import MemoryReport, build_report, human_bytes
+from memplan.planner.report.plots import plot_reports
+from memplan.traces.errors import MemplanError
+from memplan.traces.files import atomic_write
+from memplan.traces.format import Trace, save
+from memplan.traces.trace_model import CaptureChoice, choose_capture, trace_model_file
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = ROOT / "examples" / "bert_large_slice.py"
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "workloads" / "bert_large_slice.py"  # ships in the wheel
 MODES = ("baseline", "tempo", "selective", "tempo+selective")
 
 
@@ -76,28 +81,38 @@ class RunResult:
     seconds: float
 
     def summary(self) -> dict:
-        return {"model_file": self.options.model_file, "batch": self.options.batch, "seq": self.options.seq,
-                "dtype": self.options.dtype, "capture": self.capture.name, "capture_reason": self.capture.reason,
-                "rows": [asdict(r) for r in self.rows], "replay": self.replay,
-                "report": self.report_md, "timeline": self.timeline_png,
-                "address_space": self.address_space_png, "seconds": round(self.seconds, 1)}
+        return {
+            "model_file": self.options.model_file,
+            "batch": self.options.batch,
+            "seq": self.options.seq,
+            "dtype": self.options.dtype,
+            "capture": self.capture.name,
+            "capture_reason": self.capture.reason,
+            "rows": [asdict(r) for r in self.rows],
+            "replay": self.replay,
+            "report": self.report_md,
+            "timeline": self.timeline_png,
+            "address_space": self.address_space_png,
+            "seconds": round(self.seconds, 1),
+        }
 
 
 def reproduce_command(opts: RunOptions, mode: str, trace_file: str, plan_file: str, fake: bool) -> str:
     """The memplan commands that rebuild one row of the report by hand."""
     q = shlex.quote
-    return (f"memplan trace {q(opts.model_file)} --batch {opts.batch} --seq {opts.seq} --dtype {opts.dtype} "
-            f"--layers {mode}{' --fake' if fake else ''} -o {q(trace_file)} && "
-            f"memplan solve {q(trace_file)} -o {q(plan_file)} "
-            f"--time-limit {opts.time_limit:g} && memplan simulate {q(trace_file)} --plan {q(plan_file)}")
+    return (
+        f"memplan trace {q(opts.model_file)} --batch {opts.batch} --seq {opts.seq} --dtype {opts.dtype} "
+        f"--layers {mode}{' --fake' if fake else ''} -o {q(trace_file)} && "
+        f"memplan solve {q(trace_file)} -o {q(plan_file)} "
+        f"--time-limit {opts.time_limit:g} && memplan simulate {q(trace_file)} --plan {q(plan_file)}"
+    )
 
 
 def trace_mode(opts: RunOptions, mode: str, fake: bool) -> Trace:
     """Trace one training step of the model with `mode` layers, on real or fake tensors."""
-    from traces.trace_model import trace_model_file
-
-    return trace_model_file(opts.model_file, batch=opts.batch, seq=opts.seq, dtype=opts.dtype, layers=mode,
-                            fake=fake)
+    return trace_model_file(
+        opts.model_file, batch=opts.batch, seq=opts.seq, dtype=opts.dtype, layers=LayerMode(mode), fake=fake
+    )
 
 
 def choose_run_capture(opts: RunOptions, progress: Callable[[str], None]) -> tuple[CaptureChoice, dict[str, Trace]]:
@@ -116,12 +131,17 @@ def mode_files(mode: str) -> tuple[Path, Path]:
     return Path("traces") / f"{mode}.trace.json.gz", Path("plans") / f"{mode}.plan.json"
 
 
-def run_mode(opts: RunOptions, mode: str, work: Path, out: Path, fake: bool, traced: Trace | None,
-             progress: Callable[[str], None]) -> tuple[MemoryReport, ModeRow]:
+def run_mode(
+    opts: RunOptions,
+    mode: str,
+    work: Path,
+    out: Path,
+    fake: bool,
+    traced: Trace | None,
+    progress: Callable[[str], None],
+) -> tuple[MemoryReport, ModeRow]:
     """Trace (unless `traced` is this mode's trace already), solve and simulate one layer mode, writing
     into `work`; the row names the files in `out`."""
-    from solvers.solve_file import solve_file
-    from traces.format import save
 
     trace_rel, plan_rel = mode_files(mode)
     trace_file, plan_file = out / trace_rel, out / plan_rel
@@ -133,19 +153,27 @@ def run_mode(opts: RunOptions, mode: str, work: Path, out: Path, fake: bool, tra
     plan = solve_file(str(work / trace_rel), str(work / plan_rel), time_limit=opts.time_limit).plan
     progress(f"[{mode}] simulating the caching allocator")
     report = build_report(trace, mode, plan=plan, plan_name=str(plan_file))
-    row = ModeRow(mode=mode, trace_file=str(trace_file), plan_file=str(plan_file), buffers=len(trace),
-                  peak_live=trace.peak()[0], caching_peak_reserved=int(report.caching.peak_reserved),
-                  caching_peak_allocated=int(report.caching.peak_allocated), plan_arena=plan.arena,
-                  bound=plan.bound, status=plan.status, gap=plan.gap, solver=plan.solver,
-                  saving_vs_baseline=None,
-                  command=reproduce_command(opts, mode, str(trace_file), str(plan_file), fake))
+    row = ModeRow(
+        mode=mode,
+        trace_file=str(trace_file),
+        plan_file=str(plan_file),
+        buffers=len(trace),
+        peak_live=trace.peak()[0],
+        caching_peak_reserved=int(report.caching.peak_reserved),
+        caching_peak_allocated=int(report.caching.peak_allocated),
+        plan_arena=plan.arena,
+        bound=plan.bound,
+        status=plan.status,
+        gap=plan.gap,
+        solver=plan.solver,
+        saving_vs_baseline=None,
+        command=reproduce_command(opts, mode, str(trace_file), str(plan_file), fake),
+    )
     return report, row
 
 
 def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> RunResult:
     """Run the main job and write report.md, timeline.png and address_space.png into opts.out_dir."""
-    from planner.plots import plot_reports
-    from traces.files import atomic_write
 
     if not Path(opts.model_file).is_file():
         raise MemplanError(f"{opts.model_file}: no such model file")
@@ -176,8 +204,16 @@ def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> R
         plot_reports([replayed], work / "address_space.png", address_space=True)
 
         replay = None if capture.fake else replay_plan(opts, work, progress)
-        result = RunResult(opts, capture, rows, replay, str(out / "report.md"), str(out / "timeline.png"),
-                           str(out / "address_space.png"), time.monotonic() - start)
+        result = RunResult(
+            opts,
+            capture,
+            rows,
+            replay,
+            str(out / "report.md"),
+            str(out / "timeline.png"),
+            str(out / "address_space.png"),
+            time.monotonic() - start,
+        )
         atomic_write(work / "report.md", render_markdown(result))
         move_into(work, out)
     finally:
@@ -187,13 +223,20 @@ def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> R
 
 def replay_plan(opts: RunOptions, work: Path, progress: Callable[[str], None]) -> dict:
     """Replay the replayed mode's plan through the C++ plan allocator: its summary, with the mode."""
-    from planner.replay.model_replay import replay_model_file
 
     trace_rel, plan_rel = mode_files(opts.replay_mode)
     progress(f"[{opts.replay_mode}] replaying its plan for {opts.replay_steps} steps through the C++ plan allocator")
-    replay = replay_model_file(str(work / plan_rel), opts.model_file, trace_file=str(work / trace_rel),
-                               steps=opts.replay_steps, batch=opts.batch, seq=opts.seq, dtype=opts.dtype,
-                               layers=opts.replay_mode, progress=progress).summary()
+    replay = replay_model_file(
+        str(work / plan_rel),
+        opts.model_file,
+        trace_file=str(work / trace_rel),
+        steps=opts.replay_steps,
+        batch=opts.batch,
+        seq=opts.seq,
+        dtype=opts.dtype,
+        layers=opts.replay_mode,
+        progress=progress,
+    ).summary()
     return {**replay, "mode": opts.replay_mode}
 
 
@@ -214,8 +257,17 @@ def table_rows(result: RunResult) -> list[list[str]]:
     rows = [["layers", "peak live", "caching reserved", "plan arena", "bound", "proof", "saving vs baseline"]]
     for r in result.rows:
         proof = "optimal" if r.status == "optimal" else f"feasible, gap {100 * r.gap:.2g}%"
-        rows.append([r.mode, human_bytes(r.peak_live), human_bytes(r.caching_peak_reserved),
-                     human_bytes(r.plan_arena), human_bytes(r.bound), proof, _pct(r.saving_vs_baseline)])
+        rows.append(
+            [
+                r.mode,
+                human_bytes(r.peak_live),
+                human_bytes(r.caching_peak_reserved),
+                human_bytes(r.plan_arena),
+                human_bytes(r.bound),
+                proof,
+                _pct(r.saving_vs_baseline),
+            ]
+        )
     return rows
 
 
@@ -223,48 +275,73 @@ def render_text(result: RunResult) -> str:
     """The table as aligned text, then the replay and the files, for the terminal."""
     rows = table_rows(result)
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-             for row in rows]
-    lines += ["", f"traces: {result.capture.name} tensors ({result.capture.reason})",
-              replay_sentence(result), "",
-              f"report         {result.report_md}", f"timeline       {result.timeline_png}",
-              f"address space  {result.address_space_png}", f"wall time      {result.seconds:.1f} s"]
+    lines = [
+        "  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))) for row in rows
+    ]
+    lines += [
+        "",
+        f"traces: {result.capture.name} tensors ({result.capture.reason})",
+        replay_sentence(result),
+        "",
+        f"report         {result.report_md}",
+        f"timeline       {result.timeline_png}",
+        f"address space  {result.address_space_png}",
+        f"wall time      {result.seconds:.1f} s",
+    ]
     return "\n".join(lines)
 
 
 def replay_sentence(result: RunResult) -> str:
     r = result.replay
     if r is None:
-        return ("no replay: the traces are fake, and a replay runs the real step on this machine "
-                "(--capture real replays it)")
+        return (
+            "no replay: the traces are fake, and a replay runs the real step on this machine "
+            "(--capture real replays it)"
+        )
     equal = "bitwise equal to" if r["bitwise_equal"] else f"DIFFERENT from ({r['first_difference']})"
-    return (f"replay of the {r['mode']} plan: {r['steps']} steps; {r['adopted_count']:,} of {r['reserved_count']:,} "
-            f"resident storages adopted into the {human_bytes(r['arena_bytes'])} arena "
-            f"({human_bytes(r['outside_bytes'])} left outside), {r['planned_count']:,} allocations from it, "
-            f"{r['fallback_count']} fallbacks; measured peak {human_bytes(r['peak_bytes'])}: arena top + fallback + "
-            f"outside; loss and gradients {equal} the default allocator's run")
+    return (
+        f"replay of the {r['mode']} plan: {r['steps']} steps; {r['adopted_count']:,} of {r['reserved_count']:,} "
+        f"resident storages adopted into the {human_bytes(r['arena_bytes'])} arena "
+        f"({human_bytes(r['outside_bytes'])} left outside), {r['planned_count']:,} allocations from it, "
+        f"{r['fallback_count']} fallbacks; measured peak {human_bytes(r['peak_bytes'])}: arena top + fallback + "
+        f"outside; loss and gradients {equal} the default allocator's run"
+    )
 
 
 def render_markdown(result: RunResult) -> str:
     """report.md: the table, what each column means, the replay, and the command behind each row."""
     o = result.options
     rows = table_rows(result)
-    md = [f"# memplan report: {Path(o.model_file).stem}", "",
-          f"One training step (forward, backward, AdamW) of `{o.model_file}` at batch {o.batch}, sequence "
-          f"{o.seq}, {o.dtype}, traced under each layer mode with {result.capture.name} tensors "
-          f"({result.capture.reason}).", "",
-          "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    md = [
+        f"# memplan report: {Path(o.model_file).stem}",
+        "",
+        f"One training step (forward, backward, AdamW) of `{o.model_file}` at batch {o.batch}, sequence "
+        f"{o.seq}, {o.dtype}, traced under each layer mode with {result.capture.name} tensors "
+        f"({result.capture.reason}).",
+        "",
+        "| " + " | ".join(rows[0]) + " |",
+        "|" + "---|" * len(rows[0]),
+    ]
     md += ["| " + " | ".join(row) + " |" for row in rows[1:]]
-    md += ["",
-           "- **peak live**: the most bytes held by live tensors at once (requested sizes).",
-           "- **caching reserved**: peak bytes PyTorch's CUDA caching allocator would reserve (simulated).",
-           "- **plan arena**: the arena of memplan's plan, checked by the independent verifier.",
-           "- **bound**: the max-live lower bound (sizes rounded to 512 B); **proof** says whether the arena "
-           "equals it.",
-           "- **saving vs baseline**: 1 - plan arena / baseline's caching-allocator reserved peak.", "",
-           "## Replay", "", replay_sentence(result) + ".", "",
-           "![timeline](timeline.png)", "", "![address space](address_space.png)", "",
-           "## Reproduce each row", ""]
+    md += [
+        "",
+        "- **peak live**: the most bytes held by live tensors at once (requested sizes).",
+        "- **caching reserved**: peak bytes PyTorch's CUDA caching allocator would reserve (simulated).",
+        "- **plan arena**: the arena of memplan's plan, checked by the independent verifier.",
+        "- **bound**: the max-live lower bound (sizes rounded to 512 B); **proof** says whether the arena equals it.",
+        "- **saving vs baseline**: 1 - plan arena / baseline's caching-allocator reserved peak.",
+        "",
+        "## Replay",
+        "",
+        replay_sentence(result) + ".",
+        "",
+        "![timeline](timeline.png)",
+        "",
+        "![address space](address_space.png)",
+        "",
+        "## Reproduce each row",
+        "",
+    ]
     for r in result.rows:
         md += [f"**{r.mode}**", "", "```", r.command, "```", ""]
     md.append(f"Wall time of the whole run: {result.seconds:.1f} s.")

@@ -3,6 +3,7 @@
 One MemoryReport per trace feeds the simulate summary, the per-event timeline CSV, the plots and
 the compare table, so every view shows the same numbers.
 """
+
 from __future__ import annotations
 
 import csv
@@ -13,10 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
-from planner.caching_allocator import SimResult
-from planner.plan import Plan
-from planner.plan_memory import PlanMemory, simulate_plan
-from traces.format import PHASES, Trace
+from memplan.planner.plan import Plan
+from memplan.planner.problem import problem_from_trace
+from memplan.planner.simulate.alloc_conf import parse_alloc_conf
+from memplan.planner.simulate.caching_allocator import SimResult, simulate_caching
+from memplan.planner.simulate.plan_footprint import PlanMemory, simulate_plan
+from memplan.traces.format import PHASES, Trace
 
 
 @dataclass
@@ -57,19 +60,31 @@ def trace_title(trace: Trace, name: str) -> str:
     return " · ".join(parts) if parts else Path(name).name
 
 
-def build_report(trace: Trace, name: str, plan=None, plan_name: str | None = None,
-                 alloc_conf: str = "", capacity: int | None = None, tie_break: str = "lowest_address") -> MemoryReport:
+def build_report(
+    trace: Trace,
+    name: str,
+    plan=None,
+    plan_name: str | None = None,
+    alloc_conf: str = "",
+    capacity: int | None = None,
+    tie_break: str = "lowest_address",
+) -> MemoryReport:
     """Simulate `trace` on the caching allocator and, when given, on `plan` (checked to belong to it)."""
-    from planner.alloc_conf import parse_alloc_conf
-    from planner.caching_allocator import simulate_caching
-    from planner.problem import problem_from_trace
 
     conf = parse_alloc_conf(alloc_conf, tie_break)
     plan_memory = simulate_plan(trace, plan, name, plan_name or "plan") if plan is not None else None
     return MemoryReport(
-        name=name, trace=trace, bound=problem_from_trace(trace).max_live(),
-        caching=simulate_caching(trace, conf, capacity=capacity), alloc_conf=alloc_conf, capacity=capacity,
-        tie_break=tie_break, plan=plan, plan_name=plan_name, plan_memory=plan_memory)
+        name=name,
+        trace=trace,
+        bound=problem_from_trace(trace).max_live(),
+        caching=simulate_caching(trace, conf, capacity=capacity),
+        alloc_conf=alloc_conf,
+        capacity=capacity,
+        tie_break=tie_break,
+        plan=plan,
+        plan_name=plan_name,
+        plan_memory=plan_memory,
+    )
 
 
 def phase_at_times(trace: Trace) -> np.ndarray:
@@ -94,21 +109,38 @@ def report_summary(report: MemoryReport, timeline: str | None = None) -> dict:
     plan = None
     if report.plan is not None:
         pm = report.plan_memory
-        plan = {"path": report.plan_name, "scope": report.plan.scope, "arena": pm.arena,
-                "outside_peak": pm.peak_outside, "total_peak": pm.peak_total, "status": report.plan.status,
-                "gap": report.plan.gap, "bound": report.plan.bound, "solver": report.plan.solver,
-                "peak_in_use": pm.peak_in_use,
-                "fits_capacity": None if report.capacity is None else pm.peak_total <= report.capacity}
+        plan = {
+            "path": report.plan_name,
+            "scope": report.plan.scope,
+            "arena": pm.arena,
+            "outside_peak": pm.peak_outside,
+            "total_peak": pm.peak_total,
+            "status": report.plan.status,
+            "gap": report.plan.gap,
+            "bound": report.plan.bound,
+            "solver": report.plan.solver,
+            "peak_in_use": pm.peak_in_use,
+            "fits_capacity": None if report.capacity is None else pm.peak_total <= report.capacity,
+        }
     return {
-        "trace": report.name, "buffers": len(trace), "events": trace.end,
-        "peak_live": peak, "peak_live_time": peak_t,
+        "trace": report.name,
+        "buffers": len(trace),
+        "events": trace.end,
+        "peak_live": peak,
+        "peak_live_time": peak_t,
         "peak_live_phase": PHASES[phase_at_times(trace)[peak_t]] if trace.end else "other",
         "bound": report.bound,
         "plan": plan,
-        "caching": {"alloc_conf": report.alloc_conf, "tie_break": report.tie_break, "capacity": report.capacity,
-                    "peak_allocated": int(sim.peak_allocated), "peak_reserved": int(sim.peak_reserved),
-                    "fragmentation_at_peak": float(sim.fragmentation_at_peak),
-                    "segment_allocs": int(sim.segment_allocs), "oom": sim.oom},
+        "caching": {
+            "alloc_conf": report.alloc_conf,
+            "tie_break": report.tie_break,
+            "capacity": report.capacity,
+            "peak_allocated": int(sim.peak_allocated),
+            "peak_reserved": int(sim.peak_reserved),
+            "fragmentation_at_peak": float(sim.fragmentation_at_peak),
+            "segment_allocs": int(sim.segment_allocs),
+            "oom": sim.oom,
+        },
         "timeline": timeline,
     }
 
@@ -119,8 +151,7 @@ def report_text(s: dict) -> str:
     c = s["caching"]
     lines = [
         f"trace              {s['trace']} ({s['buffers']:,} buffers, {s['events']:,} events)",
-        f"peak live          {human_bytes(s['peak_live'])} at event {s['peak_live_time']:,} "
-        f"({s['peak_live_phase']})",
+        f"peak live          {human_bytes(s['peak_live'])} at event {s['peak_live_time']:,} ({s['peak_live_phase']})",
         f"max-live bound     {human_bytes(s['bound'])}",
     ]
     p = s["plan"]
@@ -129,11 +160,15 @@ def report_text(s: dict) -> str:
     else:
         gap = "" if p["status"] == "optimal" else f", gap {p['gap']:.2%} to its bound {human_bytes(p['bound'])}"
         whole = p["scope"] == "all"  # a step plan's arena is only part of the footprint: compare the total
-        lines.append(f"plan arena         {human_bytes(p['arena'])}{ratio(p['arena']) if whole else ''} "
-                     f"[{p['status']}{gap}; {p['solver']}]")
+        lines.append(
+            f"plan arena         {human_bytes(p['arena'])}{ratio(p['arena']) if whole else ''} "
+            f"[{p['status']}{gap}; {p['solver']}]"
+        )
         if not whole:
-            lines.append(f"  outside plan     {human_bytes(p['outside_peak'])} (scope {p['scope']}: parameters, "
-                         f"optimizer state, inputs), {human_bytes(p['total_peak'])}{ratio(p['total_peak'])} in all")
+            lines.append(
+                f"  outside plan     {human_bytes(p['outside_peak'])} (scope {p['scope']}: parameters, "
+                f"optimizer state, inputs), {human_bytes(p['total_peak'])}{ratio(p['total_peak'])} in all"
+            )
         if p["fits_capacity"] is not None:
             lines.append(f"  within capacity  {'yes' if p['fits_capacity'] else 'NO'}")
     conf = c["alloc_conf"] or "default"
@@ -155,8 +190,10 @@ def oom_text(oom: dict | None) -> str:
     """Where the simulated allocator ran out of memory, or "no"."""
     if oom is None:
         return "no"
-    return (f"YES at event {oom['time']:,}: buffer {oom['buffer']} of {human_bytes(oom['size'])} "
-            f"could not be served ({oom['details']})")
+    return (
+        f"YES at event {oom['time']:,}: buffer {oom['buffer']} of {human_bytes(oom['size'])} "
+        f"could not be served ({oom['details']})"
+    )
 
 
 TIMELINE_COLUMNS = ("time", "phase", "live", "allocated", "reserved", "plan_arena", "plan_in_use", "plan_outside")
@@ -165,8 +202,13 @@ TIMELINE_COLUMNS = ("time", "phase", "live", "allocated", "reserved", "plan_aren
 def timeline_csv(report: MemoryReport) -> str:
     """Per-event series as CSV (TIMELINE_COLUMNS); the plan columns are empty without a plan."""
     end = report.trace.end
-    columns = [range(end), np.array(PHASES)[phase_at_times(report.trace)].tolist(), report.live.tolist(),
-               report.caching.allocated.tolist(), report.caching.reserved.tolist()]
+    columns = [
+        range(end),
+        np.array(PHASES)[phase_at_times(report.trace)].tolist(),
+        report.live.tolist(),
+        report.caching.allocated.tolist(),
+        report.caching.reserved.tolist(),
+    ]
     pm = report.plan_memory
     columns += [[""] * end] * 3 if pm is None else [[pm.arena] * end, pm.in_use.tolist(), pm.outside.tolist()]
     out = io.StringIO()

@@ -2,11 +2,12 @@
 
 The default workload of `memplan run`: each layer is a real BERT-Large layer, so per-layer savings read
 as they would on the full model, while a traced step takes seconds on a 2-core CPU.
-Example: memplan trace examples/bert_large_slice.py --batch 4 --seq 128 --layers tempo
+Example: memplan trace planner/workloads/bert_large_slice.py --batch 4 --seq 128 --layers tempo
 """
+
 from dataclasses import replace
 
-from planner.workloads.bert import LARGE, build_workload
+from memplan.planner.workloads.bert import LARGE, build_workload
 
 LAYERS = 2
 

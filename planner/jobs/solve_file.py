@@ -1,14 +1,17 @@
 """`memplan solve` without the CLI: read a trace or MiniMalloc CSV, solve it, write the verified plan."""
+
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from planner.plan import Plan, save_plan
-from planner.problem import Problem, ProblemError, problem_from_trace
-from solvers.portfolio import Progress, solve
+from memplan.planner.minimalloc_csv import read_csv, write_csv
+from memplan.planner.plan import Plan, save_plan
+from memplan.planner.problem import Problem, ProblemError, problem_from_trace
+from memplan.solvers.portfolio import Progress, solve
+from memplan.traces.format import load
 
 TRACE_ALIGNMENT, CSV_ALIGNMENT = 512, 1
 
@@ -23,20 +26,35 @@ class SolveReport:
 
     def summary(self) -> dict:
         p = self.plan
-        return {"input": self.source, "output": self.output, "buffers": p.buffers,
-                "outside": sum(1 for o in p.offsets if o < 0), "scope": p.scope, "bound": p.bound,
-                "arena": p.arena, "ratio": round(p.arena / p.bound, 6) if p.bound else 1.0,
-                "status": p.status, "gap": round(p.gap, 6), "solver": p.solver, "seconds": p.seconds,
-                "capacity": p.capacity, "alignment": p.alignment}
+        return {
+            "input": self.source,
+            "output": self.output,
+            "buffers": p.buffers,
+            "outside": sum(1 for o in p.offsets if o < 0),
+            "scope": p.scope,
+            "bound": p.bound,
+            "arena": p.arena,
+            "ratio": round(p.arena / p.bound, 6) if p.bound else 1.0,
+            "status": p.status,
+            "gap": round(p.gap, 6),
+            "solver": p.solver,
+            "seconds": p.seconds,
+            "capacity": p.capacity,
+            "alignment": p.alignment,
+        }
 
     def text(self) -> str:
         s = self.summary()
         status = "optimal" if s["status"] == "optimal" else f"feasible (gap {100 * s['gap']:.3g}%)"
         outside = f" ({s['outside']} outside the step plan)" if s["scope"] != "all" else ""
-        lines = [f"buffers      {s['buffers']}{outside}", f"bound        {s['bound']:,} B",
-                 f"arena        {s['arena']:,} B",
-                 f"arena/bound  {s['ratio']:.4f}", f"status       {status}",
-                 f"seconds      {s['seconds']:.2f} ({s['solver']})"]
+        lines = [
+            f"buffers      {s['buffers']}{outside}",
+            f"bound        {s['bound']:,} B",
+            f"arena        {s['arena']:,} B",
+            f"arena/bound  {s['ratio']:.4f}",
+            f"status       {status}",
+            f"seconds      {s['seconds']:.2f} ({s['solver']})",
+        ]
         if self.output:
             lines.append(f"plan         {self.output}")
         return "\n".join(lines)
@@ -45,11 +63,9 @@ class SolveReport:
 def load_problem(path: str, alignment: int | None = None, scope: str = "all") -> Problem:
     """A Problem from a MiniMalloc CSV (alignment 1 by default) or a memplan trace (alignment 512)."""
     if os.fspath(path).endswith((".csv", ".csv.gz")):
-        from planner.minimalloc_csv import read_csv
         if scope != "all":
             raise ProblemError(f"--scope {scope}: a MiniMalloc CSV has no training step; plan a trace")
         return read_csv(path, alignment=alignment or CSV_ALIGNMENT)[0]
-    from traces.format import load
     return problem_from_trace(load(path), alignment=alignment or TRACE_ALIGNMENT, scope=scope)
 
 
@@ -62,22 +78,35 @@ def throttled(report: Callable[[str], None], every: float = 0.5) -> Callable[[Pr
         if p.best != last["best"] or now - last["t"] >= every:
             last.update(t=now, best=p.best)
             report(f"best {p.best:,} B  bound {p.bound:,} B  {p.seconds:.1f} s  ({p.solver})")
+
     return tell
 
 
-def solve_file(path: str, output: str | None = None, *, method: str = "auto", time_limit: float = 10.0,
-               capacity: int | None = None, alignment: int | None = None, scope: str = "all",
-               progress: Callable[[str], None] | None = None) -> SolveReport:
+def solve_file(
+    path: str,
+    output: str | None = None,
+    *,
+    method: str = "auto",
+    time_limit: float = 10.0,
+    capacity: int | None = None,
+    alignment: int | None = None,
+    scope: str = "all",
+    progress: Callable[[str], None] | None = None,
+) -> SolveReport:
     """Solve one trace or CSV; write the plan (JSON, or CSV with offsets when `output` ends in .csv)."""
     to_csv = output is not None and os.fspath(output).endswith((".csv", ".csv.gz"))
     if to_csv and scope != "all":
         raise ProblemError(f"--scope {scope}: a MiniMalloc CSV cannot leave buffers out; write a .json plan")
     problem = load_problem(path, alignment, scope)
-    plan = solve(problem, method=method, time_limit=time_limit, capacity=capacity,
-                 progress=throttled(progress) if progress else None)
+    plan = solve(
+        problem,
+        method=method,
+        time_limit=time_limit,
+        capacity=capacity,
+        progress=throttled(progress) if progress else None,
+    )
     if output is not None:
         if to_csv:
-            from planner.minimalloc_csv import write_csv
             write_csv(output, problem, plan.offsets)  # solve() verified the plan
         else:
             save_plan(plan, problem, output)

@@ -8,17 +8,18 @@ garbage-collection threshold, and on a failed device allocation the retries (rel
 cached blocks, then every unsplit cached block). Free blocks are kept per (pool, stream) in a
 sorted list of integer keys (size, [segment id,] address) searched with bisect.
 """
+
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
-from planner.alloc_conf import AllocConf
-from traces.errors import MemplanError
-from traces.format import Trace
+from memplan.planner.simulate.alloc_conf import AllocConf
+from memplan.traces.errors import MemplanError
+from memplan.traces.format import Trace
 
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20  # largest small-pool request
@@ -100,6 +101,7 @@ def bump_addresses(start: int = FAKE_BASE) -> Callable[[int, int, bool], int]:
         addr = nxt[0]
         nxt[0] += (size + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE
         return addr
+
     return take
 
 
@@ -110,8 +112,12 @@ class CachingAllocator:
     fraction; `segment_address(size, stream, small)` supplies the base address of each new segment.
     """
 
-    def __init__(self, conf: AllocConf = AllocConf(), capacity: int | None = None,
-                 segment_address: Callable[[int, int, bool], int] | None = None):
+    def __init__(
+        self,
+        conf: AllocConf = AllocConf(),
+        capacity: int | None = None,
+        segment_address: Callable[[int, int, bool], int] | None = None,
+    ):
         self.conf = conf
         self.capacity = capacity
         self.segment_address = segment_address or bump_addresses()
@@ -171,8 +177,7 @@ class CachingAllocator:
         self.segments[seg.id] = seg
         return seg
 
-    def add_segment(self, addr: int, size: int, stream: int, small: bool,
-                    blocks: list[tuple[int, bool]]) -> None:
+    def add_segment(self, addr: int, size: int, stream: int, small: bool, blocks: list[tuple[int, bool]]) -> None:
         """Install an existing (non-expandable) segment: `blocks` = [(size, allocated)] in address order.
 
         Adjacent free blocks are merged, as the allocator would have done.
@@ -225,7 +230,8 @@ class CachingAllocator:
             if b is None:
                 raise SimulatedOOM(
                     f"out of memory: tried to allocate {alloc} bytes ({size} requested) with "
-                    f"{self.allocated} allocated and {self.reserved} reserved of {self.capacity}")
+                    f"{self.allocated} allocated and {self.reserved} reserved of {self.capacity}"
+                )
         # split the front off, if the rules allow
         remaining = b.size - rsize
         if (remaining >= MIN_BLOCK) if (small or b.seg.expandable) else (rsize < self.mss and remaining > SMALL_SIZE):
@@ -252,8 +258,10 @@ class CachingAllocator:
             return None
         b = self.free_at[keys[i] & ADDR_MASK]
         if b.seg.expandable:  # best fit counts the unmapped space a block can grow into
+
             def grow(x):
                 return x.size + (x.next.size if x.next is not None and not x.next.mapped else 0)
+
             j = i + 1
             while j < len(keys):
                 nb = self.free_at[keys[j] & ADDR_MASK]
@@ -361,9 +369,10 @@ class CachingAllocator:
 
         def large_free():
             out = []
-            for (small, stream) in sorted(k for k in self.free_lists if not k[0]):
+            for small, stream in sorted(k for k in self.free_lists if not k[0]):
                 out.extend(self.free_at[k & ADDR_MASK] for k in self.free_lists[(small, stream)])
             return out
+
         freeable = [b for b in large_free() if b.prev is None and b.next is None]
         if not freeable:
             return
@@ -402,6 +411,7 @@ class CachingAllocator:
                 total += b.size
                 b = b.next
             return total >= size
+
         for addr in self.unmapped.get((small, stream), []):
             c = self.unmapped_at[addr]
             if c.prev is not None and not c.prev.allocated:
@@ -519,9 +529,13 @@ class SimResult:
 
     def summary(self) -> dict:
         """The totals as a JSON-ready dict."""
-        return {"peak_allocated": self.peak_allocated, "peak_reserved": self.peak_reserved,
-                "segment_allocs": self.segment_allocs,
-                "fragmentation_at_peak": round(self.fragmentation_at_peak, 6), "oom": self.oom}
+        return {
+            "peak_allocated": self.peak_allocated,
+            "peak_reserved": self.peak_reserved,
+            "segment_allocs": self.segment_allocs,
+            "fragmentation_at_peak": round(self.fragmentation_at_peak, 6),
+            "oom": self.oom,
+        }
 
 
 def simulate_caching(trace: Trace, conf: AllocConf = AllocConf(), capacity: int | None = None) -> SimResult:
@@ -572,6 +586,14 @@ def simulate_caching(trace: Trace, conf: AllocConf = AllocConf(), capacity: int 
     peak_res = int(res_at[peak_t]) if end else 0
     frag = 1.0 - alloc_at[peak_t] / peak_res if peak_res else 0.0
     n_seg = sum(1 for e in a.events if e.action in ("segment_alloc", "segment_map"))
-    return SimResult(allocated=alloc_at, reserved=res_at, peak_allocated=int(alloc_at.max()) if end else 0,
-                     peak_reserved=peak_res, segment_allocs=n_seg, fragmentation_at_peak=float(frag),
-                     oom=oom, addr=np.asarray(addr, np.int64), conf=conf)
+    return SimResult(
+        allocated=alloc_at,
+        reserved=res_at,
+        peak_allocated=int(alloc_at.max()) if end else 0,
+        peak_reserved=peak_res,
+        segment_allocs=n_seg,
+        fragmentation_at_peak=float(frag),
+        oom=oom,
+        addr=np.asarray(addr, np.int64),
+        conf=conf,
+    )

@@ -5,6 +5,7 @@ named, the caching allocator's reserved and allocated bytes and the plan's footp
 `address_space`, a second row draws each plan's buffers as rectangles (lifetime by offset).
 Traces longer than MAX_POINTS events are max-pooled so that peaks stay visible and drawing stays fast.
 """
+
 from __future__ import annotations
 
 import io
@@ -20,16 +21,21 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
-from planner.memory_report import MemoryReport, human_bytes, phase_at_times, trace_title
-from traces.errors import MemplanError
-from traces.files import atomic_write
-from traces.format import CATEGORIES, PHASES, Trace
+from memplan.planner.report.memory_report import MemoryReport, human_bytes, phase_at_times, trace_title
+from memplan.traces.errors import MemplanError
+from memplan.traces.files import atomic_write
+from memplan.traces.format import CATEGORIES, PHASES, Trace
 
 MAX_POINTS = 20_000
 EVENTS_FORMAT = FuncFormatter(lambda v, _: f"{v:,.0f}")
 CATEGORY_COLORS = {
-    "parameter": "#4c72b0", "gradient": "#dd8452", "optimizer": "#8172b3", "activation": "#55a868",
-    "input": "#937860", "temporary": "#da8bc3", "unknown": "#a0a0a0",
+    "parameter": "#4c72b0",
+    "gradient": "#dd8452",
+    "optimizer": "#8172b3",
+    "activation": "#55a868",
+    "input": "#937860",
+    "temporary": "#da8bc3",
+    "unknown": "#a0a0a0",
 }
 PHASE_COLORS = {"forward": "#e8f1fa", "backward": "#fdf0e4", "optimizer": "#eef6e9"}
 RESERVED_COLOR, ALLOCATED_COLOR, PLAN_COLOR = "#1a1a1a", "#606060", "#d62728"
@@ -111,8 +117,17 @@ def draw_timeline(ax, report: MemoryReport, scale: int) -> None:
     codes = phases[keep]
     for code, phase in enumerate(PHASES):
         if phase in PHASE_COLORS and (codes == code).any():
-            ax.fill_between(x, 0, 1, where=codes == code, step=step, transform=ax.get_xaxis_transform(),
-                            color=PHASE_COLORS[phase], linewidth=0, zorder=0)
+            ax.fill_between(
+                x,
+                0,
+                1,
+                where=codes == code,
+                step=step,
+                transform=ax.get_xaxis_transform(),
+                color=PHASE_COLORS[phase],
+                linewidth=0,
+                zorder=0,
+            )
     label_phases(ax, phases, trace.end)
     lower = np.zeros(len(keep))
     for cat, series in category_live(trace).items():
@@ -121,20 +136,46 @@ def draw_timeline(ax, report: MemoryReport, scale: int) -> None:
         lower = upper
     drawstyle = "steps-post" if w == 1 else "default"
     sim = report.caching
-    ax.plot(x, pool_max(np.asarray(sim.reserved, dtype=np.int64), w) / scale, color=RESERVED_COLOR,
-            linewidth=1.4, drawstyle=drawstyle, zorder=4)
-    ax.plot(x, pool_max(np.asarray(sim.allocated, dtype=np.int64), w) / scale, color=ALLOCATED_COLOR,
-            linewidth=1.0, linestyle=(0, (4, 2)), drawstyle=drawstyle, zorder=4)
+    ax.plot(
+        x,
+        pool_max(np.asarray(sim.reserved, dtype=np.int64), w) / scale,
+        color=RESERVED_COLOR,
+        linewidth=1.4,
+        drawstyle=drawstyle,
+        zorder=4,
+    )
+    ax.plot(
+        x,
+        pool_max(np.asarray(sim.allocated, dtype=np.int64), w) / scale,
+        color=ALLOCATED_COLOR,
+        linewidth=1.0,
+        linestyle=(0, (4, 2)),
+        drawstyle=drawstyle,
+        zorder=4,
+    )
     if report.plan_memory is not None:  # the arena, plus what a step plan leaves outside it
-        ax.plot(x, pool_max(report.plan_memory.total, w) / scale, color=PLAN_COLOR, linewidth=1.6,
-                drawstyle=drawstyle, zorder=5)
+        ax.plot(
+            x,
+            pool_max(report.plan_memory.total, w) / scale,
+            color=PLAN_COLOR,
+            linewidth=1.6,
+            drawstyle=drawstyle,
+            zorder=5,
+        )
     peak, peak_t = trace.peak()
     ax.plot([peak_t], [peak / scale], marker="v", color="black", markersize=5, zorder=6)
     where = peak_t / max(trace.end, 1)
     align = "right" if where > 0.85 else "left" if where < 0.15 else "center"
-    ax.annotate(f"peak live {human_bytes(peak)}", (peak_t, peak / scale), textcoords="offset points",
-                xytext=(0, 7), ha=align, fontsize=8, zorder=7,
-                bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="none", alpha=0.85))
+    ax.annotate(
+        f"peak live {human_bytes(peak)}",
+        (peak_t, peak / scale),
+        textcoords="offset points",
+        xytext=(0, 7),
+        ha=align,
+        fontsize=8,
+        zorder=7,
+        bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="none", alpha=0.85),
+    )
     stats = [f"reserved {human_bytes(sim.peak_reserved)}"]
     pm = report.plan_memory
     if pm is not None:
@@ -156,8 +197,17 @@ def label_phases(ax, codes: np.ndarray, end: int) -> None:
     for a, b in zip(starts, stops):
         phase = PHASES[codes[a]]
         if phase in PHASE_COLORS and b - a >= 0.08 * end:
-            ax.text((a + b) / 2, 0.985, phase, transform=ax.get_xaxis_transform(), ha="center", va="top",
-                    fontsize=8, color="#555555", zorder=7)
+            ax.text(
+                (a + b) / 2,
+                0.985,
+                phase,
+                transform=ax.get_xaxis_transform(),
+                ha="center",
+                va="top",
+                fontsize=8,
+                color="#555555",
+                zorder=7,
+            )
 
 
 def draw_address_space(ax, report: MemoryReport, scale: int) -> None:
@@ -168,8 +218,9 @@ def draw_address_space(ax, report: MemoryReport, scale: int) -> None:
     x0, x1 = trace.alloc[idx].astype(float), trace.free[idx].astype(float)
     y0 = offsets[idx] / scale
     y1 = (offsets[idx] + trace.size[idx]) / scale
-    verts = np.stack([np.stack([x0, y0], 1), np.stack([x0, y1], 1),
-                      np.stack([x1, y1], 1), np.stack([x1, y0], 1)], axis=1)
+    verts = np.stack(
+        [np.stack([x0, y0], 1), np.stack([x0, y1], 1), np.stack([x1, y1], 1), np.stack([x1, y0], 1)], axis=1
+    )
     # neighbours of one category get slightly different shades so that single buffers stand out
     shade = 1.0 - 0.12 * (np.arange(len(idx)) % 3)[:, None]
     palette = np.array([to_rgb(CATEGORY_COLORS[c]) for c in CATEGORIES])
@@ -191,8 +242,14 @@ def draw_address_space(ax, report: MemoryReport, scale: int) -> None:
 def plot_reports(reports: list[MemoryReport], path: str | os.PathLike, address_space: bool = False) -> None:
     """Draw the timelines of `reports` side by side (and their plans' address space) into `path`."""
     fmt = check_request(path, address_space, any(r.plan is not None for r in reports))
-    largest = max(max(int(r.live.max(initial=0)), int(r.caching.peak_reserved),
-                      r.plan_memory.peak_total if r.plan_memory is not None else 0) for r in reports)
+    largest = max(
+        max(
+            int(r.live.max(initial=0)),
+            int(r.caching.peak_reserved),
+            r.plan_memory.peak_total if r.plan_memory is not None else 0,
+        )
+        for r in reports
+    )
     unit, scale = byte_unit(largest)
     rows, cols = (2 if address_space else 1), len(reports)
     fig = Figure(figsize=(min(6.4 * cols, 22), 4.6 * rows + 0.9), layout="constrained")
@@ -236,11 +293,17 @@ def legend_handles(reports: list[MemoryReport]) -> list:
     handles = [Patch(color=CATEGORY_COLORS[c], label=c) for c in CATEGORIES if c in present]
     phases = {p for r in reports for p in r.trace.phase}
     handles += [Patch(color=PHASE_COLORS[p], label=f"{p} phase") for p in PHASE_COLORS if p in phases]
-    handles += [Line2D([], [], color=RESERVED_COLOR, linewidth=1.4, label="caching allocator: reserved"),
-                Line2D([], [], color=ALLOCATED_COLOR, linewidth=1.0, linestyle=(0, (4, 2)),
-                       label="caching allocator: allocated")]
+    handles += [
+        Line2D([], [], color=RESERVED_COLOR, linewidth=1.4, label="caching allocator: reserved"),
+        Line2D(
+            [], [], color=ALLOCATED_COLOR, linewidth=1.0, linestyle=(0, (4, 2)), label="caching allocator: allocated"
+        ),
+    ]
     if any(r.plan_memory is not None for r in reports):
         outside = any(r.plan_memory is not None and r.plan_memory.peak_outside for r in reports)
-        handles.append(Line2D([], [], color=PLAN_COLOR, linewidth=1.6,
-                              label="plan: arena + outside it" if outside else "plan: arena"))
+        handles.append(
+            Line2D(
+                [], [], color=PLAN_COLOR, linewidth=1.6, label="plan: arena + outside it" if outside else "plan: arena"
+            )
+        )
     return handles

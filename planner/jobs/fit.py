@@ -7,22 +7,44 @@ with the size as its capacity, so its out-of-memory retry applies; or a plan fro
 The traces are real, or fake (fake tensors: any size, in seconds) where the steps near the answer
 would be slow or would not fit this machine: `--capture` chooses, the summary says which.
 """
+
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
-from traces.errors import MemplanError
-from traces.trace_model import HOST_SHARE, CaptureChoice, choose_capture, host_memory_available
+from memplan.planner.layers import MODES, LayerMode
+from memplan.planner.problem import problem_from_trace
+from memplan.planner.simulate.alloc_conf import parse_alloc_conf
+from memplan.planner.simulate.caching_allocator import simulate_caching
+from memplan.solvers import CapacityError, solve
+from memplan.traces.errors import MemplanError
+from memplan.traces.trace_model import (
+    HOST_SHARE,
+    CaptureChoice,
+    choose_capture,
+    host_memory_available,
+    trace_model_file,
+)
 
 MEASURE_BATCHES = (1, 2, 4)
 MAX_BATCH = 4096  # the search stops here: larger batches take too long to trace
 GROWTH = 8  # a trace is at most this many times the largest batch known to fit
-UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-         "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
 ALLOCATORS = ("caching", "plan")
 
 
@@ -66,9 +88,15 @@ class Point:
         return self.caching_fits if allocator == "caching" else self.plan_fits
 
     def as_dict(self) -> dict:
-        return {"batch": self.batch, "caching_reserved": self.caching_reserved, "caching_fits": self.caching_fits,
-                "plan_arena": self.plan_arena, "plan_bound": self.plan_bound, "plan_fits": self.plan_fits,
-                "plan_miss_proven": self.plan_miss_proven}
+        return {
+            "batch": self.batch,
+            "caching_reserved": self.caching_reserved,
+            "caching_fits": self.caching_fits,
+            "plan_arena": self.plan_arena,
+            "plan_bound": self.plan_bound,
+            "plan_fits": self.plan_fits,
+            "plan_miss_proven": self.plan_miss_proven,
+        }
 
 
 @dataclass
@@ -90,12 +118,19 @@ class ModeFit:
         return self.points.get(b), self.points[b + 1]
 
     def as_dict(self) -> dict:
-        out = {"mode": self.mode, "traces": self.traces, "points": [p.as_dict() for _, p in sorted(self.points.items())]}
+        out = {
+            "mode": self.mode,
+            "traces": self.traces,
+            "points": [p.as_dict() for _, p in sorted(self.points.items())],
+        }
         for a in ALLOCATORS:
             at, above = self.boundary(a)
-            out[a] = {"batch": self.batch[a], "predicted": self.predicted[a],
-                      "at_batch": at.figure(a) if at else None,
-                      "at_next": above.figure(a)}
+            out[a] = {
+                "batch": self.batch[a],
+                "predicted": self.predicted[a],
+                "at_batch": at.figure(a) if at else None,
+                "at_next": above.figure(a),
+            }
         above = self.boundary("plan")[1]
         out["plan"]["next_bound"] = above.plan_bound
         out["plan"]["next_proven"] = above.plan_miss_proven
@@ -117,35 +152,55 @@ class FitResult:
 
     def summary(self) -> dict:
         """The JSON document of `memplan fit --json`."""
-        return {"model_file": self.model_file, "memory": self.memory, "seq": self.seq, "dtype": self.dtype,
-                "alloc_conf": self.alloc_conf, "tie_break": self.tie_break, "capture": self.capture.name,
-                "capture_reason": self.capture.reason, "modes": [m.as_dict() for m in self.modes]}
+        return {
+            "model_file": self.model_file,
+            "memory": self.memory,
+            "seq": self.seq,
+            "dtype": self.dtype,
+            "alloc_conf": self.alloc_conf,
+            "tie_break": self.tie_break,
+            "capture": self.capture.name,
+            "capture_reason": self.capture.reason,
+            "modes": [m.as_dict() for m in self.modes],
+        }
 
     def text(self) -> str:
         """The human table: per mode, the batch under each allocator model and the figures at b and b+1."""
-        head = (f"largest batch fitting {format_size(self.memory)} ({self.memory} bytes), "
-                f"{self.model_file}, seq {self.seq}, {self.dtype}; {self.capture.name} traces "
-                f"({self.capture.reason})")
+        head = (
+            f"largest batch fitting {format_size(self.memory)} ({self.memory} bytes), "
+            f"{self.model_file}, seq {self.seq}, {self.dtype}; {self.capture.name} traces "
+            f"({self.capture.reason})"
+        )
         cols = ("mode", "caching batch", "reserved* b / b+1", "plan batch", "arena b / b+1", "traces")
         rows = []
         for m in self.modes:
             c0, c1 = m.boundary("caching")
             p0, p1 = m.boundary("plan")
-            rows.append((m.mode, str(m.batch["caching"]),
-                         f"{format_size(c0.caching_reserved) if c0 else '-'} / {format_size(c1.caching_reserved)}",
-                         str(m.batch["plan"]), f"{format_size(p0.plan_arena)} / {format_size(p1.plan_arena)}",
-                         str(m.traces)))
+            rows.append(
+                (
+                    m.mode,
+                    str(m.batch["caching"]),
+                    f"{format_size(c0.caching_reserved) if c0 else '-'} / {format_size(c1.caching_reserved)}",
+                    str(m.batch["plan"]),
+                    f"{format_size(p0.plan_arena)} / {format_size(p1.plan_arena)}",
+                    str(m.traces),
+                )
+            )
         widths = [max(len(r[i]) for r in rows + [cols]) for i in range(len(cols))]
         lines = [head, "  ".join(c.ljust(w) for c, w in zip(cols, widths))]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-        lines.append("each batch b is checked by direct traces: b fits and b+1 does not (caching: simulated OOM "
-                     "at capacity; plan: no plan within the memory, proven by the lower bound or the solver)\n"
-                     "* peak reserved without a capacity; at the capacity the allocator's OOM retry frees cached "
-                     "blocks, so b may fit above it")
+        lines.append(
+            "each batch b is checked by direct traces: b fits and b+1 does not (caching: simulated OOM "
+            "at capacity; plan: no plan within the memory, proven by the lower bound or the solver)\n"
+            "* peak reserved without a capacity; at the capacity the allocator's OOM retry frees cached "
+            "blocks, so b may fit above it"
+        )
         unproven = [m.mode for m in self.modes if not m.boundary("plan")[1].plan_miss_proven]
         if unproven:
-            lines.append(f"! {', '.join(unproven)}: at b+1 no plan within the memory was found in the time limit, "
-                         "but none was proven impossible either (a longer --time-limit may raise b)")
+            lines.append(
+                f"! {', '.join(unproven)}: at b+1 no plan within the memory was found in the time limit, "
+                "but none was proven impossible either (a longer --time-limit may raise b)"
+            )
         return "\n".join(lines)
 
 
@@ -164,10 +219,20 @@ def affine_prediction(points: list[Point], allocator: str, memory: int) -> int:
 class BatchProbe:
     """Traces one layer mode at any batch size (each at most once) and judges it under both allocator models."""
 
-    def __init__(self, model_file: str, mode: str, memory: int, *, seq: int, dtype: str, alloc_conf: str,
-                 time_limit: float, progress: Callable[[str], None], tie_break: str = "lowest_address",
-                 fake: bool = False):
-        from planner.alloc_conf import parse_alloc_conf
+    def __init__(
+        self,
+        model_file: str,
+        mode: str,
+        memory: int,
+        *,
+        seq: int,
+        dtype: str,
+        alloc_conf: str,
+        time_limit: float,
+        progress: Callable[[str], None],
+        tie_break: str = "lowest_address",
+        fake: bool = False,
+    ):
 
         self.model_file, self.mode, self.memory, self.fake = model_file, mode, memory, fake
         self.seq, self.dtype, self.time_limit, self.progress = seq, dtype, time_limit, progress
@@ -191,19 +256,17 @@ class BatchProbe:
         need = slope * batch + intercept
         available = host_memory_available()
         if available is not None and need > HOST_SHARE * available:
-            raise FitError(f"{self.mode}: tracing batch {batch} would need about {format_size(int(need))} of this "
-                           f"machine's memory ({format_size(available)} available); --memory "
-                           f"{format_size(self.memory)} holds more than can be traced here: use --capture fake")
+            raise FitError(
+                f"{self.mode}: tracing batch {batch} would need about {format_size(int(need))} of this "
+                f"machine's memory ({format_size(available)} available); --memory "
+                f"{format_size(self.memory)} holds more than can be traced here: use --capture fake"
+            )
 
     def _measure(self, batch: int) -> Point:
 
-        from planner.caching_allocator import simulate_caching
-        from planner.problem import problem_from_trace
-        from solvers import CapacityError, solve
-        from traces.trace_model import trace_model_file
-
-        trace = trace_model_file(self.model_file, batch=batch, seq=self.seq, dtype=self.dtype, layers=self.mode,
-                                 fake=self.fake)
+        trace = trace_model_file(
+            self.model_file, batch=batch, seq=self.seq, dtype=self.dtype, layers=LayerMode(self.mode), fake=self.fake
+        )
         reserved = simulate_caching(trace, self.conf).peak_reserved
         # with a capacity the allocator frees its cache and retries before failing: only that decides a miss
         caching_fits = reserved <= self.memory or simulate_caching(trace, self.conf, self.memory).oom is None
@@ -217,9 +280,11 @@ class BatchProbe:
             except CapacityError as e:
                 proven = e.proven
         point = Point(batch, reserved, caching_fits, arena, bound, arena <= self.memory, proven)
-        self.progress(f"  {self.mode} batch {batch}: caching reserved {format_size(reserved)} "
-                      f"({'fits' if caching_fits else 'OOM'}), plan arena {format_size(arena)} "
-                      f"({'fits' if point.plan_fits else 'does not fit'})")
+        self.progress(
+            f"  {self.mode} batch {batch}: caching reserved {format_size(reserved)} "
+            f"({'fits' if caching_fits else 'OOM'}), plan arena {format_size(arena)} "
+            f"({'fits' if point.plan_fits else 'does not fit'})"
+        )
         return point
 
 
@@ -231,11 +296,14 @@ def boundary_search(probe: BatchProbe, allocator: str, start: int) -> int:
         lo = max((x for x, p in points.items() if p.fits(allocator)), default=0)
         hi = min((x for x, p in points.items() if not p.fits(allocator)), default=MAX_BATCH + 1)
         if hi <= lo:
-            raise FitError(f"{probe.mode}: batch {hi} does not fit under the {allocator} model but batch {lo} "
-                           "does; memory is not monotone in the batch here")
+            raise FitError(
+                f"{probe.mode}: batch {hi} does not fit under the {allocator} model but batch {lo} "
+                "does; memory is not monotone in the batch here"
+            )
         if lo >= MAX_BATCH:
-            raise FitError(f"{probe.mode}: batch {MAX_BATCH} still fits under the {allocator} model; "
-                           "the search stops there")
+            raise FitError(
+                f"{probe.mode}: batch {MAX_BATCH} still fits under the {allocator} model; the search stops there"
+            )
         if hi == lo + 1:
             return lo
         probe(min(max(guess, lo + 1), hi - 1, GROWTH * lo))
@@ -251,9 +319,11 @@ def fit_mode(probe: BatchProbe) -> ModeFit:
     """Measure a few batch sizes, predict the largest fitting batch per allocator model, prove it by tracing."""
     first = probe(1)
     if not (first.caching_fits or first.plan_fits):
-        raise FitError(f"{probe.mode}: batch 1 needs {format_size(first.plan_arena)} with a plan and "
-                       f"{format_size(first.caching_reserved)} under the caching allocator; more than "
-                       f"--memory {format_size(probe.memory)}")
+        raise FitError(
+            f"{probe.mode}: batch 1 needs {format_size(first.plan_arena)} with a plan and "
+            f"{format_size(first.caching_reserved)} under the caching allocator; more than "
+            f"--memory {format_size(probe.memory)}"
+        )
     for b in MEASURE_BATCHES[1:]:
         if not (probe(b).caching_fits or probe(b).plan_fits):
             break
@@ -265,17 +335,28 @@ def fit_mode(probe: BatchProbe) -> ModeFit:
             batch[allocator] = 0
             continue
         batch[allocator] = boundary_search(probe, allocator, predicted[allocator])
-        probe.progress(f"{probe.mode}: {allocator} batch {batch[allocator]} "
-                       f"(predicted {predicted[allocator]}, {len(probe.points)} traces so far)")
+        probe.progress(
+            f"{probe.mode}: {allocator} batch {batch[allocator]} "
+            f"(predicted {predicted[allocator]}, {len(probe.points)} traces so far)"
+        )
     return ModeFit(probe.mode, batch, predicted, probe.points)
 
 
-def fit_model(model_file: str, memory: int, *, modes: tuple[str, ...], seq: int = 128, dtype: str = "float32",
-              alloc_conf: str = "", time_limit: float = 5.0, tie_break: str = "lowest_address",
-              capture: str = "auto", progress: Callable[[str], None] = lambda _: None) -> FitResult:
+def fit_model(
+    model_file: str,
+    memory: int,
+    *,
+    modes: tuple[str, ...],
+    seq: int = 128,
+    dtype: str = "float32",
+    alloc_conf: str = "",
+    time_limit: float = 5.0,
+    tie_break: str = "lowest_address",
+    capture: str = "auto",
+    progress: Callable[[str], None] = lambda _: None,
+) -> FitResult:
     """The largest batch of `model_file` fitting `memory` bytes for every mode, under both allocator models,
     on real or fake traces as `capture` (auto, real, fake) chooses for steps near `memory` bytes."""
-    from planner.layers import MODES
 
     for mode in modes:
         if mode not in MODES:
@@ -285,7 +366,17 @@ def fit_model(model_file: str, memory: int, *, modes: tuple[str, ...], seq: int 
     fits = []
     for mode in dict.fromkeys(modes):
         progress(f"{mode}: tracing batch sizes {', '.join(map(str, MEASURE_BATCHES))} to predict the fit")
-        probe = BatchProbe(model_file, mode, memory, seq=seq, dtype=dtype, alloc_conf=alloc_conf,
-                           time_limit=time_limit, progress=progress, tie_break=tie_break, fake=choice.fake)
+        probe = BatchProbe(
+            model_file,
+            mode,
+            memory,
+            seq=seq,
+            dtype=dtype,
+            alloc_conf=alloc_conf,
+            time_limit=time_limit,
+            progress=progress,
+            tie_break=tie_break,
+            fake=choice.fake,
+        )
         fits.append(fit_mode(probe))
     return FitResult(str(model_file), memory, seq, dtype, alloc_conf, fits, choice, tie_break)

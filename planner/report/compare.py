@@ -4,16 +4,19 @@ Per trace: peak live bytes and what is live at that peak by category, the cachin
 reserved, the plan's arena (a given plan, or one solved on the spot under a short time limit) and
 the best lower bound known.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from planner.memory_report import MemoryReport, build_report, human_bytes, phase_at_times, trace_title
-from planner.plan import Plan
-from planner.plan_memory import match_plans
-from traces.format import CATEGORIES, PHASES, Trace
+from memplan.planner.plan import Plan
+from memplan.planner.problem import problem_from_trace
+from memplan.planner.report.memory_report import MemoryReport, build_report, human_bytes, phase_at_times, trace_title
+from memplan.planner.simulate.plan_footprint import match_plans
+from memplan.solvers.portfolio import solve
+from memplan.traces.format import CATEGORIES, PHASES, Trace
 
 
 @dataclass
@@ -39,8 +42,6 @@ class CompareRow:
 
 def solve_plan(trace: Trace, method: str, time_limit: float) -> Plan:
     """A plan for `trace` from the solver portfolio (greedy or auto) under `time_limit` seconds."""
-    from planner.problem import problem_from_trace
-    from solvers.portfolio import solve
 
     return solve(problem_from_trace(trace), method=method, time_limit=time_limit)
 
@@ -54,19 +55,33 @@ def row_from_report(report: MemoryReport, categories: list[str], plan_source: st
     for i in live:
         at_peak[trace.category[i]] += int(trace.size[i])
     return CompareRow(
-        name=report.name, title=trace_title(trace, report.name), buffers=len(trace),
-        peak_live=peak, peak_live_time=peak_t,
-        peak_live_phase=PHASES[phase_at_times(trace)[peak_t]] if trace.end else "other", at_peak=at_peak,
+        name=report.name,
+        title=trace_title(trace, report.name),
+        buffers=len(trace),
+        peak_live=peak,
+        peak_live_time=peak_t,
+        peak_live_phase=PHASES[phase_at_times(trace)[peak_t]] if trace.end else "other",
+        at_peak=at_peak,
         caching_peak_allocated=int(report.caching.peak_allocated),
-        caching_peak_reserved=int(report.caching.peak_reserved), plan_arena=report.plan_memory.arena,
-        plan_outside=report.plan_memory.peak_outside, plan_status=report.plan.status, plan_gap=report.plan.gap,
+        caching_peak_reserved=int(report.caching.peak_reserved),
+        plan_arena=report.plan_memory.arena,
+        plan_outside=report.plan_memory.peak_outside,
+        plan_status=report.plan.status,
+        plan_gap=report.plan.gap,
         plan_source=plan_source,
-        bound=max(report.bound, report.plan.bound))
+        bound=max(report.bound, report.plan.bound),
+    )
 
 
-def compare_traces(traces: list[tuple[str, Trace]], plans: list[tuple[str, Plan]] = (), alloc_conf: str = "",
-                   method: str = "auto", time_limit: float = 5.0, progress=lambda msg: None,
-                   tie_break: str = "lowest_address") -> list[CompareRow]:
+def compare_traces(
+    traces: list[tuple[str, Trace]],
+    plans: list[tuple[str, Plan]] = (),
+    alloc_conf: str = "",
+    method: str = "auto",
+    time_limit: float = 5.0,
+    progress=lambda msg: None,
+    tie_break: str = "lowest_address",
+) -> list[CompareRow]:
     """Compare `traces` (name, trace); each uses the plan made for it among `plans`, else one solved here."""
     matched = match_plans(traces, list(plans))
     categories = [c for c in CATEGORIES if any(c in t.category for _, t in traces)]
@@ -100,21 +115,27 @@ def plan_cell(r: CompareRow) -> str:
 
 def compare_text(rows: list[CompareRow]) -> str:
     """The comparison as a text table: one column per trace, changes relative to the first trace."""
-    def bytes_row(label, get):
-        return [label] + [human_bytes(get(r)) + (_change(get(r), get(rows[0])) if k else "")
-                          for k, r in enumerate(rows)]
 
-    table = [[""] + [r.name for r in rows], ["workload"] + [r.title for r in rows],
-             ["buffers"] + [f"{r.buffers:,}" for r in rows],
-             bytes_row("peak live", lambda r: r.peak_live),
-             ["  at event"] + [f"{r.peak_live_time:,} ({r.peak_live_phase})" for r in rows]]
+    def bytes_row(label, get):
+        return [label] + [
+            human_bytes(get(r)) + (_change(get(r), get(rows[0])) if k else "") for k, r in enumerate(rows)
+        ]
+
+    table = [
+        [""] + [r.name for r in rows],
+        ["workload"] + [r.title for r in rows],
+        ["buffers"] + [f"{r.buffers:,}" for r in rows],
+        bytes_row("peak live", lambda r: r.peak_live),
+        ["  at event"] + [f"{r.peak_live_time:,} ({r.peak_live_phase})" for r in rows],
+    ]
     table += [bytes_row(f"  {c}", lambda r, c=c: r.at_peak[c]) for c in rows[0].at_peak]
-    table += [bytes_row("caching peak allocated", lambda r: r.caching_peak_allocated),
-              bytes_row("caching peak reserved", lambda r: r.caching_peak_reserved),
-              bytes_row("plan arena", lambda r: r.plan_arena)]
+    table += [
+        bytes_row("caching peak allocated", lambda r: r.caching_peak_allocated),
+        bytes_row("caching peak reserved", lambda r: r.caching_peak_reserved),
+        bytes_row("plan arena", lambda r: r.plan_arena),
+    ]
     if any(r.plan_outside for r in rows):
         table += [bytes_row("  + outside the plan", lambda r: r.plan_outside)]
-    table += [bytes_row("lower bound", lambda r: r.bound),
-              ["plan"] + [plan_cell(r) for r in rows]]
+    table += [bytes_row("lower bound", lambda r: r.bound), ["plan"] + [plan_cell(r) for r in rows]]
     widths = [max(len(row[k]) for row in table) for k in range(len(table[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table)

@@ -6,17 +6,18 @@ inputs, at their sizes rounded to the plan's alignment) for a `step` plan. What 
 much of the arena is in use (aligned live bytes). The plan is re-checked with the independent verifier,
 so a hand-edited or foreign plan is refused.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
 
-from planner.plan import Plan, PlanError, trace_digest
-from planner.problem import align_up, problem_from_trace
-from planner.verify import verify_plan
-from traces.errors import MemplanError
-from traces.format import Trace
+from memplan.planner.plan import Plan
+from memplan.planner.problem import align_up, problem_from_trace
+from memplan.planner.verify import verify_plan
+from memplan.traces.errors import MemplanError, PlanError
+from memplan.traces.format import Trace, trace_digest
 
 
 class PlanMismatchError(MemplanError):
@@ -52,16 +53,19 @@ class PlanMemory:
 def simulate_plan(trace: Trace, plan: Plan, trace_name: str = "trace", plan_name: str = "plan") -> PlanMemory:
     """The memory of `trace` run on `plan`; PlanMismatchError/PlanError if the plan is not valid for it."""
     if plan.digest != trace_digest(trace):
-        raise PlanMismatchError(f"{plan_name}: plan was made for another trace, not {trace_name} "
-                                f"(trace digest differs); solve {trace_name} again")
+        raise PlanMismatchError(
+            f"{plan_name}: plan was made for another trace, not {trace_name} "
+            f"(trace digest differs); solve {trace_name} again"
+        )
     problem = problem_from_trace(trace, alignment=plan.alignment, scope=plan.scope)
     try:
         verify_plan(problem, plan.offsets, plan.arena)
     except PlanError as e:
         raise PlanError(f"{plan_name}: invalid for {trace_name}: {e}") from None
     held_outside = align_up(trace.size, plan.alignment) * problem.outside
-    return PlanMemory(arena=int(plan.arena), in_use=_live(problem.size * problem.active, trace),
-                      outside=_live(held_outside, trace))
+    return PlanMemory(
+        arena=int(plan.arena), in_use=_live(problem.size * problem.active, trace), outside=_live(held_outside, trace)
+    )
 
 
 def _live(size: np.ndarray, trace: Trace) -> np.ndarray:
@@ -84,12 +88,12 @@ def match_plans(traces: list[tuple[str, Trace]], plans: list[tuple[str, Plan]]) 
     for plan_name, plan in plans:
         hits = [k for k, d in enumerate(digests) if d == plan.digest]
         if not hits:
-            raise PlanMismatchError(f"{plan_name}: plan was made for none of the given traces "
-                                    f"(trace digest differs)")
+            raise PlanMismatchError(f"{plan_name}: plan was made for none of the given traces (trace digest differs)")
         free = [k for k in hits if matched[k] is None]
         if not free:
-            raise PlanMismatchError(f"{plan_name}: a second plan for {traces[hits[0]][0]} "
-                                    f"(already planned by {matched[hits[0]][0]})")
+            raise PlanMismatchError(
+                f"{plan_name}: a second plan for {traces[hits[0]][0]} (already planned by {matched[hits[0]][0]})"
+            )
         matched[free[0]] = (plan_name, plan)
     for k, digest in enumerate(digests):
         if matched[k] is None:

@@ -5,16 +5,17 @@ The segments that existed before recording are rebuilt from the snapshot's final
 the trace's `segment_alloc` entries, and every `alloc` entry is replayed: the simulator must
 return the address the real allocator returned and create the same new segments at the same step.
 """
+
 from __future__ import annotations
 
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 
-from planner.alloc_conf import AllocConf, conf_from_snapshot_settings
-from planner.caching_allocator import MIN_BLOCK, SMALL_BUFFER, SMALL_SIZE, CachingAllocator, round_size
-from traces.errors import MemplanError
-from traces.snapshot import FREE_ACTIONS, Snapshot, is_live_block
+from memplan.planner.simulate.alloc_conf import AllocConf, conf_from_snapshot_settings
+from memplan.planner.simulate.caching_allocator import MIN_BLOCK, SMALL_BUFFER, SMALL_SIZE, CachingAllocator, round_size
+from memplan.traces.errors import MemplanError
+from memplan.traces.snapshot import FREE_ACTIONS, Snapshot, is_live_block
 
 
 @dataclass
@@ -34,16 +35,25 @@ class ReplayReport:
     @property
     def exact(self) -> bool:
         """Every address and every new-segment decision reproduced."""
-        return (self.addr_matches == self.allocs and self.segment_matches == self.segment_decisions
-                and self.extra_segments == 0)
+        return (
+            self.addr_matches == self.allocs
+            and self.segment_matches == self.segment_decisions
+            and self.extra_segments == 0
+        )
 
     def summary(self) -> dict:
         """The counts as a JSON-ready dict."""
-        return {"allocs": self.allocs, "addr_matches": self.addr_matches,
-                "segment_decisions": self.segment_decisions, "segment_matches": self.segment_matches,
-                "extra_segments": self.extra_segments, "segments_before": self.segments_before,
-                "peak_allocated": self.peak_allocated, "peak_reserved": self.peak_reserved,
-                "exact": self.exact}
+        return {
+            "allocs": self.allocs,
+            "addr_matches": self.addr_matches,
+            "segment_decisions": self.segment_decisions,
+            "segment_matches": self.segment_matches,
+            "extra_segments": self.extra_segments,
+            "segments_before": self.segments_before,
+            "peak_allocated": self.peak_allocated,
+            "peak_reserved": self.peak_reserved,
+            "exact": self.exact,
+        }
 
 
 def _blocks_before_recording(snap: Snapshot, conf: AllocConf) -> dict[int, tuple[int, bool]]:
@@ -71,8 +81,9 @@ def _blocks_before_recording(snap: Snapshot, conf: AllocConf) -> dict[int, tuple
     return before
 
 
-def _initial_layout(seg_addr: int, seg_size: int, small: bool, inside: list[tuple[int, int, bool]],
-                    used: list[int], conf: AllocConf) -> list[tuple[int, bool]]:
+def _initial_layout(
+    seg_addr: int, seg_size: int, small: bool, inside: list[tuple[int, int, bool]], used: list[int], conf: AllocConf
+) -> list[tuple[int, bool]]:
     """Blocks [(size, allocated)] of a segment holding the given allocated blocks (addr, size, exact).
 
     A block known only by its request is rounded, then keeps the leftover up to the next known
@@ -162,8 +173,16 @@ def replay_snapshot(snap: Snapshot, conf: AllocConf | None = None, keep_mismatch
             elif made:
                 extra += 1
             if (got != e.addr or made != real_segments) and len(mismatches) < keep_mismatches:
-                mismatches.append({"entry": k, "size": e.size, "real_addr": e.addr, "sim_addr": got,
-                                   "real_segments": real_segments, "sim_segments": list(made)})
+                mismatches.append(
+                    {
+                        "entry": k,
+                        "size": e.size,
+                        "real_addr": e.addr,
+                        "sim_addr": got,
+                        "real_segments": real_segments,
+                        "sim_segments": list(made),
+                    }
+                )
             sim_of[e.addr] = got
             peak_alloc, peak_res = max(peak_alloc, a.allocated), max(peak_res, a.reserved)
         elif e.action in FREE_ACTIONS:
@@ -171,6 +190,14 @@ def replay_snapshot(snap: Snapshot, conf: AllocConf | None = None, keep_mismatch
         elif e.action == "segment_free":
             if any(s.addr == e.addr for s in a.segments.values()):
                 a.empty_cache()  # the real allocator released cached segments here
-    return ReplayReport(allocs=allocs, addr_matches=addr_ok, segment_decisions=seg_dec, segment_matches=seg_ok,
-                        extra_segments=extra, segments_before=len(initial), peak_allocated=peak_alloc,
-                        peak_reserved=peak_res, mismatches=mismatches)
+    return ReplayReport(
+        allocs=allocs,
+        addr_matches=addr_ok,
+        segment_decisions=seg_dec,
+        segment_matches=seg_ok,
+        extra_segments=extra,
+        segments_before=len(initial),
+        peak_allocated=peak_alloc,
+        peak_reserved=peak_res,
+        mismatches=mismatches,
+    )

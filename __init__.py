@@ -1,0 +1,1 @@
+"""memplan: a static memory planner and allocator simulator for training Transformers."""

@@ -1,0 +1,1 @@
+"""Simulators: PyTorch's caching allocator (and its alloc conf), a plan's footprint, and the check of the simulator against a real CUDA snapshot."""
