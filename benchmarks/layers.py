@@ -43,8 +43,10 @@ def held(mode: str, layers: int, seq: int, batch: int, dtype: torch.dtype, metho
 
 def memory_table(seqs, dtypes, batch: int, method: str) -> None:
     print(f"bytes per layer, BERT-Large shape (h=1024, a=16), b={batch}, measured by {method} (L=2 minus L=1)")
-    print(f"{'s':>4} {'dtype':>5} {'mode':>16} {'measured':>12} {'formula':>12} {'meas/form':>9} {'saving':>7} "
-          f"{'formula saving':>14}")
+    print(
+        f"{'s':>4} {'dtype':>5} {'mode':>16} {'measured':>12} {'formula':>12} {'meas/form':>9} {'saving':>7} "
+        f"{'formula saving':>14}"
+    )
     for seq in seqs:
         for name in dtypes:
             dtype = DTYPES[name]

@@ -37,8 +37,9 @@ def bench(model: str, args) -> dict:
     os.environ["MEMPLAN_PRESET"] = args.preset
 
     def make():
-        return load_workload(ROOT / "examples" / f"{model}.py", batch=args.batch, seq=args.seq, dtype=torch.float32,
-                             device="cpu")
+        return load_workload(
+            ROOT / "examples" / f"{model}.py", batch=args.batch, seq=args.seq, dtype=torch.float32, device="cpu"
+        )
 
     trace = capture_step(make)
     plan = solve(problem_from_trace(trace), method=args.method, time_limit=args.time_limit)

@@ -1,4 +1,5 @@
-"""Attention cores: dropout recomputation and selective recomputation give the baseline's outputs and gradients, same mask."""
+"""Attention cores: dropout recomputation and selective recomputation give the baseline's outputs and gradients,
+with the same mask."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""patch/unpatch on the bundled workloads and on HuggingFace BertModel/GPT2Model: same outputs, same weights, reversible."""
+"""patch/unpatch on the bundled workloads and on HuggingFace BertModel/GPT2Model: same outputs, same weights,
+reversible."""
 
 from __future__ import annotations
 

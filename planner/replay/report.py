@@ -64,7 +64,7 @@ class ReplayReport:
             f"a live block, adopted or planned)",
             f"  peak             {mib(self.peak_bytes)} ({self.peak_bytes} B: most of arena top + fallback live "
             f"at once, plus outside)",
-            f"  bitwise equal    {'yes' if self.bitwise_equal else 'NO: first difference at ' + str(self.first_difference)}"
+            f"  bitwise equal    {'yes' if self.bitwise_equal else f'NO: first difference at {self.first_difference}'}"
             f" (loss, every gradient, parameters after {self.steps} step(s); reference: {self.reference})",
         ]
         return "\n".join(lines)
