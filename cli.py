@@ -223,7 +223,7 @@ def simulate_command(trace_file, plan_file, alloc_conf, tie_break, capacity, tim
         atomic_write(timeline, timeline_csv(report))
         progress(f"wrote {timeline}")
     summary = report_summary(report, timeline=timeline)
-    emit(summary, as_json, report_text(summary))
+    emit(summary.to_dict(), as_json, report_text(summary))
 
 
 def load_traces_and_plans(trace_files, plan_files):
@@ -443,7 +443,7 @@ def solve_command(source, output, time_limit, capacity, method, alignment, scope
 )
 @click.option("--batch", type=click.IntRange(min=1), default=2, show_default=True, help="Batch size passed to build().")
 @click.option(
-    "--seq", type=click.IntRange(min=1), default=512, show_default=True, help="Sequence length passed to build()."
+    "--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build()."
 )
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option(

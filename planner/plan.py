@@ -44,8 +44,8 @@ def plan_to_dict(plan: Plan) -> dict:
     return {"format": FORMAT, **asdict(plan)}
 
 
-def save_plan(plan: Plan, problem: Problem, path: str | os.PathLike) -> None:
-    """Verify the plan against its problem, then write it atomically (gzipped if the name ends in .gz)."""
+def check_plan(plan: Plan, problem: Problem) -> None:
+    """PlanError unless `plan` was made for `problem` (digest, alignment, scope) and passes the verifier."""
     if plan.digest != problem.digest:
         raise PlanError("plan was made for a different trace (digest mismatch)")
     if plan.alignment != problem.alignment:
@@ -53,6 +53,11 @@ def save_plan(plan: Plan, problem: Problem, path: str | os.PathLike) -> None:
     if plan.scope != problem.scope:
         raise PlanError(f"plan scope {plan.scope!r} differs from the problem's {problem.scope!r}")
     verify_plan(problem, plan.offsets, plan.arena, plan.capacity)
+
+
+def save_plan(plan: Plan, problem: Problem, path: str | os.PathLike) -> None:
+    """Verify the plan against its problem, then write it atomically (gzipped if the name ends in .gz)."""
+    check_plan(plan, problem)
     atomic_write(path, json.dumps(plan_to_dict(plan), separators=(",", ":")))
 
 

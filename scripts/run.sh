@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/memplan run -o memplan-out "$@"
+exec .venv/bin/memplan run -o memplan-out --seq 512 "$@"

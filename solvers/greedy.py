@@ -4,6 +4,7 @@ with best fit and first fit, run side by side in the native kernel; the smallest
 
 from __future__ import annotations
 
+import ctypes
 import time
 from dataclasses import dataclass
 
@@ -11,8 +12,19 @@ import numpy as np
 
 from memplan.planner.problem import Problem
 from memplan.solvers.items import Items, make_items
-from memplan.solvers.native import library
+from memplan.solvers.native import (
+    BufferIndex,
+    Bytes,
+    GreedyProblem,
+    ItemIndex,
+    MemberIndex,
+    StreamId,
+    Time,
+    as_pointer,
+    library,
+)
 from memplan.solvers.ranges import range_max
+from memplan.traces.format import live_bytes
 
 
 def pressure(p: Problem, items: Items) -> np.ndarray:
@@ -22,18 +34,13 @@ def pressure(p: Problem, items: Items) -> np.ndarray:
     times = np.unique(np.concatenate([p.alloc[act], until, items.alloc, items.free]))
     if len(times) == 0:
         return np.zeros(len(items), dtype=np.int64)
-    delta = np.zeros(len(times) + 1, dtype=np.int64)
-    np.add.at(delta, np.searchsorted(times, p.alloc[act]), p.size[act])
-    np.add.at(delta, np.searchsorted(times, until), -p.size[act])
-    live = np.cumsum(delta)[:-1]
+    live = live_bytes(p.size[act], np.searchsorted(times, p.alloc[act]), np.searchsorted(times, until), len(times))
     return range_max(live, np.searchsorted(times, items.alloc), np.searchsorted(times, items.free))
 
 
 def orders(p: Problem, items: Items) -> dict[str, np.ndarray]:
-    """Named item orders to try, most often best first (ties in pressure are common: tie-breaks matter).
-
-    `pressure` is the most bytes live during the item's lifetime; then size, allocation or free time.
-    """
+    """Named item orders to try, most often best first: by pressure (the most bytes live during the item's
+    lifetime), then size, allocation or free time (ties in pressure are common: tie-breaks matter)."""
     size, length = items.size, items.free - items.alloc
     area, press = size.astype(np.float64) * length, pressure(p, items)  # an ordering key: float cannot overflow
     alloc, free = items.alloc, items.free
@@ -53,22 +60,24 @@ def orders(p: Problem, items: Items) -> dict[str, np.ndarray]:
 
 def place(p: Problem, items: Items, preset: np.ndarray, order: np.ndarray, best_fit: bool) -> tuple[np.ndarray, int]:
     """Place the items in `order` on top of the preset offsets; returns (offsets, arena)."""
-    offsets = preset.copy()
-    arena = library().mp_greedy(
-        len(p),
-        p.nstreams,
-        p.alloc,
-        p.stream,
-        np.ascontiguousarray(p.release),
-        p.size,
-        len(items),
-        items.start,
-        items.members,
-        items.rel,
-        np.ascontiguousarray(order, dtype=np.int32),
-        int(best_fit),
-        offsets,
+    release = np.ascontiguousarray(p.release)  # named, like every array below, so it outlives the call
+    order = np.ascontiguousarray(order, dtype=np.int32)
+    greedy_problem = GreedyProblem(
+        buffers=len(p),
+        streams=p.nstreams,
+        alloc=as_pointer(p.alloc, Time),
+        stream=as_pointer(p.stream, StreamId),
+        release=as_pointer(release, Time),
+        size=as_pointer(p.size, Bytes),
+        items=len(items),
+        item_start=as_pointer(items.start, MemberIndex),
+        members=as_pointer(items.members, BufferIndex),
+        member_offset=as_pointer(items.rel, Bytes),
+        order=as_pointer(order, ItemIndex),
+        best_fit=int(best_fit),
     )
+    offsets = preset.copy()
+    arena = library().mp_greedy(ctypes.byref(greedy_problem), offsets)
     offsets[offsets < 0] = 0
     return offsets, int(arena)
 
@@ -85,11 +94,8 @@ class GreedyResult:
 
 
 def greedy(p: Problem, stop_at: int | None = None, deadline: float | None = None) -> GreedyResult:
-    """Best of every order x {best fit, first fit}.
-
-    Stops early once the arena reaches `stop_at`, or when time.monotonic() passes `deadline` (after
-    at least one placement).
-    """
+    """Best of every order x {best fit, first fit}; stops early once the arena reaches `stop_at`, or when
+    time.monotonic() passes `deadline` (after at least one placement)."""
     items, preset = make_items(p)
     best = None
     for name, order in orders(p, items).items():
@@ -109,12 +115,8 @@ def greedy(p: Problem, stop_at: int | None = None, deadline: float | None = None
 def squeaky_wheel(
     p: Problem, start: GreedyResult, bound: int, deadline: float, boost: float = 0.01, patience: int = 100
 ) -> tuple[np.ndarray, int]:
-    """Improve a greedy placement by moving the items that end above the bound earlier, again and again.
-
-    Each round re-places everything in an order where an item's position drops by boost x items x its
-    accumulated blame (how far above the bound it ended, relative to the excess). Returns the best
-    (offsets, arena); stops at the bound, the deadline, a fixed point, or `patience` rounds without gain.
-    """
+    """Improve a greedy placement by moving the items that end above the bound earlier, round after round;
+    the best (offsets, arena) at the bound, the deadline, a fixed point, or `patience` rounds without gain."""
     items, preset = make_items(p)
     m = len(items)
     rank = np.empty(m, dtype=np.float64)
@@ -124,6 +126,8 @@ def squeaky_wheel(
     best_offsets, best_arena = start.offsets, start.arena
     offsets, arena, order, stale = start.offsets, start.arena, start.order, 0
     while arena > bound and stale < patience and time.monotonic() < deadline:
+        # An item's place in the order drops by boost x items x its blame: how far above the bound it
+        # ended, relative to the excess, summed over the rounds.
         top = offsets[items.members[first]] - items.rel[first] + items.size
         blame += np.maximum(top - bound, 0) / (arena - bound)
         previous, order = order, np.argsort(rank - boost * m * blame, kind="stable")

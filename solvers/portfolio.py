@@ -58,19 +58,23 @@ class _Best:
         self.solver = ""
 
     def offer(self, offsets: np.ndarray, arena: int, solver: str) -> None:
+        """Keep this placement if it beats the best so far, and report progress either way."""
         if self.arena is None or arena < self.arena:
             self.offsets, self.arena, self.solver = offsets, arena, solver
         self.tell(solver)
 
     def tell(self, solver: str, arena: int | None = None) -> None:
+        """Report progress; `arena` is a solver's improvement not yet offered as a placement (CP-SAT's)."""
         if self.report is not None:
             best = self.arena if arena is None else min(arena, self.arena or arena)
             self.report(Progress(best, self.bound, time.monotonic() - self.start, solver))
 
     def elapsed(self) -> float:
+        """Seconds since the solve started."""
         return time.monotonic() - self.start
 
     def plan(self, capacity: int | None) -> Plan:
+        """The best placement as a Plan, buffers outside the scope marked OUTSIDE."""
         arena, bound = int(self.arena), int(min(self.bound, self.arena))
         offsets = np.where(self.p.outside, OUTSIDE, self.offsets)
         return Plan(

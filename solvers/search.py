@@ -15,10 +15,22 @@ import ctypes
 import numpy as np
 
 from memplan.planner.problem import Problem
-from memplan.solvers.native import library
+from memplan.solvers.native import (
+    SEARCH_FITS,
+    SEARCH_INFEASIBLE,
+    SEARCH_TIMEOUT,
+    Bytes,
+    Nodes,
+    SearchProblem,
+    SectionIndex,
+    Time,
+    as_pointer,
+    library,
+)
 
 FITS, INFEASIBLE, TIMEOUT = "fits", "infeasible", "timeout"
-# Static orders, most significant key first, all descending: W lifetime, A area, T section pressure, Z size.
+STATUS = {SEARCH_FITS: FITS, SEARCH_INFEASIBLE: INFEASIBLE, SEARCH_TIMEOUT: TIMEOUT}  # the kernel's outcomes
+# Static orders, most significant key first, all descending: W lifetime, A area, T section total, Z size.
 HEURISTICS = ("TWA", "TAW", "WAT")
 
 
@@ -28,40 +40,37 @@ def applicable(p: Problem) -> bool:
 
 
 def search_fit(p: Problem, capacity: int, seconds: float) -> tuple[str, np.ndarray | None, int]:
-    """(FITS with offsets | INFEASIBLE | TIMEOUT, offsets or None, nodes searched).
-
-    Buffers never live sit at offset 0; they still count in the arena, so one larger than `capacity`
-    makes it infeasible."""
+    """(FITS | INFEASIBLE | TIMEOUT, offsets or None, nodes searched). Buffers never live sit at offset 0
+    but still count in the arena, so one larger than `capacity` makes it infeasible."""
     if int(p.size.max(initial=0)) > capacity:
         return INFEASIBLE, None, 0
     act = np.nonzero(p.active)[0]
     offsets = np.zeros(len(p), dtype=np.int64)
     if len(act) == 0:
         return FITS, offsets, 0
-    alloc, free, size = p.alloc[act], p.free[act], np.ascontiguousarray(p.size[act])
+    size = np.ascontiguousarray(p.size[act])  # named, like every array below, so it outlives the call
+    alloc, free = np.ascontiguousarray(p.alloc[act]), np.ascontiguousarray(p.free[act])
     times = np.unique(np.concatenate([alloc, free]))
-    slo = np.searchsorted(times, alloc).astype(np.int32)
-    shi = np.searchsorted(times, free).astype(np.int32)
-    nsec = len(times) - 1
-    out = np.zeros(len(act), dtype=np.int64)
-    nodes = ctypes.c_longlong(0)
+    first_section = np.searchsorted(times, alloc).astype(np.int32)
+    end_section = np.searchsorted(times, free).astype(np.int32)
     heuristics = (ctypes.c_char_p * len(HEURISTICS))(*[h.encode() for h in HEURISTICS])
-    res = library().mp_search(
-        len(act),
-        nsec,
-        size,
-        np.ascontiguousarray(alloc),
-        np.ascontiguousarray(free),
-        slo,
-        shi,
-        int(capacity),
-        len(HEURISTICS),
-        heuristics,
-        float(seconds),
-        out,
-        ctypes.byref(nodes),
+    search_problem = SearchProblem(
+        buffers=len(act),
+        sections=len(times) - 1,
+        size=as_pointer(size, Bytes),
+        lower=as_pointer(alloc, Time),
+        upper=as_pointer(free, Time),
+        first_section=as_pointer(first_section, SectionIndex),
+        end_section=as_pointer(end_section, SectionIndex),
+        capacity=int(capacity),
+        heuristics=len(HEURISTICS),
+        heuristic=heuristics,
+        seconds=float(seconds),
     )
-    if res == 1:
-        offsets[act] = out
+    placed = np.zeros(len(act), dtype=np.int64)
+    nodes = Nodes(0)
+    status = STATUS[library().mp_search(ctypes.byref(search_problem), placed, ctypes.byref(nodes))]
+    if status == FITS:
+        offsets[act] = placed
         return FITS, offsets, nodes.value
-    return (INFEASIBLE if res == 0 else TIMEOUT), None, nodes.value
+    return status, None, nodes.value

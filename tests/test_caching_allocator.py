@@ -16,11 +16,10 @@ from memplan.planner.simulate.caching_allocator import (
     round_size,
     simulate_caching,
 )
-from memplan.planner.simulate.snapshot_check import replay_snapshot
+from memplan.planner.simulate.snapshot_check import SnapshotCheckError, replay_snapshot
 from memplan.traces.format import make_trace
 from memplan.traces.snapshot import parse_snapshot, read_snapshot
-
-KiB, MiB = 1 << 10, 1 << 20
+from memplan.traces.units import KiB, MiB
 
 
 def _blocks(a: CachingAllocator):
@@ -217,7 +216,7 @@ def test_simulate_caching_series_and_oom():
     assert r.addr[3] == r.addr[1] and r.oom is None
     assert r.fragmentation_at_peak == pytest.approx(1 - (8 * MiB + 1024) / (22 * MiB))
     small = simulate_caching(trace, capacity=21 * MiB)
-    assert small.oom is not None and small.oom["buffer"] == 2 and small.oom["time"] == 2
+    assert small.oom is not None and small.oom.buffer == 2 and small.oom.time == 2 and small.oom.size == 700
     assert np.all(small.reserved[2:] == small.reserved[2])
 
 
@@ -316,3 +315,9 @@ def test_replay_of_a_hand_made_snapshot():
     wrong = replay_snapshot(parse_snapshot(_hand_made_snapshot(8 * MiB)))  # a placement PyTorch would not make
     assert (wrong.addr_matches, wrong.exact) == (2, False)
     assert wrong.mismatches[0]["sim_addr"] == (1 << 34) + 4 * MiB
+
+
+def test_snapshot_check_refuses_expandable_segments():
+    snap = parse_snapshot(_hand_made_snapshot(4 * MiB))
+    with pytest.raises(SnapshotCheckError, match="expandable segments"):
+        replay_snapshot(snap, AllocConf(expandable_segments=True))

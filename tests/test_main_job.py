@@ -9,9 +9,11 @@ from click.testing import CliRunner
 from PIL import Image
 
 from memplan.cli import main
-from memplan.planner.jobs.run import MODES
+from memplan.planner.jobs.run import RunOptions, RunResult, step_sentence
+from memplan.planner.layers import MODES
 from memplan.planner.plan import load_plan
 from memplan.traces.format import load
+from memplan.traces.trace_model import CaptureChoice
 
 
 def test_run_writes_report_pictures_and_one_row_per_mode(tmp_path):
@@ -104,3 +106,24 @@ def test_a_run_failing_midway_leaves_nothing_and_keeps_other_files(tmp_path):
     assert r.exit_code == 1 and "third build fails" in r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "out"]  # no private folder left either
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_report_names_the_optimizer_the_trace_names_and_no_other():
+    def sentence(optimizer):
+        return step_sentence(
+            RunResult(
+                options=RunOptions(model_file="m.py", out_dir="out"),
+                capture=CaptureChoice(fake=True, reason="--capture fake"),
+                optimizer=optimizer,
+                rows=[],
+                replay=None,
+                report_md="out/report.md",
+                timeline_png="out/timeline.png",
+                address_space_png="out/address_space.png",
+                seconds=1.0,
+            )
+        )
+
+    assert sentence("SGD").startswith("One training step (forward, backward, SGD) of `m.py` at batch 2")
+    assert "AdamW" not in sentence("SGD")
+    assert sentence(None).startswith("One training step (forward, backward) of `m.py`")

@@ -184,9 +184,10 @@ def test_cli_traces_a_model_file_and_prints_the_summary_as_json(tmp_path, monkey
     assert sum(int(s) for s, c in zip(trace.size, trace.category) if c == "optimizer") == params
 
 
-def test_cli_text_summary_of_the_bundled_bert(tmp_path):
+def test_cli_text_summary_of_the_bundled_bert(tmp_path, monkeypatch):
+    monkeypatch.delenv("MEMPLAN_PRESET", raising=False)  # tiny
     out = tmp_path / "bert.trace.json.gz"
     result = CliRunner().invoke(main, ["trace", str(EXAMPLES / "bert.py"), "--seq", "16", "-o", str(out)])
     assert result.exit_code == 0, result.output
     assert "peak live:" in result.stdout and "largest buffers:" in result.stdout
-    assert load(out).meta["model"] == "bert"
+    assert load(out).meta["model"] == "bert-2x64"  # the name the model file's Workload gives, not the file's

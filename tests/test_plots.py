@@ -18,7 +18,6 @@ from memplan.planner.report.plots import (
     CATEGORY_COLORS,
     MAX_POINTS,
     PLAN_COLOR,
-    byte_unit,
     plot_reports,
     pool_max,
     pool_points,
@@ -98,12 +97,6 @@ def test_large_trace_is_pooled_and_drawn(tmp_path):
     plot_reports([report], tmp_path / "big.png")
     seen = colours(tmp_path / "big.png")
     assert rgb(CATEGORY_COLORS["activation"]) in seen and rgb(CATEGORY_COLORS["optimizer"]) in seen
-
-
-def test_axis_unit_follows_magnitude():
-    assert byte_unit(3 << 30) == ("GiB", 1 << 30)
-    assert byte_unit(5 << 20) == ("MiB", 1 << 20)
-    assert byte_unit(4000) == ("KiB", 1 << 10)
 
 
 def test_titles_come_from_meta_with_rank():

@@ -2,10 +2,13 @@
 
 `capture_step` installs the step recorder (traces/recorder.py) before the workload is built, runs a
 warm-up step (it creates the optimizer state and settles lazy initialisation), then records exactly
-one `workload.step()`. The recorded buffers, in allocation order, are the allocations the allocator
-served during that step (0-byte requests are not served and not recorded). Every storage alive when
-the step begins is a buffer with allocation time 0, freed where the program drops its last reference
-(an optimizer that replaces its state, a module that rebinds a buffer), or at the end.
+one `workload.step()`; `record` does the same around one step of any training loop. The recorded
+buffers, in allocation order, are the allocations the allocator served during that step (0-byte
+requests are not served and not recorded). Every storage alive when the step begins is a buffer with
+allocation time 0, freed where the program drops its last reference (an optimizer that replaces its
+state, a module that rebinds a buffer), or at the end. A model built before `record` began is adopted:
+what its parameters, optimizer and inputs hold counts from then on; other tensors made before it are
+not seen.
 
 With `fake=True` the workload is built and stepped under fake tensors (traces/fake.py): nothing is
 allocated or computed, and the trace holds every storage the program's ops return, with the same
@@ -17,14 +20,17 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 from memplan.traces.errors import MemplanError
 from memplan.traces.fake import DATA_RULE, FakeCapture
-from memplan.traces.format import PHASES, Trace, make_trace
+from memplan.traces.format import PHASES, Trace, make_trace, save
 from memplan.traces.recorder import Events, Recorder, recording
 from memplan.traces.resident import resident_storages, resident_tensors
 from memplan.traces.step_marks import StepMarks, marked_step
@@ -173,16 +179,17 @@ def _cuda_history(device: torch.device):
         torch.cuda.memory._record_memory_history(enabled=None, device=device)
 
 
-def _resident_at_start(workload: Workload, recorder: Recorder, live: Events) -> dict:
-    """Labels of the storages alive as the step begins; every storage the workload holds must be among
-    them (one allocated before recording began would be invisible)."""
+def _resident_at_start(workload: Workload, recorder: Recorder, live: Events, adopt: bool) -> dict:
+    """Labels of the storages alive as the step begins. Every storage the workload holds must be among
+    them: with `adopt`, those made before recording began are counted from now on; without, one such
+    storage would be invisible, so it is an error."""
     alive = set(live.key.tolist())
     outside = [
         t
         for t, _, _ in resident_tensors(workload)
         if t.untyped_storage().nbytes() > 0 and recorder.storage_key(t) not in alive
     ]
-    if outside:
+    if outside and not adopt:
         raise CaptureError(
             f"{workload.name}: {len(outside)} of its tensors existed before recording began: "
             "pass capture_step a function that builds the workload, not a built one"
@@ -190,21 +197,115 @@ def _resident_at_start(workload: Workload, recorder: Recorder, live: Events) -> 
     return resident_storages(workload, recorder.storage_key, alive)
 
 
-def _record_step(workload: Workload, recorder: Recorder, device: torch.device, fake: bool):
-    """Record one step: (storages alive at its start, their labels, its events, marks, CUDA history)."""
-    gc.collect(1)  # the warm-up's cyclic garbage is young; a full collection costs ~0.1 s in a torch process
-    live = recorder.begin_step()
-    resident = _resident_at_start(workload, recorder, live)
-    gc.disable()  # no cycle collection in the middle of the step: frees happen where the program drops them
-    try:
-        with contextlib.ExitStack() as stack:
-            history = stack.enter_context(_cuda_history(device)) if device.type == "cuda" and not fake else None
-            with marked_step(workload, recorder) as marks:
-                _run("recorded step", workload.name, workload.step)
-            step = recorder.end_step()
-    finally:
-        gc.enable()
-    return live, resident, step, marks, history
+class Recording:
+    """One capture in progress (see `record`): the recorder is installed, fake mode entered if asked;
+    `step(...)` marks the one step it records, and `trace` is that step's Trace once the block ends."""
+
+    def __init__(self, recorder: Recorder, device: torch.device, fake: FakeCapture | None, meta: dict):
+        self.trace: Trace | None = None  # set when the step's block ends
+        self._recorder, self._device, self._fake, self._meta = recorder, device, fake, meta
+
+    @contextlib.contextmanager
+    def step(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        inputs: Any = None,
+        name: str = "model",
+        adopt: bool = False,
+    ) -> Iterator[None]:
+        """Record the block as the training step of `model` and `optimizer` (labels: module, phase,
+        category); `inputs` are tensors held before it (the batch). `adopt` counts storages the model,
+        optimizer and inputs hold that were made before recording began (a model built outside)."""
+        with self.workload_step(Workload(model=model, inputs=inputs, optimizer=optimizer, name=name), adopt):
+            yield
+
+    def check_device(self, workload: Workload) -> torch.device:
+        """The workload's device; CaptureError unless it is the recording's."""
+        device = workload_device(workload)
+        if device.type != self._device.type:
+            raise CaptureError(f"{workload.name}: the model is on {device.type}, the capture on {self._device.type}")
+        return device
+
+    @contextlib.contextmanager
+    def workload_step(self, workload: Workload, adopt: bool = False) -> Iterator[None]:
+        """`step` for a Workload, whose loss function is labelled `loss` as well."""
+        if self.trace is not None:
+            raise CaptureError("a recording holds one step: mark one block with step()")
+        device = self.check_device(workload)
+        if adopt:
+            for tensor, _, _ in resident_tensors(workload):
+                self._recorder.adopt(tensor)
+        # 1. The storages alive now, labelled; no cycle collection inside, so frees happen where dropped.
+        gc.collect(1)  # the warm-up's cyclic garbage is young; a full collection costs ~0.1 s in a torch process
+        live = self._recorder.begin_step()
+        resident = _resident_at_start(workload, self._recorder, live, adopt)
+        gc.disable()
+        try:
+            # 2. The step, with module, phase and optimizer marks (and on CUDA the allocator's history).
+            with contextlib.ExitStack() as stack:
+                real_cuda = device.type == "cuda" and self._fake is None
+                history = stack.enter_context(_cuda_history(device)) if real_cuda else None
+                marks = stack.enter_context(marked_step(workload, self._recorder))
+                yield
+            events = self._recorder.end_step()
+        finally:
+            gc.enable()
+        # 3. Buffers: the storages alive at the start and the step's events, categorized, sizes as requested.
+        buffers = _assemble(live, events, self._recorder.names(), resident)
+        _categorize(buffers, marks)
+        if history is not None:
+            _requested_sizes(buffers, history)
+        dtype = next(workload.model.parameters()).dtype
+        self.trace = _trace(
+            buffers,
+            self._device,
+            self._fake,
+            len(events),
+            {"model": workload.name, "dtype": dtype, "optimizer": type(workload.optimizer).__name__, **self._meta},
+        )
+
+
+def _trace(buffers: list[_Buffer], device: torch.device, fake: FakeCapture | None, events: int, meta: dict) -> Trace:
+    """The Trace of assembled buffers, with the meta every capture records."""
+    info = {
+        "source": "memplan trace",
+        "layers": "baseline",
+        "device": device.type,
+        "torch": torch.__version__,
+        "fake": fake is not None,
+        "events": events,
+        **meta,
+        "dtype": str(meta["dtype"]).replace("torch.", ""),
+    }
+    if fake is not None:
+        info.update(data_rule=DATA_RULE, data_dependent=dict(fake.data_dependent))
+    columns = {
+        "size": [b.size for b in buffers],
+        "alloc": [b.alloc for b in buffers],
+        "free": [b.free for b in buffers],
+        "stream": [b.stream for b in buffers],
+        "addr": [b.key if fake is None else -1 for b in buffers],
+        "category": [b.category for b in buffers],
+        "phase": [b.phase for b in buffers],
+        "op": [b.op for b in buffers],
+        "module": [b.module for b in buffers],
+    }
+    return make_trace(columns, meta=info)
+
+
+@contextlib.contextmanager
+def recording_session(
+    device: str | torch.device = "cpu", *, fake: bool = False, meta: dict | None = None
+) -> Iterator[Recording]:
+    """Install the step recorder on `device` (and, with `fake`, fake tensors) for the block; what is built
+    inside is seen from its first allocation, and `Recording.step` marks the step to record."""
+    device = torch.device(device)
+    with one_cpu_thread(device), recording(device, fake=fake) as recorder:
+        fake_mode = FakeCapture(recorder) if fake else None
+        with fake_mode or contextlib.nullcontext():
+            yield Recording(recorder, device, fake_mode, dict(meta or {}))
 
 
 def capture_step(
@@ -217,50 +318,50 @@ def capture_step(
 ) -> Trace:
     """Build a workload with `build()` and record one `workload.step()` (after a warm-up step unless
     `warmup=False`) on `device` as a labelled Trace; with `fake`, under fake tensors."""
-    device = torch.device(device)
-    with one_cpu_thread(device), recording(device, fake=fake) as recorder:
-        fake_mode = FakeCapture(recorder) if fake else None
-        with fake_mode or contextlib.nullcontext():
-            workload = build()
-            actual = workload_device(workload)
-            if actual.type != device.type:
-                raise CaptureError(f"{workload.name}: the model is on {actual.type}, the capture on {device.type}")
-            if warmup:
-                _run("warm-up step", workload.name, workload.step)
-            if device.type == "cuda" and not fake:
-                torch.cuda.synchronize(device)
-            live, resident, step, marks, history = _record_step(workload, recorder, actual, fake)
-            names = recorder.names()
-            dtype = next(workload.model.parameters()).dtype
-            name = workload.name
-            del workload
-    buffers = _assemble(live, step, names, resident)
-    _categorize(buffers, marks)
-    if history is not None:
-        _requested_sizes(buffers, history)
-    info = {
-        "source": "memplan trace",
-        "model": name,
-        "layers": "baseline",
-        "device": device.type,
-        "dtype": str(dtype).replace("torch.", ""),
-        "torch": torch.__version__,
-        "warmup": warmup,
-        "fake": fake,
-        "events": len(step),
-    }
-    if fake_mode is not None:
-        info.update(data_rule=DATA_RULE, data_dependent=dict(fake_mode.data_dependent))
-    info.update(meta or {})
-    columns = {
-        "size": [b.size for b in buffers],
-        "alloc": [b.alloc for b in buffers],
-        "free": [b.free for b in buffers],
-        "stream": [b.stream for b in buffers],
-        "addr": [b.key if not fake else -1 for b in buffers],
-        "category": [b.category for b in buffers],
-        "phase": [b.phase for b in buffers],
-        "op": [b.op for b in buffers],
-        "module": [b.module for b in buffers],
-    }
-    return make_trace(columns, meta=info)
+    with recording_session(device, fake=fake, meta={"warmup": warmup, **(meta or {})}) as session:
+        workload = build()
+        device = session.check_device(workload)
+        if warmup:
+            _run("warm-up step", workload.name, workload.step)
+        if device.type == "cuda" and not fake:
+            torch.cuda.synchronize(device)
+        with session.workload_step(workload):
+            _run("recorded step", workload.name, workload.step)
+        del workload
+    return session.trace
+
+
+@contextlib.contextmanager
+def record(
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    inputs: Any = None,
+    device: str | torch.device | None = None,
+    fake: bool = False,
+    output: str | os.PathLike | None = None,
+    meta: dict | None = None,
+) -> Iterator[Recording]:
+    """Record one training step of your own loop. With `model` and `optimizer` (built before, real tensors)
+    the block is the step; with neither, build them inside and mark the step with `recording.step(model,
+    optimizer)` (so under `fake=True` too). The trace is `recording.trace`, written to `output` if given;
+    nothing is written when the block raises."""
+    if (model is None) != (optimizer is None):
+        raise CaptureError("record: give both the model and its optimizer, or neither")
+    if model is not None and fake:
+        raise CaptureError(
+            "record(model, optimizer, fake=True): a fake step needs a model made under fake tensors: build it "
+            "inside `with record(fake=True) as recording:` and mark the step with recording.step(model, optimizer)"
+        )
+    if device is None:
+        device = next(model.parameters()).device if model is not None else "cpu"
+    with recording_session(device, fake=fake, meta={"source": "memplan.record", **(meta or {})}) as session:
+        if model is None:
+            yield session
+        else:
+            with session.step(model, optimizer, inputs=inputs, adopt=True):
+                yield session
+    if session.trace is None:
+        raise CaptureError("record: no step was recorded: mark one with `with recording.step(model, optimizer):`")
+    if output is not None:
+        save(session.trace, output)

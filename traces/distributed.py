@@ -260,7 +260,7 @@ def trace_command_ranks(
         f"{'tracing' if fake else 'starting'} {nproc} ranks ({backend}): {model_file} (batch {batch}, "
         f"seq {seq}, {dtype}, layers {mode}), one training step each after a warm-up step"
     )
-    meta = {"model": stem, "batch": batch, "seq": seq, "model_file": str(model_file)}
+    meta = {"batch": batch, "seq": seq, "model_file": str(model_file)}
     results = trace_ranks(
         model_file,
         output,

@@ -68,10 +68,7 @@ class Trace:
 
     def live_bytes(self) -> np.ndarray:
         """Bytes live during each logical step t in [0, end): live[t] = sum of sizes with alloc <= t < free."""
-        delta = np.zeros(self.end + 1, dtype=np.int64)
-        np.add.at(delta, self.alloc, self.size)
-        np.add.at(delta, self.free, -self.size)
-        return np.cumsum(delta)[:-1]
+        return live_bytes(self.size, self.alloc, self.free, self.end)
 
     def peak(self) -> tuple[int, int]:
         """(peak live bytes, first logical time at which it is reached)."""
@@ -84,6 +81,15 @@ class Trace:
     def live_at(self, t: int) -> np.ndarray:
         """Indices of the buffers live at logical time t."""
         return np.nonzero((self.alloc <= t) & (self.free > t))[0]
+
+
+def live_bytes(size: np.ndarray, alloc: np.ndarray, free: np.ndarray, end: int) -> np.ndarray:
+    """Per logical time t in [0, end), the sum of `size` over the buffers with alloc <= t < free: the one
+    sweep behind every live-bytes series (a trace's, a category's, a plan's)."""
+    delta = np.zeros(end + 1, dtype=np.int64)
+    np.add.at(delta, alloc, size)
+    np.add.at(delta, free, -size)
+    return np.cumsum(delta)[:-1]
 
 
 def columns_digest(size, alloc, free, stream, syncs=()) -> str:

@@ -5,13 +5,16 @@ A model file defines
     def build(batch_size: int, seq_len: int, dtype: torch.dtype, device: str):
         return {"model": nn.Module, "inputs": batch,          # required
                 "loss": callable(output, inputs) -> scalar,    # optional, default: mean of the output
-                "optimizer": Optimizer or callable(params)}    # optional, default: AdamW(lr=1e-3)
+                "optimizer": Optimizer or callable(params),    # optional, default: AdamW(lr=1e-3)
+                "name": str}                                   # optional, default: the file's name
 
-or returns a `traces.workload.Workload`. `inputs` is a tensor, a tuple (passed positionally) or a
-dict (passed by keyword). memplan seeds torch with 0 before calling build(), casts a dict's model
-to `dtype` and `device`, and applies the caller's ModelPatch (memplan's layer modes) before the optimizer
-is made.
-Every breach of the protocol raises ModelFileError with one line naming what is wrong.
+or returns a `traces.workload.Workload` (its `name` left at the default is the file's name too). The
+name is the workload's everywhere: the trace's meta "model" and replay's report. `inputs` is a tensor,
+a tuple (passed positionally) or a dict (passed by keyword). memplan seeds torch with 0 before calling
+build(), casts a dict's model to `dtype` and `device`, and applies the caller's ModelPatch (memplan's
+layer modes) before the optimizer is made.
+Every breach of the protocol raises ModelFileError with one line naming what is wrong. The file is
+imported with its own folder first on sys.path, so it can import its sibling modules (`_model_folder_on_path`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import inspect
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,6 +38,7 @@ from memplan.traces.workload import Workload, default_loss
 BUILD = "build"
 BUILD_ARGS = ("batch_size", "seq_len", "dtype", "device")
 DICT_KEYS = ("model", "inputs", "loss", "optimizer", "name")
+DEFAULT_NAME = next(f.default for f in fields(Workload) if f.name == "name")  # a Workload built without a name
 
 
 class ModelPatch(Protocol):
@@ -81,6 +86,20 @@ def require_device(device: str, fake: bool = False) -> torch.device:
     return dev
 
 
+def _model_folder_on_path(path: Path) -> None:
+    """Put the model file's folder first on sys.path, as `python model.py` would, so that it can import
+    its sibling modules (`from mynet import Net`). It is inserted once and stays for the rest of the
+    process: build() may import lazily, at call time, and a fake capture or another command of the same
+    process imports the file again. It cannot shadow memplan: memplan's own modules are all under the
+    `memplan.` namespace, so a `cli.py`, `traces.py` or `planner.py` beside the model file is never
+    imported in their place. As with `python model.py`, a sibling module named like an installed one
+    (and not yet imported) is found first, and a sibling already imported from another model file's
+    folder (same name) is the one in sys.modules."""
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+
+
 def _import(path: Path) -> Any:
     if not path.is_file():
         raise ModelFileError(f"{path}: no such model file")
@@ -89,6 +108,7 @@ def _import(path: Path) -> Any:
     if spec is None or spec.loader is None:
         raise ModelFileError(f"{path}: cannot be loaded as a Python file")
     module = importlib.util.module_from_spec(spec)
+    _model_folder_on_path(path)
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
@@ -199,6 +219,8 @@ def build_workload(
     except (Exception, SystemExit) as e:
         raise ModelFileError(f"{path}: {BUILD}() raised {_describe(e)}") from None
     if isinstance(built, Workload):
+        if built.name == DEFAULT_NAME:  # the file gave no name: the file's, as for a dict
+            built.name = path.stem
         if layers is not None:
             layers(built.model)
         workload = built

@@ -69,6 +69,10 @@ class Recorder:
     def storage_key(self, tensor: torch.Tensor) -> int:
         return self._native.storage_key(tensor)
 
+    def adopt(self, tensor: torch.Tensor) -> None:
+        """Count the storage of a tensor made before recording began as alive from now on (its free is seen)."""
+        self._native.adopt(tensor)
+
     def claim(self, tensor: torch.Tensor) -> None:
         """Keep a fake tensor's storage in the capture (only claimed storages count when fake)."""
         self._native.claim(tensor)

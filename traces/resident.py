@@ -4,7 +4,10 @@ inputs.
 Inputs include tensors held by the loss object or closure (labels, masks).
 
 They become the trace's buffers with allocation time 0. Storages are keyed as the recorder keys
-them, so tied weights (one storage behind several parameters) count once.
+them, so tied weights (one storage behind several parameters) count once. A parameter held by several
+modules (T5's `shared` embedding and `lm_head`) is labelled with the first of them in `named_modules()`
+order, the module of its name in `named_parameters()` (which lists a tied parameter once), and so are
+its gradient and its optimizer state.
 """
 
 from __future__ import annotations
@@ -72,9 +75,10 @@ def resident_tensors(workload: Workload) -> Iterator[tuple[torch.Tensor, str, st
         for p in module.parameters(recurse=False):
             if p.grad is not None:
                 yield p.grad, "gradient", where(path)
-    owner = {
-        id(p): where(path) for path, module in workload.model.named_modules() for p in module.parameters(recurse=False)
-    }
+    owner: dict[int, str] = {}  # a tied parameter's module is the first that holds it, as in its own label above
+    for path, module in workload.model.named_modules():
+        for p in module.parameters(recurse=False):
+            owner.setdefault(id(p), where(path))
     for param, state in workload.optimizer.state.items():
         for t in _tensors_in(state):
             yield t, "optimizer", owner.get(id(param), "")

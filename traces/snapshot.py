@@ -17,10 +17,10 @@ from typing import Any
 
 from memplan.traces.errors import SnapshotError
 from memplan.traces.format import Trace, make_trace
+from memplan.traces.units import MiB, human_bytes
 
 PLAIN_TYPES = (dict, list, tuple, str, int, float, bool, type(None))
 KEYS = ("segments", "device_traces")
-MiB = 1 << 20
 FREE_ACTIONS = ("free_completed", "free")  # when the allocator gets a block back ("free": old snapshots)
 ENGINE_FRAME = "torch::autograd::Engine::evaluate_function"
 AUTOGRAD_NODE = re.compile(r"torch::autograd::(?:generated::)?(\w+)::apply\(")
@@ -352,10 +352,10 @@ def import_summary(trace: Trace) -> dict:
 
 def render_import_summary(s: dict) -> str:
     """The import summary as a few human-readable lines."""
-    gib = s["peak_live_bytes"] / 2**30
     return (
         f"buffers: {s['buffers']} ({s['allocated_in_trace']} allocated while recording, "
         f"{s['before_recording']} alive before, {s['never_freed']} never freed)\n"
         f"device cuda:{s['cuda_device']}, streams {s['streams']}, {s['events_end'] - 1} events\n"
-        f"peak live: {s['peak_live_bytes']} bytes ({gib:.2f} GiB) at time {s['peak_time']}"
+        f"peak live: {s['peak_live_bytes']} bytes ({human_bytes(s['peak_live_bytes'], unit='GiB')}) "
+        f"at time {s['peak_time']}"
     )

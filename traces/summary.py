@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from memplan.traces.format import CATEGORIES, Trace
+from memplan.traces.units import human_bytes
 
 
 def _buffer(trace: Trace, i: int) -> dict[str, Any]:
@@ -22,14 +23,19 @@ def _buffer(trace: Trace, i: int) -> dict[str, Any]:
     }
 
 
+def bytes_by_category(trace: Trace, t: int) -> dict[str, int]:
+    """Requested bytes live at logical time t, for every category of CATEGORIES (0 where none)."""
+    out = {c: 0 for c in CATEGORIES}
+    for i in trace.live_at(t):
+        out[trace.category[i]] += int(trace.size[i])
+    return out
+
+
 def summarize(trace: Trace, top: int = 5) -> dict[str, Any]:
     """Peak live bytes and its time, the phase, module and op of the allocation that reached it,
     bytes by category live at the peak, totals by category, and the `top` largest buffers."""
     peak, t = trace.peak()
-    live = trace.live_at(t) if len(trace) else np.zeros(0, dtype=np.int64)
-    at_peak = {c: 0 for c in CATEGORIES}
-    for i in live:
-        at_peak[trace.category[i]] += int(trace.size[i])
+    at_peak = bytes_by_category(trace, t)
     reached_by = np.nonzero(trace.alloc == t)[0] if t > 0 else np.zeros(0, dtype=np.int64)
     largest = np.argsort(-trace.size, kind="stable")[:top]
     return {
@@ -52,14 +58,6 @@ def summarize(trace: Trace, top: int = 5) -> dict[str, Any]:
     }
 
 
-def _mib(n: int) -> str:
-    """Bytes in the largest binary unit that keeps the number at or above 1 (B, KiB, MiB, GiB)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:,.2f} {unit}"
-    return f"{n} B"
-
-
 def render(summary: dict[str, Any]) -> str:
     """The summary as a few lines of text for the terminal."""
     s = summary
@@ -67,7 +65,8 @@ def render(summary: dict[str, Any]) -> str:
         f"trace of {s['model']} ({s['layers']}, {s['device']}, {s['dtype']}{', fake tensors' if s['fake'] else ''}): "
         f"{s['buffers']} buffers, "
         f"{s['recorded']} allocated during the step, {s['end'] - 1} events",
-        f"peak live: {_mib(s['peak_bytes'])} ({s['peak_bytes']:,} bytes) at time {s['peak_time']}, "
+        f"peak live: {human_bytes(s['peak_bytes'], grouped=True)} ({s['peak_bytes']:,} bytes) "
+        f"at time {s['peak_time']}, "
         f"phase {s['peak_phase']}, module {s['peak_module'] or '-'}, op {s['peak_op'] or '-'}",
         "live at the peak by category:",
     ]
@@ -79,11 +78,11 @@ def render(summary: dict[str, Any]) -> str:
         )
     for cat, b in sorted(s["at_peak_by_category"].items(), key=lambda kv: -kv[1]):
         share = 100.0 * b / s["peak_bytes"] if s["peak_bytes"] else 0.0
-        lines.append(f"  {cat:<11} {_mib(b):>14}  {share:5.1f}%")
+        lines.append(f"  {cat:<11} {human_bytes(b, grouped=True):>14}  {share:5.1f}%")
     lines.append("largest buffers:")
     for b in s["largest"]:
         lines.append(
-            f"  {_mib(b['size']):>14}  {b['category']:<10} {b['phase']:<9} [{b['alloc']}, {b['free']})  "
-            f"{b['module'] or '-'}  {b['op'] or '-'}"
+            f"  {human_bytes(b['size'], grouped=True):>14}  {b['category']:<10} {b['phase']:<9} "
+            f"[{b['alloc']}, {b['free']})  {b['module'] or '-'}  {b['op'] or '-'}"
         )
     return "\n".join(lines)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -13,6 +12,7 @@ from memplan.traces.capture import capture_step
 from memplan.traces.errors import MemplanError
 from memplan.traces.format import Trace
 from memplan.traces.model_file import AS_BUILT, ModelPatch, build_workload, import_model_file, require_device
+from memplan.traces.units import human_bytes
 
 
 def trace_model_file(
@@ -38,8 +38,7 @@ def trace_model_file(
             path, build_function, batch=batch, seq=seq, dtype=torch_dtype, device=device, layers=layers, fake=fake
         )
 
-    info = {
-        "model": Path(path).stem,
+    info = {  # meta "model" is capture_step's: the workload's name (the model file's "name", else its file name)
         "layers": layers.name if layers else AS_BUILT,
         "batch": batch,
         "seq": seq,
@@ -88,15 +87,14 @@ def choose_capture(capture: str, need: int) -> CaptureChoice:
         return CaptureChoice(capture == "fake", f"--capture {capture}")
     available = host_memory_available()
     limit = REAL_STEP_BYTES if available is None else min(REAL_STEP_BYTES, int(HOST_SHARE * available))
-    gib = 1 << 30
     if need > limit:
         return CaptureChoice(
             True,
-            f"--capture auto: the steps hold about {need / gib:.2f} GiB, more than the "
-            f"{limit / gib:.2f} GiB traced for real on this machine",
+            f"--capture auto: the steps hold about {human_bytes(need, unit='GiB')}, more than the "
+            f"{human_bytes(limit, unit='GiB')} traced for real on this machine",
         )
     return CaptureChoice(
         False,
-        f"--capture auto: the steps hold about {need / gib:.2f} GiB, within the "
-        f"{limit / gib:.2f} GiB traced for real on this machine",
+        f"--capture auto: the steps hold about {human_bytes(need, unit='GiB')}, within the "
+        f"{human_bytes(limit, unit='GiB')} traced for real on this machine",
     )

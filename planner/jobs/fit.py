@@ -29,10 +29,12 @@ from memplan.traces.trace_model import (
     host_memory_available,
     trace_model_file,
 )
+from memplan.traces.units import GiB, KiB, MiB, human_bytes
 
 MEASURE_BATCHES = (1, 2, 4)
 MAX_BATCH = 4096  # the search stops here: larger batches take too long to trace
 GROWTH = 8  # a trace is at most this many times the largest batch known to fit
+GUESSES = 2  # traces that may leave the bracket more than half as wide before the search bisects it
 UNITS = {
     "": 1,
     "b": 1,
@@ -40,9 +42,9 @@ UNITS = {
     "mb": 10**6,
     "gb": 10**9,
     "tb": 10**12,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
+    "kib": KiB,
+    "mib": MiB,
+    "gib": GiB,
     "tib": 1 << 40,
 }
 ALLOCATORS = ("caching", "plan")
@@ -65,8 +67,8 @@ def parse_size(text: str) -> int:
 
 
 def format_size(n: int) -> str:
-    """Bytes as GiB/MiB with two decimals, for the summary text."""
-    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+    """Bytes as GiB with two decimals, or MiB with one below a GiB, for the summary text."""
+    return human_bytes(n, unit="GiB") if n >= GiB else human_bytes(n, unit="MiB", digits=1)
 
 
 @dataclass
@@ -289,13 +291,24 @@ class BatchProbe:
 
 
 def boundary_search(probe: BatchProbe, allocator: str, start: int) -> int:
-    """Largest b with probe(b) fitting and probe(b+1) not, from a predicted b; needs batch 1 to fit."""
-    guess = start
+    """Largest b with probe(b) fitting and probe(b+1) not, from a predicted b; needs batch 1 to fit.
+
+    Until a batch that does not fit is known it extrapolates: the prediction, then the secant through
+    the two largest traced batches (at most GROWTH times the largest batch that fits), and at least 1,
+    2, 4, ... batches past the largest that fits, doubling with each batch in a row that fits. Once a
+    fitting batch lo and a failing one hi bracket the answer it narrows the bracket: the secant's guess
+    through lo and hi (the prediction first), kept at least 1, 2, 4, ... batches from an end that moved
+    that many times in a row (guesses falling on one side of the answer), and a bisection whenever
+    GUESSES traces in a row have not halved the bracket. So the bracket halves at least every GUESSES + 1
+    traces and the traces grow as the logarithm of the answer, while a good guess still ends the search
+    in one or two. The answer is the one stepping batch by batch would give: b fits, b+1 does not.
+    """
+    guess, run, since, width = start, 0, 0, 0
     while True:
         points = probe.points
         lo = max((x for x, p in points.items() if p.fits(allocator)), default=0)
-        hi = min((x for x, p in points.items() if not p.fits(allocator)), default=MAX_BATCH + 1)
-        if hi <= lo:
+        hi = min((x for x, p in points.items() if not p.fits(allocator)), default=None)
+        if hi is not None and hi <= lo:
             raise FitError(
                 f"{probe.mode}: batch {hi} does not fit under the {allocator} model but batch {lo} "
                 "does; memory is not monotone in the batch here"
@@ -306,8 +319,25 @@ def boundary_search(probe: BatchProbe, allocator: str, start: int) -> int:
             )
         if hi == lo + 1:
             return lo
-        probe(min(max(guess, lo + 1), hi - 1, GROWTH * lo))
-        # next guess: secant through the closest traced points on both sides (or the two largest that fit)
+        if hi is None:  # nothing fails yet (run >= 0): extrapolate
+            batch = min(max(guess, lo + (1 << max(run - 1, 0))), MAX_BATCH, GROWTH * lo)
+        else:
+            if 2 * (hi - lo) <= width or not width:  # halved (or just bracketed): a new checkpoint
+                since, width = 0, hi - lo
+            mid = (lo + hi) // 2
+            if since >= GUESSES:
+                batch = mid
+            elif run > 0:  # lo moved `run` times in a row: at least 2**(run-1) above it (at most to mid)
+                batch = max(guess, min(lo + (1 << (run - 1)), mid))
+            elif run < 0:  # hi moved -run times in a row: at least 2**(-run-1) below it
+                batch = min(guess, max(hi - (1 << (-run - 1)), mid))
+            else:
+                batch = guess
+            batch = min(max(batch, lo + 1), hi - 1)
+            since += 1
+        fits = probe(batch).fits(allocator)
+        run = (max(run, 0) + 1) if fits else (min(run, 0) - 1)
+        # next guess: secant through the closest traced batches on both sides (or the two largest)
         points = probe.points
         lo = max(x for x, p in points.items() if p.fits(allocator))
         hi = min((x for x, p in points.items() if not p.fits(allocator)), default=None)

@@ -18,17 +18,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from memplan.planner.jobs.solve_file import solve_file
-from memplan.planner.layers import LayerMode
+from memplan.planner.layers import MODES, LayerMode
 from memplan.planner.replay.model_replay import replay_model_file
-from memplan.planner.report.memory_report import MemoryReport, build_report, human_bytes
+from memplan.planner.replay.report import ReplayReport
+from memplan.planner.report.memory_report import MemoryReport, build_report
 from memplan.planner.report.plots import plot_reports
 from memplan.traces.errors import MemplanError
 from memplan.traces.files import atomic_write
 from memplan.traces.format import Trace, save
 from memplan.traces.trace_model import CaptureChoice, choose_capture, trace_model_file
+from memplan.traces.units import human_bytes
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "workloads" / "bert_large_slice.py"  # ships in the wheel
-MODES = ("baseline", "tempo", "selective", "tempo+selective")
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class RunOptions:
     model_file: str
     out_dir: str
     batch: int = 2
-    seq: int = 512
+    seq: int = 128
     dtype: str = "float32"
     modes: tuple[str, ...] = MODES
     time_limit: float = 10.0
@@ -69,12 +70,13 @@ class ModeRow:
 
 @dataclass
 class RunResult:
-    """The whole run: one row per mode, the replay of one plan, the files written and the wall time."""
+    """The whole run: the step's optimizer, one row per mode, the replay of one plan, the files and the wall time."""
 
     options: RunOptions
     capture: CaptureChoice
+    optimizer: str | None  # the traced step's optimizer class, from the trace's meta; None when it does not say
     rows: list[ModeRow]
-    replay: dict | None  # None when the traces are fake: a replay runs the real step
+    replay: ReplayReport | None  # of the replay_mode's plan; None for fake traces (a replay runs the real step)
     report_md: str
     timeline_png: str
     address_space_png: str
@@ -89,7 +91,7 @@ class RunResult:
             "capture": self.capture.name,
             "capture_reason": self.capture.reason,
             "rows": [asdict(r) for r in self.rows],
-            "replay": self.replay,
+            "replay": None if self.replay is None else {**self.replay.summary(), "mode": self.options.replay_mode},
             "report": self.report_md,
             "timeline": self.timeline_png,
             "address_space": self.address_space_png,
@@ -203,16 +205,16 @@ def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> R
         replayed = next(r for r in reports if r.name == opts.replay_mode)
         plot_reports([replayed], work / "address_space.png", address_space=True)
 
-        replay = None if capture.fake else replay_plan(opts, work, progress)
         result = RunResult(
-            opts,
-            capture,
-            rows,
-            replay,
-            str(out / "report.md"),
-            str(out / "timeline.png"),
-            str(out / "address_space.png"),
-            time.monotonic() - start,
+            options=opts,
+            capture=capture,
+            optimizer=reports[0].trace.meta.get("optimizer"),
+            rows=rows,
+            replay=None if capture.fake else replay_plan(opts, work, progress),
+            report_md=str(out / "report.md"),
+            timeline_png=str(out / "timeline.png"),
+            address_space_png=str(out / "address_space.png"),
+            seconds=time.monotonic() - start,
         )
         atomic_write(work / "report.md", render_markdown(result))
         move_into(work, out)
@@ -221,12 +223,12 @@ def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> R
     return result
 
 
-def replay_plan(opts: RunOptions, work: Path, progress: Callable[[str], None]) -> dict:
-    """Replay the replayed mode's plan through the C++ plan allocator: its summary, with the mode."""
+def replay_plan(opts: RunOptions, work: Path, progress: Callable[[str], None]) -> ReplayReport:
+    """Replay the replayed mode's plan through the C++ plan allocator."""
 
     trace_rel, plan_rel = mode_files(opts.replay_mode)
     progress(f"[{opts.replay_mode}] replaying its plan for {opts.replay_steps} steps through the C++ plan allocator")
-    replay = replay_model_file(
+    return replay_model_file(
         str(work / plan_rel),
         opts.model_file,
         trace_file=str(work / trace_rel),
@@ -236,8 +238,7 @@ def replay_plan(opts: RunOptions, work: Path, progress: Callable[[str], None]) -
         dtype=opts.dtype,
         layers=opts.replay_mode,
         progress=progress,
-    ).summary()
-    return {**replay, "mode": opts.replay_mode}
+    )
 
 
 def move_into(work: Path, out: Path) -> None:
@@ -298,26 +299,34 @@ def replay_sentence(result: RunResult) -> str:
             "no replay: the traces are fake, and a replay runs the real step on this machine "
             "(--capture real replays it)"
         )
-    equal = "bitwise equal to" if r["bitwise_equal"] else f"DIFFERENT from ({r['first_difference']})"
+    equal = "bitwise equal to" if r.bitwise_equal else f"DIFFERENT from ({r.first_difference})"
     return (
-        f"replay of the {r['mode']} plan: {r['steps']} steps; {r['adopted_count']:,} of {r['reserved_count']:,} "
-        f"resident storages adopted into the {human_bytes(r['arena_bytes'])} arena "
-        f"({human_bytes(r['outside_bytes'])} left outside), {r['planned_count']:,} allocations from it, "
-        f"{r['fallback_count']} fallbacks; measured peak {human_bytes(r['peak_bytes'])}: arena top + fallback + "
+        f"replay of the {result.options.replay_mode} plan: {r.steps} steps; {r.adopted_count:,} of "
+        f"{r.reserved_count:,} resident storages adopted into the {human_bytes(r.arena_bytes)} arena "
+        f"({human_bytes(r.outside_bytes)} left outside), {r.planned_count:,} allocations from it, "
+        f"{r.fallback_count} fallbacks; measured peak {human_bytes(r.peak_bytes)}: arena top + fallback + "
         f"outside; loss and gradients {equal} the default allocator's run"
+    )
+
+
+def step_sentence(result: RunResult) -> str:
+    """report.md's first sentence: the step traced (naming its optimizer only when the trace did), its shape
+    and how it was captured."""
+    o = result.options
+    step = "forward, backward" + (f", {result.optimizer}" if result.optimizer else "")
+    return (
+        f"One training step ({step}) of `{o.model_file}` at batch {o.batch}, sequence {o.seq}, {o.dtype}, "
+        f"traced under each layer mode with {result.capture.name} tensors ({result.capture.reason})."
     )
 
 
 def render_markdown(result: RunResult) -> str:
     """report.md: the table, what each column means, the replay, and the command behind each row."""
-    o = result.options
     rows = table_rows(result)
     md = [
-        f"# memplan report: {Path(o.model_file).stem}",
+        f"# memplan report: {Path(result.options.model_file).stem}",
         "",
-        f"One training step (forward, backward, AdamW) of `{o.model_file}` at batch {o.batch}, sequence "
-        f"{o.seq}, {o.dtype}, traced under each layer mode with {result.capture.name} tensors "
-        f"({result.capture.reason}).",
+        step_sentence(result),
         "",
         "| " + " | ".join(rows[0]) + " |",
         "|" + "---|" * len(rows[0]),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from memplan.traces.units import human_bytes
+
 
 @dataclass
 class ReplayReport:
@@ -48,10 +50,10 @@ class ReplayReport:
         return {**asdict(self), "bitwise_equal": self.bitwise_equal}
 
     def text(self) -> str:
-        mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
         lines = [
             f"replayed {self.steps} step(s) of {self.workload} on {self.device}",
-            f"  arena            {mib(self.arena_bytes)} ({self.arena_bytes} B; plan bound {self.bound} B)",
+            f"  arena            {human_bytes(self.arena_bytes, unit='MiB')} ({self.arena_bytes} B; "
+            f"plan bound {self.bound} B)",
             f"  adopted          {self.adopted_count} of {self.reserved_count} reserved slot(s), "
             f"{self.adopted_bytes} of {self.reserved_bytes} B (storages that exist for the whole step, moved "
             f"into the arena before the steps)",
@@ -60,10 +62,10 @@ class ReplayReport:
             f"  fallbacks        {self.fallback_count} allocation(s), {self.fallback_bytes} B, at most "
             f"{self.fallback_peak} B live at once (in use {self.refused_in_use}, size {self.size_mismatch}, "
             f"extra {self.extra}, no slot to adopt {self.no_slot}; planned but missing {self.missing})",
-            f"  arena top        {mib(self.arena_top_peak)} ({self.arena_top_peak} B: highest arena byte held by "
-            f"a live block, adopted or planned)",
-            f"  peak             {mib(self.peak_bytes)} ({self.peak_bytes} B: most of arena top + fallback live "
-            f"at once, plus outside)",
+            f"  arena top        {human_bytes(self.arena_top_peak, unit='MiB')} ({self.arena_top_peak} B: "
+            f"highest arena byte held by a live block, adopted or planned)",
+            f"  peak             {human_bytes(self.peak_bytes, unit='MiB')} ({self.peak_bytes} B: "
+            f"most of arena top + fallback live at once, plus outside)",
             f"  bitwise equal    {'yes' if self.bitwise_equal else f'NO: first difference at {self.first_difference}'}"
             f" (loss, every gradient, parameters after {self.steps} step(s); reference: {self.reference})",
         ]

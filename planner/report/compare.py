@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import numpy as np
-
 from memplan.planner.plan import Plan
 from memplan.planner.problem import problem_from_trace
-from memplan.planner.report.memory_report import MemoryReport, build_report, human_bytes, phase_at_times, trace_title
+from memplan.planner.report.memory_report import MemoryReport, build_report, phase_at, trace_title
 from memplan.planner.simulate.plan_footprint import match_plans
 from memplan.solvers.portfolio import solve
-from memplan.traces.format import CATEGORIES, PHASES, Trace
+from memplan.traces.format import CATEGORIES, Trace
+from memplan.traces.summary import bytes_by_category
+from memplan.traces.units import human_bytes
 
 
 @dataclass
@@ -50,18 +50,15 @@ def row_from_report(report: MemoryReport, categories: list[str], plan_source: st
     """The comparison row of one simulated trace (which must have a plan)."""
     trace = report.trace
     peak, peak_t = trace.peak()
-    live = trace.live_at(peak_t) if len(trace) else np.zeros(0, dtype=np.int64)
-    at_peak = {c: 0 for c in categories}
-    for i in live:
-        at_peak[trace.category[i]] += int(trace.size[i])
+    by_category = bytes_by_category(trace, peak_t)
     return CompareRow(
         name=report.name,
         title=trace_title(trace, report.name),
         buffers=len(trace),
         peak_live=peak,
         peak_live_time=peak_t,
-        peak_live_phase=PHASES[phase_at_times(trace)[peak_t]] if trace.end else "other",
-        at_peak=at_peak,
+        peak_live_phase=phase_at(trace, peak_t),
+        at_peak={c: by_category[c] for c in categories},
         caching_peak_allocated=int(report.caching.peak_allocated),
         caching_peak_reserved=int(report.caching.peak_reserved),
         plan_arena=report.plan_memory.arena,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import csv
 import io
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -17,9 +17,10 @@ import numpy as np
 from memplan.planner.plan import Plan
 from memplan.planner.problem import problem_from_trace
 from memplan.planner.simulate.alloc_conf import parse_alloc_conf
-from memplan.planner.simulate.caching_allocator import SimResult, simulate_caching
+from memplan.planner.simulate.caching_allocator import OutOfMemory, SimResult, simulate_caching
 from memplan.planner.simulate.plan_footprint import PlanMemory, simulate_plan
 from memplan.traces.format import PHASES, Trace
+from memplan.traces.units import human_bytes
 
 
 @dataclass
@@ -41,14 +42,6 @@ class MemoryReport:
     def live(self) -> np.ndarray:
         """Requested bytes live at each logical time."""
         return self.trace.live_bytes()
-
-
-def human_bytes(n: int | float) -> str:
-    """Bytes as B, KiB, MiB or GiB, whichever reads best."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def trace_title(trace: Trace, name: str) -> str:
@@ -102,97 +95,151 @@ def phase_at_times(trace: Trace) -> np.ndarray:
     return out
 
 
-def report_summary(report: MemoryReport, timeline: str | None = None) -> dict:
-    """The JSON summary of `memplan simulate` (keys documented in the README)."""
+def phase_at(trace: Trace, t: int) -> str:
+    """The phase logical time t falls in ("other" for an empty trace)."""
+    return PHASES[phase_at_times(trace)[t]] if trace.end else "other"
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    """The plan's figures in the `memplan simulate` summary; bytes."""
+
+    path: str | None  # the plan file
+    scope: str  # which buffers the plan places: all, or step (those not held for the whole window)
+    arena: int
+    outside_peak: int  # most bytes held outside the plan at once
+    total_peak: int  # arena + outside_peak
+    status: str  # optimal or feasible
+    gap: float  # arena / the solver's bound - 1
+    bound: int  # the solver's lower bound
+    solver: str
+    peak_in_use: int  # most aligned bytes of the arena in use at once
+    fits_capacity: bool | None  # total_peak <= --capacity, None without a capacity
+
+
+@dataclass(frozen=True)
+class CachingSummary:
+    """The simulated caching allocator's figures in the `memplan simulate` summary; bytes."""
+
+    alloc_conf: str  # the PYTORCH_CUDA_ALLOC_CONF string simulated ("" for the defaults)
+    tie_break: str
+    capacity: int | None
+    peak_allocated: int
+    peak_reserved: int
+    fragmentation_at_peak: float  # 1 - allocated / reserved when reserved peaks
+    segment_allocs: int
+    oom: OutOfMemory | None
+
+
+@dataclass(frozen=True)
+class SimulateSummary:
+    """What `memplan simulate` prints: the trace's peak, the bound, the plan and the caching allocator."""
+
+    trace: str  # the trace's name (its path)
+    buffers: int
+    events: int  # the trace's end: one past its last logical time
+    peak_live: int
+    peak_live_time: int
+    peak_live_phase: str
+    bound: int  # max-live lower bound on any plan's arena
+    plan: PlanSummary | None  # None without --plan
+    caching: CachingSummary
+    timeline: str | None  # the timeline CSV written, if any
+
+    def to_dict(self) -> dict:
+        """The JSON document of `memplan simulate --json` (keys documented in the README)."""
+        return asdict(self)
+
+
+def report_summary(report: MemoryReport, timeline: str | None = None) -> SimulateSummary:
+    """The summary of `memplan simulate` for one report (and the timeline file written, if any)."""
     trace, sim = report.trace, report.caching
     peak, peak_t = trace.peak()
     plan = None
     if report.plan is not None:
         pm = report.plan_memory
-        plan = {
-            "path": report.plan_name,
-            "scope": report.plan.scope,
-            "arena": pm.arena,
-            "outside_peak": pm.peak_outside,
-            "total_peak": pm.peak_total,
-            "status": report.plan.status,
-            "gap": report.plan.gap,
-            "bound": report.plan.bound,
-            "solver": report.plan.solver,
-            "peak_in_use": pm.peak_in_use,
-            "fits_capacity": None if report.capacity is None else pm.peak_total <= report.capacity,
-        }
-    return {
-        "trace": report.name,
-        "buffers": len(trace),
-        "events": trace.end,
-        "peak_live": peak,
-        "peak_live_time": peak_t,
-        "peak_live_phase": PHASES[phase_at_times(trace)[peak_t]] if trace.end else "other",
-        "bound": report.bound,
-        "plan": plan,
-        "caching": {
-            "alloc_conf": report.alloc_conf,
-            "tie_break": report.tie_break,
-            "capacity": report.capacity,
-            "peak_allocated": int(sim.peak_allocated),
-            "peak_reserved": int(sim.peak_reserved),
-            "fragmentation_at_peak": float(sim.fragmentation_at_peak),
-            "segment_allocs": int(sim.segment_allocs),
-            "oom": sim.oom,
-        },
-        "timeline": timeline,
-    }
+        plan = PlanSummary(
+            path=report.plan_name,
+            scope=report.plan.scope,
+            arena=pm.arena,
+            outside_peak=pm.peak_outside,
+            total_peak=pm.peak_total,
+            status=report.plan.status,
+            gap=report.plan.gap,
+            bound=report.plan.bound,
+            solver=report.plan.solver,
+            peak_in_use=pm.peak_in_use,
+            fits_capacity=None if report.capacity is None else pm.peak_total <= report.capacity,
+        )
+    return SimulateSummary(
+        trace=report.name,
+        buffers=len(trace),
+        events=trace.end,
+        peak_live=peak,
+        peak_live_time=peak_t,
+        peak_live_phase=phase_at(trace, peak_t),
+        bound=report.bound,
+        plan=plan,
+        caching=CachingSummary(
+            alloc_conf=report.alloc_conf,
+            tie_break=report.tie_break,
+            capacity=report.capacity,
+            peak_allocated=int(sim.peak_allocated),
+            peak_reserved=int(sim.peak_reserved),
+            fragmentation_at_peak=float(sim.fragmentation_at_peak),
+            segment_allocs=int(sim.segment_allocs),
+            oom=sim.oom,
+        ),
+        timeline=timeline,
+    )
 
 
-def report_text(s: dict) -> str:
+def report_text(s: SimulateSummary) -> str:
     """The human-readable summary of `memplan simulate`."""
-    ratio = lambda n: f" ({n / s['bound']:.3f}x bound)" if s["bound"] else ""  # noqa: E731
-    c = s["caching"]
+    ratio = lambda n: f" ({n / s.bound:.3f}x bound)" if s.bound else ""  # noqa: E731
     lines = [
-        f"trace              {s['trace']} ({s['buffers']:,} buffers, {s['events']:,} events)",
-        f"peak live          {human_bytes(s['peak_live'])} at event {s['peak_live_time']:,} ({s['peak_live_phase']})",
-        f"max-live bound     {human_bytes(s['bound'])}",
+        f"trace              {s.trace} ({s.buffers:,} buffers, {s.events:,} events)",
+        f"peak live          {human_bytes(s.peak_live)} at event {s.peak_live_time:,} ({s.peak_live_phase})",
+        f"max-live bound     {human_bytes(s.bound)}",
     ]
-    p = s["plan"]
+    p = s.plan
     if p is None:
         lines.append("plan arena         - (pass --plan PLAN)")
     else:
-        gap = "" if p["status"] == "optimal" else f", gap {p['gap']:.2%} to its bound {human_bytes(p['bound'])}"
-        whole = p["scope"] == "all"  # a step plan's arena is only part of the footprint: compare the total
+        gap = "" if p.status == "optimal" else f", gap {p.gap:.2%} to its bound {human_bytes(p.bound)}"
+        whole = p.scope == "all"  # a step plan's arena is only part of the footprint: compare the total
         lines.append(
-            f"plan arena         {human_bytes(p['arena'])}{ratio(p['arena']) if whole else ''} "
-            f"[{p['status']}{gap}; {p['solver']}]"
+            f"plan arena         {human_bytes(p.arena)}{ratio(p.arena) if whole else ''} [{p.status}{gap}; {p.solver}]"
         )
         if not whole:
             lines.append(
-                f"  outside plan     {human_bytes(p['outside_peak'])} (scope {p['scope']}: parameters, "
-                f"optimizer state, inputs), {human_bytes(p['total_peak'])}{ratio(p['total_peak'])} in all"
+                f"  outside plan     {human_bytes(p.outside_peak)} (scope {p.scope}: parameters, "
+                f"optimizer state, inputs), {human_bytes(p.total_peak)}{ratio(p.total_peak)} in all"
             )
-        if p["fits_capacity"] is not None:
-            lines.append(f"  within capacity  {'yes' if p['fits_capacity'] else 'NO'}")
-    conf = c["alloc_conf"] or "default"
-    cap = f", capacity {human_bytes(c['capacity'])}" if c["capacity"] else ""
+        if p.fits_capacity is not None:
+            lines.append(f"  within capacity  {'yes' if p.fits_capacity else 'NO'}")
+    c = s.caching
+    conf = c.alloc_conf or "default"
+    cap = f", capacity {human_bytes(c.capacity)}" if c.capacity else ""
     lines += [
-        f"caching allocator  (alloc-conf: {conf}{cap}; equal sizes: {c['tie_break'].replace('_', ' ')} first)",
-        f"  peak allocated   {human_bytes(c['peak_allocated'])}",
-        f"  peak reserved    {human_bytes(c['peak_reserved'])}{ratio(c['peak_reserved'])}",
-        f"  fragmentation    {c['fragmentation_at_peak']:.1%} of reserved at its peak",
-        f"  segment allocs   {c['segment_allocs']:,}",
-        f"  out of memory    {oom_text(c['oom'])}",
+        f"caching allocator  (alloc-conf: {conf}{cap}; equal sizes: {c.tie_break.replace('_', ' ')} first)",
+        f"  peak allocated   {human_bytes(c.peak_allocated)}",
+        f"  peak reserved    {human_bytes(c.peak_reserved)}{ratio(c.peak_reserved)}",
+        f"  fragmentation    {c.fragmentation_at_peak:.1%} of reserved at its peak",
+        f"  segment allocs   {c.segment_allocs:,}",
+        f"  out of memory    {oom_text(c.oom)}",
     ]
-    if s["timeline"]:
-        lines.append(f"timeline           {s['timeline']}")
+    if s.timeline:
+        lines.append(f"timeline           {s.timeline}")
     return "\n".join(lines)
 
 
-def oom_text(oom: dict | None) -> str:
+def oom_text(oom: OutOfMemory | None) -> str:
     """Where the simulated allocator ran out of memory, or "no"."""
     if oom is None:
         return "no"
     return (
-        f"YES at event {oom['time']:,}: buffer {oom['buffer']} of {human_bytes(oom['size'])} "
-        f"could not be served ({oom['details']})"
+        f"YES at event {oom.time:,}: buffer {oom.buffer} of {human_bytes(oom.size)} could not be served ({oom.details})"
     )
 
 

@@ -21,10 +21,11 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
-from memplan.planner.report.memory_report import MemoryReport, human_bytes, phase_at_times, trace_title
+from memplan.planner.report.memory_report import MemoryReport, phase_at_times, trace_title
 from memplan.traces.errors import MemplanError
 from memplan.traces.files import atomic_write
-from memplan.traces.format import CATEGORIES, PHASES, Trace
+from memplan.traces.format import CATEGORIES, PHASES, Trace, live_bytes
+from memplan.traces.units import byte_unit, human_bytes
 
 MAX_POINTS = 20_000
 EVENTS_FORMAT = FuncFormatter(lambda v, _: f"{v:,.0f}")
@@ -62,14 +63,6 @@ def check_request(path: str | os.PathLike, address_space: bool, have_plan: bool)
     return fmt
 
 
-def byte_unit(largest: float) -> tuple[str, int]:
-    """The axis unit for values up to `largest` bytes: GiB, MiB or KiB."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20)):
-        if largest >= scale:
-            return unit, scale
-    return "KiB", 1 << 10
-
-
 def category_live(trace: Trace) -> dict[str, np.ndarray]:
     """Live bytes per logical time of each category present in the trace, in CATEGORIES order."""
     out = {}
@@ -77,10 +70,7 @@ def category_live(trace: Trace) -> dict[str, np.ndarray]:
     for cat in CATEGORIES:
         idx = np.nonzero(cats == cat)[0]
         if len(idx):
-            delta = np.zeros(trace.end + 1, dtype=np.int64)
-            np.add.at(delta, trace.alloc[idx], trace.size[idx])
-            np.add.at(delta, trace.free[idx], -trace.size[idx])
-            out[cat] = np.cumsum(delta)[:-1]
+            out[cat] = live_bytes(trace.size[idx], trace.alloc[idx], trace.free[idx], trace.end)
     return out
 
 
@@ -250,7 +240,7 @@ def plot_reports(reports: list[MemoryReport], path: str | os.PathLike, address_s
         )
         for r in reports
     )
-    unit, scale = byte_unit(largest)
+    unit, scale = byte_unit(largest, smallest="KiB")
     rows, cols = (2 if address_space else 1), len(reports)
     fig = Figure(figsize=(min(6.4 * cols, 22), 4.6 * rows + 0.9), layout="constrained")
     FigureCanvasAgg(fig)

@@ -10,8 +10,8 @@ import re
 from dataclasses import dataclass, field
 
 from memplan.traces.errors import MemplanError
+from memplan.traces.units import MiB
 
-MiB = 1 << 20
 LARGE_BUFFER = 20 * MiB
 N_INTERVALS = 16  # roundup_power2_divisions intervals: [1 MiB, 2 MiB), ..., [32 GiB, inf)
 TIE_BREAKS = ("lowest_address", "oldest_segment")

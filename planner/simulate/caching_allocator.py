@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from memplan.planner.simulate.alloc_conf import AllocConf
+from memplan.planner.simulate.alloc_conf import LARGE_BUFFER, AllocConf
 from memplan.traces.errors import MemplanError
 from memplan.traces.format import Trace
 
@@ -25,7 +25,6 @@ MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20  # largest small-pool request
 SMALL_BUFFER = 2 << 20  # small-pool segment
 MIN_LARGE_ALLOC = 10 << 20  # requests below this get a LARGE_BUFFER segment
-LARGE_BUFFER = 20 << 20
 ROUND_LARGE = 2 << 20
 ADDR_BITS = 50  # addresses below 2**50 (1 PiB); keys pack them under the size
 ADDR_MASK = (1 << ADDR_BITS) - 1
@@ -509,6 +508,16 @@ class CachingAllocator:
         return out
 
 
+@dataclass(frozen=True)
+class OutOfMemory:
+    """The first request a simulated device could not serve, even after releasing cached segments."""
+
+    time: int  # logical time of the failed allocation
+    size: int  # bytes the buffer requested
+    buffer: int  # index of the buffer in the trace
+    details: str  # the allocator's message: bytes it tried to reserve, allocated, reserved and the capacity
+
+
 @dataclass
 class SimResult:
     """Per-event and total figures of a caching-allocator simulation of one trace.
@@ -523,19 +532,9 @@ class SimResult:
     peak_reserved: int
     segment_allocs: int  # cudaMalloc calls (or expandable-segment mappings)
     fragmentation_at_peak: float  # 1 - allocated/reserved when reserved peaks
-    oom: dict | None  # {"time", "size", "buffer", "details"} of the first failed request, else None
+    oom: OutOfMemory | None  # the first failed request, None when every request was served
     addr: np.ndarray  # simulated address of every buffer (-1 if never placed)
     conf: AllocConf = field(default_factory=AllocConf)
-
-    def summary(self) -> dict:
-        """The totals as a JSON-ready dict."""
-        return {
-            "peak_allocated": self.peak_allocated,
-            "peak_reserved": self.peak_reserved,
-            "segment_allocs": self.segment_allocs,
-            "fragmentation_at_peak": round(self.fragmentation_at_peak, 6),
-            "oom": self.oom,
-        }
 
 
 def simulate_caching(trace: Trace, conf: AllocConf = AllocConf(), capacity: int | None = None) -> SimResult:
@@ -568,7 +567,7 @@ def simulate_caching(trace: Trace, conf: AllocConf = AllocConf(), capacity: int 
                 try:
                     addr[i] = malloc(size, streams[i])
                 except SimulatedOOM as e:
-                    oom = {"time": t, "size": size, "buffer": i, "details": str(e)}
+                    oom = OutOfMemory(time=t, size=size, buffer=i, details=str(e))
                     after_alloc[t], after_res[t] = a.allocated, a.reserved
                     break
             else:

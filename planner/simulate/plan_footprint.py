@@ -17,7 +17,7 @@ from memplan.planner.plan import Plan
 from memplan.planner.problem import align_up, problem_from_trace
 from memplan.planner.verify import verify_plan
 from memplan.traces.errors import MemplanError, PlanError
-from memplan.traces.format import Trace, trace_digest
+from memplan.traces.format import Trace, live_bytes, trace_digest
 
 
 class PlanMismatchError(MemplanError):
@@ -64,16 +64,10 @@ def simulate_plan(trace: Trace, plan: Plan, trace_name: str = "trace", plan_name
         raise PlanError(f"{plan_name}: invalid for {trace_name}: {e}") from None
     held_outside = align_up(trace.size, plan.alignment) * problem.outside
     return PlanMemory(
-        arena=int(plan.arena), in_use=_live(problem.size * problem.active, trace), outside=_live(held_outside, trace)
+        arena=int(plan.arena),
+        in_use=live_bytes(problem.size * problem.active, trace.alloc, trace.free, trace.end),
+        outside=live_bytes(held_outside, trace.alloc, trace.free, trace.end),
     )
-
-
-def _live(size: np.ndarray, trace: Trace) -> np.ndarray:
-    """Per logical time, the sum of `size` over the buffers live then."""
-    delta = np.zeros(trace.end + 1, dtype=np.int64)
-    np.add.at(delta, trace.alloc, size)
-    np.add.at(delta, trace.free, -size)
-    return np.cumsum(delta)[:-1]
 
 
 def match_plans(traces: list[tuple[str, Trace]], plans: list[tuple[str, Plan]]) -> list[tuple[str, Plan] | None]:

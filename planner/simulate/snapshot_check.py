@@ -19,7 +19,7 @@ from memplan.traces.snapshot import FREE_ACTIONS, Snapshot, is_live_block
 
 
 @dataclass
-class ReplayReport:
+class SnapshotCheck:
     """How closely the simulator reproduced a snapshot's allocator decisions."""
 
     allocs: int  # alloc entries replayed
@@ -113,15 +113,15 @@ def _initial_layout(
     return out
 
 
-class ReplayError(MemplanError):
+class SnapshotCheckError(MemplanError):
     """A snapshot the address-by-address replay cannot rebuild."""
 
 
-def replay_snapshot(snap: Snapshot, conf: AllocConf | None = None, keep_mismatches: int = 10) -> ReplayReport:
+def replay_snapshot(snap: Snapshot, conf: AllocConf | None = None, keep_mismatches: int = 10) -> SnapshotCheck:
     """Replay a snapshot's own trace through the simulator and count the matching decisions."""
     conf = conf or conf_from_snapshot_settings(snap.settings)
     if conf.expandable_segments or any(s.expandable for s in snap.segments):
-        raise ReplayError("replaying a snapshot recorded with expandable segments is not supported")
+        raise SnapshotCheckError("replaying a snapshot recorded with expandable segments is not supported")
     new_bases = {e.addr for e in snap.entries if e.action == "segment_alloc"}
     freed_first: dict[int, tuple[int, int]] = {}  # segments freed in the trace before any segment_alloc there
     seen_alloc: set[int] = set()
@@ -190,7 +190,7 @@ def replay_snapshot(snap: Snapshot, conf: AllocConf | None = None, keep_mismatch
         elif e.action == "segment_free":
             if any(s.addr == e.addr for s in a.segments.values()):
                 a.empty_cache()  # the real allocator released cached segments here
-    return ReplayReport(
+    return SnapshotCheck(
         allocs=allocs,
         addr_matches=addr_ok,
         segment_decisions=seg_dec,

@@ -1,9 +1,11 @@
-// Native placement kernels for memplan's solvers, called through ctypes (solvers/native.py).
+// Native placement kernels for memplan's solvers (the interface, its vocabulary and its structs: place.h).
 //   mp_greedy: place items (single buffers or rigid contiguous blocks) in a given order, best or first fit.
 //   mp_search: decide "fits in capacity?" for interval buffers by a canonical depth-first search
 //              (each buffer at the lowest offset its placed neighbours allow, offsets nondecreasing),
 //              with section inference, gap dominance and dynamic decomposition into independent parts,
 //              one thread per static buffer order.
+#include "place.h"
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -12,298 +14,356 @@
 #include <utility>
 #include <vector>
 
-typedef long long i64;
-
 namespace {
 
-inline bool active(int i, int S, const i64* alloc, const i64* stream, const i64* release, const i64* size) {
-  return size[i] > 0 && alloc[i] < release[(i64)i * S + stream[i]];
+// When `blocker` stops blocking the stream that allocates `buffer`.
+inline Time release_for(const GreedyProblem& problem, BufferIndex blocker, BufferIndex buffer) {
+  return problem.release[(int64_t)blocker * problem.streams + problem.stream[buffer]];
 }
 
-inline bool conflict(int i, int j, int S, const i64* alloc, const i64* stream, const i64* release) {
-  return alloc[j] < release[(i64)i * S + stream[j]] && alloc[i] < release[(i64)j * S + stream[i]];
+// Takes bytes at some time: positive size and allocated before its own stream may reuse it.
+inline bool is_active(const GreedyProblem& problem, BufferIndex buffer) {
+  return problem.size[buffer] > 0 && problem.alloc[buffer] < release_for(problem, buffer, buffer);
 }
 
-}  // namespace
+// May not share a byte: each is allocated before the other stops blocking its stream.
+inline bool conflicts(const GreedyProblem& problem, BufferIndex first, BufferIndex second) {
+  return problem.alloc[second] < release_for(problem, first, second) &&
+         problem.alloc[first] < release_for(problem, second, first);
+}
 
-extern "C" i64 mp_greedy(int n, int S, const i64* alloc, const i64* stream, const i64* release,
-                         const i64* size, int m, const int* item_start, const int* members,
-                         const i64* rel, const int* order, int best_fit, i64* offsets) {
+// mp_greedy's body (see place.h).
+Bytes greedy(const GreedyProblem& problem, Bytes* offsets) {
+  const int buffers = problem.buffers;
   // Conflicting buffers overlap on [alloc, latest release). Placed buffers are indexed twice: a segment
   // tree over time finds those live at a point, per-time lists those allocated within a window.
   // Times are compressed to ranks so the index size follows the buffer count, not the time values.
-  std::vector<i64> from(n), until(n, 0), times;
-  for (int i = 0; i < n; ++i) {
-    for (int s = 0; s < S; ++s) until[i] = std::max(until[i], release[(i64)i * S + s]);
-    times.push_back(alloc[i]);
-    times.push_back(until[i]);
+  std::vector<Time> latest_release(buffers, 0), times;
+  for (int i = 0; i < buffers; ++i) {
+    for (int s = 0; s < problem.streams; ++s)
+      latest_release[i] = std::max(latest_release[i], problem.release[(int64_t)i * problem.streams + s]);
+    times.push_back(problem.alloc[i]);
+    times.push_back(latest_release[i]);
   }
   std::sort(times.begin(), times.end());
   times.erase(std::unique(times.begin(), times.end()), times.end());
-  for (int i = 0; i < n; ++i) {
-    from[i] = std::lower_bound(times.begin(), times.end(), alloc[i]) - times.begin();
-    until[i] = std::lower_bound(times.begin(), times.end(), until[i]) - times.begin();
+  std::vector<int64_t> start_rank(buffers), end_rank(buffers);
+  for (int i = 0; i < buffers; ++i) {
+    start_rank[i] = std::lower_bound(times.begin(), times.end(), problem.alloc[i]) - times.begin();
+    end_rank[i] = std::lower_bound(times.begin(), times.end(), latest_release[i]) - times.begin();
   }
-  const i64 horizon = (i64)times.size() + 1;
-  i64 leaves = 1;
+  const int64_t horizon = (int64_t)times.size() + 1;
+  int64_t leaves = 1;
   while (leaves < horizon) leaves *= 2;
-  std::vector<std::vector<int>> node(2 * leaves), starts(horizon);
-  auto add = [&](int i) {
-    if (!active(i, S, alloc, stream, release, size)) return;
-    for (i64 l = from[i] + leaves, r = until[i] + leaves; l < r; l >>= 1, r >>= 1) {
-      if (l & 1) node[l++].push_back(i);
-      if (r & 1) node[--r].push_back(i);
+  // tree[node]: placed buffers covering the node's whole rank range; starting_at[rank]: placed buffers
+  // whose range starts there.
+  std::vector<std::vector<BufferIndex>> tree(2 * leaves), starting_at(horizon);
+  auto index_placed = [&](BufferIndex buffer) {
+    if (!is_active(problem, buffer)) return;
+    for (int64_t left = start_rank[buffer] + leaves, right = end_rank[buffer] + leaves; left < right;
+         left >>= 1, right >>= 1) {
+      if (left & 1) tree[left++].push_back(buffer);
+      if (right & 1) tree[--right].push_back(buffer);
     }
-    starts[from[i]].push_back(i);
+    starting_at[start_rank[buffer]].push_back(buffer);
   };
-  auto each_overlapping = [&](int b, auto&& visit) {
-    for (i64 x = from[b] + leaves; x >= 1; x >>= 1)
-      for (const int c : node[x]) visit(c);
-    for (i64 t = from[b] + 1; t < until[b]; ++t)
-      for (const int c : starts[t]) visit(c);
+  // Visits every placed buffer whose range overlaps `buffer`'s: live at its start, or starting inside it.
+  auto each_overlapping = [&](BufferIndex buffer, auto&& visit) {
+    for (int64_t node = start_rank[buffer] + leaves; node >= 1; node >>= 1)
+      for (const BufferIndex other : tree[node]) visit(other);
+    for (int64_t rank = start_rank[buffer] + 1; rank < end_rank[buffer]; ++rank)
+      for (const BufferIndex other : starting_at[rank]) visit(other);
   };
-  for (int i = 0; i < n; ++i)
-    if (offsets[i] >= 0) add(i);
-  std::vector<std::pair<i64, i64>> forbidden;
-  for (int q = 0; q < m; ++q) {
-    const int item = order[q];
+  for (int i = 0; i < buffers; ++i)
+    if (offsets[i] >= 0) index_placed(i);
+  // The item bases [low, high) that would put a member on bytes of a conflicting placed buffer.
+  std::vector<std::pair<Bytes, Bytes>> forbidden;
+  for (int q = 0; q < problem.items; ++q) {
+    const ItemIndex item = problem.order[q];
     forbidden.clear();
-    for (int k = item_start[item]; k < item_start[item + 1]; ++k) {
-      const int b = members[k];
-      if (!active(b, S, alloc, stream, release, size)) continue;
-      each_overlapping(b, [&](int c) {
-        if (!conflict(b, c, S, alloc, stream, release)) return;
-        i64 lo = offsets[c] - rel[k] - size[b] + 1, hi = offsets[c] + size[c] - rel[k];
-        if (lo < 0) lo = 0;
-        if (hi > lo) forbidden.emplace_back(lo, hi);
+    for (MemberIndex k = problem.item_start[item]; k < problem.item_start[item + 1]; ++k) {
+      const BufferIndex member = problem.members[k];
+      if (!is_active(problem, member)) continue;
+      each_overlapping(member, [&](BufferIndex other) {
+        if (!conflicts(problem, member, other)) return;
+        Bytes low = offsets[other] - problem.member_offset[k] - problem.size[member] + 1;
+        const Bytes high = offsets[other] + problem.size[other] - problem.member_offset[k];
+        if (low < 0) low = 0;
+        if (high > low) forbidden.emplace_back(low, high);
       });
     }
+    // Sweep the forbidden ranges from the bottom: each gap between them is a candidate base.
     std::sort(forbidden.begin(), forbidden.end());
-    i64 cur = 0, best = -1, best_slack = -1;
-    for (const auto& f : forbidden) {
-      if (f.first > cur) {
-        const i64 slack = f.first - cur;
-        if (!best_fit) { best = cur; break; }
-        if (best < 0 || slack < best_slack) { best = cur; best_slack = slack; }
+    Bytes cursor = 0, best = -1, best_slack = -1;
+    for (const auto& range : forbidden) {
+      if (range.first > cursor) {
+        const Bytes slack = range.first - cursor;
+        if (!problem.best_fit) { best = cursor; break; }
+        if (best < 0 || slack < best_slack) { best = cursor; best_slack = slack; }
       }
-      if (f.second > cur) cur = f.second;
+      if (range.second > cursor) cursor = range.second;
     }
-    const i64 x = best >= 0 ? best : cur;
-    for (int k = item_start[item]; k < item_start[item + 1]; ++k) {
-      offsets[members[k]] = x + rel[k];
-      add(members[k]);
+    const Bytes base = best >= 0 ? best : cursor;  // no gap fits: on top of every forbidden range
+    for (MemberIndex k = problem.item_start[item]; k < problem.item_start[item + 1]; ++k) {
+      offsets[problem.members[k]] = base + problem.member_offset[k];
+      index_placed(problem.members[k]);
     }
   }
-  i64 arena = 0;
-  for (int i = 0; i < n; ++i)
-    if (size[i] > 0 && offsets[i] + size[i] > arena) arena = offsets[i] + size[i];
+  Bytes arena = 0;
+  for (int i = 0; i < buffers; ++i)
+    if (problem.size[i] > 0 && offsets[i] + problem.size[i] > arena) arena = offsets[i] + problem.size[i];
   return arena;
 }
 
-namespace {
-
-enum Result { FOUND = 1, NOTFOUND = 0, TIMEOUT = -2 };
-
+// One worker of mp_search: a depth-first search over canonical placements with one static buffer order.
 struct Search {
-  int n, nsec;
-  const i64* size;
-  const int *slo, *shi;
-  i64 cap;
-  const std::vector<std::vector<int>>* adj;     // shared by all workers: overlapping buffers
-  const std::vector<std::vector<int>>* secmem;  // shared by all workers: buffers of each section
-  std::vector<i64> minoff, off, sol, floor_, total;
-  std::vector<int> rank, cuts, stamp;
-  int generation = 0;
+  // The problem, shared read only by every worker.
+  const Bytes* size;
+  const Time *lower, *upper;
+  const SectionIndex *first_section, *end_section;
+  Bytes capacity;
+  const std::vector<std::vector<BufferIndex>>* neighbours;       // buffers whose section ranges overlap
+  const std::vector<std::vector<BufferIndex>>* section_members;  // buffers live in each section
+  const char* heuristic = "";  // sort keys, all descending: W lifetime, A area, T section total, Z size
   std::chrono::steady_clock::time_point deadline;
   std::atomic<bool>* stop;  // set when another worker has finished
-  i64 nodes = 0;
+
+  // This worker's state.
+  std::vector<Bytes> lowest_offset;   // per buffer: the lowest offset its placed neighbours leave it
+  std::vector<Bytes> offset;          // per buffer: its offset on the current path, -1 when unplaced
+  std::vector<Bytes> solution;        // per buffer: its offset in the placement found
+  std::vector<Bytes> section_floor;   // per section: no unplaced buffer in it can sit lower
+  std::vector<Bytes> unplaced_bytes;  // per section: the bytes of its unplaced buffers
+  std::vector<int> rank;              // per buffer: its position in the current part's order
+  std::vector<int> crossing;          // per section boundary s | s + 1: unplaced buffers live across it
+  std::vector<int> stamp;             // per section: the generation that last listed it as affected
+  int generation = 0;
+  Nodes nodes = 0;
+
+  // A set of buffers independent of the others, live within sections [first_section, end_section).
+  struct Part {
+    std::vector<BufferIndex> buffers;
+    SectionIndex first_section, end_section;
+  };
 
   bool expired() const {
     return stop->load(std::memory_order_relaxed) || std::chrono::steady_clock::now() > deadline;
   }
 
-  struct Part { std::vector<int> buffers; int lo, hi; };
-  const i64 *lower, *upper;
-  const char* heuristic = "";  // letters: W width (time), A area, T section total, Z size; all descending
-
   // Ranks the part's buffers by the current heuristic (section totals as they stand now), then searches.
-  Result subsolve(const Part& part) {
-    const int m = (int)part.buffers.size();
-    std::vector<std::pair<std::vector<i64>, int>> keys(m);
-    for (int k = 0; k < m; ++k) {
-      const int b = part.buffers[k];
-      i64 tot = 0;
-      for (int s = slo[b]; s < shi[b]; ++s) tot = std::max(tot, total[s]);
-      const i64 w = upper[b] - lower[b];
+  SearchOutcome rank_and_solve(const Part& part) {
+    const int count = (int)part.buffers.size();
+    std::vector<std::pair<std::vector<int64_t>, BufferIndex>> keys(count);
+    for (int k = 0; k < count; ++k) {
+      const BufferIndex buffer = part.buffers[k];
+      Bytes section_total = 0;
+      for (SectionIndex s = first_section[buffer]; s < end_section[buffer]; ++s)
+        section_total = std::max(section_total, unplaced_bytes[s]);
+      const Time width = upper[buffer] - lower[buffer];
       // An ordering key only: the area saturates instead of overflowing for huge times and sizes.
-      const i64 area = w > 0 && size[b] > INT64_MAX / w ? INT64_MAX : w * size[b];
-      for (const char* h = heuristic; *h; ++h)
-        keys[k].first.push_back(-(*h == 'W' ? w : *h == 'A' ? area : *h == 'T' ? tot : size[b]));
-      keys[k].second = b;
+      const int64_t area = width > 0 && size[buffer] > INT64_MAX / width ? INT64_MAX : width * size[buffer];
+      for (const char* letter = heuristic; *letter; ++letter)
+        keys[k].first.push_back(-(*letter == 'W'   ? width
+                                  : *letter == 'A' ? area
+                                  : *letter == 'T' ? section_total
+                                                   : size[buffer]));
+      keys[k].second = buffer;
     }
     std::sort(keys.begin(), keys.end());
-    std::vector<int> saved(m);
-    for (int k = 0; k < m; ++k) {
+    std::vector<int> saved(count);
+    for (int k = 0; k < count; ++k) {
       saved[k] = rank[part.buffers[k]];
       rank[keys[k].second] = k;
     }
-    Result r = place_next(part, 0, -1);
-    for (int k = 0; k < m; ++k) rank[part.buffers[k]] = saved[k];
-    return r;
+    const SearchOutcome outcome = place_next(part, 0, -1);
+    for (int k = 0; k < count; ++k) rank[part.buffers[k]] = saved[k];
+    return outcome;
   }
 
   // Solves a part: split at boundaries no unplaced buffer crosses, or place its next buffer.
-  Result solve(const Part& part, i64 last_off, int last_rank, bool fresh) {
-    std::vector<int> cutpoints = {part.lo};
-    for (int s = part.lo; s + 1 < part.hi; ++s)
-      if (cuts[s] == 0) cutpoints.push_back(s + 1);
-    if (cutpoints.size() == 1) return fresh ? subsolve(part) : place_next(part, last_off, last_rank);
-    cutpoints.push_back(part.hi);
+  SearchOutcome solve(const Part& part, Bytes last_offset, int last_rank, bool fresh) {
+    std::vector<SectionIndex> cutpoints = {part.first_section};
+    for (SectionIndex s = part.first_section; s + 1 < part.end_section; ++s)
+      if (crossing[s] == 0) cutpoints.push_back(s + 1);
+    if (cutpoints.size() == 1) return fresh ? rank_and_solve(part) : place_next(part, last_offset, last_rank);
+    cutpoints.push_back(part.end_section);
     for (size_t c = 1; c < cutpoints.size(); ++c) {
       Part sub;
-      sub.lo = cutpoints[c - 1];
-      sub.hi = cutpoints[c];
-      for (int b : part.buffers)
-        if (off[b] < 0 && slo[b] < sub.hi && shi[b] > sub.lo) sub.buffers.push_back(b);
+      sub.first_section = cutpoints[c - 1];
+      sub.end_section = cutpoints[c];
+      for (const BufferIndex buffer : part.buffers)
+        if (offset[buffer] < 0 && first_section[buffer] < sub.end_section && end_section[buffer] > sub.first_section)
+          sub.buffers.push_back(buffer);
       if (sub.buffers.empty()) continue;
-      Result r = subsolve(sub);
-      if (r != FOUND) return r;
+      const SearchOutcome outcome = rank_and_solve(sub);
+      if (outcome != SEARCH_FITS) return outcome;
     }
-    return FOUND;
+    return SEARCH_FITS;
   }
 
-  bool check(const Part& part, i64 o) {
-    for (int s = part.lo; s < part.hi; ++s)
-      if (std::max(o, floor_[s]) + total[s] > cap) return false;
+  // Whether every section of the part still fits its unplaced bytes above max(bottom, its floor).
+  bool sections_fit(const Part& part, Bytes bottom) {
+    for (SectionIndex s = part.first_section; s < part.end_section; ++s)
+      if (std::max(bottom, section_floor[s]) + unplaced_bytes[s] > capacity) return false;
     return true;
   }
 
-  Result place_next(const Part& part, i64 last_off, int last_rank) {
+  // Tries each unplaced buffer of the part at its lowest offset, in canonical order (offsets
+  // nondecreasing, ties by rank), and recurses.
+  SearchOutcome place_next(const Part& part, Bytes last_offset, int last_rank) {
     ++nodes;
-    std::vector<std::pair<std::pair<i64, int>, int>> cand;
-    i64 min_height = -1;
-    for (int b : part.buffers)
-      if (off[b] < 0) {
-        cand.push_back({{minoff[b], rank[b]}, b});
-        const i64 h = minoff[b] + size[b];
-        if (min_height < 0 || h < min_height) min_height = h;
+    std::vector<std::pair<std::pair<Bytes, int>, BufferIndex>> candidates;  // ((offset, rank), buffer)
+    Bytes min_height = -1;
+    for (const BufferIndex buffer : part.buffers)
+      if (offset[buffer] < 0) {
+        candidates.push_back({{lowest_offset[buffer], rank[buffer]}, buffer});
+        const Bytes height = lowest_offset[buffer] + size[buffer];
+        if (min_height < 0 || height < min_height) min_height = height;
       }
-    if (cand.empty()) {
-      for (int b : part.buffers) sol[b] = off[b];
-      return FOUND;
+    if (candidates.empty()) {
+      for (const BufferIndex buffer : part.buffers) solution[buffer] = offset[buffer];
+      return SEARCH_FITS;
     }
-    std::sort(cand.begin(), cand.end());
-    for (const auto& cd : cand) {
-      const i64 o = cd.first.first;
-      const int r = cd.first.second, b = cd.second;
-      if (o < last_off || (o == last_off && r < last_rank)) continue;
-      if (o >= min_height) break;  // a gap below would fit another buffer entirely: dominated
-      if (expired()) return TIMEOUT;
-      const i64 top = o + size[b];
-      off[b] = o;
-      std::vector<std::pair<int, i64>> off_changes, floor_changes;
-      std::vector<int> affected;
+    std::sort(candidates.begin(), candidates.end());
+    for (const auto& candidate : candidates) {
+      const Bytes at = candidate.first.first;
+      const int buffer_rank = candidate.first.second;
+      const BufferIndex buffer = candidate.second;
+      if (at < last_offset || (at == last_offset && buffer_rank < last_rank)) continue;
+      if (at >= min_height) break;  // a gap below would fit another buffer entirely: dominated
+      if (expired()) return SEARCH_TIMEOUT;
+      const Bytes top = at + size[buffer];
+      offset[buffer] = at;
+      std::vector<std::pair<BufferIndex, Bytes>> offset_changes;
+      std::vector<std::pair<SectionIndex, Bytes>> floor_changes;
+      std::vector<SectionIndex> affected;
       ++generation;
-      bool hatless = true;  // nothing unplaced overlaps b: its placement constrains no one
-      for (int c : (*adj)[b])
-        if (off[c] < 0) hatless = false;
-      for (int c : (*adj)[b])
-        if (off[c] < 0 && minoff[c] < top) {
-          off_changes.push_back({c, minoff[c]});
-          minoff[c] = top;
-          for (int s = slo[c]; s < shi[c]; ++s)
+      bool hatless = true;  // nothing unplaced overlaps the buffer: its placement constrains no one
+      for (const BufferIndex neighbour : (*neighbours)[buffer])
+        if (offset[neighbour] < 0) hatless = false;
+      for (const BufferIndex neighbour : (*neighbours)[buffer])
+        if (offset[neighbour] < 0 && lowest_offset[neighbour] < top) {
+          offset_changes.push_back({neighbour, lowest_offset[neighbour]});
+          lowest_offset[neighbour] = top;
+          for (SectionIndex s = first_section[neighbour]; s < end_section[neighbour]; ++s)
             if (stamp[s] != generation) { stamp[s] = generation; affected.push_back(s); }
         }
-      for (int s = slo[b]; s < shi[b]; ++s) {
-        floor_changes.push_back({s, floor_[s]});
-        floor_[s] = top;
-        total[s] -= size[b];
+      for (SectionIndex s = first_section[buffer]; s < end_section[buffer]; ++s) {
+        floor_changes.push_back({s, section_floor[s]});
+        section_floor[s] = top;
+        unplaced_bytes[s] -= size[buffer];
       }
       // A section's floor is at least the lowest offset any of its unplaced buffers can take; computed
       // only when the cheap check passes, then the sections it raised are checked again.
-      bool ok = check(part, o);
+      bool ok = sections_fit(part, at);
       if (ok) {
         int visited = 0;
-        for (int s : affected) {
+        for (const SectionIndex s : affected) {
           if ((++visited & 63) == 0 && expired()) { ok = false; break; }
-          i64 lowest = -1;
-          for (int c : (*secmem)[s])
-            if (off[c] < 0 && (lowest < 0 || minoff[c] < lowest)) lowest = minoff[c];
-          if (lowest > floor_[s]) {
-            floor_changes.push_back({s, floor_[s]});
-            floor_[s] = lowest;
-            if (s >= part.lo && s < part.hi && lowest + total[s] > cap) ok = false;
+          Bytes lowest = -1;
+          for (const BufferIndex member : (*section_members)[s])
+            if (offset[member] < 0 && (lowest < 0 || lowest_offset[member] < lowest)) lowest = lowest_offset[member];
+          if (lowest > section_floor[s]) {
+            floor_changes.push_back({s, section_floor[s]});
+            section_floor[s] = lowest;
+            if (s >= part.first_section && s < part.end_section && lowest + unplaced_bytes[s] > capacity) ok = false;
           }
         }
       }
-      Result res = NOTFOUND;
+      SearchOutcome outcome = SEARCH_INFEASIBLE;
       if (ok) {
-        sol[b] = o;
-        for (int s = slo[b]; s + 1 < shi[b]; ++s) --cuts[s];
-        res = solve(part, o, r, false);
-        for (int s = slo[b]; s + 1 < shi[b]; ++s) ++cuts[s];
+        solution[buffer] = at;
+        for (SectionIndex s = first_section[buffer]; s + 1 < end_section[buffer]; ++s) --crossing[s];
+        outcome = solve(part, at, buffer_rank, false);
+        for (SectionIndex s = first_section[buffer]; s + 1 < end_section[buffer]; ++s) ++crossing[s];
       }
-      for (auto it = floor_changes.rbegin(); it != floor_changes.rend(); ++it) floor_[it->first] = it->second;
-      for (int s = slo[b]; s < shi[b]; ++s) total[s] += size[b];
-      for (auto it = off_changes.rbegin(); it != off_changes.rend(); ++it) minoff[it->first] = it->second;
-      off[b] = -1;
-      if (res != NOTFOUND) return res;
-      if (expired()) return TIMEOUT;
+      for (auto it = floor_changes.rbegin(); it != floor_changes.rend(); ++it) section_floor[it->first] = it->second;
+      for (SectionIndex s = first_section[buffer]; s < end_section[buffer]; ++s) unplaced_bytes[s] += size[buffer];
+      for (auto it = offset_changes.rbegin(); it != offset_changes.rend(); ++it) lowest_offset[it->first] = it->second;
+      offset[buffer] = -1;
+      if (outcome != SEARCH_INFEASIBLE) return outcome;
+      if (expired()) return SEARCH_TIMEOUT;
       if (hatless) break;  // the other candidates lead to the same failure
     }
-    return NOTFOUND;
+    return SEARCH_INFEASIBLE;
   }
 };
 
-}  // namespace
-
-// Buffers are live on [lower, upper), section ranges [slo, shi). Each heuristic (a static order) runs in
-// its own thread; the first to find a placement or prove there is none stops the others.
-// Returns 1 (fits; offsets written), 0 (proven not to fit), -2 (time limit). *nodes_out counts nodes.
-extern "C" int mp_search(int n, int nsec, const i64* size, const i64* lower, const i64* upper,
-                         const int* slo, const int* shi, i64 cap, int nheur, const char* const* heuristics,
-                         double seconds, i64* offsets, i64* nodes_out) {
-  std::vector<std::vector<int>> adj(n), secmem(nsec);
-  std::vector<i64> total(nsec, 0);
-  std::vector<int> cuts(nsec, 0);
-  for (int b = 0; b < n; ++b) {
-    for (int s = slo[b]; s < shi[b]; ++s) { secmem[s].push_back(b); total[s] += size[b]; }
-    for (int s = slo[b]; s + 1 < shi[b]; ++s) ++cuts[s];
+// mp_search's body (see place.h).
+SearchOutcome search(const SearchProblem& problem, Bytes* offsets, Nodes* nodes) {
+  const int buffers = problem.buffers, sections = problem.sections;
+  std::vector<std::vector<BufferIndex>> neighbours(buffers), section_members(sections);
+  std::vector<Bytes> unplaced_bytes(sections, 0);
+  std::vector<int> crossing(sections, 0);
+  for (BufferIndex b = 0; b < buffers; ++b) {
+    for (SectionIndex s = problem.first_section[b]; s < problem.end_section[b]; ++s) {
+      section_members[s].push_back(b);
+      unplaced_bytes[s] += problem.size[b];
+    }
+    for (SectionIndex s = problem.first_section[b]; s + 1 < problem.end_section[b]; ++s) ++crossing[s];
   }
-  *nodes_out = 0;
-  for (int s = 0; s < nsec; ++s)
-    if (total[s] > cap) return 0;
-  for (int b = 0; b < n; ++b)
-    for (int c = b + 1; c < n; ++c)
-      if (slo[b] < shi[c] && slo[c] < shi[b]) { adj[b].push_back(c); adj[c].push_back(b); }
+  *nodes = 0;
+  for (SectionIndex s = 0; s < sections; ++s)
+    if (unplaced_bytes[s] > problem.capacity) return SEARCH_INFEASIBLE;
+  for (BufferIndex b = 0; b < buffers; ++b)
+    for (BufferIndex c = b + 1; c < buffers; ++c)
+      if (problem.first_section[b] < problem.end_section[c] && problem.first_section[c] < problem.end_section[b]) {
+        neighbours[b].push_back(c);
+        neighbours[c].push_back(b);
+      }
   Search::Part all;
-  all.lo = 0; all.hi = nsec;
-  for (int b = 0; b < n; ++b) all.buffers.push_back(b);
+  all.first_section = 0;
+  all.end_section = sections;
+  for (BufferIndex b = 0; b < buffers; ++b) all.buffers.push_back(b);
   std::atomic<bool> stop(false);
   std::atomic<int> winner(-1);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds((i64)(seconds * 1e6));
-  std::vector<Search> workers(nheur);
-  std::vector<Result> results(nheur, TIMEOUT);
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::microseconds((int64_t)(problem.seconds * 1e6));
+  std::vector<Search> workers(problem.heuristics);
+  std::vector<SearchOutcome> outcomes(problem.heuristics, SEARCH_TIMEOUT);
   std::vector<std::thread> threads;
-  for (int h = 0; h < nheur; ++h) {
-    Search& st = workers[h];
-    st.n = n; st.nsec = nsec; st.size = size; st.slo = slo; st.shi = shi; st.cap = cap;
-    st.lower = lower; st.upper = upper; st.heuristic = heuristics[h];
-    st.adj = &adj; st.secmem = &secmem; st.stop = &stop; st.deadline = deadline;
-    st.rank.assign(n, 0); st.minoff.assign(n, 0); st.off.assign(n, -1); st.sol.assign(n, -1);
-    st.floor_.assign(nsec, 0); st.total = total; st.cuts = cuts; st.stamp.assign(nsec, 0);
+  for (int h = 0; h < problem.heuristics; ++h) {
+    Search& worker = workers[h];
+    worker.size = problem.size;
+    worker.lower = problem.lower;
+    worker.upper = problem.upper;
+    worker.first_section = problem.first_section;
+    worker.end_section = problem.end_section;
+    worker.capacity = problem.capacity;
+    worker.neighbours = &neighbours;
+    worker.section_members = &section_members;
+    worker.heuristic = problem.heuristic[h];
+    worker.deadline = deadline;
+    worker.stop = &stop;
+    worker.lowest_offset.assign(buffers, 0);
+    worker.offset.assign(buffers, -1);
+    worker.solution.assign(buffers, -1);
+    worker.section_floor.assign(sections, 0);
+    worker.unplaced_bytes = unplaced_bytes;
+    worker.rank.assign(buffers, 0);
+    worker.crossing = crossing;
+    worker.stamp.assign(sections, 0);
     threads.emplace_back([&, h]() {
-      results[h] = workers[h].solve(all, 0, -1, true);
-      if (results[h] == FOUND || results[h] == NOTFOUND) {
+      outcomes[h] = workers[h].solve(all, 0, -1, true);
+      if (outcomes[h] != SEARCH_TIMEOUT) {
         int none = -1;
         if (winner.compare_exchange_strong(none, h)) stop.store(true);
       }
     });
   }
-  for (auto& t : threads) t.join();
-  for (const auto& st : workers) *nodes_out += st.nodes;
-  const int w = winner.load();
-  if (w < 0) return -2;
-  if (results[w] == FOUND) for (int b = 0; b < n; ++b) offsets[b] = workers[w].sol[b];
-  return results[w] == FOUND ? 1 : 0;
+  for (auto& thread : threads) thread.join();
+  for (const auto& worker : workers) *nodes += worker.nodes;
+  const int won = winner.load();
+  if (won < 0) return SEARCH_TIMEOUT;
+  if (outcomes[won] == SEARCH_FITS)
+    for (BufferIndex b = 0; b < buffers; ++b) offsets[b] = workers[won].solution[b];
+  return outcomes[won];
+}
+
+}  // namespace
+
+extern "C" Bytes mp_greedy(const GreedyProblem* problem, Bytes* offsets) { return greedy(*problem, offsets); }
+
+extern "C" SearchOutcome mp_search(const SearchProblem* problem, Bytes* offsets, Nodes* nodes) {
+  return search(*problem, offsets, nodes);
 }

@@ -129,6 +129,13 @@ class Recorder {
     if (stepping_) events_.push_back(e);
   }
 
+  // A storage made before recording began, counted as alive from now on so that its free is seen.
+  void adopt(StorageKey key, int64_t nbytes) {
+    if (!active() || nbytes <= 0) return;
+    std::lock_guard<std::mutex> guard(mutex_);
+    if (live_.count(key) == 0) live_[key] = Live{order_++, Event{key, nbytes, 0, 0, kOther}};
+  }
+
   void freed(StorageKey key) {
     if (!active()) return;
     std::lock_guard<std::mutex> guard(mutex_);
@@ -385,6 +392,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Storages alive now as columns; later events belong to the step");
   m.def("end_step", []() { return columns(recorder().end_step()); }, "The step's events as columns");
   m.def("storage_key", &storage_key);
+  m.def("adopt", [](const at::Tensor& t) { recorder().adopt(storage_key(t), static_cast<int64_t>(t.storage().nbytes())); },
+        "Count a tensor's storage, made before recording began, as alive from now on");
   m.def("claim", [](const at::Tensor& t) { recorder().claim(storage_key(t)); },
         "Keep the storage of this fake tensor in the capture");
 }

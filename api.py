@@ -1,0 +1,134 @@
+"""memplan's public API: each function is a docstring and a line or two over the stages that do the work.
+
+    import memplan
+    trace = memplan.trace_model_file("examples/gpt2.py", layers="tempo", batch=2, seq=128)
+    plan = memplan.solve(trace, time_limit=5)      # verified before it is returned
+    print(memplan.simulate(trace, plan=plan).bound, plan.arena)
+
+`memplan.record` records one step of your own training loop instead of a model file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from memplan import __all__ as PUBLIC_API
+from memplan.planner.jobs.fit import FitResult, fit_model
+from memplan.planner.jobs.run import DEFAULT_MODEL, RunOptions, RunResult
+from memplan.planner.jobs.run import run as run_job
+from memplan.planner.layers import MODES, LayerMode, patch, unpatch
+from memplan.planner.plan import Plan, check_plan, load_plan
+from memplan.planner.plan import save_plan as save_checked_plan
+from memplan.planner.problem import problem_from_trace
+from memplan.planner.report.compare import CompareRow, compare_traces
+from memplan.planner.report.memory_report import MemoryReport, build_report
+from memplan.planner.report.plots import plot_reports
+from memplan.planner.simulate.plan_footprint import match_plans
+from memplan.solvers import solve as solve_problem
+from memplan.traces.capture import Recording, record
+from memplan.traces.errors import MemplanError
+from memplan.traces.format import Trace, load, save
+from memplan.traces.snapshot import import_snapshot
+from memplan.traces.trace_model import trace_model_file as trace_with
+
+__all__ = PUBLIC_API  # the one list, in __init__.py (which loads this module on first use)
+
+PathLike = str | os.PathLike
+
+
+def load_trace(path: PathLike) -> Trace:
+    """Read a memplan-trace/1 file (.json or .json.gz); TraceError names what is wrong with a bad one."""
+    return load(path)
+
+
+def save_trace(trace: Trace, path: PathLike) -> None:
+    """Write `trace` atomically (gzipped when the name ends in .gz)."""
+    save(trace, path)
+
+
+def trace_model_file(
+    path: PathLike,
+    *,
+    layers: str = "baseline",
+    batch: int = 2,
+    seq: int = 128,
+    dtype: str = "float32",
+    device: str = "cpu",
+    fake: bool = False,
+) -> Trace:
+    """One training step of a model file (README: Model files) with memplan's `layers` mode, as `memplan
+    trace` records it; `fake` runs it under fake tensors (any size, nothing allocated)."""
+    return trace_with(path, batch=batch, seq=seq, dtype=dtype, device=device, layers=LayerMode(layers), fake=fake)
+
+
+def solve(
+    trace: Trace,
+    *,
+    time_limit: float = 10.0,
+    method: str = "auto",
+    capacity: int | None = None,
+    scope: str = "all",
+    alignment: int = 512,
+) -> Plan:
+    """Offsets for every buffer of `trace` (or only the step's own with scope="step"), with the lower bound
+    and proof status; the plan has passed the independent verifier."""
+    problem = problem_from_trace(trace, alignment=alignment, scope=scope)
+    return solve_problem(problem, method=method, time_limit=time_limit, capacity=capacity)
+
+
+def verify(plan: Plan, trace: Trace) -> None:
+    """PlanError unless `plan` was made for `trace` and no two buffers that may be live together share bytes."""
+    check_plan(plan, problem_from_trace(trace, alignment=plan.alignment, scope=plan.scope))
+
+
+def save_plan(plan: Plan, trace: Trace, path: PathLike) -> None:
+    """Verify `plan` against `trace`, then write it (memplan-plan/1 JSON)."""
+    save_checked_plan(plan, problem_from_trace(trace, alignment=plan.alignment, scope=plan.scope), path)
+
+
+def simulate(
+    trace: Trace, *, plan: Plan | None = None, alloc_conf: str = "", capacity: int | None = None
+) -> MemoryReport:
+    """`trace` on PyTorch's caching allocator (with PYTORCH_CUDA_ALLOC_CONF `alloc_conf` and a device
+    `capacity`) and, when given, on `plan`: bound, peaks, fragmentation, as `memplan simulate` prints."""
+    return build_report(trace, "trace", plan=plan, plan_name="plan" if plan else None, alloc_conf=alloc_conf,
+                        capacity=capacity)  # fmt: skip
+
+
+def plot(traces: Sequence[Trace], output: PathLike, *, plans: Sequence[Plan] = (), address_space: bool = False) -> None:
+    """Memory over time of `traces` side by side (and each plan's address space), written to .png or .svg."""
+    named = [(f"trace {i}", t) for i, t in enumerate(traces)]
+    given = match_plans(named, [(f"plan {i}", p) for i, p in enumerate(plans)])
+    reports = [
+        build_report(trace, name, plan=match[1] if match else None, plan_name=match[0] if match else None)
+        for (name, trace), match in zip(named, given)
+    ]
+    plot_reports(reports, output, address_space=address_space)
+
+
+def compare(traces: Sequence[Trace], *, plans: Sequence[Plan] = (), time_limit: float = 5.0) -> list[CompareRow]:
+    """One row per trace: peak live bytes by category, caching allocator reserved, plan arena, bound."""
+    named = [(f"trace {i}", t) for i, t in enumerate(traces)]
+    return compare_traces(named, [(f"plan {i}", p) for i, p in enumerate(plans)], time_limit=time_limit)
+
+
+def fit(
+    model_file: PathLike,
+    memory: int,
+    *,
+    layers: Sequence[str] = MODES,
+    seq: int = 128,
+    dtype: str = "float32",
+    capture: str = "auto",
+) -> FitResult:
+    """The largest batch of `model_file` whose step fits `memory` bytes under each layer mode, under the
+    caching allocator and under a plan, each proven by direct traces (real or fake, as `capture` says)."""
+    return fit_model(str(model_file), memory, modes=tuple(layers), seq=seq, dtype=dtype, capture=capture)
+
+
+def run(model_file: PathLike | None = None, output: PathLike = "memplan-out", **options) -> RunResult:
+    """The main job (`memplan run`): every layer mode traced, solved, simulated, the tempo plan replayed,
+    and report.md with two pictures in `output`; RunOptions names the other options."""
+    opts = RunOptions(model_file=str(model_file or DEFAULT_MODEL), out_dir=str(output), **options)
+    return run_job(opts)

@@ -1,0 +1,76 @@
+// Native placement kernels for memplan's solvers, called through ctypes (solvers/native.py mirrors every
+// struct here field by field, in the same order):
+//   mp_greedy: place items (single buffers or rigid contiguous blocks) in a given order, best or first fit.
+//   mp_search: decide "fits in capacity?" for interval buffers by a canonical depth-first search.
+#pragma once
+
+#include <cstdint>
+
+// The vocabulary: what each integer in the interface counts.
+using Bytes = int64_t;         // a size or an offset in the arena, in bytes
+using Time = int64_t;          // a point on the problem's clock (allocations, frees, releases)
+using StreamId = int64_t;      // a dense stream index, 0 .. streams - 1
+using BufferIndex = int32_t;   // a buffer's position in the problem's columns
+using ItemIndex = int32_t;     // an item's position: a single buffer, or a contiguous group placed as one block
+using MemberIndex = int32_t;   // a position in GreedyProblem::members (an item's members are consecutive)
+using SectionIndex = int32_t;  // a section: the span between two consecutive distinct times of the problem
+using Nodes = int64_t;         // a count of search nodes (partial placements visited)
+
+extern "C" {
+
+// The buffers of a problem on any number of streams, and the items to place over them.
+// Buffers i and j conflict when each is allocated before the other stops blocking its stream.
+struct GreedyProblem {
+  int32_t buffers;                 // how many buffers
+  int32_t streams;                 // how many streams
+  const Time* alloc;               // alloc[i]: when buffer i is allocated
+  const StreamId* stream;          // stream[i]: the stream that allocates and frees buffer i
+  const Time* release;             // release[i * streams + s]: first time on stream s ordered after i's free
+  const Bytes* size;               // size[i]: buffer i's bytes (0: it takes no room and conflicts with nothing)
+  int32_t items;                   // how many items to place
+  const MemberIndex* item_start;   // item k is members[item_start[k] .. item_start[k + 1]); items + 1 entries
+  const BufferIndex* members;      // every item's buffers, item after item
+  const Bytes* member_offset;      // member_offset[j]: where members[j] starts inside its item
+  const ItemIndex* order;          // order[q]: the q-th item to place (items entries)
+  int32_t best_fit;                // 1: the tightest gap that fits (best fit); 0: the lowest one (first fit)
+};
+
+// Buffers live on one stream over [lower, upper), as section ranges too. Every buffer is active (positive
+// size, nonempty lifetime); two buffers conflict exactly when their section ranges overlap.
+struct SearchProblem {
+  int32_t buffers;                    // how many buffers
+  int32_t sections;                   // how many sections (distinct times minus one)
+  const Bytes* size;                  // size[i]: buffer i's bytes
+  const Time* lower;                  // lower[i]: when buffer i is allocated (its lifetime orders the search)
+  const Time* upper;                  // upper[i]: when buffer i is freed
+  const SectionIndex* first_section;  // first_section[i]: the first section buffer i is live in
+  const SectionIndex* end_section;    // end_section[i]: one past the last section buffer i is live in
+  Bytes capacity;                     // every buffer must end at or below this many bytes
+  int32_t heuristics;                 // how many static buffer orders to search with, one thread each
+  const char* const* heuristic;       // heuristic[h]: sort keys, most significant first, all descending:
+                                      //   W lifetime, A area (lifetime x size), T section total, Z size
+  double seconds;                     // the time limit for the whole search, all threads together
+};
+
+// What mp_search decided.
+enum SearchOutcome : int32_t {
+  SEARCH_TIMEOUT = -2,     // the time limit passed first
+  SEARCH_INFEASIBLE = 0,   // proven: no placement fits in the capacity
+  SEARCH_FITS = 1,         // a placement fits; its offsets are written
+};
+
+// Places problem->items in problem->order, each at the lowest or tightest offset where none of its
+// members shares a byte with a conflicting placed buffer. Returns the arena: the top of every buffer of
+// positive size.
+Bytes mp_greedy(const GreedyProblem* problem,  // the buffers and the items; read only
+                Bytes* offsets);               // in: each buffer's preset offset, -1 for those the items place;
+                                               // out: every placed member's offset (problem->buffers entries)
+
+// Decides whether problem's buffers fit in problem->capacity by a canonical depth-first search (each
+// buffer at the lowest offset its placed neighbours allow, offsets nondecreasing), with section inference,
+// gap dominance and dynamic decomposition into independent parts. Each heuristic runs in its own thread;
+// the first to find a placement or prove there is none stops the others.
+SearchOutcome mp_search(const SearchProblem* problem,  // the buffers, capacity, orders and time limit; read only
+                        Bytes* offsets,                // out, on SEARCH_FITS: each buffer's offset (buffers entries)
+                        Nodes* nodes);                 // out: search nodes visited, all threads together
+}

@@ -1,0 +1,124 @@
+"""The package's shape: one `memplan` namespace, every package listed for the wheel, imports that run one
+way along the flow (traces -> problem/plan/verify -> solvers -> simulate/replay/report -> jobs -> cli), no
+import cycle, and memplan's own imports inside functions only where the module is heavy (cli) or CUDA-only."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = ("traces", "planner", "solvers")
+# The flow, earliest first: a module may import its own stage and earlier ones, never a later one.
+STAGES = (
+    ("memplan.traces",),
+    ("memplan.planner.problem", "memplan.planner.safety", "memplan.planner.verify", "memplan.planner.plan",
+     "memplan.planner.minimalloc_csv"),
+    ("memplan.planner.layers", "memplan.planner.workloads", "memplan.planner.parallel"),  # models memplan measures
+    ("memplan.solvers",),
+    ("memplan.planner.simulate", "memplan.planner.replay"),
+    ("memplan.planner.report",),
+    ("memplan.planner.jobs",),
+    ("memplan.api", "memplan.cli", "memplan"),
+)  # fmt: skip
+INNER_ALLOWED = {"memplan.cli": "each command imports what it runs: `memplan --help` stays fast",
+                 "memplan": "the API loads on first use (PEP 562)",
+                 "memplan.planner.replay.model_replay": "the CUDA plugin, only for --device cuda"}  # fmt: skip
+
+
+def module_files() -> dict[str, Path]:
+    """memplan module name -> file, for every module the wheel ships."""
+    files = {"memplan": ROOT / "__init__.py", "memplan.cli": ROOT / "cli.py", "memplan.api": ROOT / "api.py"}
+    for folder in FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(("memplan", *parts)).removesuffix(".__init__")
+            files[name] = path
+    return files
+
+
+def imports(path: Path, names: set[str]) -> list[tuple[str, bool]]:
+    """(memplan module imported, at module level?) for every import statement of the file."""
+    tree = ast.parse(path.read_text())
+    top = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "memplan":
+            for alias in node.names:  # `from memplan.x import y` imports memplan.x.y when y is a module
+                child = f"{node.module}.{alias.name}"
+                found.append((child if child in names else node.module, id(node) in top))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, id(node) in top) for a in node.names if a.name.split(".")[0] == "memplan"]
+    return found
+
+
+def stage(module: str) -> int:
+    matches = [(len(prefix), i) for i, group in enumerate(STAGES) for prefix in group
+               if module == prefix or module.startswith(prefix + ".")]  # fmt: skip
+    assert matches, f"{module} is in no stage of the flow: add it to STAGES"
+    return max(matches)[1]
+
+
+def test_every_package_folder_is_in_the_wheel():
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {"memplan"} | {".".join(("memplan", *p.parent.relative_to(ROOT).parts))
+                             for folder in FOLDERS for p in (ROOT / folder).rglob("__init__.py")}  # fmt: skip
+    assert listed == folders
+    for folder in FOLDERS:  # a folder of modules without __init__.py would not be shipped
+        for path in (ROOT / folder).rglob("*.py"):
+            assert (path.parent / "__init__.py").exists(), f"{path.parent} has modules but no __init__.py"
+
+
+def test_imports_run_one_way_with_no_cycle():
+    files = module_files()
+    graph = {name: imports(path, set(files)) for name, path in files.items()}
+    for name, found in graph.items():
+        for target, at_top in found:
+            assert target in files, f"{name} imports {target}, which is not a memplan module"
+            assert stage(target) <= stage(name), f"{name} reaches forward into {target}"
+            assert at_top or name in INNER_ALLOWED, f"{name} imports {target} inside a function"
+    # a cycle among the module-level imports (a package's __init__ re-exporting its own modules is none)
+    edges = {name: {t for t, at_top in found if at_top and t != name} for name, found in graph.items()}
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                pytest.fail("import cycle: " + " -> ".join(path[path.index(nxt):] + [node, nxt]) if nxt in path
+                            else f"import cycle through {node} -> {nxt}")  # fmt: skip
+            if nxt not in state:
+                visit(nxt, [*path, node])
+        state[node] = 2
+
+    for name in sorted(files):
+        if name not in state:
+            visit(name, [])
+
+
+def test_every_module_imports_alone():
+    """Each module imports in a fresh interpreter by itself (an order-dependent cycle would fail here)."""
+    names = sorted(module_files())
+    code = "import importlib, sys\nfor n in sys.argv[1:]:\n    importlib.import_module(n)\n    " \
+           "[sys.modules.pop(m) for m in list(sys.modules) if m.startswith('memplan')]"  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, cwd="/")
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_public_api_is_listed_and_documented():
+    code = "import memplan, sys; print(' '.join(memplan.__all__)); print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True)
+    names, torch_loaded = done.stdout.split("\n")[:2]
+    assert torch_loaded == "False"  # `import memplan` stays light
+    import memplan
+
+    assert names.split() == memplan.__all__
+    for name in memplan.__all__:
+        value = getattr(memplan, name)
+        if callable(value) and not isinstance(value, type):
+            assert value.__doc__ and value.__doc__.strip(), f"memplan.{name} has no docstring"

@@ -1,0 +1,50 @@
+"""traces/units.py: the unit chosen for a byte count and the text every report prints for it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memplan.traces.format import live_bytes, make_trace
+from memplan.traces.units import GiB, KiB, MiB, byte_unit, human_bytes
+
+
+def test_unit_follows_magnitude_down_to_the_smallest_asked():
+    assert byte_unit(3 << 30) == ("GiB", GiB)
+    assert byte_unit(5 << 20) == ("MiB", MiB)
+    assert byte_unit(4000) == ("KiB", KiB)
+    assert byte_unit(1023) == ("B", 1)
+    assert byte_unit(-2048) == ("KiB", KiB)
+    assert byte_unit(4000, smallest="KiB") == ("KiB", KiB)  # a plot axis never goes below KiB
+    assert byte_unit(10, smallest="KiB") == ("KiB", KiB)
+    assert byte_unit(5 << 20, smallest="GiB") == ("GiB", GiB)
+
+
+def test_human_bytes_reads_best_by_default():
+    assert [human_bytes(n) for n in (0, 1023, 1024, 1536, MiB - 1, MiB, 5.5 * GiB, -2048, 2.7)] == [
+        "0 B",
+        "1023 B",
+        "1.00 KiB",
+        "1.50 KiB",
+        "1024.00 KiB",
+        "1.00 MiB",
+        "5.50 GiB",
+        "-2.00 KiB",
+        "2 B",
+    ]
+
+
+def test_human_bytes_in_a_given_unit_precision_and_grouping():
+    assert human_bytes(5000, unit="MiB") == "0.00 MiB"
+    assert human_bytes(3 * GiB, unit="MiB") == "3072.00 MiB"
+    assert human_bytes(300 * MiB, unit="MiB", digits=1) == "300.0 MiB"
+    assert human_bytes(1500 * GiB) == "1500.00 GiB"
+    assert human_bytes(1500 * GiB, grouped=True) == "1,500.00 GiB"
+    assert human_bytes(999, grouped=True) == "999 B"
+
+
+def test_live_bytes_sums_sizes_over_alloc_to_free():
+    size, alloc, free = np.array([100, 200, 50]), np.array([0, 1, 3]), np.array([5, 3, 4])
+    assert live_bytes(size, alloc, free, 5).tolist() == [100, 300, 300, 150, 100]
+    trace = make_trace({"size": size.tolist(), "alloc": alloc.tolist(), "free": free.tolist()})
+    assert trace.live_bytes().tolist() == live_bytes(size, alloc, free, trace.end).tolist()
+    assert live_bytes(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), 0).tolist() == []
