@@ -143,19 +143,10 @@ def import_command(snapshot, output, cuda_device, as_json):
 
     Example: memplan import snapshot.pickle -o step.trace.json.gz
     """
-    from pathlib import Path
+    from memplan.planner.jobs.files import import_file
 
-    from memplan.traces.format import save
-    from memplan.traces.snapshot import import_snapshot, import_summary, render_import_summary
-
-    output = output or f"{Path(snapshot).stem}.trace.json.gz"
-    progress(f"reading {snapshot}")
-    trace = import_snapshot(snapshot, cuda_device)
-    save(trace, output)
-    progress(f"wrote {output}")
-    summary = import_summary(trace)
-    summary["output"] = str(output)
-    emit(summary, as_json, render_import_summary(summary) + f"\nwritten to {output}")
+    summary, text = import_file(snapshot, output, cuda_device, progress)
+    emit(summary, as_json, text)
 
 
 ALLOC_CONF_HELP = (
@@ -208,30 +199,11 @@ def simulate_command(trace_file, plan_file, alloc_conf, tie_break, capacity, tim
     \b
     Example: memplan simulate bert.trace.json.gz --plan bert.plan.json --timeline bert.csv
     """
-    from memplan.planner.plan import load_plan
-    from memplan.planner.report.memory_report import build_report, report_summary, report_text, timeline_csv
-    from memplan.traces.files import atomic_write
-    from memplan.traces.format import load
+    from memplan.planner.jobs.files import simulate_file
 
-    trace = load(trace_file)
-    plan = load_plan(plan_file) if plan_file else None
-    progress(f"simulating {trace_file} ({len(trace):,} buffers, {trace.end:,} events)")
-    report = build_report(
-        trace, trace_file, plan=plan, plan_name=plan_file, alloc_conf=alloc_conf, capacity=capacity, tie_break=tie_break
-    )
-    if timeline:
-        atomic_write(timeline, timeline_csv(report))
-        progress(f"wrote {timeline}")
-    summary = report_summary(report, timeline=timeline)
-    emit(summary.to_dict(), as_json, report_text(summary))
-
-
-def load_traces_and_plans(trace_files, plan_files):
-    """The named traces and plans of a multi-trace command, in the order given."""
-    from memplan.planner.plan import load_plan
-    from memplan.traces.format import load
-
-    return [(f, load(f)) for f in trace_files], [(f, load_plan(f)) for f in plan_files]
+    summary, text = simulate_file(trace_file, plan_file, alloc_conf=alloc_conf, tie_break=tie_break,
+                                  capacity=capacity, timeline=timeline, progress=progress)  # fmt: skip
+    emit(summary, as_json, text)
 
 
 @main.command("plot")
@@ -254,23 +226,11 @@ def plot_command(trace_files, plan_files, output, address_space, alloc_conf, tie
     \b
     Example: memplan plot bert.baseline.trace.json.gz bert.tempo.trace.json.gz -o bert.png
     """
-    from memplan.planner.report.memory_report import build_report
-    from memplan.planner.report.plots import check_request, plot_reports
-    from memplan.planner.simulate.plan_footprint import match_plans
+    from memplan.planner.jobs.files import plot_files
 
-    check_request(output, address_space, bool(plan_files))
-    traces, plans = load_traces_and_plans(trace_files, plan_files)
-    reports = []
-    for (name, trace), given in zip(traces, match_plans(traces, plans)):
-        progress(f"simulating {name} ({len(trace):,} buffers)")
-        plan_name, plan = given if given else (None, None)
-        reports.append(
-            build_report(trace, name, plan=plan, plan_name=plan_name, alloc_conf=alloc_conf, tie_break=tie_break)
-        )
-    plot_reports(reports, output, address_space=address_space)
-    progress(f"wrote {output}")
-    summary = {"output": output, "traces": list(trace_files), "plans": list(plan_files), "address_space": address_space}
-    emit(summary, as_json, f"wrote {output}")
+    summary, text = plot_files(trace_files, plan_files, output, address_space=address_space, alloc_conf=alloc_conf,
+                               tie_break=tie_break, progress=progress)  # fmt: skip
+    emit(summary, as_json, text)
 
 
 @main.command("compare")
@@ -305,19 +265,11 @@ def compare_command(trace_files, plan_files, method, time_limit, alloc_conf, tie
     \b
     Example: memplan compare bert.baseline.trace.json.gz bert.tempo.trace.json.gz --method greedy
     """
-    from memplan.planner.report.compare import compare_summary, compare_text, compare_traces
+    from memplan.planner.jobs.files import compare_files
 
-    traces, plans = load_traces_and_plans(trace_files, plan_files)
-    rows = compare_traces(
-        traces,
-        plans,
-        alloc_conf=alloc_conf,
-        method=method,
-        time_limit=time_limit,
-        progress=progress,
-        tie_break=tie_break,
-    )
-    emit(compare_summary(rows), as_json, compare_text(rows))
+    summary, text = compare_files(trace_files, plan_files, method=method, time_limit=time_limit,
+                                  alloc_conf=alloc_conf, tie_break=tie_break, progress=progress)  # fmt: skip
+    emit(summary, as_json, text)
 
 
 @main.command("replay")
@@ -516,8 +468,8 @@ def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps
 def fit_command(model_file, memory, modes, seq, dtype, alloc_conf, tie_break, time_limit, capture, as_json):
     """The largest batch size whose training step fits --memory, under the caching allocator and under a plan.
 
-    Traces batch 1, 2 and 4, fits memory as affine in the batch, predicts, then traces around the
-    prediction until the answer b is proven: b fits and b+1 does not, both by direct trace.
+    Traces batch 1, 2 and 4, fits memory as affine in the batch, predicts, brackets the answer and
+    narrows the bracket until it is proven: b fits and b+1 does not, both by direct trace.
 
     \b
     Example: MEMPLAN_PRESET=tiny memplan fit examples/bert.py --memory 64MiB --seq 64 --layers baseline --layers tempo

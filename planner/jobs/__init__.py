@@ -1,1 +1,2 @@
-"""Jobs that chain the stages for a command: run (the main job), fit, and solving a file."""
+"""What each command does, chaining the stages: trace, run (the main job), fit, solve a file, and the
+commands over files (import, simulate, plot, compare)."""

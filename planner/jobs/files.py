@@ -1,0 +1,77 @@
+"""The commands that read and write files only: `memplan import`, `simulate`, `plot` and `compare`. Each
+returns its summary (the command's JSON) and text, so cli.py only parses and prints."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from memplan.planner.plan import Plan, load_plan
+from memplan.planner.report.compare import compare_summary, compare_text, compare_traces
+from memplan.planner.report.memory_report import build_report, report_summary, report_text, timeline_csv
+from memplan.planner.report.plots import check_request, plot_reports
+from memplan.planner.simulate.plan_footprint import match_plans
+from memplan.traces.files import atomic_write
+from memplan.traces.format import Trace, load, save
+from memplan.traces.snapshot import import_snapshot, import_summary, render_import_summary
+
+Progress = Callable[[str], None]
+
+
+def import_file(snapshot: str, output: str | None, cuda_device: int | None, progress: Progress) -> tuple[dict, str]:
+    """`memplan import`: a CUDA memory snapshot as a trace, written to `output` (default <snapshot>.trace.json.gz)."""
+    output = output or f"{Path(snapshot).stem}.trace.json.gz"
+    progress(f"reading {snapshot}")
+    trace = import_snapshot(snapshot, cuda_device)
+    save(trace, output)
+    progress(f"wrote {output}")
+    summary = {**import_summary(trace), "output": str(output)}
+    return summary, render_import_summary(summary) + f"\nwritten to {output}"
+
+
+def simulate_file(trace_file: str, plan_file: str | None, *, alloc_conf: str, tie_break: str, capacity: int | None,
+                  timeline: str | None, progress: Progress) -> tuple[dict, str]:  # fmt: skip
+    """`memplan simulate`: the trace on the caching allocator (and its plan), with the timeline CSV if asked."""
+    trace = load(trace_file)
+    plan = load_plan(plan_file) if plan_file else None
+    progress(f"simulating {trace_file} ({len(trace):,} buffers, {trace.end:,} events)")
+    report = build_report(trace, trace_file, plan=plan, plan_name=plan_file, alloc_conf=alloc_conf,
+                          capacity=capacity, tie_break=tie_break)  # fmt: skip
+    if timeline:
+        atomic_write(timeline, timeline_csv(report))
+        progress(f"wrote {timeline}")
+    summary = report_summary(report, timeline=timeline)
+    return summary.to_dict(), report_text(summary)
+
+
+def load_files(
+    trace_files: Sequence[str], plan_files: Sequence[str]
+) -> tuple[list[tuple[str, Trace]], list[tuple[str, Plan]]]:
+    """The named traces and plans of a multi-trace command, in the order given."""
+    return [(f, load(f)) for f in trace_files], [(f, load_plan(f)) for f in plan_files]
+
+
+def plot_files(trace_files: Sequence[str], plan_files: Sequence[str], output: str, *, address_space: bool,
+               alloc_conf: str, tie_break: str, progress: Progress) -> tuple[dict, str]:  # fmt: skip
+    """`memplan plot`: the traces side by side (each with the plan made for it) in one figure."""
+    check_request(output, address_space, bool(plan_files))
+    traces, plans = load_files(trace_files, plan_files)
+    reports = []
+    for (name, trace), given in zip(traces, match_plans(traces, plans)):
+        progress(f"simulating {name} ({len(trace):,} buffers)")
+        plan_name, plan = given if given else (None, None)
+        reports.append(build_report(trace, name, plan=plan, plan_name=plan_name, alloc_conf=alloc_conf,
+                                    tie_break=tie_break))  # fmt: skip
+    plot_reports(reports, output, address_space=address_space)
+    progress(f"wrote {output}")
+    summary = {"output": output, "traces": list(trace_files), "plans": list(plan_files), "address_space": address_space}
+    return summary, f"wrote {output}"
+
+
+def compare_files(trace_files: Sequence[str], plan_files: Sequence[str], *, method: str, time_limit: float,
+                  alloc_conf: str, tie_break: str, progress: Progress) -> tuple[dict, str]:  # fmt: skip
+    """`memplan compare`: one row per trace (a plan solved here for a trace without one)."""
+    traces, plans = load_files(trace_files, plan_files)
+    rows = compare_traces(traces, plans, alloc_conf=alloc_conf, method=method, time_limit=time_limit,
+                          progress=progress, tie_break=tie_break)  # fmt: skip
+    return compare_summary(rows), compare_text(rows)
