@@ -18,7 +18,7 @@ from memplan.planner.jobs.fit import FitResult, fit_model
 from memplan.planner.jobs.run import DEFAULT_MODEL, RunOptions, RunResult
 from memplan.planner.jobs.run import run as run_job
 from memplan.planner.layers import MODES, LayerMode, patch, unpatch
-from memplan.planner.plan import Plan, check_plan, load_plan
+from memplan.planner.plan import Plan, check_plan, load_plan, plan_problem
 from memplan.planner.plan import save_plan as save_checked_plan
 from memplan.planner.problem import problem_from_trace
 from memplan.planner.report.compare import CompareRow, compare_traces
@@ -79,12 +79,12 @@ def solve(
 
 def verify(plan: Plan, trace: Trace) -> None:
     """PlanError unless `plan` was made for `trace` and no two buffers that may be live together share bytes."""
-    check_plan(plan, problem_from_trace(trace, alignment=plan.alignment, scope=plan.scope))
+    check_plan(plan, plan_problem(plan, trace))
 
 
 def save_plan(plan: Plan, trace: Trace, path: PathLike) -> None:
     """Verify `plan` against `trace`, then write it (memplan-plan/1 JSON)."""
-    save_checked_plan(plan, problem_from_trace(trace, alignment=plan.alignment, scope=plan.scope), path)
+    save_checked_plan(plan, plan_problem(plan, trace), path)
 
 
 def simulate(

@@ -9,10 +9,11 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-from memplan.planner.problem import Problem
+from memplan.planner.problem import Problem, problem_from_trace
 from memplan.planner.verify import verify_plan
 from memplan.traces.errors import PlanError
 from memplan.traces.files import atomic_write, read_bytes
+from memplan.traces.format import Trace
 
 FORMAT = "memplan-plan/1"
 STATUSES = ("optimal", "feasible")
@@ -42,6 +43,11 @@ class Plan:
 def plan_to_dict(plan: Plan) -> dict:
     """The JSON-ready memplan-plan/1 document."""
     return {"format": FORMAT, **asdict(plan)}
+
+
+def plan_problem(plan: Plan, trace: Trace) -> Problem:
+    """The allocation problem `plan` places, built from `trace` with the plan's alignment and scope."""
+    return problem_from_trace(trace, alignment=plan.alignment, scope=plan.scope)
 
 
 def check_plan(plan: Plan, problem: Problem) -> None:

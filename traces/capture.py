@@ -184,12 +184,16 @@ def _resident_at_start(workload: Workload, recorder: Recorder, live: Events, ado
     them: with `adopt`, those made before recording began are counted from now on; without, one such
     storage would be invisible, so it is an error."""
     alive = set(live.key.tolist())
-    outside = [
-        t
-        for t, _, _ in resident_tensors(workload)
-        if t.untyped_storage().nbytes() > 0 and recorder.storage_key(t) not in alive
-    ]
-    if outside and not adopt:
+    outside = (
+        []
+        if adopt
+        else [  # adopted storages are all alive: nothing to look for
+            t
+            for t, _, _ in resident_tensors(workload)
+            if t.untyped_storage().nbytes() > 0 and recorder.storage_key(t) not in alive
+        ]
+    )
+    if outside:
         raise CaptureError(
             f"{workload.name}: {len(outside)} of its tensors existed before recording began: "
             "pass capture_step a function that builds the workload, not a built one"

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memplan.planner.plan import Plan
-from memplan.planner.problem import align_up, problem_from_trace
+from memplan.planner.plan import Plan, plan_problem
+from memplan.planner.problem import align_up
 from memplan.planner.verify import verify_plan
 from memplan.traces.errors import MemplanError, PlanError
 from memplan.traces.format import Trace, live_bytes, trace_digest
@@ -57,7 +57,7 @@ def simulate_plan(trace: Trace, plan: Plan, trace_name: str = "trace", plan_name
             f"{plan_name}: plan was made for another trace, not {trace_name} "
             f"(trace digest differs); solve {trace_name} again"
         )
-    problem = problem_from_trace(trace, alignment=plan.alignment, scope=plan.scope)
+    problem = plan_problem(plan, trace)
     try:
         verify_plan(problem, plan.offsets, plan.arena)
     except PlanError as e:
