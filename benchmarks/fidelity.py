@@ -3,10 +3,11 @@
 Usage: .venv/bin/python benchmarks/fidelity.py [SHARED_DIR] [--contexts 128,512] [--no-real]
 For each CS336 snapshot (the program and how it was recorded: SHARED_DIR/clients/cs336/NOTICE.md, batch 4):
 the real peak allocated (requested bytes) and reserved, read from the snapshot; then for a real CPU trace,
-a --fake trace and a --fake --device cuda trace of the same step (examples/cs336_lm.py, which imports the
-client): peak live and its error against the real peak, the caching-allocator simulator's peak reserved
-against the real reserved, and how many of the snapshot's allocations the trace reproduces in order by
-size (the longest common subsequence of the two size sequences). Target: every error within 1%.
+a --fake trace, a --fake --device cuda trace and, on a GPU, a real CUDA trace of the same step
+(examples/cs336_lm.py, which imports the client): peak live and its error against the real peak, the
+caching-allocator simulator's peak reserved against the real reserved, and how many of the snapshot's
+allocations the trace reproduces in order by size (the longest common subsequence of the two size
+sequences). Target: every error within 1%.
 A last row traces the step under CPU autocast (bfloat16): the context-512 snapshot's sizes are those of a
 bf16 autocast run, not the fp32 its NOTICE.md describes.
 """
@@ -95,6 +96,7 @@ def main() -> None:
             f"{real_peak:,}, reserved {real_reserved:,}, {len(real_sizes):,} allocations recorded"
         )
         runs = [("real CPU trace", False, "cpu", "")] * (not args.no_real)
+        runs += [("real CUDA trace", False, "cuda", "")] * torch.cuda.is_available()
         runs += [
             ("--fake", True, "cpu", ""),
             ("--fake --device cuda", True, "cuda", ""),

@@ -179,10 +179,11 @@ def _cuda_history(device: torch.device):
         torch.cuda.memory._record_memory_history(enabled=None, device=device)
 
 
-def _resident_at_start(workload: Workload, recorder: Recorder, live: Events, adopt: bool) -> dict:
-    """Labels of the storages alive as the step begins. Every storage the workload holds must be among
-    them: with `adopt`, those made before recording began are counted from now on; without, one such
-    storage would be invisible, so it is an error."""
+def _resident_at_start(workload: Workload, recorder: Recorder, live: Events, device: torch.device, adopt: bool) -> dict:
+    """Labels of the storages alive as the step begins. Every storage the workload holds on the device
+    must be among them (a CUDA model's AdamW keeps its step counters on the CPU: not this trace's): with
+    `adopt`, those made before recording began are counted from now on; without, one such storage would
+    be invisible, so it is an error."""
     alive = set(live.key.tolist())
     outside = (
         []
@@ -190,7 +191,9 @@ def _resident_at_start(workload: Workload, recorder: Recorder, live: Events, ado
         else [  # adopted storages are all alive: nothing to look for
             t
             for t, _, _ in resident_tensors(workload)
-            if t.untyped_storage().nbytes() > 0 and recorder.storage_key(t) not in alive
+            if t.device.type == device.type
+            and t.untyped_storage().nbytes() > 0
+            and recorder.storage_key(t) not in alive
         ]
     )
     if outside:
@@ -240,11 +243,12 @@ class Recording:
         device = self.check_device(workload)
         if adopt:
             for tensor, _, _ in resident_tensors(workload):
-                self._recorder.adopt(tensor)
+                if tensor.device.type == device.type:
+                    self._recorder.adopt(tensor)
         # 1. The storages alive now, labelled; no cycle collection inside, so frees happen where dropped.
         gc.collect(1)  # the warm-up's cyclic garbage is young; a full collection costs ~0.1 s in a torch process
         live = self._recorder.begin_step()
-        resident = _resident_at_start(workload, self._recorder, live, adopt)
+        resident = _resident_at_start(workload, self._recorder, live, device, adopt)
         gc.disable()
         try:
             # 2. The step, with module, phase and optimizer marks (and on CUDA the allocator's history).
@@ -307,7 +311,7 @@ def recording_session(
     inside is seen from its first allocation, and `Recording.step` marks the step to record."""
     device = torch.device(device)
     with one_cpu_thread(device), recording(device, fake=fake) as recorder:
-        fake_mode = FakeCapture(recorder) if fake else None
+        fake_mode = FakeCapture(recorder, device.type) if fake else None
         with fake_mode or contextlib.nullcontext():
             yield Recording(recorder, device, fake_mode, dict(meta or {}))
 
@@ -327,12 +331,34 @@ def capture_step(
         device = session.check_device(workload)
         if warmup:
             _run("warm-up step", workload.name, workload.step)
-        if device.type == "cuda" and not fake:
-            torch.cuda.synchronize(device)
-        with session.workload_step(workload):
+        real_cuda = device.type == "cuda" and not fake
+        with (
+            session.workload_step(workload),
+            _measured(device) if real_cuda else contextlib.nullcontext({}) as measured,
+        ):
             _run("recorded step", workload.name, workload.step)
         del workload
+    if measured:
+        session.trace.meta["cuda_measured"] = measured
     return session.trace
+
+
+@contextlib.contextmanager
+def _measured(device: torch.device) -> Iterator[dict[str, int]]:
+    """What PyTorch's caching allocator itself counts over the block: requested, allocated (block) and reserved
+    bytes at its start and at their peaks, the block started from an emptied cache (as the simulator starts).
+    A real CUDA capture keeps them in the trace's meta, so the trace is checked against the GPU it ran on."""
+    measured: dict[str, int] = {}
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_stats(device)
+    yield measured
+    torch.cuda.synchronize(device)
+    stats = torch.cuda.memory_stats(device)
+    for kind in ("requested", "allocated", "reserved"):
+        measured[f"{kind}_at_start"] = int(start[f"{kind}_bytes.all.current"])
+        measured[f"peak_{kind}"] = int(stats[f"{kind}_bytes.all.peak"])
 
 
 @contextlib.contextmanager

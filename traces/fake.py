@@ -1,11 +1,16 @@
 """Fake tensors for a capture: the model is built and its step run with no memory and no arithmetic.
 
-`FakeCapture` is PyTorch's FakeTensorMode with four additions.
+`FakeCapture` is PyTorch's FakeTensorMode with six additions.
 - Every fake tensor an op returns claims its storage in the recorder, so the trace holds the storages
   the program saw (not the meta storages fake tensor mode makes for its own work).
 - In-place random fills (`uniform_`, `normal_`, ...) return their input untouched: they allocate
   nothing on a real device, their values do not matter here, and on a machine without CUDA fake
   tensor mode cannot run them for a fake CUDA tensor.
+- Optimizers take fake tensors for the tensors they stand for: on CUDA they pick their foreach kernels
+  (AdamW's default there), as with real CUDA tensors, where a fake tensor would send them to the
+  per-tensor loop.
+- On a CUDA device, `native_dropout` allocates its mask before its output, as CUDA's kernel does (the
+  meta kernel allocates them the other way round).
 - Values that depend on data get a rule instead of an error (DATA_RULE): a scalar read from a
   tensor (`.item()`, `bool(t)`) is 0 (False), and a selection whose size depends on the data
   (`nonzero`, `masked_select`) selects nothing. Each use is counted per op in `data_dependent`, and
@@ -28,12 +33,15 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorMode,
 )
+from torch.optim import optimizer
 from torch.utils._pytree import tree_leaves
 
 from memplan.traces.errors import MemplanError
 from memplan.traces.recorder import Recorder
 
 aten = torch.ops.aten
+# The tensor types for which torch.optim picks its foreach (multi-tensor) kernels on a device that has them.
+FOREACH_TYPES = optimizer._foreach_supported_types
 RANDOM_FILLS = frozenset(
     {
         aten.uniform_,
@@ -122,12 +130,18 @@ def _cuda(to):
     return cuda
 
 
-class FakeCapture(FakeTensorMode):
-    """FakeTensorMode whose op outputs claim their storages in `recorder`, with DATA_RULE."""
+def _cuda_dropout_kernel(x: torch.Tensor, p: float, train: bool | None = None) -> bool:
+    """Whether CUDA's native_dropout runs its kernel (not the shortcuts for train=False and p=1)."""
+    return x.device.type == "cuda" and train is not False and p != 1 and x.numel() > 0
 
-    def __init__(self, recorder: Recorder):
+
+class FakeCapture(FakeTensorMode):
+    """FakeTensorMode whose op outputs on the captured device type claim their storages in `recorder` (an
+    optimizer's step counters on the CPU are not a CUDA step's), with DATA_RULE."""
+
+    def __init__(self, recorder: Recorder, device_type: str):
         super().__init__(allow_non_fake_inputs=True)
-        self._claim = recorder.claim
+        self._claim, self._device_type = recorder.claim, device_type
         self.data_dependent: Counter[str] = Counter()  # op -> times DATA_RULE decided its output
         self._originals: list[tuple[type, str, object]] = []
         self._depth = 0  # fake tensor mode enters itself again inside ops: patch once, on the outermost
@@ -143,6 +157,7 @@ class FakeCapture(FakeTensorMode):
             ):
                 self._originals.append((owner, name, getattr(owner, name)))
                 setattr(owner, name, method)
+            FOREACH_TYPES.append(FakeTensor)
         self._depth += 1
         return super().__enter__()
 
@@ -152,19 +167,31 @@ class FakeCapture(FakeTensorMode):
             while self._originals:
                 owner, name, original = self._originals.pop()
                 setattr(owner, name, original)
+            FOREACH_TYPES.remove(FakeTensor)
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket in RANDOM_FILLS:
             return args[0]
+        if func is aten.native_dropout.default and self._device_type == "cuda" and _cuda_dropout_kernel(*args):
+            return self._cuda_dropout(args[0])
         try:
             out = super().__torch_dispatch__(func, types, args, kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):
             out = self._by_rule(func, args)
         for t in tree_leaves(out):
-            if isinstance(t, FakeTensor):
+            if isinstance(t, FakeTensor) and t.device.type == self._device_type:
                 self._claim(t)
         return out
+
+    def _cuda_dropout(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """native_dropout as CUDA's kernel allocates it: the mask first, then the output (meta: the reverse)."""
+        with self:
+            mask = torch.empty_like(x, dtype=torch.bool)
+            output = torch.empty_like(x)
+        self._claim(mask)
+        self._claim(output)
+        return output, mask
 
     def _by_rule(self, func, args):
         """DATA_RULE's output for `func`; DataDependentError for an op it does not cover."""

@@ -55,6 +55,7 @@ def summarize(trace: Trace, top: int = 5) -> dict[str, Any]:
         "peak_op": trace.op[reached_by[0]] if len(reached_by) else "",
         "at_peak_by_category": {c: b for c, b in at_peak.items() if b},
         "largest": [_buffer(trace, int(i)) for i in largest],
+        "cuda_measured": trace.meta.get("cuda_measured", {}),
     }
 
 
@@ -70,6 +71,13 @@ def render(summary: dict[str, Any]) -> str:
         f"phase {s['peak_phase']}, module {s['peak_module'] or '-'}, op {s['peak_op'] or '-'}",
         "live at the peak by category:",
     ]
+    if s["cuda_measured"]:
+        measured = s["cuda_measured"]["peak_requested"]
+        lines.insert(
+            2,
+            f"PyTorch measured the same step's peak at {human_bytes(measured, grouped=True)} ({measured:,} bytes "
+            f"requested; the trace's peak is {s['peak_bytes'] - measured:+,} bytes from it)",
+        )
     if s["data_dependent"]:
         lines.insert(
             1,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,13 +37,17 @@ class RunPrints:
     losses: list[str] = field(default_factory=list)
     grads: list[dict[str, str]] = field(default_factory=list)
     params: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0  # spent digesting gradients inside the steps: left out of their step times
 
 
-def watch_gradients(workload: Workload, prints: RunPrints):
-    """Record every gradient's digest at each optimizer step; returns the hook handle (remove() it)."""
+def watch_gradients(workload: Workload, prints: RunPrints, sync: Callable[[], None] = lambda: None):
+    """Record every gradient's digest at each optimizer step, timed from after `sync()` (the device's kernels
+    so far count as the step's) into `prints.seconds`; returns the hook handle (remove() it)."""
     names = {id(p): n for n, p in workload.model.named_parameters()}
 
     def hook(optimizer, args, kwargs):
+        sync()
+        start = time.perf_counter()
         prints.grads.append(
             {
                 names.get(id(p), f"param{i}"): tensor_digest(p.grad)
@@ -50,6 +56,7 @@ def watch_gradients(workload: Workload, prints: RunPrints):
                 if p.grad is not None
             }
         )
+        prints.seconds += time.perf_counter() - start
 
     return workload.optimizer.register_step_pre_hook(hook)
 

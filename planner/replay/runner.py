@@ -39,23 +39,24 @@ def warm_up(workload: Workload) -> None:
 
 
 def run_steps(workload: Workload, steps: int, step_context: Callable, prints: RunPrints, sync=None) -> list[float]:
-    """Run `steps` steps, each inside `step_context()`, fingerprinting them; returns each step's seconds.
+    """Run `steps` steps, each inside `step_context()`, fingerprinting them; returns each step's seconds
+    (the fingerprints' own time left out, so they compare with a plain step's).
 
     The cycle collector is off during a step, so tensors die where the program drops them (as in capture).
     """
     seconds = []
-    hook = watch_gradients(workload, prints)
+    hook = watch_gradients(workload, prints, sync or (lambda: None))
     try:
         for _ in range(steps):
             gc.collect()
             gc.disable()
             try:
-                start = time.perf_counter()
+                start, fingerprinting = time.perf_counter(), prints.seconds
                 with step_context():
                     loss = workload.step()
                     if sync is not None:
                         sync()
-                seconds.append(time.perf_counter() - start)
+                seconds.append(time.perf_counter() - start - (prints.seconds - fingerprinting))
             finally:
                 gc.enable()
             prints.losses.append(tensor_digest(loss))

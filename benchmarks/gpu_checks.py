@@ -1,0 +1,228 @@
+"""GPU checks (../shared/GPU_CHECKS.md) on a CUDA machine: capture against PyTorch's own counters, the CUDA
+replay plugin, the memory-saving layers on CUDA, and a rank on NCCL. Prints every figure it compares.
+
+Usage: python benchmarks/gpu_checks.py [capture] [replay] [layers] [parallel] [--out DIR] [--jobs N]
+With no part named, all of them. Captures and replays run memplan's CLI in processes of their own: a capture
+starts from a fresh CUDA context, and the replay plugin must be installed before CUDA starts. The fidelity
+check against the shared snapshots is benchmarks/fidelity.py, which adds a real CUDA row on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from fidelity import reproduced, sizes_in_order
+
+from memplan.planner.layers import MODES, patch
+from memplan.planner.simulate.caching_allocator import simulate_caching
+from memplan.planner.workloads import bert
+from memplan.traces.format import load
+from memplan.traces.model_file import load_workload
+
+ROOT = Path(__file__).resolve().parents[1]
+BERT = str(ROOT / "examples" / "bert.py")
+# (preset, batch, seq) of the bundled BERT that the capture check traces in every mode and dtype.
+CAPTURE_SHAPES = [("tiny", 2, 128), ("base", 8, 512)]
+DTYPES = ("float32", "bfloat16")
+PARTS = ["capture", "replay", "layers", "parallel"]
+
+
+def memplan(*args: str, preset: str = "tiny", env: dict | None = None) -> dict:
+    """Run `memplan ARGS --json` in a process of its own; its JSON summary (or the error, one line)."""
+    command = [sys.executable, "-m", "memplan.cli", *args, "--json"]
+    done = subprocess.run(
+        command, capture_output=True, text=True, env={**os.environ, "MEMPLAN_PRESET": preset, **(env or {})}
+    )
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        return {"error": lines[-1] if lines else f"exit {done.returncode}"}
+    return json.loads(done.stdout)
+
+
+def share(value: int, reference: int) -> str:
+    return f"{value:>14,} ({value - reference:+,})"
+
+
+def check_capture(out: Path, jobs: int) -> None:
+    """1 and 2. Every layer mode and dtype of the bundled BERT traced on CUDA; the trace against what PyTorch
+    counted over the same step (requested bytes), the simulator against it (block and reserved bytes, from an
+    empty cache), and the --fake --device cuda prediction against the real trace."""
+    configs = [(p, b, s, mode, dtype) for p, b, s in CAPTURE_SHAPES for mode in MODES for dtype in DTYPES]
+
+    def trace(config) -> tuple[tuple, dict, Path, Path]:
+        preset, batch, seq, mode, dtype = config
+        path = out / f"bert-{preset}.{mode.replace('+', '-')}.{dtype}.trace.json.gz"
+        fake = path.with_name("fake-" + path.name)
+        args = ["trace", BERT, "--device", "cuda", "--layers", mode, "--dtype", dtype, "--batch", str(batch)]
+        args += ["--seq", str(seq)]
+        memplan(*args, "--fake", "-o", str(fake), preset=preset)
+        return config, memplan(*args, "-o", str(path), preset=preset), path, fake
+
+    print("\n## 1. Capture on CUDA: the trace against torch.cuda's counters of the same step")
+    print("peak requested: trace peak live vs requested_bytes.all.peak; peak allocated (blocks) and reserved:")
+    print("caching-allocator simulator on the trace vs allocated_bytes / reserved_bytes peaks (cache emptied first)")
+    with ThreadPoolExecutor(jobs) as pool:
+        results = list(pool.map(trace, configs))
+    for (preset, batch, seq, mode, dtype), summary, path, fake in results:
+        label = f"{preset} b={batch} s={seq} {mode} {dtype}"
+        if "error" in summary:
+            print(f"{label}: FAILED: {summary['error']}")
+            continue
+        measured = summary["cuda_measured"]
+        trace = load(path)
+        simulated = simulate_caching(trace)
+        at_start = int(trace.size[trace.alloc == 0].sum())
+        predicted = load(fake) if fake.exists() else None
+        real_sizes = sizes_in_order(trace)
+        prediction = (
+            f"  --fake --device cuda peak {share(predicted.peak()[0], summary['peak_bytes'])}  in order "
+            f"{reproduced(real_sizes, sizes_in_order(predicted)):,}/{len(real_sizes):,} of the real trace's allocations"
+            if predicted is not None
+            else "  --fake --device cuda: FAILED"
+        )
+        print(
+            f"{label}\n"
+            f"  at start  requested {share(at_start, measured['requested_at_start'])}  "
+            f"real {measured['requested_at_start']:,}\n"
+            f"  peak requested      {share(summary['peak_bytes'], measured['peak_requested'])}  "
+            f"real {measured['peak_requested']:,}\n"
+            f"  peak allocated sim  {share(simulated.peak_allocated, measured['peak_allocated'])}  "
+            f"real {measured['peak_allocated']:,}\n"
+            f"  peak reserved sim   {share(simulated.peak_reserved, measured['peak_reserved'])}  "
+            f"real {measured['peak_reserved']:,} (real at start {measured['reserved_at_start']:,}, "
+            f"sim at start {int(simulated.reserved[0]):,})\n{prediction}",
+            flush=True,
+        )
+
+
+def step_seconds(model_file: str, preset: str, batch: int, seq: int, dtype: torch.dtype, steps: int) -> list[float]:
+    """Wall time of each of `steps` training steps on PyTorch's default caching allocator, after a warm-up."""
+    os.environ["MEMPLAN_PRESET"] = preset
+    workload = load_workload(model_file, batch=batch, seq=seq, dtype=dtype, device="cuda")
+    workload.step()
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        workload.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def check_replay(out: Path, steps: int) -> None:
+    """3. A plan of the BERT-Base step replayed through the CUDA plugin: fallbacks, peak against the arena,
+    bitwise equality, and step time against PyTorch's caching allocator."""
+    print("\n## 3. Replay through the CUDA plugin")
+    for preset, batch, seq, dtype in [("tiny", 2, 128, "float32"), ("base", 8, 512, "float32")]:
+        trace, plan = out / f"replay-{preset}.trace.json.gz", out / f"replay-{preset}.plan.json"
+        shape = ["--batch", str(batch), "--seq", str(seq), "--dtype", dtype]
+        traced = memplan("trace", BERT, "--device", "cuda", *shape, "-o", str(trace), preset=preset)
+        solved = memplan("solve", str(trace), "-o", str(plan), preset=preset) if "error" not in traced else traced
+        if "error" in solved:
+            print(f"bert-{preset}: FAILED before replay: {solved['error']}")
+            continue
+        report = memplan(
+            "replay", str(plan), BERT, "--device", "cuda", "--trace", str(trace), "--steps", str(steps), *shape,
+            preset=preset,
+        )  # fmt: skip
+        if "error" in report:
+            print(f"bert-{preset}: replay FAILED: {report['error']}")
+            continue
+        plain = step_seconds(BERT, preset, batch, seq, getattr(torch, dtype), steps)
+        print(
+            f"bert-{preset} b={batch} s={seq} {dtype}: {report['steps']} steps, arena {report['arena_bytes']:,} B "
+            f"(bound {report['bound']:,}), fallbacks {report['fallback_count']}, peak {report['peak_bytes']:,} B "
+            f"(peak - arena {report['peak_bytes'] - report['arena_bytes']:+,}), bitwise equal "
+            f"{report['bitwise_equal']} {report['first_difference'] or ''}\n"
+            f"  median step: plan {statistics.median(report['plan_step_seconds']) * 1e3:.2f} ms, "
+            f"cudaMalloc/cudaFree {statistics.median(report['reference_step_seconds']) * 1e3:.2f} ms, "
+            f"PyTorch's caching allocator {statistics.median(plain) * 1e3:.2f} ms",
+            flush=True,
+        )
+
+
+def gradients(mode: str, config: bert.BertConfig, batch: int, seq: int, dtype: torch.dtype) -> dict:
+    """Parameter gradients of one forward and backward of the BERT under `mode`, with the same dropout masks."""
+    workload = bert.build_workload(batch_size=batch, seq_len=seq, dtype=dtype, device="cuda", config=config)
+    patch(workload.model, mode)
+    torch.manual_seed(7)
+    workload.loss_fn(workload.forward(), workload.inputs).backward()
+    return {name: p.grad for name, p in workload.model.named_parameters() if p.grad is not None}
+
+
+def check_layers(batch: int, steps: int) -> None:
+    """4. Each mode's gradients against the baseline's on BERT-Large at s=512 (the CPU tests' tolerances),
+    then memory per layer against the formulas and step times (benchmarks/layers.py on CUDA)."""
+    print("\n## 4. Layers on CUDA: gradients against the baseline, BERT-Large shape, s=512")
+    tolerances = {torch.float32: (1e-4, 1e-6), torch.bfloat16: (2**-7, 2**-7)}
+    for dtype, (rtol, atol) in tolerances.items():
+        base = gradients("baseline", bert.LARGE, batch, 512, dtype)
+        for mode in MODES[1:]:
+            other = gradients(mode, bert.LARGE, batch, 512, dtype)
+            worst = max(((other[k] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item() for k, g in base.items())
+            failed = [k for k, g in base.items() if not torch.allclose(other[k], g, rtol=rtol, atol=atol)]
+            print(
+                f"{mode:>16} {str(dtype):>15} b={batch}: largest |diff| / max|grad| over parameters {worst:.2e}; "
+                f"{len(base) - len(failed)}/{len(base)} within rtol {rtol:g} atol {atol:g}"
+                + (f" (first outside: {failed[0]})" if failed else ""),
+                flush=True,
+            )
+        del base, other
+        torch.cuda.empty_cache()
+    layers = [sys.executable, str(ROOT / "benchmarks" / "layers.py"), "--device", "cuda", "--seqs", "512"]
+    timing = ["--steps", str(steps), "--time-shape", "512", str(batch), "1024", "16", "24", "--time-dtype", "bf16"]
+    subprocess.run([*layers, *timing], check=False)
+
+
+def check_parallel(out: Path) -> None:
+    """5. The tensor + sequence parallel GPT-2 as one rank on NCCL."""
+    print("\n## 5. Distributed: examples/gpt2_parallel.py, --nproc 1 on NCCL")
+    path = out / "gpt2-parallel.trace.json.gz"
+    summary = memplan("trace", str(ROOT / "examples" / "gpt2_parallel.py"), "--nproc", "1", "--device", "cuda",
+                      "-o", str(path))  # fmt: skip
+    if "error" in summary:
+        print(f"FAILED: {summary['error']}")
+        return
+    print(json.dumps(summary, indent=1)[:3000])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("parts", nargs="*", help=f"any of {', '.join(PARTS)} (default: all)")
+    parser.add_argument("--out", default="gpu-checks", help="folder for the traces and plans")
+    parser.add_argument("--jobs", type=int, default=4, help="captures run at once (each a process of its own)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps of the replay and the layers")
+    parser.add_argument("--batch", type=int, default=8, help="batch of the layers' BERT-Large at s=512")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("gpu_checks: no CUDA device here")
+    parts = args.parts or PARTS
+    if set(parts) - set(PARTS):
+        sys.exit(f"gpu_checks: parts are {', '.join(PARTS)}, not {', '.join(sorted(set(parts) - set(PARTS)))}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    properties = torch.cuda.get_device_properties(0)
+    print(f"{properties.name}, {properties.total_memory / 2**30:.1f} GiB, torch {torch.__version__}, CUDA "
+          f"{torch.version.cuda}")  # fmt: skip
+    if "capture" in parts:
+        check_capture(out, args.jobs)
+    if "replay" in parts:
+        check_replay(out, args.steps)
+    if "layers" in parts:
+        check_layers(args.batch, args.steps)
+    if "parallel" in parts:
+        check_parallel(out)
+
+
+if __name__ == "__main__":
+    main()
