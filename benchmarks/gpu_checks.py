@@ -30,8 +30,10 @@ from memplan.traces.model_file import load_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 BERT = str(ROOT / "examples" / "bert.py")
-# (preset, batch, seq) of the bundled BERT that the capture check traces in every mode and dtype.
-CAPTURE_SHAPES = [("tiny", 2, 128), ("base", 8, 512)]
+# (model file, preset, batch, seq) the capture check traces in every mode and dtype: the bundled BERT
+# at two sizes; with --all-models, every other bundled single-process model file at its tiny preset too.
+CAPTURE_SHAPES = [("bert", "tiny", 2, 128), ("bert", "base", 8, 512)]
+OTHER_MODELS = [(name, "tiny", 2, 128) for name in ("gpt2", "llama", "hf_bert", "hf_gpt2", "hf_llama")]
 DTYPES = ("float32", "bfloat16")
 PARTS = ["capture", "replay", "layers", "parallel"]
 
@@ -52,18 +54,19 @@ def share(value: int, reference: int) -> str:
     return f"{value:>14,} ({value - reference:+,})"
 
 
-def check_capture(out: Path, jobs: int) -> None:
-    """1 and 2. Every layer mode and dtype of the bundled BERT traced on CUDA; the trace against what PyTorch
+def check_capture(out: Path, jobs: int, shapes: list[tuple[str, str, int, int]]) -> None:
+    """1 and 2. Every layer mode and dtype of the model files traced on CUDA; the trace against what PyTorch
     counted over the same step (requested bytes), the simulator against it (block and reserved bytes, from an
     empty cache), and the --fake --device cuda prediction against the real trace."""
-    configs = [(p, b, s, mode, dtype) for p, b, s in CAPTURE_SHAPES for mode in MODES for dtype in DTYPES]
+    configs = [(f, p, b, s, mode, dtype) for f, p, b, s in shapes for mode in MODES for dtype in DTYPES]
 
     def trace(config) -> tuple[tuple, dict, Path, Path]:
-        preset, batch, seq, mode, dtype = config
-        path = out / f"bert-{preset}.{mode.replace('+', '-')}.{dtype}.trace.json.gz"
+        model, preset, batch, seq, mode, dtype = config
+        path = out / f"{model}-{preset}.{mode.replace('+', '-')}.{dtype}.trace.json.gz"
         fake = path.with_name("fake-" + path.name)
-        args = ["trace", BERT, "--device", "cuda", "--layers", mode, "--dtype", dtype, "--batch", str(batch)]
-        args += ["--seq", str(seq)]
+        model_file = str(ROOT / "examples" / f"{model}.py")
+        args = ["trace", model_file, "--device", "cuda", "--layers", mode, "--dtype", dtype]
+        args += ["--batch", str(batch), "--seq", str(seq)]
         memplan(*args, "--fake", "-o", str(fake), preset=preset)
         return config, memplan(*args, "-o", str(path), preset=preset), path, fake
 
@@ -72,8 +75,8 @@ def check_capture(out: Path, jobs: int) -> None:
     print("caching-allocator simulator on the trace vs allocated_bytes / reserved_bytes peaks (cache emptied first)")
     with ThreadPoolExecutor(jobs) as pool:
         results = list(pool.map(trace, configs))
-    for (preset, batch, seq, mode, dtype), summary, path, fake in results:
-        label = f"{preset} b={batch} s={seq} {mode} {dtype}"
+    for (model, preset, batch, seq, mode, dtype), summary, path, fake in results:
+        label = f"{model} {preset} b={batch} s={seq} {mode} {dtype}"
         if "error" in summary:
             print(f"{label}: FAILED: {summary['error']}")
             continue
@@ -201,6 +204,7 @@ def main() -> None:
     parser.add_argument("parts", nargs="*", help=f"any of {', '.join(PARTS)} (default: all)")
     parser.add_argument("--out", default="gpu-checks", help="folder for the traces and plans")
     parser.add_argument("--jobs", type=int, default=4, help="captures run at once (each a process of its own)")
+    parser.add_argument("--all-models", action="store_true", help="capture every bundled model file, not BERT alone")
     parser.add_argument("--steps", type=int, default=10, help="timed steps of the replay and the layers")
     parser.add_argument("--batch", type=int, default=8, help="batch of the layers' BERT-Large at s=512")
     args = parser.parse_args()
@@ -215,7 +219,7 @@ def main() -> None:
     print(f"{properties.name}, {properties.total_memory / 2**30:.1f} GiB, torch {torch.__version__}, CUDA "
           f"{torch.version.cuda}")  # fmt: skip
     if "capture" in parts:
-        check_capture(out, args.jobs)
+        check_capture(out, args.jobs, CAPTURE_SHAPES + OTHER_MODELS * args.all_models)
     if "replay" in parts:
         check_replay(out, args.steps)
     if "layers" in parts:
