@@ -13,7 +13,8 @@ not seen.
 With `fake=True` the workload is built and stepped under fake tensors (traces/fake.py): nothing is
 allocated or computed, and the trace holds every storage the program's ops return, with the same
 labels. On CUDA the caching allocator's history of the step gives the requested (unrounded) sizes
-and the streams. A real CPU capture runs on one intra-op thread (see `one_cpu_thread`).
+and the streams, and `capture_step` keeps the allocator's own peaks of the step in meta `cuda_measured`.
+A real CPU capture runs on one intra-op thread (see `one_cpu_thread`).
 """
 
 from __future__ import annotations
