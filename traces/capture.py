@@ -182,19 +182,16 @@ def _cuda_history(device: torch.device):
 
 def _resident_at_start(workload: Workload, recorder: Recorder, live: Events, device: torch.device, adopt: bool) -> dict:
     """Labels of the storages alive as the step begins. Every storage the workload holds on the device
-    must be among them (a CUDA model's AdamW keeps its step counters on the CPU: not this trace's): with
-    `adopt`, those made before recording began are counted from now on; without, one such storage would
-    be invisible, so it is an error."""
+    must be among them: with `adopt`, those made before recording began are counted from now on; without,
+    one such storage would be invisible, so it is an error."""
     alive = set(live.key.tolist())
     outside = (
         []
         if adopt
         else [  # adopted storages are all alive: nothing to look for
             t
-            for t, _, _ in resident_tensors(workload)
-            if t.device.type == device.type
-            and t.untyped_storage().nbytes() > 0
-            and recorder.storage_key(t) not in alive
+            for t, _, _ in resident_tensors(workload, device.type)
+            if t.untyped_storage().nbytes() > 0 and recorder.storage_key(t) not in alive
         ]
     )
     if outside:
@@ -243,9 +240,8 @@ class Recording:
             raise CaptureError("a recording holds one step: mark one block with step()")
         device = self.check_device(workload)
         if adopt:
-            for tensor, _, _ in resident_tensors(workload):
-                if tensor.device.type == device.type:
-                    self._recorder.adopt(tensor)
+            for tensor, _, _ in resident_tensors(workload, device.type):
+                self._recorder.adopt(tensor)
         # 1. The storages alive now, labelled; no cycle collection inside, so frees happen where dropped.
         gc.collect(1)  # the warm-up's cyclic garbage is young; a full collection costs ~0.1 s in a torch process
         live = self._recorder.begin_step()

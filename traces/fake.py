@@ -173,7 +173,7 @@ class FakeCapture(FakeTensorMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket in RANDOM_FILLS:
             return args[0]
-        if func is aten.native_dropout.default and self._device_type == "cuda" and _cuda_dropout_kernel(*args):
+        if func is aten.native_dropout.default and _cuda_dropout_kernel(*args):
             return self._cuda_dropout(args[0])
         try:
             out = super().__torch_dispatch__(func, types, args, kwargs)

@@ -56,12 +56,20 @@ def _held_by(function: Any) -> list:
     return held
 
 
-def resident_tensors(workload: Workload) -> Iterator[tuple[torch.Tensor, str, str]]:
-    """(tensor, category, module) for every tensor the workload holds now, on any device, in a fixed
-    order: parameters and buffers, gradients, optimizer state, inputs, tensors held by the loss.
+def resident_tensors(workload: Workload, device_type: str | None = None) -> Iterator[tuple[torch.Tensor, str, str]]:
+    """(tensor, category, module) for every tensor the workload holds now on `device_type` (any device when
+    None: a CUDA model's AdamW keeps its step counters on the CPU), in a fixed order: parameters and buffers,
+    gradients, optimizer state, inputs, tensors held by the loss.
 
     Capture and replay's adoption both walk this order, so they see the same storages first.
     """
+    for t, category, module in _held(workload):
+        if device_type is None or t.device.type == device_type:
+            yield t, category, module
+
+
+def _held(workload: Workload) -> Iterator[tuple[torch.Tensor, str, str]]:
+    """resident_tensors on every device."""
 
     def where(path: str) -> str:
         return f"model.{path}" if path else "model"

@@ -27,9 +27,9 @@ def resident_groups(workload: Workload, device_type: str) -> list[list[torch.Ten
     A view's base tensor joins its group: the view keeps it alive, and with it the storage.
     """
     groups: dict[int, list[torch.Tensor]] = {}
-    for t, _, _ in resident_tensors(workload):
+    for t, _, _ in resident_tensors(workload, device_type):
         storage = t.untyped_storage()
-        if t.device.type != device_type or storage.nbytes() == 0:
+        if storage.nbytes() == 0:
             continue
         group = groups.setdefault(storage.data_ptr(), [])
         group.append(t)

@@ -13,6 +13,7 @@ import gc
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import fields
 
 import torch
 
@@ -24,12 +25,15 @@ from memplan.planner.replay.fingerprint import (
     tensor_digest,
     watch_gradients,
 )
+from memplan.planner.replay.native import STATS_FIELDS
 from memplan.planner.replay.report import ReplayReport
 from memplan.planner.replay.schedule import Schedule
 from memplan.traces.capture import one_cpu_thread
 from memplan.traces.workload import Workload
 
 SEED = 1234
+# The allocator's counters a report carries as they are (its arena and step count are the replay's own).
+COUNTERS = [f.name for f in fields(ReplayReport) if f.name in set(STATS_FIELDS) - {"arena_bytes", "steps"}]
 
 
 def warm_up(workload: Workload) -> None:
@@ -107,23 +111,7 @@ def replay(
         reserved_bytes=sum(schedule.reserved_sizes),
         outside_bytes=outside,
         peak_bytes=stats["held_peak"] + outside,
-        **{
-            k: stats[k]
-            for k in (
-                "adopted_count",
-                "adopted_bytes",
-                "planned_count",
-                "fallback_count",
-                "fallback_bytes",
-                "fallback_peak",
-                "refused_in_use",
-                "size_mismatch",
-                "extra",
-                "no_slot",
-                "missing",
-                "arena_top_peak",
-            )
-        },
+        **{k: stats[k] for k in COUNTERS},
         loss_equal=planned.losses == ref.losses,
         grads_equal=planned.grads == ref.grads,
         params_equal=planned.params == ref.params,
