@@ -39,6 +39,18 @@ class MemplanGroup(click.Group):
         sys.exit(code if isinstance(code, int) else 0)
 
 
+LAYERS_HELP = (
+    "Layer mode (planner.layers.MODES). as-built: the model as its file builds it, nothing patched. "
+    "baseline: Megatron's reference accounting: nn.Dropout keeps a 1-byte mask (the CPU's keeps a noise "
+    "tensor), and HuggingFace attention that keeps an s x s tensor is written out by memplan's reference "
+    "core (same arithmetic); SDPA's fused attention stays. tempo: baseline plus Tempo's in-place GELU, "
+    "LayerNorm, RMSNorm and SiLU, gated MLPs that rebuild their product in backward, and attention-dropout "
+    "recomputation. selective: baseline plus the attention core recomputed in backward. tempo+selective. "
+    "full: baseline plus every Transformer layer checkpointed. tempo+full. The trace says what was swapped "
+    "and what was left as built."
+)
+
+
 def emit(summary: dict, as_json: bool, text: str) -> None:
     """Print a command's summary: the JSON document with --json, the human text otherwise."""
     click.echo(json.dumps(summary, indent=2, sort_keys=True) if as_json else text)
@@ -68,12 +80,7 @@ def main() -> None:
     "--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build()."
 )
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
-@click.option(
-    "--layers",
-    default="baseline",
-    show_default=True,
-    help="Memory-saving layers applied to the model (baseline, or a mode of planner.layers).",
-)
+@click.option("--layers", default="as-built", show_default=True, help=LAYERS_HELP)
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
 @click.option(
     "--fake",
@@ -289,7 +296,7 @@ def compare_command(trace_files, plan_files, method, time_limit, alloc_conf, tie
     "--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build()."
 )
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
-@click.option("--layers", default="baseline", show_default=True, help="Memory-saving layers applied to the model.")
+@click.option("--layers", default="as-built", show_default=True, help=LAYERS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq, dtype, layers, as_json):
     """Run a model's training steps with the plan allocator and check them bitwise against the default one.
@@ -415,9 +422,9 @@ def solve_command(source, output, time_limit, capacity, method, alignment, scope
 @capture_option
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps, capture, as_json):
-    """The main job: trace MODEL_FILE under baseline, tempo, selective and tempo+selective layers, solve and
-    simulate each, replay the tempo plan on the CPU, and write a report with two pictures. With fake
-    traces there is no replay (it runs the real step).
+    """The main job: trace MODEL_FILE under every layer mode (as-built, baseline, tempo, selective,
+    tempo+selective, full, tempo+full), solve and simulate each, replay the tempo plan on the CPU, and
+    write a report with two pictures. With fake traces there is no replay (it runs the real step).
 
     Without MODEL_FILE it runs the bundled 2-layer slice of BERT-Large (planner/workloads/bert_large_slice.py).
 
@@ -448,7 +455,7 @@ def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps
     "--layers",
     "modes",
     multiple=True,
-    help="Layer mode to fit (baseline, tempo, selective, tempo+selective); repeat for several [default: all four].",
+    help="Layer mode to fit; repeat for several [default: every mode]. " + LAYERS_HELP,
 )
 @click.option(
     "--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build()."

@@ -1,7 +1,7 @@
 """GPU checks (../shared/GPU_CHECKS.md) on a CUDA machine: capture against PyTorch's own counters, the CUDA
 replay plugin, the memory-saving layers on CUDA, and a rank on NCCL. Prints every figure it compares.
 
-Usage: python benchmarks/gpu_checks.py [capture] [replay] [layers] [parallel] [--out DIR] [--jobs N]
+Usage: python benchmarks/gpu_checks.py [capture] [replay] [layers] [parallel] [llama] [--out DIR] [--jobs N]
 With no part named, all of them. Captures and replays run memplan's CLI in processes of their own: a capture
 starts from a fresh CUDA context, and the replay plugin must be installed before CUDA starts. The fidelity
 check against the shared snapshots is benchmarks/fidelity.py, which adds a real CUDA row on a GPU.
@@ -23,6 +23,7 @@ import torch
 from fidelity import reproduced, sizes_in_order
 
 from memplan.planner.layers import MODES, patch
+from memplan.planner.layers.memory import LlamaLayerShape
 from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.planner.workloads import bert
 from memplan.traces.format import load
@@ -35,7 +36,7 @@ BERT = str(ROOT / "examples" / "bert.py")
 CAPTURE_SHAPES = [("bert", "tiny", 2, 128), ("bert", "base", 8, 512)]
 OTHER_MODELS = [(name, "tiny", 2, 128) for name in ("gpt2", "llama", "hf_bert", "hf_gpt2", "hf_llama")]
 DTYPES = ("float32", "bfloat16")
-PARTS = ["capture", "replay", "layers", "parallel"]
+PARTS = ["capture", "replay", "layers", "parallel", "llama"]
 
 
 def memplan(*args: str, preset: str = "tiny", env: dict | None = None) -> dict:
@@ -154,6 +155,22 @@ def check_replay(out: Path, steps: int) -> None:
         )
 
 
+TOLERANCES = {torch.float32: (1e-4, 1e-6), torch.bfloat16: (2**-7, 2**-7)}  # the CPU tests' (rtol, atol)
+
+
+def print_gradient_match(label: str, base: dict, other: dict, dtype: torch.dtype) -> None:
+    """One line: the largest gradient difference of `other` from `base` and how many are within TOLERANCES."""
+    rtol, atol = TOLERANCES[dtype]
+    worst = max(((other[k] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item() for k, g in base.items())
+    failed = [k for k, g in base.items() if not torch.allclose(other[k], g, rtol=rtol, atol=atol)]
+    print(
+        f"{label}: largest |diff| / max|grad| over parameters {worst:.2e}; "
+        f"{len(base) - len(failed)}/{len(base)} within rtol {rtol:g} atol {atol:g}"
+        + (f" (first outside: {failed[0]})" if failed else ""),
+        flush=True,
+    )
+
+
 def gradients(mode: str, config: bert.BertConfig, batch: int, seq: int, dtype: torch.dtype) -> dict:
     """Parameter gradients of one forward and backward of the BERT under `mode`, with the same dropout masks."""
     workload = bert.build_workload(batch_size=batch, seq_len=seq, dtype=dtype, device="cuda", config=config)
@@ -167,24 +184,38 @@ def check_layers(batch: int, steps: int) -> None:
     """4. Each mode's gradients against the baseline's on BERT-Large at s=512 (the CPU tests' tolerances),
     then memory per layer against the formulas and step times (benchmarks/layers.py on CUDA)."""
     print("\n## 4. Layers on CUDA: gradients against the baseline, BERT-Large shape, s=512")
-    tolerances = {torch.float32: (1e-4, 1e-6), torch.bfloat16: (2**-7, 2**-7)}
-    for dtype, (rtol, atol) in tolerances.items():
+    for dtype in TOLERANCES:
         base = gradients("baseline", bert.LARGE, batch, 512, dtype)
-        for mode in MODES[1:]:
+        for mode in (m for m in MODES if m != "baseline"):
             other = gradients(mode, bert.LARGE, batch, 512, dtype)
-            worst = max(((other[k] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item() for k, g in base.items())
-            failed = [k for k, g in base.items() if not torch.allclose(other[k], g, rtol=rtol, atol=atol)]
-            print(
-                f"{mode:>16} {str(dtype):>15} b={batch}: largest |diff| / max|grad| over parameters {worst:.2e}; "
-                f"{len(base) - len(failed)}/{len(base)} within rtol {rtol:g} atol {atol:g}"
-                + (f" (first outside: {failed[0]})" if failed else ""),
-                flush=True,
-            )
+            print_gradient_match(f"{mode:>16} {str(dtype):>15} b={batch}", base, other, dtype)
         del base, other
         torch.cuda.empty_cache()
     layers = [sys.executable, str(ROOT / "benchmarks" / "layers.py"), "--device", "cuda", "--seqs", "512"]
     timing = ["--steps", str(steps), "--time-shape", "512", str(batch), "1024", "16", "24", "--time-dtype", "bf16"]
     subprocess.run([*layers, *timing], check=False)
+
+
+def check_llama(steps: int) -> None:
+    """6. HuggingFace Llama's layers on CUDA (RMSNorm, SwiGLU, checkpointing): each mode's gradients against the
+    model as built, then bytes per layer against LlamaLayerShape and step times (benchmarks/layers.py --llama)."""
+    from layers import llama_workload
+
+    print("\n## 6. HF Llama layers on CUDA: gradients against the model as built, h 1024, 8 heads, 4 k/v heads")
+    shape = LlamaLayerShape(s=512, b=2, h=1024, a=8, k=4, f=2816, p=4, device="cuda")
+    for dtype in TOLERANCES:
+        grads = {}
+        for mode in MODES:
+            workload = llama_workload(shape, 2, mode, dtype, "cuda")
+            workload.loss_fn(workload.forward(), workload.inputs).backward()
+            grads[mode] = {k: p.grad for k, p in workload.model.named_parameters() if p.grad is not None}
+        base = grads.pop("as-built")
+        for mode, other in grads.items():
+            print_gradient_match(f"{mode:>16} {str(dtype):>15}", base, other, dtype)
+        del grads, base
+        torch.cuda.empty_cache()
+    command = [sys.executable, str(ROOT / "benchmarks" / "layers.py"), "--llama", "--device", "cuda"]
+    subprocess.run([*command, "--steps", str(steps)], check=False)
 
 
 def check_parallel(out: Path) -> None:
@@ -226,6 +257,8 @@ def main() -> None:
         check_layers(args.batch, args.steps)
     if "parallel" in parts:
         check_parallel(out)
+    if "llama" in parts:
+        check_llama(args.steps)
 
 
 if __name__ == "__main__":

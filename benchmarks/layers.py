@@ -1,13 +1,17 @@
-"""Bytes per Transformer layer of each memory-saving mode next to REFERENCE §1's formulas, and CPU step-time ratios.
+"""Bytes per Transformer layer of each memory-saving mode next to the formulas, and step-time ratios.
 
 Part 1 measures the BERT-Large layer shape (h=1024, a=16) at s = 128 and 512: the bytes held for
 backward by a stack of 2 layers minus a stack of 1 (captured with memplan's tracer, or counted
-with saved-tensor hooks with --method saved), per mode and dtype, next to the formula.
+with saved-tensor hooks with --method saved), per mode and dtype, next to REFERENCE §1's formula.
 Part 2 times training steps of a BERT per mode (median of several, interleaved), on the CPU or with
 --device cuda on a GPU (both parts then run there).
+Part 3 (--llama) measures a HuggingFace Llama layer at Llama 2 7B's shape (h 4096, 32 heads, 32 and 8
+key/value heads, MLP 11008, s 4096, bf16) with fake traces next to LlamaLayerShape's formula, and
+times each mode's training step of a reduced Llama (median of several, interleaved).
 
     .venv/bin/python benchmarks/layers.py
     .venv/bin/python benchmarks/layers.py --seqs 128 --dtypes bf16 --method saved --steps 5
+    .venv/bin/python benchmarks/layers.py --llama
     python benchmarks/layers.py --device cuda --seqs 512 --time-shape 512 8 1024 16 24 --time-dtype bf16
 """
 
@@ -21,9 +25,11 @@ import time
 import torch
 
 from memplan.planner.layers import MODES, patch
-from memplan.planner.layers.memory import LayerShape, held_for_backward, saved_bytes
+from memplan.planner.layers.memory import FORMULA_MODES, LayerShape, LlamaLayerShape, held_for_backward, saved_bytes
 from memplan.planner.workloads import bert
 from memplan.traces.capture import capture_step
+from memplan.traces.fake import module_to
+from memplan.traces.workload import Workload
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -56,7 +62,7 @@ def memory_table(seqs, dtypes, batch: int, method: str, device: str) -> None:
             dtype = DTYPES[name]
             shape = LayerShape(s=seq, b=batch, h=1024, a=16, p=torch.finfo(dtype).bits // 8)
             base = None
-            for mode in MODES:
+            for mode in FORMULA_MODES:
                 stacks = [held(mode, layers, seq, batch, dtype, method, device) for layers in (2, 1)]
                 per_layer = stacks[0] - stacks[1]
                 formula = shape.formula(mode)
@@ -69,22 +75,12 @@ def memory_table(seqs, dtypes, batch: int, method: str, device: str) -> None:
                 )
 
 
-def step_times(seq: int, batch: int, hidden: int, heads: int, layers: int, steps: int, dtype: str, device: str):
-    config = dataclasses.replace(bert.TINY, hidden=hidden, heads=heads, layers=layers, max_positions=max(seq, 512))
-    threads = f", {torch.get_num_threads()} thread(s)" if device == "cpu" else ""
-    print(
-        f"\n{device} step time, BERT h={hidden} a={heads} L={layers} s={seq} b={batch} {dtype}{threads}, "
-        f"median of {steps} interleaved steps"
-    )
+def time_modes(workloads: dict, steps: int, device: str) -> None:
+    """Median step time of each mode's workload over `steps` interleaved steps, against the baseline's."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    workloads = {}
-    for mode in MODES:
-        workloads[mode] = bert.build_workload(
-            batch_size=batch, seq_len=seq, dtype=DTYPES[dtype], device=device, config=config
-        )
-        patch(workloads[mode].model, mode)
-        workloads[mode].step()
-    times = {mode: [] for mode in MODES}
+    for workload in workloads.values():
+        workload.step()  # the optimizer's state, and warm caches
+    times = {mode: [] for mode in workloads}
     for _ in range(steps):
         for mode, workload in workloads.items():
             sync()
@@ -93,11 +89,83 @@ def step_times(seq: int, batch: int, hidden: int, heads: int, layers: int, steps
             sync()
             times[mode].append(time.perf_counter() - start)
     base = statistics.median(times["baseline"])
-    for mode in MODES:
+    tokens = next(iter(workloads.values())).inputs
+    tokens = (tokens["input_ids"] if isinstance(tokens, dict) else tokens).numel()
+    for mode in workloads:
         median = statistics.median(times[mode])
-        print(
-            f"{mode:>16} {median * 1e3:8.1f} ms  {median / base:6.3f}x baseline  {batch * seq / median:10,.0f} tokens/s"
+        print(f"{mode:>16} {median * 1e3:8.1f} ms  {median / base:6.3f}x baseline  {tokens / median:10,.0f} tokens/s")
+
+
+def step_times(seq: int, batch: int, hidden: int, heads: int, layers: int, steps: int, dtype: str, device: str):
+    config = dataclasses.replace(bert.TINY, hidden=hidden, heads=heads, layers=layers, max_positions=max(seq, 512))
+    threads = f", {torch.get_num_threads()} thread(s)" if device == "cpu" else ""
+    print(
+        f"\n{device} step time, BERT h={hidden} a={heads} L={layers} s={seq} b={batch} {dtype}{threads}, "
+        f"median of {steps} interleaved steps"
+    )
+    workloads = {}
+    for mode in MODES:
+        workloads[mode] = bert.build_workload(
+            batch_size=batch, seq_len=seq, dtype=DTYPES[dtype], device=device, config=config
         )
+        patch(workloads[mode].model, mode)
+    time_modes(workloads, steps, device)
+
+
+def llama_workload(shape: LlamaLayerShape, layers: int, mode: str, dtype: torch.dtype, device: str) -> Workload:
+    """A HuggingFace LlamaForCausalLM of `layers` layers at `shape` (vocabulary 1024: it cancels), under `mode`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=shape.h,
+        intermediate_size=shape.f,
+        num_hidden_layers=layers,
+        num_attention_heads=shape.a,
+        num_key_value_heads=shape.k,
+        max_position_embeddings=shape.s,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).train()
+    module_to(model, device=torch.device(device), dtype=dtype)
+    patch(model, mode)
+    ids = torch.randint(0, 1024, (shape.b, shape.s)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters())
+    return Workload(model, {"input_ids": ids, "labels": ids}, optimizer, lambda out, _: out.loss, "llama")
+
+
+def fake_llama_trace(shape: LlamaLayerShape, layers: int, mode: str, device: str):
+    """The fake trace of one bf16 training step of `llama_workload`."""
+    return capture_step(lambda: llama_workload(shape, layers, mode, torch.bfloat16, device), device, fake=True)
+
+
+def llama_table(device: str) -> None:
+    """Part 3: a Llama 2 7B-shaped layer per mode, fake traces (L=2 minus L=1), next to LlamaLayerShape."""
+    print("\nbytes per layer, HF Llama at Llama 2 7B's shape (h=4096, a=32, f=11008), s=4096 b=1 bf16, fake traces")
+    print(f"{'k/v heads':>9} {'mode':>16} {'measured':>14} {'formula':>14} {'meas/form':>9} {'saving':>7}")
+    for kv_heads in (32, 8):
+        shape = LlamaLayerShape(s=4096, b=1, h=4096, a=32, k=kv_heads, f=11008, p=2, device=device)
+        base = None
+        for mode in MODES:
+            stacks = [held_for_backward(fake_llama_trace(shape, n, mode, device)) for n in (2, 1)]
+            per_layer = stacks[0] - stacks[1]
+            base = per_layer if base is None else base
+            formula = shape.formula(mode)
+            print(
+                f"{kv_heads:>9} {mode:>16} {per_layer:>14,} {formula:>14,} {per_layer / formula:>9.4f} "
+                f"{1 - per_layer / base:>7.1%}",
+                flush=True,
+            )
+
+
+def llama_step_times(steps: int, device: str) -> None:
+    """Part 3's timing: each mode's training step of a reduced Llama (h 1024, 8 heads, 4 k/v heads, MLP 2816)."""
+    shape = LlamaLayerShape(s=512, b=2, h=1024, a=8, k=4, f=2816, p=4, device=device)
+    print(
+        f"\n{device} step time, HF Llama h={shape.h} a={shape.a} k={shape.k} f={shape.f} L=2 s={shape.s} "
+        f"b={shape.b} fp32, median of {steps} interleaved steps"
+    )
+    time_modes({mode: llama_workload(shape, 2, mode, torch.float32, device) for mode in MODES}, steps, device)
 
 
 def main() -> None:
@@ -113,8 +181,14 @@ def main() -> None:
     parser.add_argument("--time-dtype", choices=list(DTYPES), default="fp32")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--llama", action="store_true", help="part 3 only: the Llama layer at the 7B shape")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.llama:
+        llama_table(args.device)
+        if args.steps:
+            llama_step_times(args.steps, args.device)
+        return
     memory_table(args.seqs, args.dtypes, args.batch, args.method, args.device)
     if args.steps:
         step_times(*args.time_shape, steps=args.steps, dtype=args.time_dtype, device=args.device)

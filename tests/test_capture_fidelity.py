@@ -12,7 +12,7 @@ import torch
 from step_traces import bytes_by_category
 from torch import nn
 
-from memplan.planner.layers import LayerMode
+from memplan.planner.layers import MODES, LayerMode
 from memplan.planner.problem import problem_from_trace
 from memplan.planner.replay.cpu_session import CPUPlanAllocator
 from memplan.planner.replay.runner import replay
@@ -25,7 +25,6 @@ from memplan.traces.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-MODES = ("baseline", "tempo", "selective", "tempo+selective")
 GPU_PEAK_CTX128 = 7_013_335_044  # ../shared/clients/cs336/NOTICE.md: the snapshot's peak allocated
 
 

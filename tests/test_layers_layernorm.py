@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from memplan.planner.layers.layernorm import InplaceLayerNorm, exact_channels
 from memplan.planner.layers.memory import saved_bytes
@@ -76,6 +79,9 @@ def test_exact_channels_only_where_recovery_fails():
     b = torch.tensor([0.0, 0.0, 0.0, 5.0, 1.0])
     assert exact_channels(w, b).tolist() == [1, 2, 3]
     assert exact_channels(w, None).tolist() == [1, 2]
+    # fp32 weights with a bf16 output (autocast): |β| = 10·|γ| would cost the output's rounding ten bf16 ulps
+    w, b = torch.tensor([1.0, 0.5]), torch.tensor([0.0, 5.0])
+    assert exact_channels(w, b).tolist() == [] and exact_channels(w, b, torch.bfloat16).tolist() == [1]
 
 
 def test_holds_output_and_rstd_not_input():
@@ -95,3 +101,63 @@ def test_shares_parameters_with_the_replaced_module():
     ln = make_layernorm("random")
     new = InplaceLayerNorm.from_layernorm(ln)
     assert new.weight is ln.weight and new.bias is ln.bias and new.eps == ln.eps
+
+
+class LiveBytes(TorchDispatchMode):
+    """Independent count of the bytes of live storages that ops return (as tests/test_capture.py counts) and
+    their peak; the `resident` tensors' storages count from the start, and once."""
+
+    def __init__(self, resident: list[torch.Tensor]):
+        super().__init__()
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+        for t in resident:
+            self._add(t)
+        self.peak = self.live()
+
+    def _add(self, t: torch.Tensor) -> None:
+        ref = StorageWeakRef(t.untyped_storage())
+        self.storages.setdefault(ref.cdata, (ref, t.untyped_storage().nbytes()))
+
+    def live(self) -> int:
+        for key in [key for key, (ref, _) in self.storages.items() if ref.expired()]:
+            del self.storages[key]
+        return sum(nbytes for _, nbytes in self.storages.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+        self.peak = max(self.peak, self.live())
+        return out
+
+
+def temporary_peaks(module, x, dy) -> tuple[int, int]:
+    """Bytes of temporaries at the forward's and at the backward's peak: beyond the bytes live when the pass
+    began and those it leaves behind (the output and what backward keeps; the gradients)."""
+    x = x.clone().requires_grad_()
+    params = list(module.parameters())
+    with LiveBytes([x, dy, *params]) as count:
+        out = module(x)
+        forward = count.peak - count.live()
+        count.peak = start = count.live()
+        out.backward(dy)
+        grads = sum(t.grad.untyped_storage().nbytes() for t in [x, *params])
+        backward = count.peak - start - grads
+    return forward, backward
+
+
+def one_activation(x: torch.Tensor) -> int:
+    """The bound on a layer's temporaries: the input's bytes, plus a few fp32 vectors per row and per channel."""
+    rows, n = x.reshape(-1, x.shape[-1]).shape
+    return x.numel() * x.element_size() + 16 * (rows + n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_temporaries_stay_within_one_activation(dtype):
+    """Backward works in row chunks: all in one piece it held 4 (fp32) to 11 (bf16) activations of fp32."""
+    ln = InplaceLayerNorm.from_layernorm(make_layernorm("zero-weights", dtype))
+    x, dy = torch.randn(2048, H).to(dtype), torch.randn(2048, H).to(dtype)
+    forward, backward = temporary_peaks(ln, x, dy)
+    assert backward <= one_activation(x)
+    assert forward <= one_activation(x)

@@ -44,9 +44,13 @@ def test_run_writes_report_pictures_and_one_row_per_mode(tmp_path):
         trace, plan = load(row["trace_file"]), load_plan(row["plan_file"])
         assert row["peak_live"] == trace.peak()[0]
         assert plan.arena == row["plan_arena"] >= row["bound"]
-        assert row["saving_vs_baseline"] == 1 - row["plan_arena"] / base["caching_peak_reserved"]
+        assert row["saving"] == 1 - row["peak_live"] / base["peak_live"]  # like with like: against as-built
+    assert base["mode"] == "as-built" and not base["changed"] and "nothing patched" in base["patch"]
+    baseline = next(row for row in s["rows"] if row["mode"] == "baseline")
+    assert not baseline["changed"]  # memplan's BERT is built with baseline's layers
+    assert "baseline (changes nothing)" in (out / "report.md").read_text()
     tempo = next(row for row in s["rows"] if row["mode"] == "tempo")
-    assert tempo["peak_live"] < base["peak_live"]
+    assert tempo["peak_live"] < base["peak_live"] and tempo["changed"]
     assert s["replay"]["bitwise_equal"] and s["replay"]["mode"] == "tempo"
     assert s["replay"]["fallback_count"] == 0 and s["capture"] == "real"
     report = (out / "report.md").read_text()

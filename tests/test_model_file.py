@@ -164,8 +164,8 @@ def test_cli_traces_a_model_file_and_prints_the_summary_as_json(tmp_path, monkey
     result = CliRunner().invoke(main, ["trace", str(model), "--batch", "2", "--seq", "4", "--json"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
-    out = tmp_path / "good.baseline.trace.json.gz"
-    assert summary["output"] == "good.baseline.trace.json.gz" and out.exists()
+    out = tmp_path / "good.as-built.trace.json.gz"
+    assert summary["output"] == "good.as-built.trace.json.gz" and out.exists()
     trace = load(out)
     assert summary["peak_bytes"] == trace.peak()[0] and summary["buffers"] == len(trace)
     assert trace.meta["batch"] == 2 and trace.meta["seq"] == 4 and trace.meta["model"] == "good"

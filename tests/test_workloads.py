@@ -72,7 +72,7 @@ def test_formula_and_measure_errors_are_memplan_errors():
     from memplan.traces.format import make_trace
 
     with pytest.raises(MemplanError, match="no formula"):
-        LayerShape(s=1, b=1, h=1, a=1, p=4).formula("full")
+        LayerShape(s=1, b=1, h=1, a=1, p=4).formula("as-built")
     trace = make_trace(
         {
             "size": [8],

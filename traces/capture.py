@@ -268,7 +268,13 @@ class Recording:
             self._device,
             self._fake,
             len(events),
-            {"model": workload.name, "dtype": dtype, "optimizer": type(workload.optimizer).__name__, **self._meta},
+            {
+                "model": workload.name,
+                "dtype": dtype,
+                "optimizer": type(workload.optimizer).__name__,
+                **({"patch": workload.patch} if workload.patch is not None else {}),
+                **self._meta,
+            },
         )
 
 

@@ -42,11 +42,12 @@ DEFAULT_NAME = next(f.default for f in fields(Workload) if f.name == "name")  # 
 
 
 class ModelPatch(Protocol):
-    """What changes a built model before its optimizer is made: memplan's layer modes (planner.layers.LayerMode)."""
+    """What changes a built model before its optimizer is made: memplan's layer modes (planner.layers.LayerMode);
+    calling it returns what it changed, as plain data the trace keeps in meta "patch"."""
 
     name: str  # the trace's meta "layers"
 
-    def __call__(self, model: nn.Module) -> Any: ...
+    def __call__(self, model: nn.Module) -> dict: ...
 
 
 AS_BUILT = "as-built"  # meta "layers" of a model traced with no ModelPatch
@@ -170,12 +171,10 @@ def _from_dict(
     if not callable(loss):
         raise ModelFileError(f"{path}: {BUILD}()['loss'] is {type(loss).__name__}, not callable")
     module_to(model, device=device, dtype=dtype)
-    if layers is not None:
-        layers(model)
+    report = layers(model) if layers is not None else None
     optimizer = _optimizer(path, built.get("optimizer"), model)
-    return Workload(
-        model=model, inputs=built["inputs"], optimizer=optimizer, loss_fn=loss, name=str(built.get("name") or path.stem)
-    )
+    name = str(built.get("name") or path.stem)
+    return Workload(model=model, inputs=built["inputs"], optimizer=optimizer, loss_fn=loss, name=name, patch=report)
 
 
 def _check_placement(path: Path, workload: Workload, dtype: torch.dtype, device: torch.device) -> None:
@@ -222,7 +221,7 @@ def build_workload(
         if built.name == DEFAULT_NAME:  # the file gave no name: the file's, as for a dict
             built.name = path.stem
         if layers is not None:
-            layers(built.model)
+            built.patch = layers(built.model)
         workload = built
     elif isinstance(built, dict):
         workload = _from_dict(path, built, dtype, dev, layers)

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from memplan.traces.format import CATEGORIES, Trace
+from memplan.traces.model_file import AS_BUILT
 from memplan.traces.units import human_bytes
 
 
@@ -56,7 +57,31 @@ def summarize(trace: Trace, top: int = 5) -> dict[str, Any]:
         "at_peak_by_category": {c: b for c, b in at_peak.items() if b},
         "largest": [_buffer(trace, int(i)) for i in largest],
         "cuda_measured": trace.meta.get("cuda_measured", {}),
+        "patch": trace.meta.get("patch"),
     }
+
+
+def describe_patch(report: dict) -> str:
+    """What a layer mode did to the model, in one paragraph (meta "patch": planner.layers.PatchReport's dict)."""
+    mode = report["mode"]
+    if mode == AS_BUILT:
+        text = "layers as-built: the model as its file builds it, nothing patched"
+    elif not report["changed"]:
+        text = f"layers {mode} changes nothing in this model: its trace is the model as built"
+    else:
+        swaps = ", ".join(f"{s['original']} -> {s['replacement']} x{s['count']}" for s in report["swapped"])
+        text = f"layers {mode}: {swaps}"
+    if report["left_alone"]:
+        text += f"; left as built: {', '.join(report['left_alone'])}"
+    return "; ".join([text, *report["notes"]])
+
+
+def no_change_mark(meta: dict) -> str:
+    """' (changes nothing)' for a trace whose layer mode (not as-built) left the model as built, else ''."""
+    report = meta.get("patch")
+    if not report or report["mode"] == AS_BUILT or report["changed"]:
+        return ""
+    return " (changes nothing)"
 
 
 def render(summary: dict[str, Any]) -> str:
@@ -78,6 +103,8 @@ def render(summary: dict[str, Any]) -> str:
             f"PyTorch measured the same step's peak at {human_bytes(measured, grouped=True)} ({measured:,} bytes "
             f"requested; the trace's peak is {s['peak_bytes'] - measured:+,} bytes from it)",
         )
+    if s["patch"]:
+        lines.insert(1, describe_patch(s["patch"]))
     if s["data_dependent"]:
         lines.insert(
             1,

@@ -34,6 +34,7 @@ class Workload:
     optimizer: torch.optim.Optimizer
     loss_fn: Callable[[Any, Any], torch.Tensor] = default_loss
     name: str = "workload"
+    patch: dict | None = None  # what the layer mode applied to the model changed (meta "patch"), when one was
 
     def forward(self) -> Any:
         if isinstance(self.inputs, tuple):

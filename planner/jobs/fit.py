@@ -22,6 +22,7 @@ from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.solvers import CapacityError, solve
 from memplan.traces.errors import MemplanError
+from memplan.traces.summary import describe_patch, no_change_mark
 from memplan.traces.trace_model import (
     HOST_SHARE,
     CaptureChoice,
@@ -106,6 +107,7 @@ class ModeFit:
     """The answer for one layer mode: the largest fitting batch per allocator model and the traced points."""
 
     mode: str
+    patch: dict  # what the mode changed in the model (the traces' meta "patch")
     batch: dict[str, int]  # allocator -> largest batch that fits
     predicted: dict[str, int]  # allocator -> the first prediction from the measured batches
     points: dict[int, Point] = field(default_factory=dict)
@@ -113,6 +115,11 @@ class ModeFit:
     @property
     def traces(self) -> int:
         return len(self.points)
+
+    @property
+    def label(self) -> str:
+        """The mode's name, marked when it changed nothing in this model."""
+        return self.mode + no_change_mark({"patch": self.patch})
 
     def boundary(self, allocator: str) -> tuple[Point | None, Point]:
         """The traced points at the answer b (None when even batch 1 does not fit) and at b+1."""
@@ -122,6 +129,8 @@ class ModeFit:
     def as_dict(self) -> dict:
         out = {
             "mode": self.mode,
+            "changed": self.patch["changed"],
+            "patch": describe_patch(self.patch),
             "traces": self.traces,
             "points": [p.as_dict() for _, p in sorted(self.points.items())],
         }
@@ -180,7 +189,7 @@ class FitResult:
             p0, p1 = m.boundary("plan")
             rows.append(
                 (
-                    m.mode,
+                    m.label,
                     str(m.batch["caching"]),
                     f"{format_size(c0.caching_reserved) if c0 else '-'} / {format_size(c1.caching_reserved)}",
                     str(m.batch["plan"]),
@@ -240,6 +249,7 @@ class BatchProbe:
         self.seq, self.dtype, self.time_limit, self.progress = seq, dtype, time_limit, progress
         self.conf = parse_alloc_conf(alloc_conf, tie_break)
         self.points: dict[int, Point] = {}
+        self.patch: dict = {}  # the traces' meta "patch", once one is traced
 
     def __call__(self, batch: int) -> Point:
         if batch not in self.points:
@@ -269,6 +279,7 @@ class BatchProbe:
         trace = trace_model_file(
             self.model_file, batch=batch, seq=self.seq, dtype=self.dtype, layers=LayerMode(self.mode), fake=self.fake
         )
+        self.patch = trace.meta["patch"]
         reserved = simulate_caching(trace, self.conf).peak_reserved
         # with a capacity the allocator frees its cache and retries before failing: only that decides a miss
         caching_fits = reserved <= self.memory or simulate_caching(trace, self.conf, self.memory).oom is None
@@ -369,7 +380,7 @@ def fit_mode(probe: BatchProbe) -> ModeFit:
             f"{probe.mode}: {allocator} batch {batch[allocator]} "
             f"(predicted {predicted[allocator]}, {len(probe.points)} traces so far)"
         )
-    return ModeFit(probe.mode, batch, predicted, probe.points)
+    return ModeFit(probe.mode, probe.patch, batch, predicted, probe.points)
 
 
 def fit_model(

@@ -26,6 +26,8 @@ from memplan.planner.report.plots import plot_reports
 from memplan.traces.errors import MemplanError
 from memplan.traces.files import atomic_write
 from memplan.traces.format import Trace, save
+from memplan.traces.model_file import AS_BUILT
+from memplan.traces.summary import describe_patch
 from memplan.traces.trace_model import CaptureChoice, choose_capture, trace_model_file
 from memplan.traces.units import human_bytes
 
@@ -64,7 +66,9 @@ class ModeRow:
     status: str
     gap: float
     solver: str
-    saving_vs_baseline: float | None  # 1 - plan arena / baseline's caching-allocator peak reserved
+    changed: bool  # whether the mode changed the model at all (as-built: False)
+    patch: str  # what the mode swapped and left as built (traces.summary.describe_patch)
+    saving: float | None  # 1 - peak live / the reference row's peak live (as-built's when run); < 0 costs memory
     command: str
 
 
@@ -168,7 +172,9 @@ def run_mode(
         status=plan.status,
         gap=plan.gap,
         solver=plan.solver,
-        saving_vs_baseline=None,
+        changed=bool(trace.meta["patch"]["changed"]),
+        patch=describe_patch(trace.meta["patch"]),
+        saving=None,
         command=reproduce_command(opts, mode, str(trace_file), str(plan_file), fake),
     )
     return report, row
@@ -195,10 +201,9 @@ def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> R
             report, row = run_mode(opts, mode, work, out, capture.fake, traced.get(mode), progress)
             reports.append(report)
             rows.append(row)
-        base = next((r for r in rows if r.mode == "baseline"), None)
+        reference = reference_row(rows)
         for row in rows:
-            if base is not None:
-                row.saving_vs_baseline = 1 - row.plan_arena / base.caching_peak_reserved
+            row.saving = 1 - row.peak_live / reference.peak_live
 
         progress("drawing timeline.png and address_space.png")
         plot_reports(reports, work / "timeline.png")
@@ -249,24 +254,35 @@ def move_into(work: Path, out: Path) -> None:
         os.replace(path, dest)
 
 
+def reference_row(rows: list[ModeRow]) -> ModeRow:
+    """The row savings are measured against: the model as built when it was run, else the first."""
+    return next((r for r in rows if r.mode == AS_BUILT), rows[0])
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def mode_label(row: ModeRow) -> str:
+    """The mode's name, marked when the mode changed nothing in this model (its row is the model as built)."""
+    return row.mode if row.changed or row.mode == AS_BUILT else f"{row.mode} (changes nothing)"
+
+
 def table_rows(result: RunResult) -> list[list[str]]:
     """The report's table: header, then one row per mode."""
-    rows = [["layers", "peak live", "caching reserved", "plan arena", "bound", "proof", "saving vs baseline"]]
+    reference = reference_row(result.rows).mode
+    rows = [["layers", "peak live", "caching reserved", "plan arena", "bound", "proof", f"saving vs {reference}"]]
     for r in result.rows:
         proof = "optimal" if r.status == "optimal" else f"feasible, gap {100 * r.gap:.2g}%"
         rows.append(
             [
-                r.mode,
+                mode_label(r),
                 human_bytes(r.peak_live),
                 human_bytes(r.caching_peak_reserved),
                 human_bytes(r.plan_arena),
                 human_bytes(r.bound),
                 proof,
-                _pct(r.saving_vs_baseline),
+                _pct(r.saving) + (" (costs memory)" if r.saving is not None and r.saving < 0 else ""),
             ]
         )
     return rows
@@ -338,7 +354,12 @@ def render_markdown(result: RunResult) -> str:
         "- **caching reserved**: peak bytes PyTorch's CUDA caching allocator would reserve (simulated).",
         "- **plan arena**: the arena of memplan's plan, checked by the independent verifier.",
         "- **bound**: the max-live lower bound (sizes rounded to 512 B); **proof** says whether the arena equals it.",
-        "- **saving vs baseline**: 1 - plan arena / baseline's caching-allocator reserved peak.",
+        f"- **saving vs {reference_row(result.rows).mode}**: 1 - peak live / its peak live, like with like "
+        "(negative: the mode costs memory).",
+        "",
+        "## What each mode changed",
+        "",
+        *[f"- **{r.mode}**: {r.patch}" for r in result.rows],
         "",
         "## Replay",
         "",

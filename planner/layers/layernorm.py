@@ -3,6 +3,8 @@
 Where γ is zero, tiny, or small next to β, (y - β)/γ loses x̂ (Tempo divides by zero there,
 REFERENCE §2). Those channels, and only those, keep their exact x̂ in fp32 from the forward pass,
 so the gradients stay exact for any weights at a cost proportional to the number of such channels.
+The backward (shared with the in-place RMSNorm) works in row chunks whose fp32 temporaries total at
+most one activation, so the layer never raises the peak it is meant to lower.
 """
 
 from __future__ import annotations
@@ -14,15 +16,103 @@ from torch import nn
 
 # A channel keeps its exact x̂ when |β| > RATIO·|γ|: recovering x̂ from y there would cost about RATIO ulps.
 RECOVERY_RATIO = {torch.float64: 64.0, torch.float32: 64.0, torch.bfloat16: 4.0, torch.float16: 4.0}
+# Elements of one fp32 temporary at most (64 MiB), whatever the activation: large enough that a chunk's
+# kernels stay bandwidth-bound on a GPU.
+CHUNK_ELEMENTS = 1 << 24
+BACKWARD_TEMPORARIES = 3  # fp32 (rows × n) buffers a backward chunk holds at once: dy (then dx), x̂, a product
 
 
-def exact_channels(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Indices (flattened) of the channels whose x̂ cannot be recovered accurately from the output."""
+def exact_channels(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Indices (flattened) of the channels whose x̂ cannot be recovered accurately from an output of `dtype`
+    (default the weight's)."""
+    dtype = dtype or weight.dtype
     w = weight.detach().flatten().float().abs()
-    hard = w < torch.finfo(weight.dtype).tiny
+    hard = w < torch.finfo(dtype).tiny
     if bias is not None:
-        hard |= bias.detach().flatten().float().abs() > RECOVERY_RATIO.get(weight.dtype, 4.0) * w
+        hard |= bias.detach().flatten().float().abs() > RECOVERY_RATIO.get(dtype, 4.0) * w
     return hard.nonzero().flatten()
+
+
+def exact_part(
+    rows: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    rstd: torch.Tensor,
+    mean: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The channels exact_channels names for an output of `dtype` (none without a weight) and their fp32
+    x̂ = (x - mean)·rstd, from the input's (rows × n) view (mean None: no centring, as in RMSNorm)."""
+    keep = rows.new_empty(0, dtype=torch.long) if weight is None else exact_channels(weight, bias, dtype)
+    xhat = rows[:, keep].float()
+    if mean is not None:
+        xhat.sub_(mean.reshape(-1, 1))
+    return keep, xhat.mul_(rstd.reshape(-1, 1))
+
+
+def row_chunks(rows: int, n: int, budget: int, temporaries: int) -> list[slice]:
+    """Slices of about equal numbers of whole rows (one at least) such that `temporaries` fp32 buffers of a
+    slice's rows × n total at most `budget` bytes and none exceeds CHUNK_ELEMENTS; sizes depend on shapes only."""
+    most = max(1, min(budget // (4 * temporaries * n), CHUNK_ELEMENTS // n))
+    step = max(1, math.ceil(rows / max(1, math.ceil(rows / most))))  # balanced: no sliver of rows at the end
+    return [slice(start, start + step) for start in range(0, max(rows, 1), step)]
+
+
+def fp32_copy(t: torch.Tensor) -> torch.Tensor:
+    """A new fp32 tensor holding `t` (a copy even when `t` is fp32 already)."""
+    return t.new_empty(t.shape, dtype=torch.float32).copy_(t)
+
+
+def recover_xhat(y: torch.Tensor, shift, divisor, keep: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """fp32 x̂ = (y - β)/γ of rows of the output, its columns `keep` taken from `exact` (their x̂ from forward)."""
+    xhat = fp32_copy(y)
+    if shift is not None:
+        xhat.sub_(shift)
+    if divisor is not None:
+        xhat.div_(divisor)
+    if keep.numel():
+        xhat[:, keep] = exact
+    return xhat
+
+
+def normalized_backward(grad, y, rstd, weight, bias, keep, exact, *, n, dtype, centered, weight_grad, bias_grad):
+    """dx (in `dtype`), dγ and dβ (None unless asked) of y = γ·x̂ + β over rows of n, from y and rstd (one a row).
+
+    x̂ = (x - mean)·rstd when `centered` (LayerNorm), x·rstd when not (RMSNorm); it is recovered from y, its
+    columns `keep` taken from `exact`. dx is allocated once; the rest runs in fp32 (autocast off) in row chunks
+    whose temporaries total at most one activation (the input's bytes), the sums over rows accumulated.
+    """
+    rows = y.numel() // n
+    dy_rows, y_rows, rstd_rows = grad.reshape(rows, n), y.reshape(rows, n), rstd.reshape(rows, 1)
+    dx = torch.empty((rows, n), dtype=dtype, device=y.device)
+    # Step 1: γ and β per channel in fp32 (a zero γ divides as one: its x̂ column comes from `exact`).
+    w = None if weight is None else weight.reshape(n).float()
+    divisor = None if w is None else torch.where(w == 0, torch.ones_like(w), w)
+    shift = None if bias is None else bias.reshape(n).float()
+    dweight = y.new_zeros(n, dtype=torch.float32) if weight_grad else None
+    dbias = y.new_zeros(n, dtype=torch.float32) if bias_grad else None
+    with torch.autocast(y.device.type, enabled=False):
+        for chunk in row_chunks(rows, n, rows * n * dtype.itemsize, BACKWARD_TEMPORARIES):
+            # Step 2: the chunk's dy and x̂ as fp32 copies.
+            dy = fp32_copy(dy_rows[chunk])
+            xhat = recover_xhat(y_rows[chunk], shift, divisor, keep, exact[chunk])
+            # Step 3: dγ += Σ dy·x̂, dβ += Σ dy over the chunk's rows, as products with ones (CUDA's sum over
+            # rows stages twice its input).
+            ones = dy.new_ones(dy.shape[0])
+            if dweight is not None:
+                dweight += ones @ (dy * xhat)
+            if dbias is not None:
+                dbias += ones @ dy
+            # Step 4: dx = rstd·(g - mean(g) - x̂·mean(g·x̂)), g = dy·γ, computed in dy's buffer.
+            if w is not None:
+                dy.mul_(w)
+            projection = (dy * xhat).mean(-1, keepdim=True)
+            if centered:
+                dy.sub_(dy.mean(-1, keepdim=True))
+            dx[chunk] = dy.sub_(xhat.mul_(projection)).mul_(rstd_rows[chunk])
+    dweight = None if dweight is None else dweight.reshape(weight.shape).to(weight.dtype)
+    dbias = None if dbias is None else dbias.reshape(bias.shape).to(bias.dtype)
+    return dx, dweight, dbias
 
 
 class InplaceLayerNormFunction(torch.autograd.Function):
@@ -32,39 +122,29 @@ class InplaceLayerNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, normalized_shape, eps):
         y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
         n = math.prod(normalized_shape)
-        keep = torch.empty(0, dtype=torch.long, device=x.device) if weight is None else exact_channels(weight, bias)
-        exact = torch.empty(0, device=x.device)
-        if keep.numel():
-            rows = x.reshape(-1, n)[:, keep].float()
-            exact = (rows - mean.reshape(-1, 1).float()) * rstd.reshape(-1, 1).float()
-        ctx.n = n
+        keep, exact = exact_part(x.reshape(-1, n), weight, bias, x.dtype, rstd, mean)
+        ctx.n, ctx.dtype = n, x.dtype
         ctx.save_for_backward(y, rstd, weight, bias, keep, exact)
         return y
 
     @staticmethod
     def backward(ctx, grad):
         y, rstd, weight, bias, keep, exact = ctx.saved_tensors
-        n = ctx.n
-        dy = grad.reshape(-1, n).float()
-        xhat = y.reshape(-1, n).float()
-        if bias is not None:
-            xhat = xhat - bias.reshape(1, n).float()
-        g = dy
-        if weight is not None:
-            w = weight.reshape(1, n).float()
-            xhat = xhat / torch.where(w == 0, torch.ones_like(w), w)
-            if keep.numel():
-                xhat[:, keep] = exact
-            g = dy * w
-        r = rstd.reshape(-1, 1).float()
-        dx = r * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
-        dweight = (
-            (dy * xhat).sum(0).reshape(weight.shape).to(weight.dtype)
-            if weight is not None and ctx.needs_input_grad[1]
-            else None
+        dx, dweight, dbias = normalized_backward(
+            grad,
+            y,
+            rstd,
+            weight,
+            bias,
+            keep,
+            exact,
+            n=ctx.n,
+            dtype=ctx.dtype,
+            centered=True,
+            weight_grad=weight is not None and ctx.needs_input_grad[1],
+            bias_grad=bias is not None and ctx.needs_input_grad[2],
         )
-        dbias = dy.sum(0).reshape(bias.shape).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
-        return dx.reshape(grad.shape).to(grad.dtype), dweight, dbias, None, None
+        return dx.reshape(grad.shape), dweight, dbias, None, None
 
 
 class InplaceLayerNorm(nn.Module):

@@ -37,6 +37,9 @@ def saved_bytes(model: nn.Module, forward: Callable[[], object]) -> int:
     return sum(storages.values())
 
 
+FORMULA_MODES = ("baseline", "tempo", "selective", "tempo+selective", "full", "tempo+full")  # as-built: no formula
+
+
 @dataclass(frozen=True)
 class LayerShape:
     """The symbols of REFERENCE §1: sequence s, micro-batch b, hidden h, heads a, bytes per element p."""
@@ -58,6 +61,47 @@ class LayerShape:
             return sbh * (16 * p + 2)
         if mode == "tempo+selective":
             return sbh * (10 * p + 6)
+        if mode in ("full", "tempo+full"):
+            return sbh * p  # the layer's input; everything else is recomputed in backward
+        raise MeasureError(f"no formula for layers mode {mode!r}")
+
+
+GENERATOR_STATE = {"cpu": 5056, "cuda": 16}  # bytes of the RNG state a checkpoint keeps (CPU MT19937; CUDA Philox)
+
+
+@dataclass(frozen=True)
+class LlamaLayerShape:
+    """The symbols of a Llama-style layer (HuggingFace's LlamaDecoderLayer: two RMSNorms, rotary grouped-query
+    attention on SDPA's fused kernels, SwiGLU MLP): s, b, h, a heads, k key/value heads, f MLP width, p."""
+
+    s: int
+    b: int
+    h: int
+    a: int
+    k: int
+    f: int
+    p: int
+    device: str = "cpu"
+
+    def formula(self, mode: str) -> int:
+        """Activation bytes one layer holds for backward under `mode` (memplan's derivation, README "Formulas")."""
+        s, b, h, p = self.s, self.b, self.h, self.p
+        sbh, sbf, kv = s * b * h, s * b * self.f, s * b * h * self.k // self.a
+        # 1. Per RMSNorm: HuggingFace keeps the fp32 input (4 B), the normalised input and the output (p each)
+        #    and rstd (4 B a row); Tempo's keeps the output (the next linear layer's input) and rstd.
+        norms = 2 * ((4 + 2 * p) * sbh + 4 * s * b)
+        tempo_norms = 2 * (p * sbh + 4 * s * b)
+        # 2. Attention on fused SDPA: rotated q and k, v, the output and the fp32 log-sum-exp per head and row.
+        attention = p * (2 * sbh + 2 * kv) + 4 * self.a * s * b
+        # 3. SwiGLU: gate, SiLU and up outputs and their product (4 x p, f wide); Tempo keeps the SiLU output
+        #    over the gate's, the up output and a 1-byte branch mask, and rebuilds the product in backward.
+        mlp, tempo_mlp = 4 * p * sbf, (2 * p + 1) * sbf
+        if mode in ("as-built", "baseline", "selective"):  # no s x s tensor: nothing for selective to drop
+            return norms + attention + mlp
+        if mode in ("tempo", "tempo+selective"):
+            return tempo_norms + attention + tempo_mlp
+        if mode in ("full", "tempo+full"):
+            return p * sbh + GENERATOR_STATE[self.device]
         raise MeasureError(f"no formula for layers mode {mode!r}")
 
 

@@ -20,6 +20,7 @@ from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.caching_allocator import OutOfMemory, SimResult, simulate_caching
 from memplan.planner.simulate.plan_footprint import PlanMemory, simulate_plan
 from memplan.traces.format import PHASES, Trace
+from memplan.traces.summary import no_change_mark
 from memplan.traces.units import human_bytes
 
 
@@ -48,6 +49,8 @@ def trace_title(trace: Trace, name: str) -> str:
     """A trace's title from its meta (model, layers, rank/world size), else its file name."""
     meta = trace.meta
     parts = [str(meta[k]) for k in ("model", "layers") if meta.get(k)]
+    if meta.get("layers"):
+        parts[-1] += no_change_mark(meta)
     if meta.get("rank") is not None and meta.get("world_size") is not None:
         parts.append(f"rank {meta['rank']}/{meta['world_size']}")
     return " · ".join(parts) if parts else Path(name).name

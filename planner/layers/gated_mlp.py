@@ -1,0 +1,186 @@
+"""Tempo's sub-layer recomputation for gated feed-forwards, down(act(gate(x)) · up(x)): two ffn-wide tensors
+held for backward instead of four.
+
+As built, backward keeps gate's output (for act), act's output and up's output (for the product) and
+the product (for down's weight gradient). GatedMLP keeps act's output, written over gate's, with a
+1-byte branch mask and up's output: backward rebuilds the product for down's weight gradient and
+recovers gate's output from act's with `inverse.py`. It serves SwiGLU (memplan's Llama workload,
+HuggingFace Llama, Mistral, Qwen2) and T5's gated GELU, dropout on the product included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from memplan.planner.layers import inverse
+from memplan.planner.layers.attention import autocast_state
+from memplan.planner.layers.gelu import GELU, HF_GELU_FORMS, InplaceGELU
+from memplan.planner.layers.silu import HF_SILU_NAMES, SILU, InplaceSiLU
+from memplan.planner.workloads.llama import SwiGLU
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The attribute names of a gated feed-forward's parts (dropout: None when it has none)."""
+
+    gate: str
+    up: str
+    down: str
+    activation: str
+    dropout: str | None = None
+
+
+SWIGLU_LAYOUT = Layout("gate", "up", "down", "act")
+HF_LAYOUTS = {
+    "LlamaMLP": Layout("gate_proj", "up_proj", "down_proj", "act_fn"),
+    "MistralMLP": Layout("gate_proj", "up_proj", "down_proj", "act_fn"),
+    "Qwen2MLP": Layout("gate_proj", "up_proj", "down_proj", "act_fn"),
+    "T5DenseGatedActDense": Layout("wi_0", "wi_1", "wo", "act", "dropout"),
+}
+HF_GATED_MLP_NAMES = frozenset(HF_LAYOUTS)
+
+
+def from_hf(module: nn.Module, names) -> bool:
+    """Whether `module` is one of HuggingFace's classes named in `names`."""
+    return type(module).__module__.startswith("transformers.") and type(module).__name__ in names
+
+
+def layout_of(module: nn.Module) -> Layout | None:
+    """Where `module` keeps its parts, when it is a gated feed-forward GatedMLP knows."""
+    if type(module) is SwiGLU:
+        return SWIGLU_LAYOUT
+    return HF_LAYOUTS[type(module).__name__] if from_hf(module, HF_LAYOUTS) else None
+
+
+def activation_of(module: nn.Module) -> inverse.Activation | None:
+    """The invertible activation `module` computes (SiLU, or GELU in either form: torch's, HuggingFace's or
+    memplan's), or None."""
+    if type(module) in (nn.SiLU, InplaceSiLU) or from_hf(module, HF_SILU_NAMES):
+        return SILU
+    if type(module) in (nn.GELU, InplaceGELU):
+        return GELU[module.approximate]
+    return GELU[HF_GELU_FORMS[type(module).__name__]] if from_hf(module, HF_GELU_FORMS) else None
+
+
+def overwritable(g: torch.Tensor) -> bool:
+    """Whether act(g) may be written over g: g is an intermediate of autograd's graph, not a view (gate's
+    Linear keeps its input, not its output, so nothing else reads g in backward)."""
+    return g.grad_fn is not None and g._base is None
+
+
+def dropout_scale(p: float, like: torch.Tensor) -> torch.Tensor | float:
+    """1/(1 - p) as dropout multiplies `like` by it: on the CPU rounded to its dtype (a tensor of that dtype,
+    as nn.Dropout's noise tensor is), on CUDA in fp32 (a Python float, as the fused kernel's)."""
+    scale = 1.0 / (1.0 - p)
+    return torch.full((), scale, dtype=like.dtype, device=like.device) if like.device.type == "cpu" else scale
+
+
+def down_input(product: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The product as the down projection takes it: in its weight's dtype, as T5 casts it for an fp32 `wo`
+    (under autocast F.linear casts anyway)."""
+    if product.dtype == weight.dtype or torch.is_autocast_enabled(product.device.type):
+        return product
+    return product.to(weight.dtype)
+
+
+class GatedMLPFunction(torch.autograd.Function):
+    """down(dropout(act(g)·u)) from g = gate(x) and u = up(x), holding act(g) (over g's storage where
+    `overwritable`), its 1-byte branch mask, u, down's weight and the dropout's 1-byte mask.
+
+    Backward holds at most one ffn-wide temporary beyond its inputs and outputs, and runs its matrix
+    products under the forward's autocast setting."""
+
+    @staticmethod
+    def forward(ctx, g, u, weight, bias, activation: inverse.Activation, dropout_p: float):
+        # 1. The branch mask, then act(g), over g where nothing else needs g.
+        right = g >= activation.tables.x_min
+        a = activation.function_inplace(g) if overwritable(g) else activation.function(g)
+        # 2. The product and its dropout (the mask nn.Dropout draws from the same generator state).
+        product, keep = a * u, None
+        if dropout_p > 0.0:
+            product, keep = torch.native_dropout(product, dropout_p, True)
+        # 3. Keep what backward needs; project.
+        ctx.activation = activation
+        ctx.scale = dropout_scale(dropout_p, a) if keep is not None else None
+        ctx.autocast = autocast_state(g.device.type)
+        ctx.save_for_backward(a, right, u, weight, keep)
+        return F.linear(down_input(product, weight), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, right, u, weight, keep = ctx.saved_tensors
+        need_g, need_u, need_weight, need_bias = ctx.needs_input_grad[:4]
+        rows = grad.reshape(-1, grad.size(-1))
+        grad_g = grad_u = grad_weight = grad_bias = None
+        # 1. down's weight gradient from the product rebuilt: the one ffn-wide temporary, freed at once.
+        if need_weight:
+            product = a * u
+            if keep is not None:
+                product.mul_(keep).mul_(ctx.scale)
+            with torch.autocast(**ctx.autocast):
+                grad_weight = rows.t().mm(down_input(product, weight).reshape(rows.size(0), -1))
+            del product
+        if need_bias:
+            grad_bias = rows.sum(0)
+        # 2. The product's gradient, back through the dropout: step 4 turns it into up's gradient.
+        if need_g or need_u:
+            with torch.autocast(**ctx.autocast):
+                grad_product = grad.matmul(weight).to(a.dtype)
+            if keep is not None:
+                grad_product.mul_(keep).mul_(ctx.scale)
+        # 3. gate's gradient, chunk by chunk: act' at g recovered from act(g), times grad_product·u.
+        if need_g:
+            flat_product, flat_u = grad_product.view(-1), u.reshape(-1)
+            grad_g = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+            inverse.input_gradient(a, right, ctx.activation, lambda span: flat_product[span] * flat_u[span], grad_g)
+        # 4. up's gradient over the product's: grad_product·act(g).
+        if need_u:
+            grad_u = grad_product.mul_(a)
+        return grad_g, grad_u, grad_weight, grad_bias, None, None
+
+
+class GatedMLP(nn.Module):
+    """A gated feed-forward computed by GatedMLPFunction: its Linear modules are the original's, registered
+    under the original's names (same Parameters, same state-dict keys); `from_module` builds one."""
+
+    HF_NAMES = HF_GATED_MLP_NAMES
+
+    def __init__(
+        self,
+        layout: Layout,
+        gate: nn.Linear,
+        up: nn.Linear,
+        down: nn.Linear,
+        activation: inverse.Activation,
+        dropout_p: float = 0.0,
+    ):
+        super().__init__()
+        self.layout, self.activation, self.dropout_p = layout, activation, dropout_p
+        for name, linear in ((layout.gate, gate), (layout.up, up), (layout.down, down)):
+            self.add_module(name, linear)
+
+    @classmethod
+    def from_module(cls, module: nn.Module) -> GatedMLP | None:
+        """A GatedMLP sharing `module`'s Linear modules and training flag, for memplan's SwiGLU and
+        HuggingFace's HF_NAMES with a SiLU or GELU activation; None for anything else."""
+        layout = layout_of(module)
+        if layout is None:
+            return None
+        linears = [getattr(module, name) for name in (layout.gate, layout.up, layout.down)]
+        activation = activation_of(getattr(module, layout.activation))
+        if activation is None or any(type(linear) is not nn.Linear for linear in linears):
+            return None
+        dropout_p = getattr(module, layout.dropout).p if layout.dropout else 0.0
+        return cls(layout, *linears, activation, dropout_p).train(module.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = (getattr(self, name) for name in (self.layout.gate, self.layout.up, self.layout.down))
+        dropout_p = self.dropout_p if self.training else 0.0
+        return GatedMLPFunction.apply(gate(x), up(x), down.weight, down.bias, self.activation, dropout_p)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation.name}, dropout_p={self.dropout_p}"

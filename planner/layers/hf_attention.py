@@ -1,0 +1,80 @@
+"""HuggingFace attention through its attention-function registry: which modules use it, whether their
+attention already keeps no s x s tensor, and memplan's cores registered as attention functions.
+
+Every model whose attention modules call `ALL_ATTENTION_FUNCTIONS` with `config._attn_implementation`
+(BERT, GPT-2, Llama, Mistral, Qwen2, GPT-NeoX, ViT, T5, ...) is reached the same way: the patch sets
+the config's implementation to a memplan core, and `unpatch` puts the original name back.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from memplan.planner.layers.attention import CORES
+from memplan.traces.errors import MemplanError
+
+REGISTRY_NAME = "ALL_ATTENTION_FUNCTIONS"  # the name HuggingFace's modeling files call attention through
+FUSED = "sdpa"  # the implementation whose kernels keep no s x s tensor (flash, memory-efficient)
+
+
+class AttentionPatchError(MemplanError):
+    """An attention module asks for something memplan's cores do not compute."""
+
+
+def uses_registry(module: nn.Module) -> bool:
+    """Whether `module` is a HuggingFace attention module that computes its core through the registry."""
+    code = getattr(type(module).forward, "__code__", None)
+    return (
+        type(module).__module__.startswith("transformers.")
+        and code is not None
+        and REGISTRY_NAME in code.co_names
+        and hasattr(getattr(module, "config", None), "_attn_implementation")
+    )
+
+
+def dropout_probability(module: nn.Module) -> float:
+    """The attention dropout an attention module applies in training (its attribute names differ per model)."""
+    for name in ("attention_dropout", "dropout_prob", "attn_dropout", "dropout"):
+        value = getattr(module, name, None)
+        if isinstance(value, nn.Dropout):
+            return float(value.p)
+        if isinstance(value, (int, float)):
+            return float(value)
+    return 0.0
+
+
+def keeps_square(module: nn.Module, device_type: str) -> bool:
+    """Whether `module`'s attention as configured keeps an s x s tensor for backward: eager always does;
+    SDPA does only on its math path, which the CPU takes for dropout in training (CUDA's fused kernels
+    apply dropout themselves; the CPU's flash kernel has none)."""
+    if module.config._attn_implementation != FUSED:
+        return True
+    return device_type == "cpu" and module.training and dropout_probability(module) > 0.0
+
+
+def register(kind: str) -> str:
+    """Register memplan's `kind` core (and the eager mask builder) with transformers; returns its registry name."""
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    name = f"memplan_{kind}"
+    core = CORES[kind]
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if kwargs.get("head_mask") is not None:
+            raise AttentionPatchError("memplan's attention cores take no head mask: unpatch the model to use one")
+        # 1. Grouped-query attention: repeat k and v per query head, as HuggingFace's eager attention does.
+        groups = query.size(1) // key.size(1)
+        if groups > 1:
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        # 2. Additive biases: the mask, and T5's relative position bias.
+        bias = attention_mask
+        if kwargs.get("position_bias") is not None:
+            bias = kwargs["position_bias"] if bias is None else kwargs["position_bias"] + bias
+        scale = query.size(-1) ** -0.5 if scaling is None else scaling
+        out = core(query, key, value, bias, scale, dropout, module.training)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, eager_mask)
+    return name

@@ -1,0 +1,138 @@
+"""Tempo's in-place RMSNorm: keeps the output and rstd instead of the input; backward recovers x̂ = y / w.
+
+A drop-in for torch's nn.RMSNorm and HuggingFace's RMSNorms (Llama, Mistral, Qwen2 and T5), whose forward
+arithmetic differs in where it rounds: each flavour is reproduced with the original's own operations,
+a chunk of rows at a time, so the output has the original's bits while the fp32 temporaries stay within
+one activation. Zero and tiny weights keep exact x̂ columns, and backward is the LayerNorm's, uncentred.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from memplan.planner.layers.layernorm import exact_part, normalized_backward, row_chunks
+from memplan.traces.errors import MemplanError
+
+FORWARD_TEMPORARIES = 4  # fp32 (rows × n) buffers a forward chunk may hold at once (torch's CPU rms_norm: 3.5)
+
+
+class RMSNormError(MemplanError):
+    """An InplaceRMSNorm was asked for a flavour it does not know."""
+
+
+def torch_rows(x: torch.Tensor, rstd: torch.Tensor, weight, eps, shape: tuple[int, ...]) -> torch.Tensor:
+    """nn.RMSNorm: torch's own rms_norm (one rounding, fused or not as torch decides)."""
+    return torch.rms_norm(x.reshape(-1, *shape), shape, weight, eps).reshape(x.shape)
+
+
+def llama_rows(x: torch.Tensor, rstd: torch.Tensor, weight, eps, shape: tuple[int, ...]) -> torch.Tensor:
+    """LlamaRMSNorm (Mistral, Qwen2): x·rstd in fp32, rounded to the input's dtype, then times the weight."""
+    return weight * (x.to(torch.float32) * rstd).to(x.dtype)
+
+
+def t5_rows(x: torch.Tensor, rstd: torch.Tensor, weight, eps, shape: tuple[int, ...]) -> torch.Tensor:
+    """T5LayerNorm: x·rstd (promoted), rounded to the weight's dtype when that is half precision, times the weight."""
+    normed = x * rstd
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        normed = normed.to(weight.dtype)
+    return weight * normed
+
+
+FLAVOURS = {"torch": torch_rows, "llama": llama_rows, "t5": t5_rows}
+
+
+def rows_forward(x, weight, shape: tuple[int, ...], eps, flavour: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd) of rows of the input: rstd in fp32 as HF computes it (torch's default eps is its computation
+    dtype's machine epsilon), y by the flavour's own arithmetic."""
+    rstd_eps = torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps if eps is None else eps
+    rstd = torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + rstd_eps)
+    return FLAVOURS[flavour](x, rstd, weight, eps, shape), rstd
+
+
+# HuggingFace class name -> flavour (the classes are recognised by name, from modules under `transformers.`).
+HF_FLAVOURS = {"LlamaRMSNorm": "llama", "MistralRMSNorm": "llama", "Qwen2RMSNorm": "llama", "T5LayerNorm": "t5"}
+
+
+class InplaceRMSNormFunction(torch.autograd.Function):
+    """RMSNorm over the last dimensions whose backward needs its output, rstd and weight (not its input)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, normalized_shape, eps, flavour):
+        n = math.prod(normalized_shape)
+        rows = x.numel() // n
+        x_rows = x.reshape(rows, n)
+        # Step 1: the output, of the dtype the flavour gives it (promotion, autocast: seen on zero rows), and rstd.
+        empty = rows_forward(x_rows[:0], weight, normalized_shape, eps, flavour)[0]
+        y, rstd = x.new_empty(x.shape, dtype=empty.dtype), x.new_empty((rows, 1), dtype=torch.float32)
+        # Step 2: both, a chunk of rows at a time.
+        y_rows = y.view(rows, n)
+        for chunk in row_chunks(rows, n, x.numel() * x.element_size(), FORWARD_TEMPORARIES):
+            y_rows[chunk], rstd[chunk] = rows_forward(x_rows[chunk], weight, normalized_shape, eps, flavour)
+        # Step 3: the exact x̂ of the channels whose weight is too small to divide by.
+        keep, exact = exact_part(x_rows, weight, None, y.dtype, rstd)
+        ctx.n, ctx.dtype, ctx.shape = n, x.dtype, x.shape
+        ctx.save_for_backward(y, rstd, weight, keep, exact)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, rstd, weight, keep, exact = ctx.saved_tensors
+        dx, dweight, _ = normalized_backward(
+            grad,
+            y,
+            rstd,
+            weight,
+            None,
+            keep,
+            exact,
+            n=ctx.n,
+            dtype=ctx.dtype,
+            centered=False,
+            weight_grad=weight is not None and ctx.needs_input_grad[1],
+            bias_grad=False,
+        )
+        return dx.reshape(ctx.shape), dweight, None, None, None
+
+
+class InplaceRMSNorm(nn.Module):
+    """Drop-in for nn.RMSNorm ("torch"), HF LlamaRMSNorm ("llama") or HF T5LayerNorm ("t5") holding its
+    output and rstd for backward. eps None (torch flavour only) is torch's default."""
+
+    def __init__(
+        self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True, flavour: str = "torch"
+    ):
+        super().__init__()
+        if flavour not in FLAVOURS:
+            raise RMSNormError(f"unknown RMSNorm flavour {flavour!r}: one of {', '.join(FLAVOURS)}")
+        self.normalized_shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        self.eps, self.flavour = eps, flavour
+        self.register_parameter(
+            "weight", nn.Parameter(torch.ones(self.normalized_shape)) if elementwise_affine else None
+        )
+
+    @classmethod
+    def from_module(cls, module: nn.Module) -> InplaceRMSNorm | None:
+        """A replacement for an nn.RMSNorm or a HuggingFace RMSNorm of HF_FLAVOURS, sharing its weight Parameter
+        (so optimizers and state dicts keep working) and its training flag; None for any other module."""
+        name = type(module).__name__
+        if type(module) is nn.RMSNorm:
+            flavour, shape, eps = "torch", tuple(module.normalized_shape), module.eps
+        elif name in HF_FLAVOURS and type(module).__module__.startswith("transformers."):
+            flavour, shape, eps = HF_FLAVOURS[name], tuple(module.weight.shape), module.variance_epsilon
+        else:
+            return None
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.normalized_shape, new.eps, new.flavour = shape, eps, flavour
+        new.register_parameter("weight", module.weight)
+        new.train(module.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return InplaceRMSNormFunction.apply(x, self.weight, self.normalized_shape, self.eps, self.flavour)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, flavour={self.flavour!r}"

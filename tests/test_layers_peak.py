@@ -1,0 +1,70 @@
+"""No mode costs memory by accident: the peak live bytes of a traced step under tempo are at most the
+baseline's, for every bundled model file and HuggingFace models from tiny configs; a small MLP with one
+LayerNorm and one GELU is the known exception (xfail, strict)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from memplan.planner.layers import LayerMode, patch
+from memplan.traces.capture import capture_step
+from memplan.traces.trace_model import trace_model_file
+from memplan.traces.workload import Workload
+
+pytest.importorskip("transformers")
+
+from hf_models import MODELS, build, inputs  # noqa: E402  (needs transformers)
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.mark.parametrize("file", ["bert.py", "gpt2.py", "llama.py", "hf_bert.py", "hf_gpt2.py", "hf_llama.py"])
+def test_tempo_peak_at_most_baselines_on_the_bundled_model_files(file):
+    peaks = {
+        mode: trace_model_file(EXAMPLES / file, batch=2, seq=32, layers=LayerMode(mode)).peak()[0]
+        for mode in ("baseline", "tempo")
+    }
+    assert peaks["tempo"] <= peaks["baseline"], peaks
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_tempo_peak_at_most_baselines_on_huggingface_models(name):
+    def make(mode):
+        model = build(name)
+        patch(model, mode)
+        optimizer = torch.optim.AdamW(model.parameters())
+        return Workload(model, inputs(name), optimizer, lambda out, _: out.loss, name)
+
+    peaks = {mode: capture_step(lambda mode=mode: make(mode)).peak()[0] for mode in ("baseline", "tempo")}
+    assert peaks["tempo"] <= peaks["baseline"], peaks
+
+
+GAP = pytest.mark.xfail(
+    strict=True,
+    reason="known gap: in the GELU's backward tempo holds the GELU output, its mask and one chunk of temporaries "
+    "where the baseline holds the input; when that backward is the step's peak (one GELU after a LayerNorm), "
+    "tempo's peak is 5-20% above the baseline's (it was 26.9%)",
+)
+MLP_CASES = [
+    pytest.param(torch.float32, 64, 256, marks=GAP, id="fp32-64x256"),
+    pytest.param(torch.float32, 512, 1024, marks=GAP, id="fp32-512x1024"),
+    pytest.param(torch.bfloat16, 64, 256, id="bf16-64x256"),
+    pytest.param(torch.bfloat16, 512, 1024, marks=GAP, id="bf16-512x1024"),
+]
+
+
+@pytest.mark.parametrize("dtype, rows, width", MLP_CASES)
+def test_tempo_peak_at_most_baselines_on_an_mlp_with_layernorm_and_gelu(dtype, rows, width):
+    def make(mode):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, width), nn.LayerNorm(width), nn.GELU(), nn.Linear(width, 64)).to(dtype)
+        patch(model, mode)
+        x = torch.randn(rows, 64, dtype=dtype)
+        return Workload(model, x, torch.optim.AdamW(model.parameters()), name="mlp")
+
+    peaks = {mode: capture_step(lambda mode=mode: make(mode)).peak()[0] for mode in ("baseline", "tempo")}
+    assert peaks["tempo"] <= peaks["baseline"], peaks
