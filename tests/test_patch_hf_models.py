@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memplan.planner.layers import MODES, patch, unpatch
+from memplan.planner.layers import MODES, hf_attention, patch, unpatch
 from memplan.planner.layers.memory import held_for_backward
 from memplan.traces.capture import capture_step
 from memplan.traces.workload import Workload
@@ -55,6 +55,11 @@ def test_selective_recomputes_only_where_an_s_by_s_tensor_exists(name):
     attention = [s for s in report.swapped if s.replacement.endswith("attention")]
     if name in SQUARE:
         assert attention and attention[0].replacement == "memplan_selective attention"
+        attention_modules = [m for m in model.modules() if hf_attention.uses_registry(m)]
+        implementations = {m.config._attn_implementation for m in attention_modules}
+        assert implementations == {"memplan_selective"}  # every config: T5's encoder and decoder have one each
+        unpatch(model)
+        assert "memplan_selective" not in {m.config._attn_implementation for m in attention_modules}
     else:
         assert not report.changed and report.notes and "nothing to recompute" in report.notes[0]
 

@@ -97,8 +97,7 @@ class PatchState:
 
     replaced: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list)
     checkpointing: list[tuple[nn.Module, dict]] = field(default_factory=list)  # checkpoint.restore's argument
-    hf_config: object | None = None
-    hf_attention: str | None = None
+    hf_attention: list[tuple[object, str]] = field(default_factory=list)  # (HF config, its _attn_implementation)
 
 
 def parts(mode: str) -> set[str]:
@@ -179,8 +178,9 @@ def swap_modules(module: nn.Module, mode: str, state: PatchState, swaps: Counter
 
 
 def switch_attention(model: nn.Module, mode: str, state: PatchState, swaps: Counter) -> list[str]:
-    """Point HuggingFace attention that keeps an s x s tensor at memplan's core for `mode`; the notes say
-    which attention modules have nothing to give."""
+    """Point HuggingFace attention that keeps an s x s tensor at memplan's core for `mode` (every config that
+    holds such modules: T5's encoder and decoder each have their own); the notes say which attention
+    modules have nothing to give."""
     modules = [m for m in model.modules() if hf_attention.uses_registry(m)]
     if not modules or mode == AS_BUILT:
         return []
@@ -190,20 +190,24 @@ def switch_attention(model: nn.Module, mode: str, state: PatchState, swaps: Coun
             "memplan's attention cores would change its numbers: turn it off to patch"
         )
     device = device_type(model)
-    square = [m for m in modules if hf_attention.keeps_square(m, device)]
-    config = modules[0].config
-    if not square:
-        kinds = sorted({type(m).__name__ for m in modules})
-        return [
-            f"attention left as built: {', '.join(kinds)} uses {config._attn_implementation} with no dropout "
-            f"on {device} ({hf_attention.FUSED} keeps no s x s tensor), so there is nothing to recompute"
-        ]
-    state.hf_config, state.hf_attention = config, config._attn_implementation
-    registered = hf_attention.register(core_kind(mode))
-    config._attn_implementation = registered
-    for m in modules:
-        swaps[type(m).__name__, f"{registered} attention"] += 1
-    return []
+    configs = {id(m.config): m.config for m in modules if hf_attention.keeps_square(m, device)}
+    fused = [m for m in modules if id(m.config) not in configs]
+    notes = []
+    if fused:
+        kinds = sorted({type(m).__name__ for m in fused})
+        notes.append(
+            f"attention left as built: {', '.join(kinds)} uses {fused[0].config._attn_implementation} with no "
+            f"dropout on {device} ({hf_attention.FUSED} keeps no s x s tensor), so there is nothing to recompute"
+        )
+    if configs:
+        registered = hf_attention.register(core_kind(mode))
+        for config in configs.values():
+            state.hf_attention.append((config, config._attn_implementation))
+            config._attn_implementation = registered
+        for m in modules:
+            if id(m.config) in configs:
+                swaps[type(m).__name__, f"{registered} attention"] += 1
+    return notes
 
 
 def checkpoint_layers(model: nn.Module, state: PatchState, swaps: Counter) -> list[str]:
@@ -264,6 +268,6 @@ def unpatch(model: nn.Module) -> int:
         original.train(getattr(parent, name).training)
         setattr(parent, name, original)
     checkpoint.restore(state.checkpointing)
-    if state.hf_config is not None:
-        state.hf_config._attn_implementation = state.hf_attention
+    for config, implementation in state.hf_attention:
+        config._attn_implementation = implementation
     return len(state.replaced) + len(state.checkpointing)
