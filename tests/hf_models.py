@@ -6,6 +6,9 @@ from __future__ import annotations
 import torch
 import transformers
 
+from memplan.planner.layers import patch
+from memplan.traces.workload import Workload
+
 transformers.logging.set_verbosity_error()
 
 DECODER = dict(
@@ -84,3 +87,10 @@ def build(name: str, layers: int = 2):
 
 def loss(model, name: str) -> torch.Tensor:
     return model(**inputs(name)).loss
+
+
+def workload(name: str, mode: str, layers: int = 2) -> Workload:
+    """A training step of model `name` with `layers` layers under layer mode `mode`: its own loss, AdamW."""
+    model = build(name, layers)
+    patch(model, mode)
+    return Workload(model, inputs(name), torch.optim.AdamW(model.parameters()), lambda out, _: out.loss, name)

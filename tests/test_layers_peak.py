@@ -17,7 +17,7 @@ from memplan.traces.workload import Workload
 
 pytest.importorskip("transformers")
 
-from hf_models import MODELS, build, inputs  # noqa: E402  (needs transformers)
+from hf_models import MODELS, workload  # noqa: E402  (needs transformers)
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -33,13 +33,7 @@ def test_tempo_peak_at_most_baselines_on_the_bundled_model_files(file):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_tempo_peak_at_most_baselines_on_huggingface_models(name):
-    def make(mode):
-        model = build(name)
-        patch(model, mode)
-        optimizer = torch.optim.AdamW(model.parameters())
-        return Workload(model, inputs(name), optimizer, lambda out, _: out.loss, name)
-
-    peaks = {mode: capture_step(lambda mode=mode: make(mode)).peak()[0] for mode in ("baseline", "tempo")}
+    peaks = {mode: capture_step(lambda mode=mode: workload(name, mode)).peak()[0] for mode in ("baseline", "tempo")}
     assert peaks["tempo"] <= peaks["baseline"], peaks
 
 

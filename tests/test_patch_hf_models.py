@@ -9,11 +9,10 @@ import torch
 from memplan.planner.layers import MODES, hf_attention, patch, unpatch
 from memplan.planner.layers.memory import held_for_backward
 from memplan.traces.capture import capture_step
-from memplan.traces.workload import Workload
 
 pytest.importorskip("transformers")
 
-from hf_models import MODELS, build, inputs, loss  # noqa: E402  (needs transformers)
+from hf_models import MODELS, build, loss, workload  # noqa: E402  (needs transformers)
 
 SWAPS = {  # tempo's swaps per model: (original type, replacement, count)
     "llama": {("LlamaRMSNorm", "InplaceRMSNorm", 5), ("LlamaMLP", "GatedMLP", 2)},
@@ -66,14 +65,7 @@ def test_selective_recomputes_only_where_an_s_by_s_tensor_exists(name):
 
 def held(name: str, mode: str, layers: int) -> int:
     """Bytes the traced step holds from forward into backward, with `layers` layers."""
-
-    def make():
-        model = build(name, layers)
-        patch(model, mode)
-        optimizer = torch.optim.AdamW(model.parameters())
-        return Workload(model, inputs(name), optimizer, lambda out, _: out.loss, name)
-
-    return held_for_backward(capture_step(make))
+    return held_for_backward(capture_step(lambda: workload(name, mode, layers)))
 
 
 @pytest.mark.parametrize("name", MODELS)

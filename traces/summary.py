@@ -76,12 +76,9 @@ def describe_patch(report: dict) -> str:
     return "; ".join([text, *report["notes"]])
 
 
-def no_change_mark(meta: dict) -> str:
-    """' (changes nothing)' for a trace whose layer mode (not as-built) left the model as built, else ''."""
-    report = meta.get("patch")
-    if not report or report["mode"] == AS_BUILT or report["changed"]:
-        return ""
-    return " (changes nothing)"
+def no_change_mark(mode: str, changed: bool) -> str:
+    """' (changes nothing)' for a layer mode (not as-built) that left the model as built, else ''."""
+    return "" if changed or mode == AS_BUILT else " (changes nothing)"
 
 
 def render(summary: dict[str, Any]) -> str:

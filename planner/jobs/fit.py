@@ -119,7 +119,7 @@ class ModeFit:
     @property
     def label(self) -> str:
         """The mode's name, marked when it changed nothing in this model."""
-        return self.mode + no_change_mark({"patch": self.patch})
+        return self.mode + no_change_mark(self.mode, self.patch["changed"])
 
     def boundary(self, allocator: str) -> tuple[Point | None, Point]:
         """The traced points at the answer b (None when even batch 1 does not fit) and at b+1."""

@@ -27,7 +27,7 @@ from memplan.traces.errors import MemplanError
 from memplan.traces.files import atomic_write
 from memplan.traces.format import Trace, save
 from memplan.traces.model_file import AS_BUILT
-from memplan.traces.summary import describe_patch
+from memplan.traces.summary import describe_patch, no_change_mark
 from memplan.traces.trace_model import CaptureChoice, choose_capture, trace_model_file
 from memplan.traces.units import human_bytes
 
@@ -263,11 +263,6 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def mode_label(row: ModeRow) -> str:
-    """The mode's name, marked when the mode changed nothing in this model (its row is the model as built)."""
-    return row.mode if row.changed or row.mode == AS_BUILT else f"{row.mode} (changes nothing)"
-
-
 def table_rows(result: RunResult) -> list[list[str]]:
     """The report's table: header, then one row per mode."""
     reference = reference_row(result.rows).mode
@@ -276,7 +271,7 @@ def table_rows(result: RunResult) -> list[list[str]]:
         proof = "optimal" if r.status == "optimal" else f"feasible, gap {100 * r.gap:.2g}%"
         rows.append(
             [
-                mode_label(r),
+                r.mode + no_change_mark(r.mode, r.changed),
                 human_bytes(r.peak_live),
                 human_bytes(r.caching_peak_reserved),
                 human_bytes(r.plan_arena),

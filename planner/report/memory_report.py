@@ -49,8 +49,8 @@ def trace_title(trace: Trace, name: str) -> str:
     """A trace's title from its meta (model, layers, rank/world size), else its file name."""
     meta = trace.meta
     parts = [str(meta[k]) for k in ("model", "layers") if meta.get(k)]
-    if meta.get("layers"):
-        parts[-1] += no_change_mark(meta)
+    if meta.get("layers") and meta.get("patch"):
+        parts[-1] += no_change_mark(meta["patch"]["mode"], meta["patch"]["changed"])
     if meta.get("rank") is not None and meta.get("world_size") is not None:
         parts.append(f"rank {meta['rank']}/{meta['world_size']}")
     return " · ".join(parts) if parts else Path(name).name
