@@ -34,6 +34,7 @@ class Plan:
     seconds: float
     capacity: int | None = None  # the capacity the plan was asked to fit, if any
     scope: str = "all"  # "all" buffers placed, or the "step"'s own (whole-window buffers at offset -1)
+    bound_source: str = ""  # how the bound was proven, in words (e.g. "max-live"); "" in older plans
 
     @property
     def buffers(self) -> int:
@@ -112,4 +113,5 @@ def load_plan(path: str | os.PathLike) -> Plan:
         seconds=float(_field(data, "seconds", (int, float), name)),
         capacity=capacity,
         scope=scope,
+        bound_source=str(data.get("bound_source", "")),
     )

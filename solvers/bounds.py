@@ -5,10 +5,13 @@ the pairs not ordered by happens-before, so the bound is the heaviest set of mut
 Such a set is exactly the set of buffers allocated but not yet freed at some consistent cut of the event
 graph (per-stream program order plus sync edges), so the bound is a maximum-weight closure: +size on each
 allocation event, -size on each free event, solved as a minimum cut with OR-Tools' max flow.
-Fixed offsets, the largest buffer and the largest contiguous group bound the arena too.
+Fixed offsets, the largest buffer and the largest contiguous group bound the arena too. Each bound says
+where it came from; the portfolio raises it further with proofs (solvers/portfolio.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -60,12 +63,31 @@ def heaviest_unordered(p: Problem, syncs: list[tuple[int, int, int]]) -> int:
     return int(ev_w[pos_w].sum() - flow.optimal_flow())
 
 
-def lower_bound(p: Problem) -> int:
-    """The best cheap lower bound on the arena of any valid placement of p."""
-    fixed_top = max((off + int(p.size[i]) for i, off in p.fixed.items() if p.size[i] > 0), default=0)
-    biggest = max([int(p.size.max(initial=0))] + [int(p.size[g].sum()) for g in p.groups])
+@dataclass(frozen=True)
+class Bound:
+    """A proven lower bound on the arena of every valid placement, and how it was proven."""
+
+    value: int  # bytes
+    source: str  # in words, e.g. "max-live" or "search: no placement in 1,000,000 B"
+
+
+def cheap_bound(p: Problem) -> Bound:
+    """The best of the bounds that cost no search: most bytes live at once (or the heaviest set of mutually
+    unordered buffers on several streams), the top of a fixed offset, the largest buffer or group."""
     if p.nstreams == 1:
-        live = p.max_live()
+        live = Bound(p.max_live(), "max-live")
     else:
-        live = heaviest_unordered(p, p.syncs)
-    return max(live, fixed_top, biggest)
+        live = Bound(heaviest_unordered(p, p.syncs), "max-live across streams (heaviest unordered set)")
+    fixed_top = max((off + int(p.size[i]) for i, off in p.fixed.items() if p.size[i] > 0), default=0)
+    candidates = [
+        live,
+        Bound(fixed_top, "a fixed offset's top"),
+        Bound(int(p.size.max(initial=0)), "the largest buffer"),
+        Bound(max((int(p.size[g].sum()) for g in p.groups), default=0), "the largest contiguous group"),
+    ]
+    return max(candidates, key=lambda bound: bound.value)  # the first of equals: max-live when they tie
+
+
+def lower_bound(p: Problem) -> int:
+    """The best cheap lower bound on the arena of any valid placement of p, in bytes."""
+    return cheap_bound(p).value

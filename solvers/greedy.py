@@ -20,6 +20,7 @@ from memplan.solvers.native import (
     MemberIndex,
     StreamId,
     Time,
+    Work,
     as_pointer,
     library,
 )
@@ -58,8 +59,10 @@ def orders(p: Problem, items: Items) -> dict[str, np.ndarray]:
     }
 
 
-def place(p: Problem, items: Items, preset: np.ndarray, order: np.ndarray, best_fit: bool) -> tuple[np.ndarray, int]:
-    """Place the items in `order` on top of the preset offsets; returns (offsets, arena)."""
+def place(
+    p: Problem, items: Items, preset: np.ndarray, order: np.ndarray, best_fit: bool
+) -> tuple[np.ndarray, int, int]:
+    """Place the items in `order` on top of the preset offsets; returns (offsets, arena, steps spent)."""
     release = np.ascontiguousarray(p.release)  # named, like every array below, so it outlives the call
     order = np.ascontiguousarray(order, dtype=np.int32)
     greedy_problem = GreedyProblem(
@@ -77,9 +80,10 @@ def place(p: Problem, items: Items, preset: np.ndarray, order: np.ndarray, best_
         best_fit=int(best_fit),
     )
     offsets = preset.copy()
-    arena = library().mp_greedy(ctypes.byref(greedy_problem), offsets)
+    spent = Work(0)
+    arena = library().mp_greedy(ctypes.byref(greedy_problem), offsets, ctypes.byref(spent))
     offsets[offsets < 0] = 0
-    return offsets, int(arena)
+    return offsets, int(arena), spent.value
 
 
 @dataclass
@@ -91,20 +95,31 @@ class GreedyResult:
     name: str
     order: np.ndarray
     best_fit: bool
+    work: int  # steps spent by every placement tried
+
+
+@dataclass
+class Improvement:
+    """The best placement an improvement loop reached, and the steps it spent."""
+
+    offsets: np.ndarray
+    arena: int
+    work: int
 
 
 def greedy(p: Problem, stop_at: int | None = None, deadline: float | None = None) -> GreedyResult:
     """Best of every order x {best fit, first fit}; stops early once the arena reaches `stop_at`, or when
-    time.monotonic() passes `deadline` (after at least one placement)."""
+    time.monotonic() passes `deadline` (a wall-clock ceiling, checked after at least one placement)."""
     items, preset = make_items(p)
-    best = None
+    best, spent = None, 0
     for name, order in orders(p, items).items():
         for best_fit in (True, False):
-            offsets, arena = place(p, items, preset, order, best_fit)
+            offsets, arena, work = place(p, items, preset, order, best_fit)
+            spent += work
             if best is None or arena < best.arena:
-                best = GreedyResult(
-                    offsets, arena, f"greedy-{name}-{'best' if best_fit else 'first'}-fit", order, best_fit
-                )
+                name_of_fit = f"greedy-{name}-{'best' if best_fit else 'first'}-fit"
+                best = GreedyResult(offsets, arena, name_of_fit, order, best_fit, 0)
+            best.work = spent
             if (stop_at is not None and best.arena <= stop_at) or (
                 deadline is not None and time.monotonic() > deadline
             ):
@@ -113,10 +128,17 @@ def greedy(p: Problem, stop_at: int | None = None, deadline: float | None = None
 
 
 def squeaky_wheel(
-    p: Problem, start: GreedyResult, bound: int, deadline: float, boost: float = 0.01, patience: int = 100
-) -> tuple[np.ndarray, int]:
+    p: Problem,
+    start: GreedyResult,
+    bound: int,
+    work: int,
+    deadline: float,
+    boost: float = 0.01,
+    patience: int = 100,
+) -> Improvement:
     """Improve a greedy placement by moving the items that end above the bound earlier, round after round;
-    the best (offsets, arena) at the bound, the deadline, a fixed point, or `patience` rounds without gain."""
+    stops at the bound, after `work` steps, at a fixed point, after `patience` rounds without gain, or at
+    the wall-clock ceiling `deadline`."""
     items, preset = make_items(p)
     m = len(items)
     rank = np.empty(m, dtype=np.float64)
@@ -124,8 +146,8 @@ def squeaky_wheel(
     blame = np.zeros(m)
     first = items.start[:-1]
     best_offsets, best_arena = start.offsets, start.arena
-    offsets, arena, order, stale = start.offsets, start.arena, start.order, 0
-    while arena > bound and stale < patience and time.monotonic() < deadline:
+    offsets, arena, order, stale, spent = start.offsets, start.arena, start.order, 0, 0
+    while arena > bound and stale < patience and spent < work and time.monotonic() < deadline:
         # An item's place in the order drops by boost x items x its blame: how far above the bound it
         # ended, relative to the excess, summed over the rounds.
         top = offsets[items.members[first]] - items.rel[first] + items.size
@@ -133,8 +155,9 @@ def squeaky_wheel(
         previous, order = order, np.argsort(rank - boost * m * blame, kind="stable")
         if np.array_equal(order, previous):
             break
-        offsets, arena = place(p, items, preset, order, start.best_fit)
+        offsets, arena, steps = place(p, items, preset, order, start.best_fit)
+        spent += steps
         stale += 1
         if arena < best_arena:
             best_offsets, best_arena, stale = offsets, arena, 0
-    return best_offsets, best_arena
+    return Improvement(best_offsets, best_arena, spent)

@@ -26,7 +26,7 @@ BufferIndex = ctypes.c_int32  # a buffer's position in the problem's columns
 ItemIndex = ctypes.c_int32  # an item's position: a single buffer, or a contiguous group placed as one block
 MemberIndex = ctypes.c_int32  # a position in GreedyProblem.members (an item's members are consecutive)
 SectionIndex = ctypes.c_int32  # a section: the span between two consecutive distinct times of the problem
-Nodes = ctypes.c_int64  # a count of search nodes (partial placements visited)
+Work = ctypes.c_int64  # elementary steps of a kernel: the deterministic measure of effort (busy or idle machine)
 
 # SearchOutcome: what mp_search decided.
 SEARCH_TIMEOUT, SEARCH_INFEASIBLE, SEARCH_FITS = -2, 0, 1
@@ -65,7 +65,8 @@ class SearchProblem(ctypes.Structure):
         ("capacity", Bytes),  # every buffer must end at or below this many bytes
         ("heuristics", ctypes.c_int32),  # how many static buffer orders to search with, one thread each
         ("heuristic", ctypes.POINTER(ctypes.c_char_p)),  # heuristic[h]: its sort keys, e.g. b"TWA" (see search.py)
-        ("seconds", ctypes.c_double),  # the time limit for the whole search, all threads together
+        ("work_limit", Work),  # each thread stops after this many steps (the deterministic budget)
+        ("seconds", ctypes.c_double),  # a wall-clock ceiling for the whole search, all threads together
     ]
 
 
@@ -87,7 +88,7 @@ def library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(library_path()))
     offsets = np.ctypeslib.ndpointer(dtype=np.int64, flags="C_CONTIGUOUS")
     lib.mp_greedy.restype = Bytes
-    lib.mp_greedy.argtypes = [ctypes.POINTER(GreedyProblem), offsets]
+    lib.mp_greedy.argtypes = [ctypes.POINTER(GreedyProblem), offsets, ctypes.POINTER(Work)]
     lib.mp_search.restype = ctypes.c_int32
-    lib.mp_search.argtypes = [ctypes.POINTER(SearchProblem), offsets, ctypes.POINTER(Nodes)]
+    lib.mp_search.argtypes = [ctypes.POINTER(SearchProblem), offsets, ctypes.POINTER(Work)]
     return lib

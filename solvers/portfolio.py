@@ -1,11 +1,14 @@
 """The `auto` portfolio and the single-method entry points, all returning a planner.plan.Plan.
 
-auto: greedy orders first; at the bound (or within the capacity) the search stops. Otherwise, on one stream
-without groups or fixed offsets (and at most SEARCH_MAX_BUFFERS buffers), the exact canonical search
-decides "fits at the capacity?", or bisects between the bound and the best arena; on other problems a
-squeaky-wheel loop re-runs the best greedy order with the buffers that end above the bound moved earlier.
-CP-SAT then minimises (or decides the capacity) in the rest of the time, hinted with the best plan so far,
-when its model is small enough to help.
+auto, in steps: greedy orders first; at the bound (or within the capacity) the solve stops. Otherwise, on
+one stream without groups or fixed offsets (and at most SEARCH_MAX_BUFFERS buffers), the exact canonical
+search decides "fits at the capacity?", or bisects between the bound and the best arena, revisiting with
+twice the work the probes that ran out; on other problems a squeaky-wheel loop re-runs the best greedy
+order with the buffers that end above the bound moved earlier. CP-SAT then minimises (or decides the
+capacity) with the rest of the budget, hinted with the best plan so far, when its model is small enough
+to help. No method gets more than its share: the search SEARCH_SHARE (CAPACITY_SEARCH_SHARE when deciding a
+capacity), CP-SAT the rest. Every share is deterministic work (solvers/budget.py); the time limit is a
+ceiling. The bound says how it was proven: a cheap bound, or the search or CP-SAT proving no placement.
 """
 
 from __future__ import annotations
@@ -19,15 +22,20 @@ import numpy as np
 from memplan.planner.plan import Plan
 from memplan.planner.problem import OUTSIDE, Problem
 from memplan.planner.verify import verify_plan
-from memplan.solvers.bounds import lower_bound
+from memplan.solvers.bounds import Bound, cheap_bound
+from memplan.solvers.budget import Budget
 from memplan.solvers.cpsat import MAX_TERMS, cpsat_place, model_terms
 from memplan.solvers.greedy import greedy, squeaky_wheel
-from memplan.solvers.search import FITS, INFEASIBLE, applicable, search_fit
+from memplan.solvers.search import FITS, HEURISTICS, INFEASIBLE, applicable, search_fit
 from memplan.traces.errors import MemplanError
 
 METHODS = ("auto", "greedy", "cpsat")
 SEARCH_MAX_BUFFERS = 5000  # the exact search is hopeless beyond this (MiniMalloc-style DFS)
-SEARCH_SHARE = 0.7  # when minimising, the fraction of the time limit the exact search may use
+SEARCH_SHARE = 0.7  # when minimising, the share of the budget the search (or squeaky wheel) may use
+CAPACITY_SEARCH_SHARE = 0.5  # when deciding a capacity, the search's share; CP-SAT has the rest
+FIRST_PROBE_SHARE = 0.4  # of the search's share, what the probe at the bound may use
+PROBE_SHARE = 1 / 16  # of the search's share, what each probe of the first bisection pass may use
+RESOLUTION = 1 / 4096  # bisection stops short of the best arena by less than this fraction of it
 
 
 class CapacityError(MemplanError):
@@ -51,8 +59,9 @@ class Progress:
 class _Best:
     """The best placement so far and the best proven bound, reported to the progress callback."""
 
-    def __init__(self, p: Problem, bound: int, start: float, report: Callable | None):
-        self.p, self.bound, self.start, self.report = p, bound, start, report
+    def __init__(self, p: Problem, bound: Bound, start: float, report: Callable | None):
+        self.p, self.start, self.report = p, start, report
+        self.bound, self.bound_source = bound.value, bound.source
         self.offsets: np.ndarray | None = None
         self.arena: int | None = None
         self.solver = ""
@@ -62,6 +71,12 @@ class _Best:
         if self.arena is None or arena < self.arena:
             self.offsets, self.arena, self.solver = offsets, arena, solver
         self.tell(solver)
+
+    def raise_bound(self, value: int, source: str) -> None:
+        """Keep a proven bound if it beats the best so far."""
+        if value > self.bound:
+            self.bound, self.bound_source = value, source
+            self.tell(source)
 
     def tell(self, solver: str, arena: int | None = None) -> None:
         """Report progress; `arena` is a solver's improvement not yet offered as a placement (CP-SAT's)."""
@@ -89,38 +104,44 @@ class _Best:
             seconds=round(self.elapsed(), 3),
             capacity=capacity,
             scope=self.p.scope,
+            bound_source=self.bound_source,
         )
 
 
-def _search_at(best: _Best, target: int, seconds: float, capacity: int | None) -> str:
-    """Run the exact search at one target; record a placement or a proof. Returns its status."""
-    status, offs, _ = search_fit(best.p, target, max(seconds, 0.0))
-    if status == FITS:
-        best.offer(offs, int((offs + best.p.size)[best.p.size > 0].max(initial=0)), "search")
-    elif status == INFEASIBLE:
-        if capacity is not None:
-            raise CapacityError(
-                f"cannot fit in {capacity} bytes: no placement exists "
-                f"(proven by search; lower bound {best.bound} bytes)",
-                proven=True,
-            )
-        best.bound = max(best.bound, target + 1)
-        best.tell("search")
-    return status
+def _search_at(best: _Best, budget: Budget, target: int, seconds: float, unit: int = 1) -> str:
+    """Run the exact search at one target with `seconds` of work; record a placement or a proof. Returns its
+    status (FITS, INFEASIBLE, or TIMEOUT when the work or the ceiling ran out). Every arena is a multiple of
+    `unit` (canonical placements stack whole buffers), so a proof at `target` proves the next multiple."""
+    steps = budget.search_steps(min(seconds, budget.seconds), len(HEURISTICS))
+    result = search_fit(best.p, target, steps, budget.wall_left())
+    budget.spend_search(result.work)
+    if result.status == FITS:
+        arena = int((result.offsets + best.p.size)[best.p.size > 0].max(initial=0))
+        best.offer(result.offsets, arena, "search")
+    elif result.status == INFEASIBLE:
+        best.raise_bound(-(-(target + 1) // unit) * unit, f"search: no placement fits in {target:,} B")
+    return result.status
 
 
-def _search_down(best: _Best, deadline: float) -> None:
-    """Minimise with the search: the bound first, then bisect between the bound and the best arena."""
-    if _search_at(best, best.bound, (deadline - time.monotonic()) / 3, None) == FITS:
+def _search_down(best: _Best, budget: Budget, share: float) -> None:
+    """Minimise with the search in `share` seconds of work: the bound first, then passes of bisection between
+    the bound and the best arena over multiples of the sizes' GCD. In a pass a probe that ran out of work
+    counts as "look higher"; the next pass revisits the range with twice the work per probe."""
+    floor = budget.seconds - share  # the work that must be left for the others
+    sizes = best.p.size[best.p.active]
+    unit = int(np.gcd.reduce(sizes)) if len(sizes) else 1
+    if _search_at(best, budget, best.bound, FIRST_PROBE_SHARE * share, unit) == FITS:
         return
-    low = best.bound
-    while best.arena > best.bound and time.monotonic() < deadline - 0.05:
-        target = (low + best.arena - 1) // 2
-        if target < low:
-            break
-        status = _search_at(best, target, max((deadline - time.monotonic()) / 3, 0.05), None)
-        if status != FITS:
-            low = target + 1  # proven (infeasible) or given up (timeout): look higher
+    probe = PROBE_SHARE * share
+    while best.arena > best.bound and budget.seconds > floor and budget.wall_left() > 0:
+        low = best.bound
+        while low < best.arena and budget.seconds > floor and budget.wall_left() > 0:
+            target = (low + best.arena - 1) // 2 // unit * unit
+            if target < low or best.arena - target < best.arena * RESOLUTION:
+                break
+            if _search_at(best, budget, target, min(probe, budget.seconds - floor), unit) != FITS:
+                low = max(target + 1, best.bound)  # proven infeasible, or out of work: look higher this pass
+        probe *= 2
 
 
 def solve(
@@ -131,47 +152,80 @@ def solve(
     progress: Callable[[Progress], None] | None = None,
 ) -> Plan:
     """Place every buffer of `problem`; with `capacity`, stop at the first plan that fits (error if none).
+    The answer depends on the work `time_limit` buys, not on the machine's load (solvers/budget.py).
     The plan returned has passed the independent verifier."""
     if method not in METHODS:
         raise MemplanError(f"unknown method {method!r} (expected one of {', '.join(METHODS)})")
     start = time.monotonic()
     p = problem
-    bound = lower_bound(p)
-    if capacity is not None and bound > capacity:
-        raise CapacityError(f"cannot fit in {capacity} bytes: the lower bound is {bound} bytes", proven=True)
+    budget = Budget.for_time_limit(time_limit, start)
+
+    # 1. The cheap bound; with a capacity below it there is nothing to search.
+    bound = cheap_bound(p)
+    if capacity is not None and bound.value > capacity:
+        raise CapacityError(
+            f"cannot fit in {capacity} bytes: the lower bound is {bound.value} bytes ({bound.source})", proven=True
+        )
     best = _Best(p, bound, start, progress)
-    goal = capacity if capacity is not None else bound
-    first = greedy(p, stop_at=goal, deadline=start + time_limit / 2)
+    goal = lambda: capacity if capacity is not None else best.bound  # noqa: E731
+
+    # 2. Greedy orders, stopping at the goal; the wall ceiling applies at half the time limit.
+    first = greedy(p, stop_at=goal(), deadline=start + time_limit / 2)
+    budget.spend_greedy(first.work)
     best.offer(first.offsets, first.arena, first.name)
-    if method != "greedy" and best.arena > goal:
-        model_fits = model_terms(p) <= MAX_TERMS
-        if method == "auto" and applicable(p) and int(p.active.sum()) <= SEARCH_MAX_BUFFERS:
-            if capacity is not None:
-                _search_at(best, capacity, time_limit - best.elapsed(), capacity)
-            else:
-                _search_down(best, start + SEARCH_SHARE * time_limit)
-        elif method == "auto":
-            until = start + (SEARCH_SHARE if model_fits else 1.0) * time_limit
-            offsets, arena = squeaky_wheel(p, first, goal, until)
-            best.offer(offsets, arena, "greedy+squeaky-wheel")
+    if method == "greedy" or best.arena <= goal():
+        return _finish(best, capacity)
+
+    # 3. The search (or the squeaky wheel) in its share of the work.
+    model_fits = model_terms(p) <= MAX_TERMS
+    if method == "auto":
+        share = (CAPACITY_SEARCH_SHARE if capacity is not None else SEARCH_SHARE) * budget.seconds
         if not model_fits:
-            best.tell("cpsat skipped: model too large")
-        left = time_limit - best.elapsed()
-        goal = capacity if capacity is not None else best.bound
-        if best.arena > goal and left > 0.05 and model_fits:
-            res = cpsat_place(
-                p, best.bound, left, hint=best.offsets, capacity=capacity, on_solution=lambda a: best.tell("cpsat", a)
+            share = budget.seconds
+        if applicable(p) and int(p.active.sum()) <= SEARCH_MAX_BUFFERS:
+            if capacity is not None:
+                if _search_at(best, budget, capacity, share) == INFEASIBLE:
+                    raise CapacityError(
+                        f"cannot fit in {capacity} bytes: no placement exists "
+                        f"(proven by search; lower bound {best.bound} bytes)",
+                        proven=True,
+                    )
+            else:
+                _search_down(best, budget, share)
+        else:
+            improved = squeaky_wheel(p, first, goal(), budget.greedy_steps(share), budget.deadline)
+            budget.spend_greedy(improved.work)
+            best.offer(improved.offsets, improved.arena, "greedy+squeaky-wheel")
+
+    # 4. CP-SAT with the rest of the work, hinted with the best plan so far.
+    if not model_fits:
+        best.tell("cpsat skipped: model too large")
+    elif best.arena > goal() and budget.seconds > 0 and budget.wall_left() > 0.05:
+        res = cpsat_place(
+            p,
+            best.bound,
+            budget.wall_left(),
+            hint=best.offsets,
+            capacity=capacity,
+            on_solution=lambda a: best.tell("cpsat", a),
+            deterministic_time=budget.cpsat_time(budget.seconds),
+        )
+        budget.spend_cpsat(res.work)
+        if res.offsets is not None:
+            best.offer(res.offsets, res.arena, "cpsat")
+        if res.status == "infeasible" and capacity is not None:
+            raise CapacityError(
+                f"cannot fit in {capacity} bytes: no placement exists "
+                f"(proven by CP-SAT; lower bound {best.bound} bytes)",
+                proven=True,
             )
-            if res.offsets is not None:
-                best.offer(res.offsets, res.arena, "cpsat")
-            if res.status == "infeasible" and capacity is not None:
-                raise CapacityError(
-                    f"cannot fit in {capacity} bytes: no placement exists "
-                    f"(proven by CP-SAT; lower bound {bound} bytes)",
-                    proven=True,
-                )
-            if res.status in ("optimal", "feasible"):
-                best.bound = max(best.bound, res.bound)
+        if res.status in ("optimal", "feasible"):
+            best.raise_bound(res.bound, f"CP-SAT: no placement below {res.bound:,} B")
+    return _finish(best, capacity)
+
+
+def _finish(best: _Best, capacity: int | None) -> Plan:
+    """The best plan, verified; CapacityError when it does not fit the capacity."""
     if capacity is not None and best.arena > capacity:
         raise CapacityError(
             f"no plan within {capacity} bytes found in {best.elapsed():.1f} s "
@@ -179,5 +233,5 @@ def solve(
             proven=False,
         )
     plan = best.plan(capacity)
-    verify_plan(p, plan.offsets, plan.arena, capacity)  # no plan leaves here unchecked, printed or written
+    verify_plan(best.p, plan.offsets, plan.arena, capacity)  # no plan leaves here unchecked, printed or written
     return plan

@@ -4,13 +4,15 @@ Depth-first over canonical placements: every buffer sits at 0 or on top of a con
 placed in nondecreasing offset order; time is cut into sections, a section whose floor plus its unplaced
 bytes exceeds C prunes the node, a buffer whose offset would leave room below for an entire other buffer
 is skipped, and the problem splits into independent parts whenever no unplaced buffer crosses a section
-boundary. Three static orders (re-ranked in every independent part) search in parallel threads; the first
-to find a placement or prove that none exists wins.
+boundary. Three static orders (re-ranked in every independent part) search in parallel threads; the one
+that finds a placement or proves that none exists in the fewest steps wins, so the answer depends on the
+step budget, not on the machine's load (the wall-clock ceiling aside).
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,10 +22,10 @@ from memplan.solvers.native import (
     SEARCH_INFEASIBLE,
     SEARCH_TIMEOUT,
     Bytes,
-    Nodes,
     SearchProblem,
     SectionIndex,
     Time,
+    Work,
     as_pointer,
     library,
 )
@@ -39,15 +41,25 @@ def applicable(p: Problem) -> bool:
     return p.nstreams == 1 and not p.groups and not p.fixed
 
 
-def search_fit(p: Problem, capacity: int, seconds: float) -> tuple[str, np.ndarray | None, int]:
-    """(FITS | INFEASIBLE | TIMEOUT, offsets or None, nodes searched). Buffers never live sit at offset 0
-    but still count in the arena, so one larger than `capacity` makes it infeasible."""
+@dataclass
+class SearchResult:
+    """What one search decided: FITS (with offsets), INFEASIBLE (proven) or TIMEOUT, and the steps it spent."""
+
+    status: str
+    offsets: np.ndarray | None
+    work: int  # steps, all threads together
+
+
+def search_fit(p: Problem, capacity: int, work: int, seconds: float) -> SearchResult:
+    """Decide whether p fits in `capacity` bytes with at most `work` steps per thread and `seconds` of wall
+    time. Buffers never live sit at offset 0 but still count in the arena, so one larger than `capacity`
+    makes it infeasible."""
     if int(p.size.max(initial=0)) > capacity:
-        return INFEASIBLE, None, 0
+        return SearchResult(INFEASIBLE, None, 0)
     act = np.nonzero(p.active)[0]
     offsets = np.zeros(len(p), dtype=np.int64)
     if len(act) == 0:
-        return FITS, offsets, 0
+        return SearchResult(FITS, offsets, 0)
     size = np.ascontiguousarray(p.size[act])  # named, like every array below, so it outlives the call
     alloc, free = np.ascontiguousarray(p.alloc[act]), np.ascontiguousarray(p.free[act])
     times = np.unique(np.concatenate([alloc, free]))
@@ -65,12 +77,13 @@ def search_fit(p: Problem, capacity: int, seconds: float) -> tuple[str, np.ndarr
         capacity=int(capacity),
         heuristics=len(HEURISTICS),
         heuristic=heuristics,
-        seconds=float(seconds),
+        work_limit=int(work),
+        seconds=max(float(seconds), 0.0),
     )
     placed = np.zeros(len(act), dtype=np.int64)
-    nodes = Nodes(0)
-    status = STATUS[library().mp_search(ctypes.byref(search_problem), placed, ctypes.byref(nodes))]
+    spent = Work(0)
+    status = STATUS[library().mp_search(ctypes.byref(search_problem), placed, ctypes.byref(spent))]
     if status == FITS:
         offsets[act] = placed
-        return FITS, offsets, nodes.value
-    return status, None, nodes.value
+        return SearchResult(FITS, offsets, spent.value)
+    return SearchResult(status, None, spent.value)

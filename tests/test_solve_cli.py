@@ -50,7 +50,9 @@ def test_capacity_below_the_bound_is_one_line_and_nonzero(tmp_path):
     src.write_text(README)
     res = run("solve", str(src), "--capacity", "11")
     assert res.exit_code == 1
-    assert res.stderr.strip().splitlines()[-1] == "Error: cannot fit in 11 bytes: the lower bound is 12 bytes"
+    assert (
+        res.stderr.strip().splitlines()[-1] == "Error: cannot fit in 11 bytes: the lower bound is 12 bytes (max-live)"
+    )
     assert run("solve", str(src), "--capacity", "12").exit_code == 0
 
 

@@ -18,6 +18,8 @@ from memplan.solvers.cpsat import cpsat_place
 from memplan.solvers.greedy import greedy
 from memplan.solvers.search import FITS, INFEASIBLE, search_fit
 
+WORK = 10**9  # search steps per thread: far more than these instances need
+
 
 @st.composite
 def instances(draw, streams=1, groups=False, fixed=False, max_n=9):
@@ -125,11 +127,11 @@ def test_tiny_instances_reach_the_brute_force_optimum(data):
 @given(instances(max_n=7))
 def test_exact_search_decides_like_brute_force(p):
     optimum = brute_optimum(p)
-    status, offsets, _ = search_fit(p, optimum, 5.0)
-    assert status == FITS
-    verify_plan(p, offsets, optimum)
+    result = search_fit(p, optimum, WORK, 5.0)
+    assert result.status == FITS
+    verify_plan(p, result.offsets, optimum)
     if optimum > 0:
-        assert search_fit(p, optimum - 1, 5.0)[0] == INFEASIBLE
+        assert search_fit(p, optimum - 1, WORK, 5.0).status == INFEASIBLE
 
 
 def hard_instance():
@@ -141,7 +143,7 @@ def test_exact_methods_reach_what_greedy_misses():
     p = hard_instance()
     assert greedy(p).arena == 11 and lower_bound(p) == 9 == brute_optimum(p)
     assert cpsat_place(p, 9, 5.0, hint=greedy(p).offsets).arena == 9
-    assert search_fit(p, 9, 5.0)[0] == FITS
+    assert search_fit(p, 9, WORK, 5.0).status == FITS
     plan = solve(p, time_limit=5.0)
     check(p, plan)
     assert plan.arena == 9 and plan.status == "optimal" and plan.solver != greedy(p).name
@@ -192,11 +194,11 @@ def test_cpsat_out_of_time_reports_feasible_with_its_gap(shared):
 
 def test_search_decides_fits_and_proves_infeasible():
     p = build_problem([4, 4, 4, 4, 4], [0, 3, 0, 9, 0], [3, 9, 9, 21, 21], alignment=1)  # README example
-    status, offsets, _ = search_fit(p, 12, 5.0)
-    assert status == FITS
-    verify_plan(p, offsets, 12)
-    status, offsets, _ = search_fit(p, 8, 5.0)
-    assert status == INFEASIBLE and offsets is None
+    result = search_fit(p, 12, WORK, 5.0)
+    assert result.status == FITS
+    verify_plan(p, result.offsets, 12)
+    result = search_fit(p, 8, WORK, 5.0)
+    assert result.status == INFEASIBLE and result.offsets is None
 
 
 def test_cpsat_fits_mode_and_capacity_errors():

@@ -33,6 +33,7 @@ class SolveReport:
             "outside": sum(1 for o in p.offsets if o < 0),
             "scope": p.scope,
             "bound": p.bound,
+            "bound_source": p.bound_source,
             "arena": p.arena,
             "ratio": round(p.arena / p.bound, 6) if p.bound else 1.0,
             "status": p.status,
@@ -49,7 +50,7 @@ class SolveReport:
         outside = f" ({s['outside']} outside the step plan)" if s["scope"] != "all" else ""
         lines = [
             f"buffers      {s['buffers']}{outside}",
-            f"bound        {s['bound']:,} B",
+            f"bound        {s['bound']:,} B ({s['bound_source']})",
             f"arena        {s['arena']:,} B",
             f"arena/bound  {s['ratio']:.4f}",
             f"status       {status}",

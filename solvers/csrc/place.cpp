@@ -33,7 +33,7 @@ inline bool conflicts(const GreedyProblem& problem, BufferIndex first, BufferInd
 }
 
 // mp_greedy's body (see place.h).
-Bytes greedy(const GreedyProblem& problem, Bytes* offsets) {
+Bytes greedy(const GreedyProblem& problem, Bytes* offsets, Work* work) {
   const int buffers = problem.buffers;
   // Conflicting buffers overlap on [alloc, latest release). Placed buffers are indexed twice: a segment
   // tree over time finds those live at a point, per-time lists those allocated within a window.
@@ -68,11 +68,16 @@ Bytes greedy(const GreedyProblem& problem, Bytes* offsets) {
     starting_at[start_rank[buffer]].push_back(buffer);
   };
   // Visits every placed buffer whose range overlaps `buffer`'s: live at its start, or starting inside it.
+  *work = 0;
   auto each_overlapping = [&](BufferIndex buffer, auto&& visit) {
-    for (int64_t node = start_rank[buffer] + leaves; node >= 1; node >>= 1)
+    for (int64_t node = start_rank[buffer] + leaves; node >= 1; node >>= 1) {
+      *work += 1 + (Work)tree[node].size();
       for (const BufferIndex other : tree[node]) visit(other);
-    for (int64_t rank = start_rank[buffer] + 1; rank < end_rank[buffer]; ++rank)
+    }
+    for (int64_t rank = start_rank[buffer] + 1; rank < end_rank[buffer]; ++rank) {
+      *work += 1 + (Work)starting_at[rank].size();
       for (const BufferIndex other : starting_at[rank]) visit(other);
+    }
   };
   for (int i = 0; i < buffers; ++i)
     if (offsets[i] >= 0) index_placed(i);
@@ -94,6 +99,7 @@ Bytes greedy(const GreedyProblem& problem, Bytes* offsets) {
     }
     // Sweep the forbidden ranges from the bottom: each gap between them is a candidate base.
     std::sort(forbidden.begin(), forbidden.end());
+    *work += 1 + (Work)forbidden.size();
     Bytes cursor = 0, best = -1, best_slack = -1;
     for (const auto& range : forbidden) {
       if (range.first > cursor) {
@@ -125,8 +131,9 @@ struct Search {
   const std::vector<std::vector<BufferIndex>>* neighbours;       // buffers whose section ranges overlap
   const std::vector<std::vector<BufferIndex>>* section_members;  // buffers live in each section
   const char* heuristic = "";  // sort keys, all descending: W lifetime, A area, T section total, Z size
-  std::chrono::steady_clock::time_point deadline;
-  std::atomic<bool>* stop;  // set when another worker has finished
+  Work work_limit;                                 // this worker's budget of steps
+  std::chrono::steady_clock::time_point deadline;  // the wall-clock ceiling
+  std::atomic<Work>* decided;  // the fewest steps in which some worker has finished (it cannot be beaten past it)
 
   // This worker's state.
   std::vector<Bytes> lowest_offset;   // per buffer: the lowest offset its placed neighbours leave it
@@ -138,7 +145,7 @@ struct Search {
   std::vector<int> crossing;          // per section boundary s | s + 1: unplaced buffers live across it
   std::vector<int> stamp;             // per section: the generation that last listed it as affected
   int generation = 0;
-  Nodes nodes = 0;
+  Work work = 0;  // steps spent so far
 
   // A set of buffers independent of the others, live within sections [first_section, end_section).
   struct Part {
@@ -146,8 +153,10 @@ struct Search {
     SectionIndex first_section, end_section;
   };
 
+  // Past the budget, past a finished worker's step count, or past the ceiling. Monotone: once true, stays true.
   bool expired() const {
-    return stop->load(std::memory_order_relaxed) || std::chrono::steady_clock::now() > deadline;
+    return work > work_limit || work > decided->load(std::memory_order_relaxed) ||
+           std::chrono::steady_clock::now() > deadline;
   }
 
   // Ranks the part's buffers by the current heuristic (section totals as they stand now), then searches.
@@ -157,6 +166,7 @@ struct Search {
     for (int k = 0; k < count; ++k) {
       const BufferIndex buffer = part.buffers[k];
       Bytes section_total = 0;
+      work += 1 + (end_section[buffer] - first_section[buffer]);
       for (SectionIndex s = first_section[buffer]; s < end_section[buffer]; ++s)
         section_total = std::max(section_total, unplaced_bytes[s]);
       const Time width = upper[buffer] - lower[buffer];
@@ -183,12 +193,14 @@ struct Search {
   // Solves a part: split at boundaries no unplaced buffer crosses, or place its next buffer.
   SearchOutcome solve(const Part& part, Bytes last_offset, int last_rank, bool fresh) {
     std::vector<SectionIndex> cutpoints = {part.first_section};
+    work += 1 + (part.end_section - part.first_section);
     for (SectionIndex s = part.first_section; s + 1 < part.end_section; ++s)
       if (crossing[s] == 0) cutpoints.push_back(s + 1);
     if (cutpoints.size() == 1) return fresh ? rank_and_solve(part) : place_next(part, last_offset, last_rank);
     cutpoints.push_back(part.end_section);
     for (size_t c = 1; c < cutpoints.size(); ++c) {
       Part sub;
+      work += (Work)part.buffers.size();
       sub.first_section = cutpoints[c - 1];
       sub.end_section = cutpoints[c];
       for (const BufferIndex buffer : part.buffers)
@@ -203,6 +215,7 @@ struct Search {
 
   // Whether every section of the part still fits its unplaced bytes above max(bottom, its floor).
   bool sections_fit(const Part& part, Bytes bottom) {
+    work += part.end_section - part.first_section;
     for (SectionIndex s = part.first_section; s < part.end_section; ++s)
       if (std::max(bottom, section_floor[s]) + unplaced_bytes[s] > capacity) return false;
     return true;
@@ -211,7 +224,7 @@ struct Search {
   // Tries each unplaced buffer of the part at its lowest offset, in canonical order (offsets
   // nondecreasing, ties by rank), and recurses.
   SearchOutcome place_next(const Part& part, Bytes last_offset, int last_rank) {
-    ++nodes;
+    work += 256 + (Work)part.buffers.size();  // a node allocates and sorts its candidates: a fixed cost too
     std::vector<std::pair<std::pair<Bytes, int>, BufferIndex>> candidates;  // ((offset, rank), buffer)
     Bytes min_height = -1;
     for (const BufferIndex buffer : part.buffers)
@@ -239,6 +252,7 @@ struct Search {
       std::vector<SectionIndex> affected;
       ++generation;
       bool hatless = true;  // nothing unplaced overlaps the buffer: its placement constrains no one
+      work += 8 + 2 * (Work)(*neighbours)[buffer].size() + (end_section[buffer] - first_section[buffer]);
       for (const BufferIndex neighbour : (*neighbours)[buffer])
         if (offset[neighbour] < 0) hatless = false;
       for (const BufferIndex neighbour : (*neighbours)[buffer])
@@ -260,6 +274,7 @@ struct Search {
         int visited = 0;
         for (const SectionIndex s : affected) {
           if ((++visited & 63) == 0 && expired()) { ok = false; break; }
+          work += 1 + (Work)(*section_members)[s].size();
           Bytes lowest = -1;
           for (const BufferIndex member : (*section_members)[s])
             if (offset[member] < 0 && (lowest < 0 || lowest_offset[member] < lowest)) lowest = lowest_offset[member];
@@ -290,7 +305,7 @@ struct Search {
 };
 
 // mp_search's body (see place.h).
-SearchOutcome search(const SearchProblem& problem, Bytes* offsets, Nodes* nodes) {
+SearchOutcome search(const SearchProblem& problem, Bytes* offsets, Work* work) {
   const int buffers = problem.buffers, sections = problem.sections;
   std::vector<std::vector<BufferIndex>> neighbours(buffers), section_members(sections);
   std::vector<Bytes> unplaced_bytes(sections, 0);
@@ -302,7 +317,7 @@ SearchOutcome search(const SearchProblem& problem, Bytes* offsets, Nodes* nodes)
     }
     for (SectionIndex s = problem.first_section[b]; s + 1 < problem.end_section[b]; ++s) ++crossing[s];
   }
-  *nodes = 0;
+  *work = 0;
   for (SectionIndex s = 0; s < sections; ++s)
     if (unplaced_bytes[s] > problem.capacity) return SEARCH_INFEASIBLE;
   for (BufferIndex b = 0; b < buffers; ++b)
@@ -315,8 +330,7 @@ SearchOutcome search(const SearchProblem& problem, Bytes* offsets, Nodes* nodes)
   all.first_section = 0;
   all.end_section = sections;
   for (BufferIndex b = 0; b < buffers; ++b) all.buffers.push_back(b);
-  std::atomic<bool> stop(false);
-  std::atomic<int> winner(-1);
+  std::atomic<Work> decided(INT64_MAX);
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::microseconds((int64_t)(problem.seconds * 1e6));
   std::vector<Search> workers(problem.heuristics);
@@ -333,8 +347,9 @@ SearchOutcome search(const SearchProblem& problem, Bytes* offsets, Nodes* nodes)
     worker.neighbours = &neighbours;
     worker.section_members = &section_members;
     worker.heuristic = problem.heuristic[h];
+    worker.work_limit = problem.work_limit;
     worker.deadline = deadline;
-    worker.stop = &stop;
+    worker.decided = &decided;
     worker.lowest_offset.assign(buffers, 0);
     worker.offset.assign(buffers, -1);
     worker.solution.assign(buffers, -1);
@@ -345,16 +360,24 @@ SearchOutcome search(const SearchProblem& problem, Bytes* offsets, Nodes* nodes)
     worker.stamp.assign(sections, 0);
     threads.emplace_back([&, h]() {
       outcomes[h] = workers[h].solve(all, 0, -1, true);
-      if (outcomes[h] != SEARCH_TIMEOUT) {
-        int none = -1;
-        if (winner.compare_exchange_strong(none, h)) stop.store(true);
+      if (outcomes[h] == SEARCH_TIMEOUT) return;
+      Work fewest = decided.load();
+      while (workers[h].work < fewest && !decided.compare_exchange_weak(fewest, workers[h].work)) {
       }
     });
   }
   for (auto& thread : threads) thread.join();
-  for (const auto& worker : workers) *nodes += worker.nodes;
-  const int won = winner.load();
+  // The winner: the finished worker with the fewest steps, the earlier heuristic on a tie. Every worker that
+  // finished within the winner's steps ran to its end, so the choice does not depend on thread timing.
+  // The steps counted: the winner's, once per worker (each ran at least that far; how much further a loser
+  // ran before it noticed depends on timing), or every worker's own when none finished.
+  int won = -1;
+  for (int h = 0; h < problem.heuristics; ++h) {
+    *work += workers[h].work;
+    if (outcomes[h] != SEARCH_TIMEOUT && (won < 0 || workers[h].work < workers[won].work)) won = h;
+  }
   if (won < 0) return SEARCH_TIMEOUT;
+  *work = workers[won].work * problem.heuristics;
   if (outcomes[won] == SEARCH_FITS)
     for (BufferIndex b = 0; b < buffers; ++b) offsets[b] = workers[won].solution[b];
   return outcomes[won];
@@ -362,8 +385,10 @@ SearchOutcome search(const SearchProblem& problem, Bytes* offsets, Nodes* nodes)
 
 }  // namespace
 
-extern "C" Bytes mp_greedy(const GreedyProblem* problem, Bytes* offsets) { return greedy(*problem, offsets); }
+extern "C" Bytes mp_greedy(const GreedyProblem* problem, Bytes* offsets, Work* work) {
+  return greedy(*problem, offsets, work);
+}
 
-extern "C" SearchOutcome mp_search(const SearchProblem* problem, Bytes* offsets, Nodes* nodes) {
-  return search(*problem, offsets, nodes);
+extern "C" SearchOutcome mp_search(const SearchProblem* problem, Bytes* offsets, Work* work) {
+  return search(*problem, offsets, work);
 }

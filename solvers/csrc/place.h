@@ -14,7 +14,8 @@ using BufferIndex = int32_t;   // a buffer's position in the problem's columns
 using ItemIndex = int32_t;     // an item's position: a single buffer, or a contiguous group placed as one block
 using MemberIndex = int32_t;   // a position in GreedyProblem::members (an item's members are consecutive)
 using SectionIndex = int32_t;  // a section: the span between two consecutive distinct times of the problem
-using Nodes = int64_t;         // a count of search nodes (partial placements visited)
+using Work = int64_t;          // elementary steps of a kernel (buffers scanned, neighbours and sections updated):
+                               // the deterministic measure of effort, the same on a busy or an idle machine
 
 extern "C" {
 
@@ -49,7 +50,8 @@ struct SearchProblem {
   int32_t heuristics;                 // how many static buffer orders to search with, one thread each
   const char* const* heuristic;       // heuristic[h]: sort keys, most significant first, all descending:
                                       //   W lifetime, A area (lifetime x size), T section total, Z size
-  double seconds;                     // the time limit for the whole search, all threads together
+  Work work_limit;                    // each thread stops after this many steps (the deterministic budget)
+  double seconds;                     // a wall-clock ceiling for the whole search, all threads together
 };
 
 // What mp_search decided.
@@ -63,14 +65,18 @@ enum SearchOutcome : int32_t {
 // members shares a byte with a conflicting placed buffer. Returns the arena: the top of every buffer of
 // positive size.
 Bytes mp_greedy(const GreedyProblem* problem,  // the buffers and the items; read only
-                Bytes* offsets);               // in: each buffer's preset offset, -1 for those the items place;
+                Bytes* offsets,                // in: each buffer's preset offset, -1 for those the items place;
                                                // out: every placed member's offset (problem->buffers entries)
+                Work* work);                   // out: steps spent (placed neighbours visited, gaps swept)
 
 // Decides whether problem's buffers fit in problem->capacity by a canonical depth-first search (each
 // buffer at the lowest offset its placed neighbours allow, offsets nondecreasing), with section inference,
-// gap dominance and dynamic decomposition into independent parts. Each heuristic runs in its own thread;
-// the first to find a placement or prove there is none stops the others.
-SearchOutcome mp_search(const SearchProblem* problem,  // the buffers, capacity, orders and time limit; read only
+// gap dominance and dynamic decomposition into independent parts. Each heuristic runs in its own thread.
+// The answer is the one reached in the fewest steps (ties: the earlier heuristic), so it does not depend
+// on how the threads were scheduled: a thread stops once it has spent more steps than a finished one,
+// or work_limit. Only the wall-clock ceiling, when it strikes first, makes the outcome machine-dependent.
+SearchOutcome mp_search(const SearchProblem* problem,  // the buffers, capacity, orders and limits; read only
                         Bytes* offsets,                // out, on SEARCH_FITS: each buffer's offset (buffers entries)
-                        Nodes* nodes);                 // out: search nodes visited, all threads together
+                        Work* work);                   // out: steps spent, all threads together, counted
+                                                       // so that it does not depend on thread timing
 }

@@ -1,0 +1,60 @@
+"""The solve's budget: deterministic work instead of wall-clock shares, so a busy machine gives the same
+answer; capacity mode leaves CP-SAT its share; the bound says where it came from."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from memplan.planner.jobs.solve_file import load_problem, solve_file
+from memplan.solvers import solve
+from memplan.solvers.search import TIMEOUT, search_fit
+
+pytestmark = pytest.mark.slow
+
+
+def test_capacity_mode_leaves_cpsat_its_share(shared):
+    """capacity_21 (62 buffers, max live 21): the search cannot decide it, CP-SAT can; both get a share."""
+    plan = solve(load_problem(str(shared / "benchmarks/regressions/capacity_21.csv")), capacity=21, time_limit=10)
+    assert plan.arena <= 21 and plan.capacity == 21
+
+
+def test_search_answer_does_not_depend_on_thread_timing(shared):
+    """Three threads race; the winner is the one with the fewest steps, so repeated runs agree exactly."""
+    problem = load_problem(str(shared / "benchmarks/minimalloc/D.1048576.csv"))
+    results = [search_fit(problem, 1_061_888, 10**9, 60.0) for _ in range(3)]
+    assert results[0].status == "fits"
+    for other in results[1:]:
+        assert other.status == results[0].status and other.work == results[0].work
+        assert np.array_equal(other.offsets, results[0].offsets)
+
+
+def test_out_of_work_is_a_timeout_not_a_proof(shared):
+    problem = load_problem(str(shared / "benchmarks/minimalloc/D.1048576.csv"))
+    result = search_fit(problem, 986_112, 1000, 60.0)
+    assert result.status == TIMEOUT and result.offsets is None
+
+
+def test_same_arena_with_a_cpu_burning_process_alongside(shared):
+    """The acceptance check of issue 16: the same instance and time limit, the machine idle and then busy."""
+    problem = load_problem(str(shared / "benchmarks/minimalloc/D.1048576.csv"))
+    idle = solve(problem, time_limit=4.0)
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        busy = solve(problem, time_limit=4.0)
+    finally:
+        burner.kill()
+        burner.wait()
+    assert (busy.arena, busy.bound, busy.solver) == (idle.arena, idle.bound, idle.solver)
+    assert busy.offsets == idle.offsets
+
+
+def test_json_names_the_bound_source(shared, tmp_path):
+    report = solve_file(str(shared / "benchmarks/minimalloc/A.1048576.csv"), time_limit=5.0)
+    summary = report.summary()
+    assert summary["bound_source"] and json.dumps(summary)
+    assert f"({summary['bound_source']})" in report.text()
