@@ -6,9 +6,11 @@ search decides "fits at the capacity?", or bisects between the bound and the bes
 twice the work the probes that ran out; on other problems a squeaky-wheel loop re-runs the best greedy
 order with the buffers that end above the bound moved earlier. CP-SAT then minimises (or decides the
 capacity) with the rest of the budget, hinted with the best plan so far, when its model is small enough
-to help. No method gets more than its share: the search SEARCH_SHARE (CAPACITY_SEARCH_SHARE when deciding a
-capacity), CP-SAT the rest. Every share is deterministic work (solvers/budget.py); the time limit is a
-ceiling. The bound says how it was proven: a cheap bound, or the search or CP-SAT proving no placement.
+to help. Before the search, the exact search on time windows tries to prove a bound above max-live
+(solvers/window_bound.py). No method gets more than its share: the window bound BOUND_SHARE, the search
+SEARCH_SHARE of what is left (CAPACITY_SEARCH_SHARE when deciding a capacity), CP-SAT the rest. Every
+share is deterministic work (solvers/budget.py); the time limit is a ceiling. The bound says how it was
+proven: a cheap bound, or the search or CP-SAT proving no placement (of a window's buffers, or of all).
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ from memplan.solvers.budget import Budget
 from memplan.solvers.cpsat import MAX_TERMS, cpsat_place, model_terms
 from memplan.solvers.greedy import greedy, squeaky_wheel
 from memplan.solvers.search import FITS, HEURISTICS, INFEASIBLE, applicable, search_fit
+from memplan.solvers.window_bound import window_bound
 from memplan.traces.errors import MemplanError
 
 METHODS = ("auto", "greedy", "cpsat")
 SEARCH_MAX_BUFFERS = 5000  # the exact search is hopeless beyond this (MiniMalloc-style DFS)
 SEARCH_SHARE = 0.7  # when minimising, the share of the budget the search (or squeaky wheel) may use
 CAPACITY_SEARCH_SHARE = 0.5  # when deciding a capacity, the search's share; CP-SAT has the rest
+BOUND_SHARE = 0.1  # before the search, the share for proving a bound above max-live on time windows
 FIRST_PROBE_SHARE = 0.4  # of the search's share, what the probe at the bound may use
 PROBE_SHARE = 1 / 16  # of the search's share, what each probe of the first bisection pass may use
 RESOLUTION = 1 / 4096  # bisection stops short of the best arena by less than this fraction of it
@@ -123,11 +127,22 @@ def _search_at(best: _Best, budget: Budget, target: int, seconds: float, unit: i
     return result.status
 
 
+def _prove_bound(best: _Best, budget: Budget, share: float) -> None:
+    """Try to prove a bound above the best one on time windows' buffers, in `share` seconds of work."""
+    threads = len(HEURISTICS)
+    result = window_bound(best.p, best.bound, budget.search_steps(share, threads), budget.wall_left())
+    budget.spend_search(result.work * threads)
+    if result.bound is not None:
+        best.raise_bound(result.bound.value, result.bound.source)
+
+
 def _search_down(best: _Best, budget: Budget, share: float) -> None:
     """Minimise with the search in `share` seconds of work: the bound first, then passes of bisection between
     the bound and the best arena over multiples of the sizes' GCD. In a pass a probe that ran out of work
     counts as "look higher"; the next pass revisits the range with twice the work per probe."""
     floor = budget.seconds - share  # the work that must be left for the others
+    if best.arena <= best.bound:
+        return
     sizes = best.p.size[best.p.active]
     unit = int(np.gcd.reduce(sizes)) if len(sizes) else 1
     if _search_at(best, budget, best.bound, FIRST_PROBE_SHARE * share, unit) == FITS:
@@ -176,26 +191,31 @@ def solve(
     if method == "greedy" or best.arena <= goal():
         return _finish(best, capacity)
 
-    # 3. The search (or the squeaky wheel) in its share of the work.
+    # 3. On one stream, a bound past max-live from time windows; then the search (or, on other problems,
+    #    the squeaky wheel) in its share of the work.
     model_fits = model_terms(p) <= MAX_TERMS
     if method == "auto":
+        searchable = applicable(p) and int(p.active.sum()) <= SEARCH_MAX_BUFFERS
+        if searchable:
+            _prove_bound(best, budget, BOUND_SHARE * budget.seconds)
         share = (CAPACITY_SEARCH_SHARE if capacity is not None else SEARCH_SHARE) * budget.seconds
         if not model_fits:
             share = budget.seconds
-        if applicable(p) and int(p.active.sum()) <= SEARCH_MAX_BUFFERS:
-            if capacity is not None:
-                if _search_at(best, budget, capacity, share) == INFEASIBLE:
-                    raise CapacityError(
-                        f"cannot fit in {capacity} bytes: no placement exists "
-                        f"(proven by search; lower bound {best.bound} bytes)",
-                        proven=True,
-                    )
-            else:
-                _search_down(best, budget, share)
+        if searchable and capacity is not None:
+            if best.bound <= capacity:
+                _search_at(best, budget, capacity, share)
+        elif searchable:
+            _search_down(best, budget, share)
         else:
             improved = squeaky_wheel(p, first, goal(), budget.greedy_steps(share), budget.deadline)
             budget.spend_greedy(improved.work)
             best.offer(improved.offsets, improved.arena, "greedy+squeaky-wheel")
+    if capacity is not None and best.bound > capacity:
+        raise CapacityError(
+            f"cannot fit in {capacity} bytes: no placement exists "
+            f"({best.bound_source}; lower bound {best.bound} bytes)",
+            proven=True,
+        )
 
     # 4. CP-SAT with the rest of the work, hinted with the best plan so far.
     if not model_fits:
