@@ -182,7 +182,10 @@ def solve(
             f"cannot fit in {capacity} bytes: the lower bound is {bound.value} bytes ({bound.source})", proven=True
         )
     best = _Best(p, bound, start, progress)
-    goal = lambda: capacity if capacity is not None else best.bound  # noqa: E731
+
+    def goal() -> int:
+        """What the solve stops at: the capacity, or the best bound so far."""
+        return capacity if capacity is not None else best.bound
 
     # 2. Greedy orders, stopping at the goal; the wall ceiling applies at half the time limit.
     first = greedy(p, stop_at=goal(), deadline=start + time_limit / 2)
