@@ -277,9 +277,8 @@ def cpsat_place(
     # 9. Solve within the budget, reporting each improving arena.
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(seconds, 0.01)
-    solver.parameters.num_workers = workers
+    solver.parameters.num_workers = workers if deterministic_time is None else 1
     if deterministic_time is not None:
-        solver.parameters.num_workers = 1
         solver.parameters.max_deterministic_time = max(deterministic_time, 0.001)
     status = solver.solve(model, _ArenaReport(arena, unit, base, on_solution))
     spent = solver.response_proto.deterministic_time
