@@ -11,13 +11,17 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from memplan import __all__ as PUBLIC_API
 from memplan.planner.jobs.fit import FitResult, fit_model
+from memplan.planner.jobs.optimize import OptimizeOptions, OptimizeResult
+from memplan.planner.jobs.optimize import optimize as optimize_job
 from memplan.planner.jobs.run import DEFAULT_MODEL, RunOptions, RunResult
 from memplan.planner.jobs.run import run as run_job
-from memplan.planner.layers import MODES, LayerMode, patch, unpatch
+from memplan.planner.jobs.tradeoff import TradeoffOptions, TradeoffResult
+from memplan.planner.jobs.tradeoff import tradeoff as tradeoff_job
+from memplan.planner.layers import MODES, LayerMode, LayerModes, patch, transformer_layers, unpatch
 from memplan.planner.plan import Plan, check_plan, load_plan, plan_problem
 from memplan.planner.plan import save_plan as save_checked_plan
 from memplan.planner.problem import problem_from_trace
@@ -27,6 +31,7 @@ from memplan.planner.report.plots import plot_reports
 from memplan.planner.simulate.plan_footprint import match_plans
 from memplan.solvers import solve as solve_problem
 from memplan.traces.capture import Recording, record
+from memplan.traces.compile import Compile
 from memplan.traces.errors import MemplanError
 from memplan.traces.format import Trace, load, save
 from memplan.traces.snapshot import import_snapshot
@@ -50,16 +55,22 @@ def save_trace(trace: Trace, path: PathLike) -> None:
 def trace_model_file(
     path: PathLike,
     *,
-    layers: str = "baseline",
+    layers: str | Mapping[str, str] = "baseline",
     batch: int = 2,
     seq: int = 128,
     dtype: str = "float32",
     device: str = "cpu",
     fake: bool = False,
+    compile: float | None = None,
 ) -> Trace:
-    """One training step of a model file (README: Model files) with memplan's `layers` mode, as `memplan
-    trace` records it; `fake` runs it under fake tensors (any size, nothing allocated)."""
-    return trace_with(path, batch=batch, seq=seq, dtype=dtype, device=device, layers=LayerMode(layers), fake=fake)
+    """One training step of a model file (README: Model files) with memplan's `layers` mode (or a mode per
+    Transformer layer: {"layers.0": "full", ...}), as `memplan trace` records it; `fake` runs it under fake
+    tensors (any size, nothing allocated); `compile` under torch.compile at that activation memory budget."""
+    chosen = LayerMode(layers) if isinstance(layers, str) else LayerModes(dict(layers))
+    compiled = None if compile is None else Compile(compile)
+    return trace_with(
+        path, batch=batch, seq=seq, dtype=dtype, device=device, layers=chosen, fake=fake, compile=compiled
+    )
 
 
 def solve(
@@ -125,6 +136,20 @@ def fit(
     """The largest batch of `model_file` whose step fits `memory` bytes under each layer mode, under the
     caching allocator and under a plan, each proven by direct traces (real or fake, as `capture` says)."""
     return fit_model(str(model_file), memory, modes=tuple(layers), seq=seq, dtype=dtype, capture=capture)
+
+
+def tradeoff(model_file: PathLike, **options) -> TradeoffResult:
+    """Memory against extra compute (`memplan tradeoff`) for every layer mode and torch.compile budget, the
+    Pareto frontiers marked; TradeoffOptions names the options (budgets, batch, seq, output, ...)."""
+    return tradeoff_job(TradeoffOptions(model_file=str(model_file), **options))
+
+
+def optimize(model_file: PathLike, memory: int, **options) -> OptimizeResult:
+    """A mode per Transformer layer (`memplan optimize`) so the step's plan fits `memory` bytes with the least
+    recompute, proven within the model by CP-SAT and checked by a trace; OptimizeOptions names the options
+    (batch=None chooses the largest batch too). `patch(model, dict(zip(result.layers, result.chosen.assignment)))`
+    applies the answer."""
+    return optimize_job(OptimizeOptions(model_file=str(model_file), memory=memory, **options))
 
 
 def run(model_file: PathLike | None = None, output: PathLike = "memplan-out", **options) -> RunResult:

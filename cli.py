@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
@@ -51,6 +52,33 @@ LAYERS_HELP = (
 )
 
 
+def compile_options(command):
+    """--compile and --memory-budget for a command that traces or replays a step: the command gets them as one
+    argument `compile`, the activation memory budget when compiled and None when eager."""
+
+    @functools.wraps(command)
+    def with_compile(*args, compile, memory_budget, **kwargs):
+        if memory_budget is not None and not compile:
+            raise click.UsageError("--memory-budget needs --compile", ctx=click.get_current_context())
+        budget = 1.0 if memory_budget is None else memory_budget
+        return command(*args, compile=budget if compile else None, **kwargs)
+
+    budget_option = click.option(
+        "--memory-budget",
+        type=click.FloatRange(0.0, 1.0),
+        default=None,
+        help="With --compile: torch._functorch.config.activation_memory_budget, from 0 (recompute in backward "
+        "everything the partitioner can) to 1 (keep what min-cut chooses; the default).",
+    )
+    compile_option = click.option(
+        "--compile",
+        is_flag=True,
+        help="Run the model's forward under torch.compile (Inductor; AOTAutograd's min-cut partitioner); the "
+        "trace records what the compiled step allocates. Real tensors only.",
+    )
+    return compile_option(budget_option(with_compile))
+
+
 def emit(summary: dict, as_json: bool, text: str) -> None:
     """Print a command's summary: the JSON document with --json, the human text otherwise."""
     click.echo(json.dumps(summary, indent=2, sort_keys=True) if as_json else text)
@@ -97,8 +125,9 @@ def main() -> None:
     "per rank, FILE.rank{r}.json.gz; all or none. With --fake, the ranks run in turn in this "
     "process on torch.distributed's fake process group.",
 )
+@compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def trace_command(model_file, output, batch, seq, dtype, layers, device, fake, top, nproc, as_json):
+def trace_command(model_file, output, batch, seq, dtype, layers, device, fake, top, nproc, compile, as_json):
     """Record one training step of MODEL_FILE and write its trace.
 
     Example: memplan trace examples/bert.py --batch 2 --seq 128 -o bert.trace.json.gz
@@ -111,6 +140,9 @@ def trace_command(model_file, output, batch, seq, dtype, layers, device, fake, t
 
     Example (8 fake ranks of GPT-2 medium, no process or memory needed):
     MEMPLAN_PRESET=medium memplan trace examples/gpt2_parallel.py --nproc 8 --fake --seq 1024 -o m.json.gz
+
+    Example (compiled by Inductor, recomputing in backward all it can):
+    memplan trace examples/llama.py --compile --memory-budget 0 -o llama.compiled.json.gz
     """
     from memplan.planner.jobs.trace import trace_to_file
 
@@ -125,6 +157,7 @@ def trace_command(model_file, output, batch, seq, dtype, layers, device, fake, t
         fake=fake,
         top=top,
         nproc=nproc,
+        compile=compile,
         progress=progress,
     )
     emit(summary, as_json, text)
@@ -297,8 +330,9 @@ def compare_command(trace_files, plan_files, method, time_limit, alloc_conf, tie
 )
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--layers", default="as-built", show_default=True, help=LAYERS_HELP)
+@compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq, dtype, layers, as_json):
+def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq, dtype, layers, compile, as_json):
     """Run a model's training steps with the plan allocator and check them bitwise against the default one.
 
     Moves the parameters, optimizer state and inputs into their planned slots first, then reports the
@@ -320,6 +354,7 @@ def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq,
         seq=seq,
         dtype=dtype,
         layers=layers,
+        compile=compile,
         progress=progress,
     )
     emit(report.summary(), as_json, report.text())
@@ -420,8 +455,9 @@ def solve_command(source, output, time_limit, capacity, method, alignment, scope
     help="Steps the tempo plan is replayed for.",
 )
 @capture_option
+@compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps, capture, as_json):
+def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps, capture, compile, as_json):
     """The main job: trace MODEL_FILE under every layer mode (as-built, baseline, tempo, selective,
     tempo+selective, full, tempo+full), solve and simulate each, replay the tempo plan on the CPU, and
     write a report with two pictures. With fake traces there is no replay (it runs the real step).
@@ -443,6 +479,7 @@ def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps
         time_limit=time_limit,
         replay_steps=replay_steps,
         capture=capture,
+        compile=compile,
     )
     result = run(opts, progress=progress)
     emit(result.summary(), as_json, render_text(result))
@@ -471,8 +508,9 @@ def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps
     help="Seconds for each solve.",
 )
 @capture_option
+@compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def fit_command(model_file, memory, modes, seq, dtype, alloc_conf, tie_break, time_limit, capture, as_json):
+def fit_command(model_file, memory, modes, seq, dtype, alloc_conf, tie_break, time_limit, capture, compile, as_json):
     """The largest batch size whose training step fits --memory, under the caching allocator and under a plan.
 
     Traces batch 1, 2 and 4, fits memory as affine in the batch, predicts, brackets the answer and
@@ -495,9 +533,87 @@ def fit_command(model_file, memory, modes, seq, dtype, alloc_conf, tie_break, ti
         time_limit=time_limit,
         tie_break=tie_break,
         capture=capture,
+        compile=compile,
         progress=progress,
     )
     emit(result.summary(), as_json, result.text())
+
+
+def budget_list(_ctx, _param, value: str) -> tuple[float, ...]:
+    """--budgets '1,0.5,0.2,0' as floats from 0 to 1 ('' for none)."""
+    try:
+        budgets = tuple(float(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: a comma-separated list of numbers from 0 to 1") from None
+    if any(not 0.0 <= b <= 1.0 for b in budgets):
+        raise click.BadParameter(f"{value!r}: every budget is from 0 to 1")
+    return budgets
+
+
+@main.command("tradeoff")
+@click.argument("model_file", type=click.Path(dir_okay=False))
+@click.option("--batch", type=click.IntRange(min=1), default=2, show_default=True, help="Batch size passed to build().")
+@click.option(
+    "--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build()."
+)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option(
+    "--budgets",
+    default="1,0.5,0.2,0",
+    show_default=True,
+    callback=budget_list,
+    help="torch.compile activation memory budgets to measure ('' for none).",
+)
+@click.option("--time-limit", type=click.FloatRange(min=0.1), default=5.0, show_default=True, help="Seconds per plan.")
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Timed steps per point.")
+@capture_option
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Figure to write: .png or .svg.")
+@click.option("--json", "as_json", is_flag=True, help="Print every point as JSON.")
+def tradeoff_command(model_file, batch, seq, dtype, budgets, time_limit, repeats, capture, output, as_json):
+    """Peak memory against extra compute for every layer mode and torch.compile budget, Pareto frontier marked.
+
+    Example: memplan tradeoff examples/gpt2.py --budgets 1,0 -o tradeoff.png
+    """
+    from memplan.planner.jobs.tradeoff import TradeoffOptions, render, tradeoff
+
+    opts = TradeoffOptions(model_file, batch, seq, dtype, budgets, time_limit, repeats, capture, output)
+    result = tradeoff(opts, progress=progress)
+    emit(result.summary(), as_json, render(result))
+
+
+@main.command("optimize")
+@click.argument("model_file", type=click.Path(dir_okay=False))
+@click.option("--memory", required=True, help="Memory the step's plan must fit: 11GiB, 16GB, 512MiB or bytes.")
+@click.option("--batch", type=click.IntRange(min=1), default=None, help="Batch size passed to build() [default: 2].")
+@click.option("--max-batch", is_flag=True, help="Choose the largest batch that fits too.")
+@click.option(
+    "--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build()."
+)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option(
+    "--time-limit",
+    type=click.FloatRange(min=0.1),
+    default=10.0,
+    show_default=True,
+    help="Seconds for CP-SAT and per plan.",
+)
+@capture_option
+@click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
+def optimize_command(model_file, memory, batch, max_batch, seq, dtype, time_limit, capture, as_json):
+    """A mode per Transformer layer (as-built, tempo, selective, tempo+selective, full) so the step fits --memory
+    with the least recompute, chosen by CP-SAT on a model measured from traces and checked by tracing it.
+
+    Example: memplan optimize examples/gpt2.py --memory 6MiB --batch 2 --seq 128
+    """
+    from memplan.planner.jobs.fit import parse_size
+    from memplan.planner.jobs.optimize import OptimizeOptions, optimize, render
+
+    if max_batch and batch is not None:
+        raise click.UsageError("--batch and --max-batch exclude each other", ctx=click.get_current_context())
+    size = parse_size(memory)
+    opts = OptimizeOptions(model_file, size, None if max_batch else batch or 2, seq, dtype, capture, time_limit)
+    result = optimize(opts, progress=progress)
+    emit(result.summary(), as_json, render(result))
 
 
 if __name__ == "__main__":

@@ -104,6 +104,18 @@ BAD = {
         ["{e}/bert.py"],
     ],
     "run": [["{d}/missing.py", "-o", "{d}/run-out"], ["{d}/nobuild.py", "-o", "{d}/run-out"]],
+    "tradeoff": [
+        ["{d}/missing.py"],
+        ["{e}/bert.py", "--budgets", "2"],
+        ["{e}/bert.py", "--budgets", "half"],
+        ["{e}/bert.py", "-o", "{d}/figure.txt"],
+    ],
+    "optimize": [
+        ["{d}/missing.py", "--memory", "1GiB"],
+        ["{e}/bert.py", "--memory", "lots"],
+        ["{e}/bert.py"],
+        ["{e}/bert.py", "--memory", "1GiB", "--batch", "2", "--max-batch"],
+    ],
 }
 
 

@@ -1,6 +1,7 @@
 """The package's shape: one `memplan` namespace, every package listed for the wheel, imports that run one
-way along the flow (traces -> problem/plan/verify -> solvers -> simulate/replay/report -> jobs -> cli), no
-import cycle, and memplan's own imports inside functions only where the module is heavy (cli) or CUDA-only."""
+way along the flow (traces -> problem/plan/verify -> solvers/optimize -> simulate/replay/cost/report -> jobs
+-> cli), no import cycle, and memplan's own imports inside functions only where the module is heavy (cli) or
+CUDA-only."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ STAGES = (
     ("memplan.planner.problem", "memplan.planner.safety", "memplan.planner.verify", "memplan.planner.plan",
      "memplan.planner.minimalloc_csv"),
     ("memplan.planner.layers", "memplan.planner.workloads", "memplan.planner.parallel"),  # models memplan measures
-    ("memplan.solvers",),
-    ("memplan.planner.simulate", "memplan.planner.replay"),
+    ("memplan.solvers", "memplan.planner.optimize"),  # placements; the per-layer choice
+    ("memplan.planner.simulate", "memplan.planner.replay", "memplan.planner.cost"),  # what a step costs
     ("memplan.planner.report",),
     ("memplan.planner.jobs",),
     ("memplan.api", "memplan.cli", "memplan"),

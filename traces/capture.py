@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -180,6 +181,13 @@ def _cuda_history(device: torch.device):
         torch.cuda.memory._record_memory_history(enabled=None, device=device)
 
 
+def _garbage_generation() -> int:
+    """The oldest generation a collection before the step must reach to free the warm-up's cyclic garbage: it is
+    young (a full collection costs ~0.1 s in a torch process), unless torch.compile has run (torch._dynamo is
+    imported): its graph breaks leave cycles holding the warm-up's tensors in older generations."""
+    return 2 if "torch._dynamo" in sys.modules else 1
+
+
 def _resident_at_start(workload: Workload, recorder: Recorder, live: Events, device: torch.device, adopt: bool) -> dict:
     """Labels of the storages alive as the step begins. Every storage the workload holds on the device
     must be among them: with `adopt`, those made before recording began are counted from now on; without,
@@ -243,7 +251,7 @@ class Recording:
             for tensor, _, _ in resident_tensors(workload, device.type):
                 self._recorder.adopt(tensor)
         # 1. The storages alive now, labelled; no cycle collection inside, so frees happen where dropped.
-        gc.collect(1)  # the warm-up's cyclic garbage is young; a full collection costs ~0.1 s in a torch process
+        gc.collect(_garbage_generation())
         live = self._recorder.begin_step()
         resident = _resident_at_start(workload, self._recorder, live, device, adopt)
         gc.disable()

@@ -10,6 +10,7 @@ this allocates tensor memory, so the step's allocations stay those of a plain st
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -46,15 +47,25 @@ def state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
                 yield value
 
 
+def _never_compiled(hook):
+    """`hook` kept out of torch.compile: a compiled model calls its hooks from its eager parts (at graph breaks),
+    and Dynamo compiling them there would be work, and allocations, that a plain step does not do. Without
+    torch._dynamo imported nothing is compiled (and importing it would cost seconds inside an eager step)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    return hook if dynamo is None else dynamo.disable(hook)
+
+
 @contextlib.contextmanager
 def _module_labels(model: torch.nn.Module, recorder: Recorder) -> Iterator[None]:
     labels = {key: recorder.intern(path) for key, path in module_paths(model).items()}
     entered: list[int] = []
 
+    @_never_compiled
     def enter(module, _inputs):
         recorder.enter_module(labels.get(id(module)) or recorder.intern(type(module).__name__))
         entered.append(1)
 
+    @_never_compiled
     def leave(_module, _inputs, _output):
         if entered:
             entered.pop()

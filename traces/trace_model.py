@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from memplan.traces.capture import capture_step
+from memplan.traces.compile import Compile, compile_model, require_real_tensors
 from memplan.traces.errors import MemplanError
 from memplan.traces.format import Trace
 from memplan.traces.model_file import AS_BUILT, ModelPatch, build_workload, import_model_file, require_device
@@ -26,17 +27,27 @@ def trace_model_file(
     fake: bool = False,
     warmup: bool = True,
     meta: dict | None = None,
+    compile: Compile | None = None,
 ) -> Trace:
     """Build `path`'s workload (batch, seq, dtype, device, layer mode) and record one training step; with
-    `fake`, under fake tensors (nothing allocated or computed, any size, also a CUDA device on a CPU)."""
+    `fake`, under fake tensors (nothing allocated or computed, any size, also a CUDA device on a CPU); with
+    `compile`, the model's forward runs under torch.compile (the warm-up step compiles it, so the compiler's
+    own allocations are not the recorded step's; a recorded step that compiles again is a CompileError)."""
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     require_device(device, fake)
+    if compile is not None:
+        require_real_tensors(fake)
     build_function = import_model_file(path)  # before recording: import-time tensors are not the step's
 
+    compilations = []  # the compiled forward's Compilations, once built
+
     def build():
-        return build_workload(
+        workload = build_workload(
             path, build_function, batch=batch, seq=seq, dtype=torch_dtype, device=device, layers=layers, fake=fake
         )
+        if compile is not None:
+            compilations.append(compile_model(workload.model, compile))
+        return workload
 
     info = {  # meta "model" is capture_step's: the workload's name (the model file's "name", else its file name)
         "layers": layers.name if layers else AS_BUILT,
@@ -44,8 +55,12 @@ def trace_model_file(
         "seq": seq,
         "dtype": str(torch_dtype).replace("torch.", ""),
         "model_file": str(path),
+        **({"compile": compile.meta()} if compile is not None else {}),
     }
-    return capture_step(build, device, fake=fake, warmup=warmup, meta={**info, **(meta or {})})
+    trace = capture_step(build, device, fake=fake, warmup=warmup, meta={**info, **(meta or {})})
+    for compiled in compilations:
+        compiled.require_steady(str(path), steps=2 if warmup else 1)
+    return trace
 
 
 CAPTURES = ("auto", "real", "fake")

@@ -21,6 +21,7 @@ from memplan.planner.problem import problem_from_trace
 from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.solvers import CapacityError, solve
+from memplan.traces.compile import Compile, CompileError, describe_compile, require_real_tensors
 from memplan.traces.errors import MemplanError
 from memplan.traces.summary import describe_patch, no_change_mark
 from memplan.traces.trace_model import (
@@ -160,6 +161,7 @@ class FitResult:
     modes: list[ModeFit]
     capture: CaptureChoice
     tie_break: str = "lowest_address"
+    compile: Compile | None = None  # how the traced steps were compiled; None: eager
 
     def summary(self) -> dict:
         """The JSON document of `memplan fit --json`."""
@@ -172,6 +174,7 @@ class FitResult:
             "tie_break": self.tie_break,
             "capture": self.capture.name,
             "capture_reason": self.capture.reason,
+            "compile": None if self.compile is None else self.compile.meta(),
             "modes": [m.as_dict() for m in self.modes],
         }
 
@@ -181,6 +184,7 @@ class FitResult:
             f"largest batch fitting {format_size(self.memory)} ({self.memory} bytes), "
             f"{self.model_file}, seq {self.seq}, {self.dtype}; {self.capture.name} traces "
             f"({self.capture.reason})"
+            + ("" if self.compile is None else f"; compiled: {describe_compile(self.compile.meta())}")
         )
         cols = ("mode", "caching batch", "reserved* b / b+1", "plan batch", "arena b / b+1", "traces")
         rows = []
@@ -243,9 +247,10 @@ class BatchProbe:
         progress: Callable[[str], None],
         tie_break: str = "lowest_address",
         fake: bool = False,
+        compile: Compile | None = None,
     ):
 
-        self.model_file, self.mode, self.memory, self.fake = model_file, mode, memory, fake
+        self.model_file, self.mode, self.memory, self.fake, self.compile = model_file, mode, memory, fake, compile
         self.seq, self.dtype, self.time_limit, self.progress = seq, dtype, time_limit, progress
         self.conf = parse_alloc_conf(alloc_conf, tie_break)
         self.points: dict[int, Point] = {}
@@ -277,7 +282,13 @@ class BatchProbe:
     def _measure(self, batch: int) -> Point:
 
         trace = trace_model_file(
-            self.model_file, batch=batch, seq=self.seq, dtype=self.dtype, layers=LayerMode(self.mode), fake=self.fake
+            self.model_file,
+            batch=batch,
+            seq=self.seq,
+            dtype=self.dtype,
+            layers=LayerMode(self.mode),
+            fake=self.fake,
+            compile=self.compile,
         )
         self.patch = trace.meta["patch"]
         reserved = simulate_caching(trace, self.conf).peak_reserved
@@ -395,14 +406,21 @@ def fit_model(
     tie_break: str = "lowest_address",
     capture: str = "auto",
     progress: Callable[[str], None] = lambda _: None,
+    compile: float | None = None,
 ) -> FitResult:
     """The largest batch of `model_file` fitting `memory` bytes for every mode, under both allocator models,
-    on real or fake traces as `capture` (auto, real, fake) chooses for steps near `memory` bytes."""
+    on real or fake traces as `capture` (auto, real, fake) chooses for steps near `memory` bytes; with
+    `compile` (an activation memory budget), of the step compiled by torch.compile (real traces only)."""
 
     for mode in modes:
         if mode not in MODES:
             raise FitError(f"--layers {mode}: unknown mode (choose from {', '.join(MODES)})")
+    compiled = None if compile is None else Compile(compile)
+    if compiled is not None:
+        require_real_tensors(capture == "fake")
     choice = choose_capture(capture, memory)
+    if compiled is not None and choice.fake:
+        raise CompileError(f"--compile needs real tensors, and {choice.reason}: fit it eagerly, or a smaller --memory")
     progress(f"{choice.name} traces ({choice.reason})")
     fits = []
     for mode in dict.fromkeys(modes):
@@ -418,6 +436,7 @@ def fit_model(
             progress=progress,
             tie_break=tie_break,
             fake=choice.fake,
+            compile=compiled,
         )
         fits.append(fit_mode(probe))
-    return FitResult(str(model_file), memory, seq, dtype, alloc_conf, fits, choice, tie_break)
+    return FitResult(str(model_file), memory, seq, dtype, alloc_conf, fits, choice, tie_break, compiled)

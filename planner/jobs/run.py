@@ -23,6 +23,7 @@ from memplan.planner.replay.model_replay import replay_model_file
 from memplan.planner.replay.report import ReplayReport
 from memplan.planner.report.memory_report import MemoryReport, build_report
 from memplan.planner.report.plots import plot_reports
+from memplan.traces.compile import Compile, CompileError, describe_compile, require_real_tensors
 from memplan.traces.errors import MemplanError
 from memplan.traces.files import atomic_write
 from memplan.traces.format import Trace, save
@@ -48,6 +49,11 @@ class RunOptions:
     replay_mode: str = "tempo"
     replay_steps: int = 2
     capture: str = "auto"  # real or fake traces: auto, real, fake
+    compile: float | None = None  # the activation memory budget of a step compiled by torch.compile; None: eager
+
+    def compiled(self) -> Compile | None:
+        """How the traced and replayed steps are compiled; None when they run eagerly."""
+        return None if self.compile is None else Compile(self.compile)
 
 
 @dataclass
@@ -94,6 +100,7 @@ class RunResult:
             "dtype": self.options.dtype,
             "capture": self.capture.name,
             "capture_reason": self.capture.reason,
+            "compile": None if self.options.compile is None else self.options.compiled().meta(),
             "rows": [asdict(r) for r in self.rows],
             "replay": None if self.replay is None else {**self.replay.summary(), "mode": self.options.replay_mode},
             "report": self.report_md,
@@ -106,29 +113,41 @@ class RunResult:
 def reproduce_command(opts: RunOptions, mode: str, trace_file: str, plan_file: str, fake: bool) -> str:
     """The memplan commands that rebuild one row of the report by hand."""
     q = shlex.quote
+    compiled = "" if opts.compile is None else f" --compile --memory-budget {opts.compile:g}"
     return (
         f"memplan trace {q(opts.model_file)} --batch {opts.batch} --seq {opts.seq} --dtype {opts.dtype} "
-        f"--layers {mode}{' --fake' if fake else ''} -o {q(trace_file)} && "
+        f"--layers {mode}{' --fake' if fake else ''}{compiled} -o {q(trace_file)} && "
         f"memplan solve {q(trace_file)} -o {q(plan_file)} "
         f"--time-limit {opts.time_limit:g} && memplan simulate {q(trace_file)} --plan {q(plan_file)}"
     )
 
 
-def trace_mode(opts: RunOptions, mode: str, fake: bool) -> Trace:
-    """Trace one training step of the model with `mode` layers, on real or fake tensors."""
+def trace_mode(opts: RunOptions, mode: str, fake: bool, compiled: Compile | None) -> Trace:
+    """Trace one training step of the model with `mode` layers, on real or fake tensors, compiled or eager."""
     return trace_model_file(
-        opts.model_file, batch=opts.batch, seq=opts.seq, dtype=opts.dtype, layers=LayerMode(mode), fake=fake
+        opts.model_file,
+        batch=opts.batch,
+        seq=opts.seq,
+        dtype=opts.dtype,
+        layers=LayerMode(mode),
+        fake=fake,
+        compile=compiled,
     )
 
 
 def choose_run_capture(opts: RunOptions, progress: Callable[[str], None]) -> tuple[CaptureChoice, dict[str, Trace]]:
     """Real or fake traces for the run, and the traces already made: auto sizes the step on a fake trace of
-    the first mode, which the run then keeps when it chose fake."""
+    the first mode (eager: a compiled step cannot run on fake tensors), which the run then keeps when it
+    chose fake. A compiled run needs real traces."""
     if opts.capture != "auto":
         return choose_capture(opts.capture, 0), {}
     progress(f"[{opts.modes[0]}] sizing the step on a fake trace")
-    sizing = trace_mode(opts, opts.modes[0], fake=True)
+    sizing = trace_mode(opts, opts.modes[0], fake=True, compiled=None)
     choice = choose_capture("auto", sizing.peak()[0])
+    if choice.fake and opts.compile is not None:
+        raise CompileError(
+            f"--compile needs real tensors, and {choice.reason}: trace it eagerly, or on a larger machine"
+        )
     return choice, {opts.modes[0]: sizing} if choice.fake else {}
 
 
@@ -153,7 +172,7 @@ def run_mode(
     trace_file, plan_file = out / trace_rel, out / plan_rel
     if traced is None:
         progress(f"[{mode}] tracing one training step ({'fake' if fake else 'real'} tensors)")
-    trace = traced or trace_mode(opts, mode, fake)
+    trace = traced or trace_mode(opts, mode, fake, opts.compiled())
     save(trace, work / trace_rel)
     progress(f"[{mode}] solving {len(trace):,} buffers")
     plan = solve_file(str(work / trace_rel), str(work / plan_rel), time_limit=opts.time_limit).plan
@@ -187,6 +206,8 @@ def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> R
         raise MemplanError(f"{opts.model_file}: no such model file")
     if opts.replay_mode not in opts.modes:
         raise MemplanError(f"the replayed mode {opts.replay_mode!r} is not among the modes run")
+    if opts.compiled() is not None:
+        require_real_tensors(opts.capture == "fake")
     start = time.monotonic()
     out = Path(opts.out_dir)
     if out.exists() and not out.is_dir():
@@ -242,6 +263,7 @@ def replay_plan(opts: RunOptions, work: Path, progress: Callable[[str], None]) -
         seq=opts.seq,
         dtype=opts.dtype,
         layers=opts.replay_mode,
+        compile=opts.compile,
         progress=progress,
     )
 
@@ -325,8 +347,9 @@ def step_sentence(result: RunResult) -> str:
     and how it was captured."""
     o = result.options
     step = "forward, backward" + (f", {result.optimizer}" if result.optimizer else "")
+    compiled = "" if o.compile is None else f", the forward compiled by {describe_compile(o.compiled().meta())}"
     return (
-        f"One training step ({step}) of `{o.model_file}` at batch {o.batch}, sequence {o.seq}, {o.dtype}, "
+        f"One training step ({step}) of `{o.model_file}` at batch {o.batch}, sequence {o.seq}, {o.dtype}{compiled}, "
         f"traced under each layer mode with {result.capture.name} tensors ({result.capture.reason})."
     )
 

@@ -1,4 +1,4 @@
-"""Full recomputation: every Transformer layer of a model checkpointed as a whole (torch.utils.checkpoint,
+"""Full recomputation: Transformer layers of a model checkpointed as a whole (torch.utils.checkpoint,
 non-reentrant), so a layer keeps only its input for backward and recomputes the rest there.
 
 The layers are the modules of the model's layer lists: an nn.ModuleList whose entries share one class
@@ -47,20 +47,27 @@ def checkpointed_forward(forward, module: nn.Module, *args, **kwargs):
     return forward(*args, **kwargs)
 
 
-def enable(model: nn.Module) -> tuple[list[nn.Module], list[tuple[nn.Module, dict]]]:
-    """Checkpoint every layer of `model`'s layer lists; returns the layers, and what `restore` puts back."""
-    layers = [layer for layers in layer_lists(model) for layer in layers]
-    flagged = [m for m in model.modules() if has_hf_flag(m)]
+def holds_or_inside(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
+    """The modules of `model` inside one of `layers` (the layers too) or holding one of them."""
+    chosen = {id(layer) for layer in layers}
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    return [m for m in model.modules() if id(m) in inside or any(id(held) in chosen for held in m.modules())]
+
+
+def enable(model: nn.Module, layers: list[nn.Module]) -> list[tuple[nn.Module, dict]]:
+    """Checkpoint `layers` (of `model`'s layer lists); returns what `restore` puts back. HuggingFace's flag is set
+    on the layers, the modules inside them and the modules holding them (which turn the key/value cache off), not
+    on the other layers, which stay as they are."""
+    flagged = [m for m in holds_or_inside(model, layers) if has_hf_flag(m)]
     changed = {id(m): m for m in [*flagged, *layers]}.values()
     saved = [(m, {name: m.__dict__[name] for name in SET if name in m.__dict__}) for m in changed]
     for module in flagged:
         setattr(module, HF_FLAG, True)
         module._gradient_checkpointing_func = CHECKPOINT
-    under_flag = {id(m) for flag in flagged for m in flag.modules()}  # HuggingFace checkpoints these itself
     for layer in layers:
-        if id(layer) not in under_flag:
+        if not has_hf_flag(layer):  # a HuggingFace layer checkpoints itself when its flag is set
             layer.forward = functools.partial(checkpointed_forward, type(layer).forward.__get__(layer), layer)
-    return layers, saved
+    return saved
 
 
 def restore(saved: list[tuple[nn.Module, dict]]) -> None:

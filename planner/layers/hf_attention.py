@@ -3,10 +3,14 @@ attention already keeps no s x s tensor, and memplan's cores registered as atten
 
 Every model whose attention modules call `ALL_ATTENTION_FUNCTIONS` with `config._attn_implementation`
 (BERT, GPT-2, Llama, Mistral, Qwen2, GPT-NeoX, ViT, T5, ...) is reached the same way: the patch sets
-the config's implementation to a memplan core, and `unpatch` puts the original name back.
+the config's implementation to a memplan core, and `unpatch` puts the original name back. Where the
+modules sharing one config need different functions (layers patched in different modes), the config is
+set to DISPATCH, and each module names the function it calls in its attribute CHOICE.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from torch import nn
 
@@ -15,6 +19,10 @@ from memplan.traces.errors import MemplanError
 
 REGISTRY_NAME = "ALL_ATTENTION_FUNCTIONS"  # the name HuggingFace's modeling files call attention through
 FUSED = "sdpa"  # the implementation whose kernels keep no s x s tensor (flash, memory-efficient)
+EAGER = "eager"  # HuggingFace's written-out attention: each modeling file's own function, not the registry's
+DISPATCH = "memplan_layers"  # the registry name of the function that calls each module's CHOICE
+CHOICE = "_memplan_attention"  # on a module under DISPATCH: the registry name of the function it calls
+CORE_PREFIX = "memplan_"  # the registry names of memplan's cores: memplan_baseline, memplan_tempo, memplan_selective
 
 
 class AttentionPatchError(MemplanError):
@@ -52,12 +60,33 @@ def keeps_square(module: nn.Module, device_type: str) -> bool:
     return device_type == "cpu" and module.training and dropout_probability(module) > 0.0
 
 
-def register(kind: str) -> str:
-    """Register memplan's `kind` core (and the eager mask builder) with transformers; returns its registry name."""
+def memplan_core(module: nn.Module) -> str | None:
+    """The kind of memplan core (`tempo`) HuggingFace attention `module` computes with now, None when none: the
+    function it names, else its config's."""
+    if not uses_registry(module):
+        return None
+    name = getattr(module, CHOICE, module.config._attn_implementation)
+    return name.removeprefix(CORE_PREFIX) if name.startswith(CORE_PREFIX) else None
+
+
+def register_function(name: str, attention: Callable) -> str:
+    """Register `attention` with transformers as `name`, with the eager mask builder (an additive float mask, which
+    memplan's cores take, and which eager and SDPA attention compute the same arithmetic with); returns `name`."""
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
     from transformers.modeling_utils import AttentionInterface
 
-    name = f"memplan_{kind}"
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, eager_mask)
+    return name
+
+
+def core_name(kind: str) -> str:
+    """The registry name of memplan's `kind` core."""
+    return f"{CORE_PREFIX}{kind}"
+
+
+def register(kind: str) -> str:
+    """Register memplan's `kind` core with transformers; returns its registry name."""
     core = CORES[kind]
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -75,6 +104,28 @@ def register(kind: str) -> str:
         out = core(query, key, value, bias, scale, dropout, module.training)
         return out.transpose(1, 2).contiguous(), None
 
-    AttentionInterface.register(name, attention)
-    AttentionMaskInterface.register(name, eager_mask)
-    return name
+    return register_function(core_name(kind), attention)
+
+
+def attention_function(module: nn.Module, name: str) -> Callable:
+    """The function `module` computes attention with under the implementation `name`, as HuggingFace picks it: the
+    registry's, else, for `eager`, its own modeling file's (`eager_attention_forward`, one in each file)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if name in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[name]
+    forward = type(module).forward
+    eager = [forward.__globals__[n] for n in forward.__code__.co_names if n.endswith("eager_attention_forward")]
+    if name != EAGER or not eager:
+        raise AttentionPatchError(f"{type(module).__name__} has no attention function {name!r} memplan can call")
+    return eager[0]
+
+
+def register_dispatch() -> str:
+    """Register the function that calls, for each module, the function its CHOICE attribute names (memplan's core
+    for a patched layer, the original implementation for the rest); returns DISPATCH."""
+
+    def attention(module, *args, **kwargs):
+        return attention_function(module, getattr(module, CHOICE))(module, *args, **kwargs)
+
+    return register_function(DISPATCH, attention)

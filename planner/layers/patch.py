@@ -8,12 +8,18 @@ HuggingFace attention that keeps an s x s tensor is computed written out by memp
 product, attention-dropout recomputation); `selective` recomputes the attention core in backward;
 `full` checkpoints every Transformer layer. Parameters are moved, never copied or re-initialised, so an
 optimizer built before patching keeps working and a patched model in eval mode computes the same outputs.
+
+Per layer, `patch(model, {layer path: mode})` does to each Transformer layer named (`transformer_layers`) what
+its mode (one of PER_LAYER_MODES) does to every layer, and leaves the other layers and every module outside
+the layers (embeddings, final norm, head) as built.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import groupby
 
 from torch import nn
 
@@ -29,6 +35,8 @@ from memplan.traces.errors import MemplanError
 from memplan.traces.model_file import AS_BUILT
 
 MODES = (AS_BUILT, "baseline", "tempo", "selective", "tempo+selective", "full", "tempo+full")
+PER_LAYER_MODES = tuple(mode for mode in MODES if mode != "baseline")  # baseline accounts for a whole model
+PER_LAYER = "per-layer"  # the report's mode when each layer has its own
 NEUTRAL = (
     nn.Linear,
     nn.Conv1d,
@@ -92,12 +100,23 @@ class PatchReport:
 
 
 @dataclass
+class LayerModesReport(PatchReport):
+    """What a per-layer `patch` did: PatchReport's account, and the mode it gave each layer."""
+
+    layers: dict[str, str] = field(default_factory=dict)  # Transformer layer path -> mode
+
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), "layers": dict(self.layers)}
+
+
+@dataclass
 class PatchState:
     """Kept on a patched model so `unpatch` can put every original module and setting back."""
 
     replaced: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list)
     checkpointing: list[tuple[nn.Module, dict]] = field(default_factory=list)  # checkpoint.restore's argument
     hf_attention: list[tuple[object, str]] = field(default_factory=list)  # (HF config, its _attn_implementation)
+    routed: list[nn.Module] = field(default_factory=list)  # attention modules with an hf_attention.CHOICE
 
 
 def parts(mode: str) -> set[str]:
@@ -130,6 +149,12 @@ def replacement(module: nn.Module, mode: str) -> nn.Module | None:
     return InplaceRMSNorm.from_module(module) or GatedMLP.from_module(module)
 
 
+def core_of(module: nn.Module) -> str | None:
+    """The kind of memplan core `module` computes attention with (as a PatchedAttentionCore, or HuggingFace attention
+    pointed at one), None when none."""
+    return module.kind if isinstance(module, PatchedAttentionCore) else hf_attention.memplan_core(module)
+
+
 def is_attention(module: nn.Module) -> bool:
     """Whether `module` computes an attention core itself (not through a memplan core it contains)."""
     if hf_attention.uses_registry(module):
@@ -157,18 +182,83 @@ def check_mode(mode: str) -> str:
     return mode
 
 
+def transformer_layers(model: nn.Module) -> list[str]:
+    """The module paths of `model`'s Transformer layers, in order (`layers.0`, `model.layers.0`): the keys of a
+    per-layer `patch`."""
+    paths = {id(module): path for path, module in model.named_modules()}
+    return [paths[id(layer)] for layers in checkpoint.layer_lists(model) for layer in layers]
+
+
+def spans(paths: list[str]) -> list[str]:
+    """`paths` written short: consecutive layers of one list as one span (`layers.0-3`)."""
+    runs: list[tuple[str, int, int]] = []  # (`layers.`, 0, 3); a path ending in no number: (path, -1, -1)
+    for path in paths:
+        number = path.rpartition(".")[2]
+        head, index = (path.removesuffix(number), int(number)) if number.isdigit() else (path, -1)
+        if index >= 0 and runs and runs[-1][0] == head and runs[-1][2] == index - 1:
+            runs[-1] = (head, runs[-1][1], index)
+        else:
+            runs.append((head, index, index))
+    return [
+        head if first < 0 else f"{head}{first}" if first == last else f"{head}{first}-{last}"
+        for head, first, last in runs
+    ]
+
+
+def check_layer_modes(modes: Mapping[str, str]) -> dict[str, str]:
+    """`modes` as a dict if it maps layer paths to PER_LAYER_MODES; PatchError naming the choices otherwise."""
+    if not isinstance(modes, Mapping):
+        raise PatchError(
+            f"layers modes must be a mode name or a {{layer path: mode}} mapping, not {type(modes).__name__}"
+        )
+    for path, mode in modes.items():
+        if mode not in PER_LAYER_MODES:
+            raise PatchError(
+                f"layer {path!r}: {mode!r} is not a per-layer mode; choose one of {', '.join(PER_LAYER_MODES)}"
+            )
+    return dict(modes)
+
+
+def check_layer_paths(model: nn.Module, modes: dict[str, str]) -> dict[str, str]:
+    """`modes` if every path in it is one of `model`'s Transformer layers; PatchError naming them otherwise."""
+    layers = transformer_layers(model)
+    unknown = [path for path in modes if path not in layers]
+    if unknown:
+        choices = ", ".join(spans(layers)) or "none (it has no list of Transformer layers)"
+        raise PatchError(f"{unknown[0]!r} is not a Transformer layer of this model; its layers: {choices}")
+    return modes
+
+
+def assignment(model: nn.Module, modes: str | Mapping[str, str]) -> tuple[str, dict[str, str]]:
+    """`modes` checked, as the mode of the modules outside the layers it names and the mode of each layer it names."""
+    if isinstance(modes, str):
+        return check_mode(modes), {}
+    return AS_BUILT, check_layer_paths(model, check_layer_modes(modes))
+
+
+def module_modes(model: nn.Module, rest: str, layers: dict[str, str]) -> dict[int, str]:
+    """The mode of each of `model`'s modules, by id: that of the layer in `layers` holding it, else `rest`."""
+    modes = {id(module): rest for module in model.modules()}
+    named = dict(model.named_modules())
+    for path, mode in layers.items():
+        modes.update((id(module), mode) for module in named[path].modules())
+    return modes
+
+
 def device_type(model: nn.Module) -> str:
     """The device type of the model's first parameter (cpu when it has none)."""
     first = next(model.parameters(), None)
     return first.device.type if first is not None else "cpu"
 
 
-def swap_modules(module: nn.Module, mode: str, state: PatchState, swaps: Counter, done: dict) -> None:
-    """Replace `module`'s descendants for `mode`, outermost first (a replaced module's children are not visited)."""
+def swap_modules(module: nn.Module, modes: dict[int, str], state: PatchState, swaps: Counter, done: dict) -> None:
+    """Replace `module`'s descendants for their modes (`module_modes`), outermost first (a replaced module's
+    children are not visited); as-built ones stay."""
     for name, child in list(module.named_children()):
-        new = done.get(id(child)) or replacement(child, mode)
+        mode = modes[id(child)]
+        new = done.get(id(child)) or (replacement(child, mode) if mode != AS_BUILT else None)
         if new is None:
-            swap_modules(child, mode, state, swaps, done)
+            swap_modules(child, modes, state, swaps, done)
             continue
         done[id(child)] = new
         new.train(child.training)
@@ -177,70 +267,124 @@ def swap_modules(module: nn.Module, mode: str, state: PatchState, swaps: Counter
         swaps[type(child).__name__, type(new).__name__] += 1
 
 
-def switch_attention(model: nn.Module, mode: str, state: PatchState, swaps: Counter) -> list[str]:
-    """Point HuggingFace attention that keeps an s x s tensor at memplan's core for `mode` (every config that
-    holds such modules: T5's encoder and decoder each have their own); the notes say which attention
-    modules have nothing to give."""
+def switch_attention(model: nn.Module, modes: dict[int, str], state: PatchState, swaps: Counter) -> list[str]:
+    """Point HuggingFace attention that keeps an s x s tensor, where its mode is not as-built, at memplan's core for
+    that mode, through every config that holds such modules (T5's encoder and decoder each have their own); the
+    notes say which attention modules have nothing to give."""
     modules = [m for m in model.modules() if hf_attention.uses_registry(m)]
-    if not modules or mode == AS_BUILT:
+    patched = [m for m in modules if modes[id(m)] != AS_BUILT]
+    if not patched:
         return []
     if any(getattr(m, "reorder_and_upcast_attn", False) for m in modules):
         raise PatchError(
             "GPT-2's reorder_and_upcast_attn computes attention in fp32 its own way; "
             "memplan's attention cores would change its numbers: turn it off to patch"
         )
+    # 1. The function each module is to call: memplan's core for its mode where it keeps an s x s tensor, else its own.
     device = device_type(model)
-    configs = {id(m.config): m.config for m in modules if hf_attention.keeps_square(m, device)}
-    fused = [m for m in modules if id(m.config) not in configs]
-    notes = []
-    if fused:
-        kinds = sorted({type(m).__name__ for m in fused})
-        notes.append(
-            f"attention left as built: {', '.join(kinds)} uses {fused[0].config._attn_implementation} with no "
-            f"dropout on {device} ({hf_attention.FUSED} keeps no s x s tensor), so there is nothing to recompute"
-        )
-    if configs:
-        registered = hf_attention.register(core_kind(mode))
-        for config in configs.values():
-            state.hf_attention.append((config, config._attn_implementation))
-            config._attn_implementation = registered
-        for m in modules:
-            if id(m.config) in configs:
-                swaps[type(m).__name__, f"{registered} attention"] += 1
-    return notes
+    fused = [m for m in patched if not hf_attention.keeps_square(m, device)]
+    fused_ids = {id(m) for m in fused}
+    cores = {id(m): hf_attention.register(core_kind(modes[id(m)])) for m in patched if id(m) not in fused_ids}
+    functions = {id(m): cores.get(id(m), m.config._attn_implementation) for m in modules}
+    # 2. The configs whose modules are to call another function; where they differ, each must name one it can call.
+    groups = [
+        group
+        for group in config_groups(modules)
+        if functions_of(group, functions) != {group[0].config._attn_implementation}
+    ]
+    for group in groups:
+        check_dispatch(group, functions)
+    # 3. Each config set to its modules' one function, or to the dispatching one.
+    for group in groups:
+        switch_config(group, functions, state)
+    for m in patched:
+        if id(m) in cores:
+            swaps[type(m).__name__, f"{cores[id(m)]} attention"] += 1
+    if not fused:
+        return []
+    kinds = sorted({type(m).__name__ for m in fused})
+    return [
+        f"attention left as built: {', '.join(kinds)} uses {fused[0].config._attn_implementation} with no "
+        f"dropout on {device} ({hf_attention.FUSED} keeps no s x s tensor), so there is nothing to recompute"
+    ]
 
 
-def checkpoint_layers(model: nn.Module, state: PatchState, swaps: Counter) -> list[str]:
-    """Checkpoint every Transformer layer (the `full` part of a mode); a note when the model has no layer list."""
-    layers, state.checkpointing = checkpoint.enable(model)
-    if not layers:
+def config_groups(modules: list[nn.Module]) -> list[list[nn.Module]]:
+    """`modules` grouped by the HuggingFace config they share (the one whose attention setting they read)."""
+    groups: dict[int, list[nn.Module]] = {}
+    for m in modules:
+        groups.setdefault(id(m.config), []).append(m)
+    return list(groups.values())
+
+
+def functions_of(modules: list[nn.Module], functions: dict[int, str]) -> set[str]:
+    """The attention functions `modules` are to call, by registry name."""
+    return {functions[id(m)] for m in modules}
+
+
+def check_dispatch(modules: list[nn.Module], functions: dict[int, str]) -> None:
+    """PatchError, before anything changes, when modules of one config are to call different functions and one of
+    them has none memplan can call for it."""
+    if len(functions_of(modules, functions)) == 1:
+        return
+    for m in modules:
+        try:
+            hf_attention.attention_function(m, functions[id(m)])
+        except hf_attention.AttentionPatchError as error:
+            raise PatchError(f"per-layer modes cannot reach {type(m).__name__}'s attention: {error}") from None
+
+
+def switch_config(modules: list[nn.Module], functions: dict[int, str], state: PatchState) -> None:
+    """Set the config `modules` share to the one function they call, or, when they call different ones (layers in
+    different modes), to hf_attention's dispatching function with each module naming its own."""
+    config, names = modules[0].config, functions_of(modules, functions)
+    state.hf_attention.append((config, config._attn_implementation))
+    if len(names) == 1:
+        config._attn_implementation = names.pop()
+        return
+    config._attn_implementation = hf_attention.register_dispatch()
+    for m in modules:
+        setattr(m, hf_attention.CHOICE, functions[id(m)])
+        state.routed.append(m)
+
+
+def checkpoint_layers(model: nn.Module, modes: dict[int, str], state: PatchState, swaps: Counter) -> list[str]:
+    """Checkpoint the Transformer layers whose mode is `full` or `tempo+full`; a note when the model's mode asks for
+    it and it has no layer list."""
+    layers = [layer for layers in checkpoint.layer_lists(model) for layer in layers]
+    checkpointed = [layer for layer in layers if "full" in parts(modes[id(layer)])]
+    if not layers and "full" in parts(modes[id(model)]):
         return ["full: no list of Transformer layers found, nothing checkpointed"]
-    for layer in layers:
+    if checkpointed:
+        state.checkpointing = checkpoint.enable(model, checkpointed)
+    for layer in checkpointed:
         swaps[type(layer).__name__, "checkpoint"] += 1
     return []
 
 
-def patch(model: nn.Module, mode: str) -> PatchReport:
-    """Swap `model`'s layers in place for `mode` (one of MODES) and say what changed; undoes any earlier
-    patch first."""
-    check_mode(mode)
+def patch(model: nn.Module, modes: str | Mapping[str, str]) -> PatchReport:
+    """Swap `model`'s layers in place and say what changed; undoes any earlier patch first. `modes` is one of MODES
+    for the whole model, or {Transformer layer path (`transformer_layers`): one of PER_LAYER_MODES}, the layers not
+    named and every module outside the layers as built."""
+    # 1. The modes, checked before anything changes: the one outside the layers named, and each named layer's.
+    rest, layers = assignment(model, modes)
     unpatch(model)
-    state, swaps = PatchState(), Counter()
-    # 1. The attention setting first: it is the only step that can refuse the model, and nothing is swapped yet.
-    notes = switch_attention(model, mode, state, swaps)
-    # 2. Leaf modules and gated MLPs; 3. whole layers checkpointed.
-    if mode != AS_BUILT:
-        swap_modules(model, mode, state, swaps, {})
-    if "full" in parts(mode):
-        notes += checkpoint_layers(model, state, swaps)
-    # 4. The report: every swap, and the types that keep activations as built.
-    swapped_types = {original for original, _ in swaps}
-    left = sorted({type(m).__name__ for m in model.modules() if keeps_activations(m)} - swapped_types)
-    if "selective" in parts(mode) and not notes and not any("selective" in new for _, new in swaps):
-        notes.append("selective: nothing to recompute: no attention core here keeps an s x s tensor memplan can reach")
+    state, swaps, by_module = PatchState(), Counter(), module_modes(model, rest, layers)
+    # 2. The attention setting: the only step that can refuse the model, and nothing is swapped yet.
+    notes = switch_attention(model, by_module, state, swaps)
+    # 3. Leaf modules and gated MLPs; 4. whole layers checkpointed.
+    swap_modules(model, by_module, state, swaps, {})
+    notes += checkpoint_layers(model, by_module, state, swaps)
     object.__setattr__(model, STATE, state)
+    # 5. The report: every swap, and the types of the modules that keep activations as built.
+    left = sorted({type(m).__name__ for m in model.modules() if keeps_activations(m) and core_of(m) is None})
+    selective = any("selective" in parts(mode) for mode in (rest, *layers.values()))
+    if selective and not notes and not any(core_of(m) == "selective" for m in model.modules()):
+        notes.append("selective: nothing to recompute: no attention core here keeps an s x s tensor memplan can reach")
     swapped = [Swap(original, new, n) for (original, new), n in sorted(swaps.items())]
-    return PatchReport(mode, swapped, left, notes)
+    if isinstance(modes, str):
+        return PatchReport(rest, swapped, left, notes)
+    return LayerModesReport(PER_LAYER, swapped, left, notes, layers)
 
 
 @dataclass(frozen=True)
@@ -258,9 +402,31 @@ class LayerMode:
         return patch(model, self.name).to_dict()
 
 
+@dataclass(frozen=True)
+class LayerModes:
+    """Per-layer modes, {Transformer layer path: one of PER_LAYER_MODES}, as a traces.model_file.ModelPatch: the
+    mode names are checked when made, the paths when applied to the model; calling it returns the patch report as a
+    dict."""
+
+    modes: dict[str, str]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "modes", check_layer_modes(self.modes))
+
+    @property
+    def name(self) -> str:
+        """The modes in a line, a run of layers in one mode as a span: `per-layer: layers.0-1 full, layers.2 tempo`."""
+        runs = groupby(self.modes.items(), key=lambda item: item[1])
+        described = [f"{', '.join(spans([path for path, _ in run]))} {mode}" for mode, run in runs]
+        return f"{PER_LAYER}: {', '.join(described)}" if described else PER_LAYER
+
+    def __call__(self, model: nn.Module) -> dict:
+        return patch(model, self.modes).to_dict()
+
+
 def unpatch(model: nn.Module) -> int:
-    """Put back every module `patch` replaced, the checkpointing and HuggingFace's attention setting;
-    returns how many modules."""
+    """Put back every module `patch` replaced, the checkpointing and HuggingFace's attention setting (and the
+    function each attention module named); returns how many modules."""
     state: PatchState | None = model.__dict__.pop(STATE, None)
     if state is None:
         return 0
@@ -270,4 +436,6 @@ def unpatch(model: nn.Module) -> int:
     checkpoint.restore(state.checkpointing)
     for config, implementation in state.hf_attention:
         config._attn_implementation = implementation
+    for module in state.routed:
+        module.__dict__.pop(hf_attention.CHOICE, None)
     return len(state.replaced) + len(state.checkpointing)

@@ -13,6 +13,7 @@ from memplan.planner.replay.report import ReplayReport
 from memplan.planner.replay.runner import replay
 from memplan.planner.replay.schedule import ReplayError, schedule_from
 from memplan.traces.capture import capture_step
+from memplan.traces.compile import Compile, compile_model
 from memplan.traces.format import load, trace_digest
 from memplan.traces.model_file import load_workload
 
@@ -29,8 +30,11 @@ def replay_model_file(
     dtype: str = "float32",
     layers: str = "baseline",
     progress: Callable[[str], None] = lambda m: None,
+    compile: float | None = None,
 ) -> ReplayReport:
-    """Replay PLAN on MODEL's step. The plan's trace is `trace_file`, or (CPU) the model's step captured now."""
+    """Replay PLAN on MODEL's step. The plan's trace is `trace_file`, or (CPU) the model's step captured now.
+    With `compile` (the activation memory budget), the model is compiled as `memplan trace --compile` compiles
+    it, so the steps allocate the sequence the plan was made for (the warm-up step compiles it)."""
     if device == "cuda":
         from memplan.planner.replay.cuda_session import CUDAPlanAllocator, install_plugin
 
@@ -39,14 +43,19 @@ def replay_model_file(
         raise ReplayError(f"--device {device}: replay supports cpu and cuda")
 
     mode = LayerMode(layers)
+    compiled = None if compile is None else Compile(compile)
     plan = load_plan(plan_file)
     torch_dtype = getattr(torch, dtype)
 
     def make_workload():
-        return load_workload(model_file, batch=batch, seq=seq, dtype=torch_dtype, device=device, layers=mode)
+        workload = load_workload(model_file, batch=batch, seq=seq, dtype=torch_dtype, device=device, layers=mode)
+        if compiled is not None:
+            compile_model(workload.model, compiled)
+        return workload
 
     if trace_file is not None:
         trace = load(trace_file)
+        require_same_compile(trace_file, trace.meta.get("compile"), compiled)
     elif device == "cuda":
         raise ReplayError(
             "--device cuda needs --trace (the plan's trace): a capture cannot see allocations "
@@ -56,9 +65,10 @@ def replay_model_file(
         progress(f"capturing one step of {model_file} to find the plan's allocation order")
         trace = capture_step(make_workload)
         if trace_digest(trace) != plan.digest:
+            how = "" if compiled is None else f", compiled with memory budget {compiled.budget:g}"
             raise ReplayError(
                 f"{plan_file} was not made from this step of {model_file} (batch {batch}, seq {seq}, "
-                f"{dtype}, {layers}): pass the plan's trace with --trace"
+                f"{dtype}, {layers}{how}): pass the plan's trace with --trace"
             )
     schedule = schedule_from(plan, trace, device)
     if device == "cuda":
@@ -69,3 +79,14 @@ def replay_model_file(
         reference = "PyTorch's default CPU allocator"
     progress(f"replaying {steps} step(s) with the plan allocator, then with the reference allocator")
     return replay(schedule, make_workload, allocator, steps=steps, device=device, reference=reference)
+
+
+def require_same_compile(trace_file: str, traced: dict | None, compiled: Compile | None) -> None:
+    """The replayed step must be compiled as the plan's trace was (meta "compile"), or its allocations differ."""
+    if traced == (None if compiled is None else compiled.meta()):
+        return
+    if traced is None:
+        raise ReplayError(f"{trace_file} is an eager step: replay its plan without --compile")
+    raise ReplayError(
+        f"{trace_file} is a compiled step: replay its plan with --compile --memory-budget {traced['memory_budget']:g}"
+    )

@@ -4,7 +4,8 @@
 // the CPU allocator and CUDA's caching allocator call it synchronously with every allocation and free.
 // Fake tensors: a meta allocator that reports each storage's creation and death the same way.
 // Labels come from RecordFunction callbacks (the innermost aten op; the autograd engine's
-// evaluate_function record with the node's sequence number) and from the module and phase the Python side sets. Nothing here allocates
+// evaluate_function record with the node's sequence number; the record around Inductor's generated code)
+// and from the module and phase the Python side sets. Nothing here allocates
 // tensor memory, so a recorded step allocates exactly what an unrecorded one does.
 #include <ATen/record_function.h>
 #include <c10/core/Allocator.h>
@@ -46,7 +47,7 @@ struct Live {
   Event event;
 };
 
-// One aten op being run on this thread.
+// One aten op (or region of Inductor code) being run on this thread.
 struct OpFrame {
   const char* name;  // stable while the op runs
   bool helper;       // only obtains memory for an enclosing op (aten::empty, ...)
@@ -71,6 +72,18 @@ bool is_helper(const char* name) {
 }
 
 bool is_aten(const char* name) { return std::strncmp(name, "aten::", 6) == 0; }
+
+// torch.compile's Inductor code runs inside a user-scope record graph_N_inductor_wrapper_call (memplan compiles
+// with profiler_mark_wrapper_call): what it allocates outside any aten op is its own buffers, labelled kInductor.
+constexpr char kWrapperPrefix[] = "graph_";
+constexpr char kWrapperSuffix[] = "_inductor_wrapper_call";
+constexpr char kInductor[] = "inductor";
+
+bool is_compiled_region(const char* name) {
+  size_t length = std::strlen(name), prefix = sizeof(kWrapperPrefix) - 1, suffix = sizeof(kWrapperSuffix) - 1;
+  return length > prefix + suffix && std::strncmp(name, kWrapperPrefix, prefix) == 0 &&
+         std::strcmp(name + length - suffix, kWrapperSuffix) == 0;
+}
 
 class Recorder {
  public:
@@ -299,7 +312,10 @@ std::unique_ptr<at::ObserverContext> on_enter(const at::RecordFunction& fn) {
   int8_t phase = recorder().phase();
   if (fn.seqNr() >= 0 && t.nodes.empty() && phase != kBackward && phase != kOptimizer)
     recorder().note_node_module(fn.seqNr(), t.modules.empty() ? 0 : t.modules.back());
-  if (is_aten(name)) t.ops.push_back(OpFrame{name, is_helper(name)});
+  if (is_aten(name))
+    t.ops.push_back(OpFrame{name, is_helper(name)});
+  else if (is_compiled_region(name))
+    t.ops.push_back(OpFrame{kInductor, false});
   return nullptr;
 }
 
@@ -309,7 +325,7 @@ void on_exit(const at::RecordFunction& fn, at::ObserverContext*) {
   const char* name = fn.name();
   if (is_node(name)) {
     if (!t.nodes.empty()) t.nodes.pop_back();
-  } else if (is_aten(name) && !t.ops.empty()) {
+  } else if ((is_aten(name) || is_compiled_region(name)) && !t.ops.empty()) {
     t.ops.pop_back();
   }
 }
@@ -339,7 +355,7 @@ void start(const std::string& device_type, int64_t device_index, bool fake) {
   installed.callback = at::addThreadLocalCallback(
       at::RecordFunctionCallback(&on_enter, &on_exit)
           .needsIds(true)
-          .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
+          .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION, at::RecordScope::USER_SCOPE}));
 }
 
 void stop() {

@@ -1,0 +1,119 @@
+"""The memory/compute trade-off on a BERT-Large-shaped model and a Llama-style decoder, and `optimize` at three
+memory sizes between the every-layer tempo+selective and as-built plans.
+
+For each model: `planner.jobs.tradeoff.tradeoff` (every layer mode, torch.compile at each budget: plan arena,
+caching reserved, FLOPs, CPU step time, the Pareto frontiers) with its figure in docs/, then
+`planner.jobs.optimize.optimize` at three sizes, each printed against the uniform choices and Megatron's
+first-k-layers recipe. Target: at some size a per-layer mix fits with less recompute than every uniform
+mode that fits.
+
+Example: .venv/bin/python benchmarks/tradeoff.py                   # both models (cold Inductor cache: ~20 minutes)
+         .venv/bin/python benchmarks/tradeoff.py --only llama --no-compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from memplan.planner.jobs.optimize import (
+    OPTIMIZE_MODES,
+    OptimizeOptions,
+    every_layer,
+    measure_batch,
+    model_layers,
+)
+from memplan.planner.jobs.optimize import answer as optimize_answer
+from memplan.planner.jobs.optimize import render as render_optimize
+from memplan.planner.jobs.tradeoff import DEFAULT_BUDGETS, TradeoffOptions, tradeoff
+from memplan.planner.jobs.tradeoff import render as render_tradeoff
+from memplan.planner.report.compare import solve_plan
+from memplan.traces.trace_model import choose_capture, trace_model_file
+
+ROOT = Path(__file__).resolve().parents[1]
+BERT_LARGE_4 = '''
+from dataclasses import replace
+
+from memplan.planner.workloads.bert import LARGE, build_workload
+
+
+def build(batch_size, seq_len, dtype, device):
+    """BERT-Large's shape with 4 of its 24 layers."""
+    return build_workload(batch_size, seq_len, dtype, device, config=replace(LARGE, layers=4))
+'''
+LLAMA_4 = '''
+from memplan.planner.workloads.llama import LlamaConfig, build_workload
+
+CONFIG = LlamaConfig(vocab_size=32000, hidden=1024, heads=16, kv_heads=8, layers=4, ffn_hidden=2816)
+
+
+def build(batch_size, seq_len, dtype, device):
+    """A Llama-style decoder (RMSNorm, SwiGLU, rotary positions, grouped-query SDPA) of 4 layers, hidden 1024."""
+    return build_workload(batch_size, seq_len, dtype, device, config=CONFIG)
+'''
+MODELS = {  # name: (model file text, tradeoff shape, optimize shape)
+    "bert-large": (BERT_LARGE_4, {"batch": 2, "seq": 128}, {"batch": 2, "seq": 512}),
+    "llama": (LLAMA_4, {"batch": 2, "seq": 128}, {"batch": 2, "seq": 512}),
+}
+
+
+def log(message: str) -> None:
+    print(f"  .. {message}", file=sys.stderr, flush=True)
+
+
+def run_model(name: str, folder: Path, budgets: tuple[float, ...], tradeoff_too: bool) -> None:
+    text, tradeoff_shape, optimize_shape = MODELS[name]
+    model_file = folder / f"{name.replace('-', '_')}_4.py"
+    model_file.write_text(text)
+    # 1. The trade-off table and figure.
+    if tradeoff_too:
+        figure = ROOT / "docs" / f"tradeoff-{name}.png"
+        result = tradeoff(TradeoffOptions(str(model_file), budgets=budgets, output=str(figure), **tradeoff_shape), log)
+        print(f"\n## {name}: trade-off, {tradeoff_shape}\n{render_tradeoff(result)}", flush=True)
+    # 2. optimize at three sizes between every layer tempo+selective and every layer as built, on one measurement.
+    opts = OptimizeOptions(str(model_file), memory=0, **optimize_shape)
+    layers = model_layers(opts)
+    sizing = trace_model_file(opts.model_file, batch=opts.batch, seq=opts.seq, dtype=opts.dtype, fake=True)
+    capture = choose_capture(opts.capture, sizing.peak()[0])
+    start = time.monotonic()
+    measured = measure_batch(opts, layers, opts.batch, capture.fake, log)
+    seconds = time.monotonic() - start
+    print(f"\n## {name}: optimize's model, {optimize_shape}: {len(measured.traces)} traces, {seconds:.0f} s")
+    arenas = {m: solve_plan(measured.traces[every_layer(layers, m)], "auto", 10).arena for m in OPTIMIZE_MODES}
+    low, high = arenas["tempo+selective"], arenas["as-built"]
+    for fraction in (0.25, 0.5, 0.75):
+        start = time.monotonic()
+        opts = replace(opts, memory=int(low + fraction * (high - low)))
+        answer = optimize_answer(opts, layers, measured, capture, log, start)
+        print(f"\n## {name}: optimize at {fraction:.0%} of the way from tempo+selective to as-built, {optimize_shape}")
+        print(render_optimize(answer), flush=True)
+        uniform = [c.recompute for c in answer.uniform if c.fits]
+        beats = answer.chosen is not None and all(answer.chosen.recompute < r for r in uniform)
+        print(
+            f"per-layer mix beats every uniform mode that fits: {'yes' if beats else 'no'} "
+            f"({time.monotonic() - start:.0f} s)",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=sorted(MODELS), help="one model only")
+    parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out of the trade-off")
+    parser.add_argument("--optimize-only", action="store_true", help="only the optimize part")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    budgets = () if args.no_compile else DEFAULT_BUDGETS
+    with tempfile.TemporaryDirectory() as folder:
+        for name in [args.only] if args.only else MODELS:
+            run_model(name, Path(folder), budgets, not args.optimize_only)
+
+
+if __name__ == "__main__":
+    main()

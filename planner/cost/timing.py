@@ -1,0 +1,71 @@
+"""Measured wall time of one training step of a model file: the time side of a memory/compute trade-off.
+
+FLOPs (planner/cost/flops.py) say how much work recomputation adds; only a clock shows what that work costs
+on a device, where memory-bound elementwise work and matmuls run at very different rates. The step runs
+on real tensors with the torch threads the caller set. It is timed with `time.perf_counter` after
+warm-up steps, which create the optimizer state and compile. On CUDA the device is synchronised around
+each step, so the time covers its kernels and not only their launches. The median of several runs
+damps the machine's noise.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from memplan.planner.cost.flops import CostError, checked_step, step_dtype
+from memplan.traces.compile import Compile, compile_model
+from memplan.traces.model_file import ModelPatch, load_workload
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Wall time of a training step: the median of the timed runs, and each run, in seconds."""
+
+    median: float
+    runs: list[float]
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued kernels (CUDA); the CPU runs its ops as they are called."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_step(
+    model_file: str | os.PathLike,
+    *,
+    batch: int,
+    seq: int,
+    dtype: str | torch.dtype,
+    device: str = "cpu",
+    layers: ModelPatch | None = None,
+    compile: Compile | None = None,
+    repeats: int = 5,
+    warmup: int = 2,
+) -> StepTime:
+    """Wall time of one training step of `model_file` in layer mode `layers` (compiled as `compile` says):
+    `warmup` untimed steps, then the median of `repeats` timed ones."""
+    # 1. The options checked; the workload built on real tensors and compiled if asked.
+    if repeats < 1 or warmup < 0:
+        raise CostError(f"repeats {repeats}, warmup {warmup}: time at least 1 step after 0 or more warm-up steps")
+    workload = load_workload(model_file, batch=batch, seq=seq, dtype=step_dtype(dtype), device=device, layers=layers)
+    if compile is not None:
+        compile_model(workload.model, compile)
+    dev = torch.device(device)
+    # 2. Warm-up steps: the optimizer state is created and the model compiled.
+    for _ in range(warmup):
+        checked_step(workload, "warm-up step")
+    # 3. The timed steps, each between device synchronisations.
+    runs = []
+    for _ in range(repeats):
+        _synchronize(dev)
+        start = time.perf_counter()
+        checked_step(workload, "timed step")
+        _synchronize(dev)
+        runs.append(time.perf_counter() - start)
+    return StepTime(statistics.median(runs), runs)

@@ -1,0 +1,344 @@
+"""`memplan optimize`: a mode per Transformer layer (and with max_batch the batch size) so the step fits a
+memory size with the least recompute, chosen by CP-SAT on a model measured from traces, then checked
+by tracing the chosen configuration and solving its plan.
+
+The model (planner/optimize/terms.py) comes from one trace per mode with every layer in that mode and
+the rest of the model as built; the recompute of a layer in a mode is the FLOPs its subtree runs more
+than as built (planner/cost). An assignment whose traced plan does not fit is cut from the model and
+CP-SAT asked again, so "optimal" means: no assignment of less recompute fits, by the model, and the
+answer's own plan fits, measured.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from memplan.planner.cost import count_step_flops
+from memplan.planner.layers import LayerModes, transformer_layers
+from memplan.planner.optimize.choose import Assignment, Choice, Flops, choose_modes, recompute_of
+from memplan.planner.optimize.terms import MemoryTerms, assignments_to_trace, memory_terms
+from memplan.planner.problem import problem_from_trace
+from memplan.solvers import solve
+from memplan.traces.capture import recording_session
+from memplan.traces.errors import MemplanError
+from memplan.traces.format import Trace
+from memplan.traces.model_file import AS_BUILT, build_workload, import_model_file
+from memplan.traces.trace_model import CaptureChoice, choose_capture, trace_model_file
+from memplan.traces.units import human_bytes
+
+OPTIMIZE_MODES = (AS_BUILT, "tempo", "selective", "tempo+selective", "full")  # a layer's choices
+MAX_BATCH = 4096  # --max-batch stops doubling here
+VERIFY_ROUNDS = 5  # assignments traced before the job gives up on a batch
+
+
+class OptimizeError(MemplanError):
+    """An optimize request that cannot be answered (no layers, nothing fits, bad options)."""
+
+
+@dataclass(frozen=True)
+class OptimizeOptions:
+    """What to optimize: the model file and its shape, the memory size and the solvers' time."""
+
+    model_file: str
+    memory: int  # bytes the step's plan must fit in
+    batch: int | None = 2  # None: the largest batch that fits (--max-batch)
+    seq: int = 128
+    dtype: str = "float32"
+    capture: str = "auto"  # real or fake traces: auto, real, fake
+    time_limit: float = 10.0  # CP-SAT's per choice, and the plan solver's per trace
+
+
+@dataclass
+class Candidate:
+    """One assignment, modelled and (when traced) measured."""
+
+    name: str  # "chosen", "uniform tempo", "Megatron: first 2 layers full"
+    assignment: Assignment
+    recompute: Flops  # FLOPs over every layer as built
+    predicted_peak: int  # the model's peak live bytes (aligned)
+    peak_live: int | None = None  # of its trace, when traced
+    plan_arena: int | None = None  # of its plan, when traced
+    plan_status: str | None = None
+    fits: bool | None = None  # plan arena <= the memory size, when traced
+
+
+@dataclass
+class OptimizeResult:
+    """The answer: the batch, the per-layer modes, their measured plan, and what the alternatives cost."""
+
+    options: OptimizeOptions
+    capture: CaptureChoice
+    batch: int
+    layers: tuple[str, ...]
+    choice: Choice  # CP-SAT's last answer (status: optimal, feasible, infeasible, unknown)
+    chosen: Candidate | None  # the assignment whose traced plan fits; None when none does
+    rejected: list[Candidate]  # assignments the model chose whose traced plans did not fit
+    uniform: list[Candidate]  # every layer in one mode (traced)
+    megatron: Candidate | None  # the first k layers full, the rest as built, least k the model fits (traced)
+    step_flops: Flops  # FLOPs of the step with every layer as built
+    seconds: float
+
+    def summary(self) -> dict:
+        def candidate(c: Candidate | None) -> dict | None:
+            if c is None:
+                return None
+            return asdict(c)
+
+        return {
+            "model_file": self.options.model_file,
+            "memory": self.options.memory,
+            "batch": self.batch,
+            "seq": self.options.seq,
+            "dtype": self.options.dtype,
+            "capture": self.capture.name,
+            "capture_reason": self.capture.reason,
+            "layers": list(self.layers),
+            "status": self.choice.status,
+            "chosen": candidate(self.chosen),
+            "rejected": [candidate(c) for c in self.rejected],
+            "uniform": [candidate(c) for c in self.uniform],
+            "megatron": candidate(self.megatron),
+            "step_flops": self.step_flops,
+            "seconds": round(self.seconds, 1),
+        }
+
+
+@dataclass
+class Measured:
+    """Everything measured at one batch size: the model, the layer costs, the uniform traces."""
+
+    batch: int
+    terms: MemoryTerms
+    cost: dict[tuple[int, str], Flops]
+    step_flops: Flops
+    traces: dict[Assignment, Trace]  # by assignment: those of terms.assignments_to_trace, and any traced since
+
+
+def model_layers(opts: OptimizeOptions) -> tuple[str, ...]:
+    """The model's Transformer layer paths, from a build under fake tensors (nothing allocated)."""
+    build = import_model_file(opts.model_file)
+    with recording_session("cpu", fake=True):
+        workload = build_workload(
+            opts.model_file, build, batch=1, seq=opts.seq, dtype=getattr(torch, opts.dtype), device="cpu", fake=True
+        )
+        return tuple(transformer_layers(workload.model))
+
+
+def every_layer(layers: tuple[str, ...], mode: str) -> Assignment:
+    return tuple(mode for _ in layers)
+
+
+def patch_of(layers: tuple[str, ...], assignment: Assignment) -> LayerModes:
+    return LayerModes(dict(zip(layers, assignment)))
+
+
+def measure_batch(opts: OptimizeOptions, layers: tuple[str, ...], batch: int, fake: bool, progress) -> Measured:
+    """The model at `batch`: the traces of terms.assignments_to_trace, and one FLOP count per mode."""
+    shape = {"batch": batch, "seq": opts.seq, "dtype": opts.dtype, "fake": fake}
+    to_trace = assignments_to_trace(OPTIMIZE_MODES, len(layers))
+    progress(f"[batch {batch}] tracing {len(to_trace)} assignments and counting the FLOPs of {len(OPTIMIZE_MODES)}")
+    traces = {a: trace_model_file(opts.model_file, layers=patch_of(layers, a), **shape) for a in to_trace}
+    flops = {
+        m: count_step_flops(opts.model_file, layers=patch_of(layers, every_layer(layers, m)), **shape)
+        for m in OPTIMIZE_MODES
+    }
+    cost = {
+        (j, mode): flops[mode].by_module[path] - flops[AS_BUILT].by_module[path]
+        for j, path in enumerate(layers)
+        for mode in OPTIMIZE_MODES
+    }
+    return Measured(batch, memory_terms(traces, layers), cost, flops[AS_BUILT].total, traces)
+
+
+def trace_candidate(
+    opts: OptimizeOptions, layers, measured: Measured, candidate: Candidate, fake: bool, progress
+) -> Candidate:
+    """Trace `candidate` at the measured batch (unless it is uniform, already traced) and solve its plan."""
+    trace = measured.traces.get(candidate.assignment)
+    if trace is None:
+        progress(f"[batch {measured.batch}] tracing {candidate.name}: {patch_of(layers, candidate.assignment).name}")
+        trace = trace_model_file(
+            opts.model_file,
+            batch=measured.batch,
+            seq=opts.seq,
+            dtype=opts.dtype,
+            layers=patch_of(layers, candidate.assignment),
+            fake=fake,
+        )
+        measured.traces[candidate.assignment] = trace
+    plan = solve(problem_from_trace(trace), time_limit=opts.time_limit, capacity=None)
+    candidate.peak_live, candidate.plan_arena, candidate.plan_status = trace.peak()[0], plan.arena, plan.status
+    candidate.fits = plan.arena <= opts.memory
+    return candidate
+
+
+def candidate(name: str, assignment: Assignment, measured: Measured) -> Candidate:
+    """A candidate with its modelled figures."""
+    return Candidate(name, assignment, recompute_of(assignment, measured.cost), measured.terms.peak(assignment))
+
+
+def megatron_assignment(measured: Measured, memory: int) -> Assignment | None:
+    """Megatron's recipe: the first k layers checkpointed whole, the rest as built, least k the model fits."""
+    count = len(measured.terms.layers)
+    for k in range(count + 1):
+        assignment = tuple("full" if j < k else "as-built" for j in range(count))
+        if measured.terms.peak(assignment) <= memory:
+            return assignment
+    return None
+
+
+def choose_and_verify(opts, layers, measured: Measured, fake: bool, progress) -> tuple[Choice, Candidate | None, list]:
+    """CP-SAT's choice at the measured batch, traced; a choice whose plan does not fit is cut and CP-SAT asked
+    again, at most VERIFY_ROUNDS times."""
+    rejected: list[Candidate] = []
+    for _ in range(VERIFY_ROUNDS):
+        choice = choose_modes(
+            measured.terms, measured.cost, opts.memory, [c.assignment for c in rejected], opts.time_limit
+        )
+        if choice.assignment is None:
+            return choice, None, rejected
+        chosen = trace_candidate(
+            opts, layers, measured, candidate("chosen", choice.assignment, measured), fake, progress
+        )
+        if chosen.fits:
+            return choice, chosen, rejected
+        progress(
+            f"[batch {measured.batch}] the chosen modes' plan takes {human_bytes(chosen.plan_arena)}, "
+            f"more than the model said: excluded, asking CP-SAT again"
+        )
+        rejected.append(chosen)
+    return Choice(None, None, None, "unknown"), None, rejected
+
+
+def largest_batch(opts, layers, fake, progress) -> Measured:
+    """The largest batch at which the model has an assignment that fits: doubling, then bisection."""
+    low, high = None, None  # largest batch known to fit by the model, least known not to
+    batch, at = 1, {}
+    while high is None or (low or 0) + 1 < high:
+        at[batch] = measure_batch(opts, layers, batch, fake, progress)
+        fits = choose_modes(at[batch].terms, at[batch].cost, opts.memory, (), opts.time_limit).assignment is not None
+        low, high = (batch, high) if fits else (low, batch)
+        if high is None and batch >= MAX_BATCH:
+            break
+        batch = batch * 2 if high is None else ((low or 0) + high) // 2
+        if batch == 0:
+            break
+    if low is None:
+        raise OptimizeError(nothing_fits(opts, at[1]))
+    return at[low]
+
+
+def nothing_fits(opts: OptimizeOptions, measured: Measured) -> str:
+    """The one-line answer when no assignment fits: the least peak the model reaches at that batch."""
+    least = min(measured.terms.peak(every_layer(measured.terms.layers, m)) for m in OPTIMIZE_MODES)
+    return (
+        f"no assignment of modes fits batch {measured.batch} in {human_bytes(opts.memory)} (proven within the "
+        f"model by CP-SAT); the least any layer mode reaches on every layer is {human_bytes(least)}"
+    )
+
+
+def optimize(opts: OptimizeOptions, progress: Callable[[str], None] = lambda m: None) -> OptimizeResult:
+    """Choose a mode per layer (and the batch with batch=None) for opts.memory; see the module docstring."""
+    start = time.monotonic()
+    # 1. The layers, and real or fake traces (auto: sized on a fake trace at batch 1 or the batch asked).
+    layers = model_layers(opts)
+    if not layers:
+        raise OptimizeError(f"{opts.model_file}: no list of Transformer layers found to choose modes for")
+    sizing = trace_model_file(opts.model_file, batch=opts.batch or 1, seq=opts.seq, dtype=opts.dtype, fake=True)
+    capture = choose_capture(opts.capture, sizing.peak()[0])
+    progress(f"{len(layers)} layers; {capture.name} traces ({capture.reason})")
+    # 2. The model at the batch asked, or at the largest batch it fits.
+    if opts.batch is None:
+        measured = largest_batch(opts, layers, capture.fake, progress)
+    else:
+        measured = measure_batch(opts, layers, opts.batch, capture.fake, progress)
+    return answer(opts, layers, measured, capture, progress, start)
+
+
+def answer(
+    opts: OptimizeOptions,
+    layers: tuple[str, ...],
+    measured: Measured,
+    capture: CaptureChoice,
+    progress: Callable[[str], None],
+    start: float,
+) -> OptimizeResult:
+    """Steps 3 and 4 of `optimize` on a measured model: CP-SAT's choice checked by its trace, and the
+    alternatives (a benchmark asks for several memory sizes on one model)."""
+    # 3. CP-SAT's choice, checked by its traced plan; a choice that does not fit is cut and CP-SAT asked again.
+    choice, chosen, rejected = choose_and_verify(opts, layers, measured, capture.fake, progress)
+    if choice.status == "infeasible" and not rejected:
+        raise OptimizeError(nothing_fits(opts, measured))
+    # 4. The alternatives: every layer in one mode, and Megatron's first k layers checkpointed.
+    uniform = [
+        trace_candidate(
+            opts,
+            layers,
+            measured,
+            candidate(f"every layer {m}", every_layer(layers, m), measured),
+            capture.fake,
+            progress,
+        )
+        for m in OPTIMIZE_MODES
+    ]
+    recipe = megatron_assignment(measured, opts.memory)
+    megatron = None
+    if recipe is not None:
+        name = f"Megatron: first {recipe.count('full')} full"
+        megatron = trace_candidate(opts, layers, measured, candidate(name, recipe, measured), capture.fake, progress)
+    return OptimizeResult(
+        opts,
+        capture,
+        measured.batch,
+        layers,
+        choice,
+        chosen,
+        rejected,
+        uniform,
+        megatron,
+        measured.step_flops,
+        time.monotonic() - start,
+    )
+
+
+PROOF = {
+    "optimal": "optimal within the model: CP-SAT proved no assignment of less recompute fits it",
+    "feasible": "feasible: CP-SAT found it within the time limit but did not prove it least",
+    "infeasible": "no assignment fits, within the model (CP-SAT proved it)",
+    "unknown": "no answer: CP-SAT found none in the time limit, or every choice's traced plan was too large",
+}
+
+
+def render(result: OptimizeResult) -> str:
+    """The per-layer assignment, its measured plan against the memory, and the alternatives, as text."""
+    o = result.options
+    flops = result.step_flops
+    lines = [
+        f"{o.model_file}: batch {result.batch}{' (the largest that fits)' if o.batch is None else ''}, "
+        f"seq {o.seq}, {o.dtype}; memory {human_bytes(o.memory)}; {result.capture.name} traces",
+    ]
+    if result.chosen is not None:
+        c = result.chosen
+        lines += [f"  {path:<24}{mode}" for path, mode in zip(result.layers, c.assignment)]
+        lines.append(
+            f"chosen: peak live {human_bytes(c.peak_live)} (model {human_bytes(c.predicted_peak)}), plan arena "
+            f"{human_bytes(c.plan_arena)} <= {human_bytes(o.memory)} ({c.plan_status}), recompute "
+            f"{c.recompute:,} FLOPs (+{100 * c.recompute / flops:.1f}% of the step's {flops:,})"
+        )
+    lines.append(f"proof: {PROOF[result.choice.status]}")
+    lines.append(f"{'alternative':<30}{'plan arena':>12}{'fits':>6}{'recompute':>14}")
+    for c in [*result.uniform, *([result.megatron] if result.megatron else [])]:
+        lines.append(
+            f"{c.name:<30}{human_bytes(c.plan_arena):>12}{'yes' if c.fits else 'no':>6}"
+            f"{100 * c.recompute / flops:>+13.1f}%"
+        )
+    if result.megatron is None:
+        lines.append("Megatron: no number of layers checkpointed from the first fits, within the model")
+    for c in result.rejected:
+        lines.append(f"rejected by its trace: {', '.join(c.assignment)} (plan arena {human_bytes(c.plan_arena)})")
+    lines.append(f"wall time {result.seconds:.1f} s")
+    return "\n".join(lines)

@@ -1,0 +1,205 @@
+"""`memplan tradeoff`: memory against extra compute for every way memplan knows to trade one for the other.
+
+Every layer mode (planner.layers.MODES: as built, Megatron's baseline accounting, Tempo, selective and
+full recomputation) and torch.compile at each memory budget is traced, planned (the solver's verified
+arena), simulated through PyTorch's caching allocator (its peak reserved), counted (planner.cost: the
+step's FLOPs) and, on real tensors, timed (median CPU step). Extra compute is counted against the model
+as built, eager. A point is on the Pareto frontier when no other point needs no more memory (plan
+arena) and no more compute with one of the two strictly less; FLOPs and time each have their frontier.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from memplan.planner.cost import count_step_flops, time_step
+from memplan.planner.layers import MODES, LayerMode
+from memplan.planner.report.compare import solve_plan
+from memplan.planner.report.memory_report import build_report
+from memplan.planner.report.plots import figure_format
+from memplan.planner.report.tradeoff_plot import plot_tradeoff
+from memplan.traces.compile import Compile
+from memplan.traces.errors import MemplanError
+from memplan.traces.model_file import AS_BUILT
+from memplan.traces.summary import no_change_mark
+from memplan.traces.trace_model import CaptureChoice, choose_capture, trace_model_file
+from memplan.traces.units import human_bytes
+
+DEFAULT_BUDGETS = (1.0, 0.5, 0.2, 0.0)
+
+
+@dataclass(frozen=True)
+class TradeoffOptions:
+    """What to measure: the model file and its shape, the compile budgets, the solver's time, the timing runs."""
+
+    model_file: str
+    batch: int = 2
+    seq: int = 128
+    dtype: str = "float32"
+    budgets: tuple[float, ...] = DEFAULT_BUDGETS  # torch.compile activation memory budgets (empty: no compile)
+    time_limit: float = 5.0  # the plan solver's, per point
+    repeats: int = 5  # timed steps per point (the median is kept)
+    capture: str = "auto"  # real or fake traces: auto, real, fake
+    output: str | None = None  # the figure (.png or .svg); None draws none
+
+
+@dataclass
+class TradeoffPoint:
+    """One configuration's memory and compute; bytes, FLOPs and seconds."""
+
+    name: str  # the layer mode, or compile@BUDGET
+    layers: str  # the layer mode traced
+    compile_budget: float | None  # torch.compile's activation memory budget; None when eager
+    changed: bool  # whether the configuration differs from the model as built, eager
+    peak_live: int
+    plan_arena: int
+    plan_status: str
+    caching_reserved: int  # PyTorch's caching allocator, simulated: its peak reserved
+    matmul_flops: int
+    elementwise_flops: int
+    flops: int  # matmul + elementwise
+    extra_flops: int  # over the model as built, eager (< 0: less)
+    step_seconds: float | None  # median CPU step time on real tensors; None on fake traces
+    time_ratio: float | None  # step_seconds / the model as built's
+    pareto_flops: bool = False  # on the frontier of plan arena against extra FLOPs
+    pareto_time: bool = False  # ... against step time (real traces only)
+
+    @property
+    def label(self) -> str:
+        return self.name + no_change_mark(self.layers, self.changed) if self.compile_budget is None else self.name
+
+
+@dataclass
+class TradeoffResult:
+    """Every point, how the traces were made, the figure written and the wall time."""
+
+    options: TradeoffOptions
+    capture: CaptureChoice
+    points: list[TradeoffPoint]
+    notes: list[str] = field(default_factory=list)  # what was not measured, and why
+    figure: str | None = None
+    seconds: float = 0.0
+
+    def summary(self) -> dict:
+        return {
+            "model_file": self.options.model_file,
+            "batch": self.options.batch,
+            "seq": self.options.seq,
+            "dtype": self.options.dtype,
+            "budgets": list(self.options.budgets),
+            "capture": self.capture.name,
+            "capture_reason": self.capture.reason,
+            "points": [asdict(p) for p in self.points],
+            "notes": self.notes,
+            "figure": self.figure,
+            "seconds": round(self.seconds, 1),
+        }
+
+
+def dominated(point: tuple[float, float], others: list[tuple[float, float]]) -> bool:
+    """Whether another (memory, compute) pair is no worse in both and better in one."""
+    return any(o[0] <= point[0] and o[1] <= point[1] and o != point for o in others)
+
+
+def mark_frontiers(points: list[TradeoffPoint]) -> None:
+    """Set pareto_flops and pareto_time on the points no other point dominates."""
+    by_flops = [(p.plan_arena, p.extra_flops) for p in points]
+    for p, pair in zip(points, by_flops):
+        p.pareto_flops = not dominated(pair, by_flops)
+    timed = [(p.plan_arena, p.step_seconds) for p in points if p.step_seconds is not None]
+    for p in points:
+        p.pareto_time = p.step_seconds is not None and not dominated((p.plan_arena, p.step_seconds), timed)
+
+
+def measure_point(opts: TradeoffOptions, mode: str, budget: float | None, fake: bool, progress) -> TradeoffPoint:
+    """Trace, plan, simulate, count and time one configuration."""
+    name = mode if budget is None else f"compile@{budget:g}"
+    compiled = None if budget is None else Compile(budget)
+    shape = {"batch": opts.batch, "seq": opts.seq, "dtype": opts.dtype, "layers": LayerMode(mode), "compile": compiled}
+    progress(f"[{name}] tracing one training step ({'fake' if fake else 'real'} tensors)")
+    trace = trace_model_file(opts.model_file, fake=fake, **shape)
+    plan = solve_plan(trace, "auto", opts.time_limit)
+    report = build_report(trace, name, plan=plan)
+    progress(f"[{name}] counting FLOPs{'' if fake else ' and timing the step'}")
+    flops = count_step_flops(opts.model_file, fake=fake, **shape)
+    seconds = None if fake else time_step(opts.model_file, repeats=opts.repeats, **shape).median
+    return TradeoffPoint(
+        name=name,
+        layers=mode,
+        compile_budget=budget,
+        changed=bool(trace.meta["patch"]["changed"]) or budget is not None,
+        peak_live=trace.peak()[0],
+        plan_arena=plan.arena,
+        plan_status=plan.status,
+        caching_reserved=int(report.caching.peak_reserved),
+        matmul_flops=flops.matmul,
+        elementwise_flops=flops.elementwise,
+        flops=flops.total,
+        extra_flops=0,
+        step_seconds=seconds,
+        time_ratio=None,
+    )
+
+
+def tradeoff(opts: TradeoffOptions, progress: Callable[[str], None] = lambda m: None) -> TradeoffResult:
+    """Measure every layer mode and compile budget, mark the frontiers and draw the figure."""
+    start = time.monotonic()
+    if any(not 0.0 <= b <= 1.0 for b in opts.budgets):
+        raise MemplanError(f"--budgets {','.join(f'{b:g}' for b in opts.budgets)}: every budget is from 0 to 1")
+    if opts.output:
+        figure_format(opts.output)  # a figure it cannot write fails before the work
+    # 1. Real or fake traces; compiled steps need real ones.
+    capture = choose_capture(opts.capture, 0) if opts.capture != "auto" else sized_capture(opts)
+    budgets, notes = opts.budgets, []
+    if capture.fake and budgets:
+        budgets = ()
+        notes.append("torch.compile not measured: it runs on real tensors, and these traces are fake")
+    if capture.fake:
+        notes.append("no step times: fake tensors compute nothing")
+    # 2. Every layer mode eager, then the model as built compiled at each budget.
+    points = [measure_point(opts, mode, None, capture.fake, progress) for mode in MODES]
+    points += [measure_point(opts, AS_BUILT, budget, capture.fake, progress) for budget in budgets]
+    # 3. Compute against the model as built, eager; the frontiers; the figure.
+    reference = points[0]
+    for p in points:
+        p.extra_flops = p.flops - reference.flops
+        if p.step_seconds is not None:
+            p.time_ratio = p.step_seconds / reference.step_seconds
+    mark_frontiers(points)
+    result = TradeoffResult(opts, capture, points, notes)
+    if opts.output:
+        progress(f"drawing {opts.output}")
+        plot_tradeoff(result.summary(), opts.output)
+        result.figure = opts.output
+    result.seconds = time.monotonic() - start
+    return result
+
+
+def sized_capture(opts: TradeoffOptions) -> CaptureChoice:
+    """--capture auto: real or fake, by the size of a fake trace of the model as built."""
+    sizing = trace_model_file(opts.model_file, batch=opts.batch, seq=opts.seq, dtype=opts.dtype, fake=True)
+    return choose_capture("auto", sizing.peak()[0])
+
+
+def render(result: TradeoffResult) -> str:
+    """The trade-off table for the terminal, frontier points starred."""
+    lines = [
+        f"{'configuration':<28}{'peak live':>12}{'plan arena':>12}{'caching res.':>14}"
+        f"{'extra FLOPs':>13}{'step time':>11}  frontier",
+    ]
+    for p in result.points:
+        percent = 100 * p.extra_flops / result.points[0].flops
+        ratio = "-" if p.time_ratio is None else f"{p.time_ratio:.2f}x"
+        frontier = " ".join(k for k, on in (("FLOPs", p.pareto_flops), ("time", p.pareto_time)) if on)
+        lines.append(
+            f"{p.label:<28}{human_bytes(p.peak_live):>12}{human_bytes(p.plan_arena):>12}"
+            f"{human_bytes(p.caching_reserved):>14}{percent:>+12.1f}%{ratio:>11}  {frontier}"
+        )
+    lines.append(f"traces: {result.capture.name} ({result.capture.reason})")
+    lines += [f"note: {n}" for n in result.notes]
+    if result.figure:
+        lines.append(f"figure: {result.figure}")
+    lines.append(f"wall time {result.seconds:.1f} s")
+    return "\n".join(lines)

@@ -1,0 +1,116 @@
+"""`memplan optimize` against a brute force: every per-layer assignment of a 4-layer GPT-2 traced for real,
+its plan solved, its recompute counted; the least-recompute assignment that fits must be optimize's."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from memplan.cli import main
+from memplan.planner.cost import count_step_flops
+from memplan.planner.jobs.optimize import OPTIMIZE_MODES, OptimizeOptions, optimize
+from memplan.planner.layers import LayerModes
+from memplan.planner.optimize.choose import recompute_of
+from memplan.planner.problem import problem_from_trace
+from memplan.solvers import solve
+from memplan.traces.trace_model import trace_model_file
+
+LAYERS = tuple(f"layers.{i}" for i in range(4))
+SHAPE = {"batch": 1, "seq": 128, "dtype": "float32"}
+MODEL = """
+from memplan.planner.workloads.gpt2 import GPT2Config, build_workload
+
+
+def build(batch_size, seq_len, dtype, device):
+    return build_workload(batch_size, seq_len, dtype, device, config=GPT2Config(layers=4, vocab_size=256))
+"""
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("optimize") / "gpt2_4.py"
+    path.write_text(MODEL)
+    return str(path)
+
+
+def patch_of(assignment):
+    return LayerModes(dict(zip(LAYERS, assignment)))
+
+
+@pytest.fixture(scope="module")
+def brute(model_file):
+    """Plan arena of every one of the 5^4 assignments, each traced for real and solved."""
+    arenas = {}
+    for assignment in itertools.product(OPTIMIZE_MODES, repeat=len(LAYERS)):
+        trace = trace_model_file(model_file, layers=patch_of(assignment), **SHAPE)
+        arenas[assignment] = solve(problem_from_trace(trace), time_limit=2).arena
+    return arenas
+
+
+@pytest.fixture(scope="module")
+def layer_costs(model_file):
+    """Recompute FLOPs per (layer, mode), from one count per mode on every layer."""
+    counts = {m: count_step_flops(model_file, layers=patch_of((m,) * 4), **SHAPE) for m in OPTIMIZE_MODES}
+    return {
+        (j, m): counts[m].by_module[path] - counts["as-built"].by_module[path]
+        for j, path in enumerate(LAYERS)
+        for m in OPTIMIZE_MODES
+    }, counts["as-built"].total
+
+
+def test_recompute_adds_up_over_layers(model_file, layer_costs):
+    """The brute force may sum the per-layer costs: a mixed assignment's counted FLOPs are that sum exactly."""
+    cost, as_built = layer_costs
+    for assignment in [("full", "tempo", "as-built", "tempo+selective"), ("selective", "full", "full", "tempo")]:
+        counted = count_step_flops(model_file, layers=patch_of(assignment), **SHAPE).total
+        assert counted - as_built == recompute_of(assignment, cost)
+
+
+def least_recompute(brute, cost, memory, choices=None):
+    """The least recompute of the assignments (all, or `choices`) whose traced plan fits `memory`."""
+    fitting = [recompute_of(a, cost) for a in choices or brute if brute[a] <= memory]
+    return min(fitting) if fitting else None
+
+
+def test_optimize_agrees_with_brute_force(model_file, brute, layer_costs):
+    cost, _ = layer_costs
+    uniform = [(m,) * len(LAYERS) for m in OPTIMIZE_MODES]
+    low, high = min(brute[a] for a in uniform), max(brute[a] for a in uniform)
+    grid = [low + (high - low) * k // 40 for k in range(41)]
+    # 1. Somewhere a per-layer mix needs less recompute than every uniform choice that fits.
+    mixed_wins = [m for m in grid if least_recompute(brute, cost, m) < least_recompute(brute, cost, m, uniform)]
+    assert mixed_wins
+    # 2. optimize agrees with the brute force there, and between the uniform choices' arenas.
+    arenas = sorted(brute[a] for a in uniform)
+    sizes = [mixed_wins[len(mixed_wins) // 2], *((a + b) // 2 for a, b in zip(arenas, arenas[1:]))]
+    for memory in sizes:
+        result = optimize(OptimizeOptions(model_file, memory=memory, capture="real", time_limit=5, **SHAPE))
+        assert result.choice.status == "optimal"
+        assert result.chosen.recompute == least_recompute(brute, cost, memory), memory
+        assert result.chosen.plan_arena <= memory and brute[result.chosen.assignment] <= memory
+        for candidate in result.uniform:  # the alternatives' figures are their traces'
+            assert candidate.plan_arena == brute[candidate.assignment]
+
+
+def test_nothing_fits_is_an_error(model_file, brute):
+    least = min(brute.values())
+    result = CliRunner().invoke(
+        main, ["optimize", model_file, "--memory", str(least // 2), "--batch", "1", "--seq", "128", "--capture", "real"]
+    )
+    assert result.exit_code == 1 and result.stdout == ""
+    assert result.stderr.splitlines()[-1].startswith("Error: no assignment of modes fits batch 1")
+
+
+def test_max_batch_json(model_file):
+    args = ["optimize", model_file, "--memory", "8MiB", "--max-batch", "--seq", "32", "--capture", "real", "--json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    batch = summary["batch"]
+    assert batch >= 1 and summary["chosen"]["fits"] and summary["chosen"]["plan_arena"] <= 8 << 20
+    # one more sample does not fit with any assignment, by the model
+    above = optimize(OptimizeOptions(model_file, memory=8 << 20, batch=batch + 1, seq=32, capture="real"))
+    assert above.chosen is None or above.choice.status != "optimal"

@@ -1,0 +1,63 @@
+"""`memplan tradeoff`: every layer mode and compile budget measured, the frontiers marked, the figure drawn."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from matplotlib.image import imread
+
+from memplan.cli import main
+from memplan.planner.jobs.tradeoff import TradeoffPoint, mark_frontiers
+from memplan.planner.layers import MODES
+
+MODEL = (
+    Path(__file__).resolve().parents[1] / "examples" / "llama.py"
+)  # the compile tests' model: Inductor's cache is shared
+
+
+@pytest.fixture(scope="module")
+def summary(tmp_path_factory):
+    figure = tmp_path_factory.mktemp("tradeoff") / "tradeoff.png"
+    args = ["tradeoff", str(MODEL), "--seq", "64", "--budgets", "1,0", "--repeats", "2", "-o", str(figure), "--json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_json_carries_every_point(summary):
+    names = [p["name"] for p in summary["points"]]
+    assert names == [*MODES, "compile@1", "compile@0"]
+    for p in summary["points"]:
+        assert p["plan_arena"] >= p["peak_live"] > 0 and p["caching_reserved"] >= p["peak_live"]
+        assert p["flops"] == p["matmul_flops"] + p["elementwise_flops"] > 0
+        assert p["step_seconds"] > 0 and p["time_ratio"] > 0
+    by_name = {p["name"]: p for p in summary["points"]}
+    assert by_name["as-built"]["extra_flops"] == 0 and by_name["as-built"]["time_ratio"] == 1.0
+    assert by_name["full"]["extra_flops"] > by_name["tempo"]["extra_flops"] > 0  # full recomputes the most
+    assert not by_name["selective"]["changed"] and by_name["selective"]["extra_flops"] == 0  # SDPA keeps no s x s
+    assert by_name["full"]["plan_arena"] < by_name["as-built"]["plan_arena"]
+    assert by_name["compile@0"]["extra_flops"] > by_name["compile@1"]["extra_flops"]  # budget 0 recomputes more
+    assert any(p["pareto_flops"] for p in summary["points"]) and any(p["pareto_time"] for p in summary["points"])
+
+
+def test_figure_is_written_readable_and_not_blank(summary):
+    image = imread(summary["figure"])
+    assert image.shape[0] > 300 and image.shape[1] > 600
+    ink = (image[..., :3] < 0.9).any(axis=-1)
+    assert 0.01 < ink.mean() < 0.5  # drawn on, not filled
+    assert len(np.unique(image[..., :3].reshape(-1, 3), axis=0)) > 20  # points, lines and text, not one colour
+
+
+def point(name, arena, extra, seconds=None):
+    return TradeoffPoint(name, name, None, True, arena, arena, "optimal", arena, 0, 0, 0, extra, seconds, None)
+
+
+def test_frontier_marks_exactly_the_undominated():
+    points = [point("a", 10, 0, 1.0), point("b", 8, 5, 2.0), point("c", 9, 6, 1.5), point("d", 8, 7, 3.0)]
+    mark_frontiers(points)
+    assert [p.pareto_flops for p in points] == [True, True, False, False]  # c: b has less of both; d: b is cheaper
+    assert [p.pareto_time for p in points] == [True, True, True, False]
