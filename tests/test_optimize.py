@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from memplan.cli import main
 from memplan.planner.cost import count_step_flops
-from memplan.planner.jobs.optimize import OPTIMIZE_MODES, OptimizeOptions, optimize
+from memplan.planner.jobs.optimize import OPTIMIZE_MODES, OptimizeError, OptimizeOptions, optimize
 from memplan.planner.layers import LayerModes
 from memplan.planner.optimize.choose import recompute_of
 from memplan.planner.problem import problem_from_trace
@@ -108,9 +108,9 @@ def test_max_batch_json(model_file):
     args = ["optimize", model_file, "--memory", "8MiB", "--max-batch", "--seq", "32", "--capture", "real", "--json"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
-    summary = json.loads(result.output)
+    summary = json.loads(result.stdout)
     batch = summary["batch"]
     assert batch >= 1 and summary["chosen"]["fits"] and summary["chosen"]["plan_arena"] <= 8 << 20
     # one more sample does not fit with any assignment, by the model
-    above = optimize(OptimizeOptions(model_file, memory=8 << 20, batch=batch + 1, seq=32, capture="real"))
-    assert above.chosen is None or above.choice.status != "optimal"
+    with pytest.raises(OptimizeError, match=f"no assignment of modes fits batch {batch + 1}"):
+        optimize(OptimizeOptions(model_file, memory=8 << 20, batch=batch + 1, seq=32, capture="real"))
