@@ -34,7 +34,7 @@ from memplan.planner.jobs.optimize import render as render_optimize
 from memplan.planner.jobs.tradeoff import DEFAULT_BUDGETS, TradeoffOptions, tradeoff
 from memplan.planner.jobs.tradeoff import render as render_tradeoff
 from memplan.planner.report.compare import solve_plan
-from memplan.traces.trace_model import choose_capture, trace_model_file
+from memplan.traces.trace_model import sized_capture
 
 ROOT = Path(__file__).resolve().parents[1]
 BERT_LARGE_4 = '''
@@ -79,8 +79,7 @@ def run_model(name: str, folder: Path, budgets: tuple[float, ...], tradeoff_too:
     # 2. optimize at three sizes between every layer tempo+selective and every layer as built, on one measurement.
     opts = OptimizeOptions(str(model_file), memory=0, **optimize_shape)
     layers = model_layers(opts)
-    sizing = trace_model_file(opts.model_file, batch=opts.batch, seq=opts.seq, dtype=opts.dtype, fake=True)
-    capture = choose_capture(opts.capture, sizing.peak()[0])
+    capture = sized_capture(opts.capture, opts.model_file, batch=opts.batch, seq=opts.seq, dtype=opts.dtype)
     start = time.monotonic()
     measured = measure_batch(opts, layers, opts.batch, capture.fake, log)
     seconds = time.monotonic() - start

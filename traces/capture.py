@@ -89,15 +89,15 @@ def workload_device(workload: Workload) -> torch.device:
     return device
 
 
-def _run(what: str, name: str, call: Callable):
-    """Run user code (build, a step); an exception from it becomes one line."""
+def run_user_code(what: str, name: str, call: Callable, error: type[MemplanError] = CaptureError):
+    """Run user code (build, a step); an exception from it becomes one line of `error`."""
     try:
         return call()
     except MemplanError:
         raise
     except (Exception, SystemExit) as e:  # user code: sys.exit() in a loss or model is an error too
         first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
-        raise CaptureError(f"{name}: the {what} raised {type(e).__name__}" + (f": {first}" if first else "")) from None
+        raise error(f"{name}: the {what} raised {type(e).__name__}" + (f": {first}" if first else "")) from None
 
 
 def _assemble(live: Events, step: Events, names: list[str], resident: dict) -> list[_Buffer]:
@@ -341,13 +341,13 @@ def capture_step(
         workload = build()
         device = session.check_device(workload)
         if warmup:
-            _run("warm-up step", workload.name, workload.step)
+            run_user_code("warm-up step", workload.name, workload.step)
         real_cuda = device.type == "cuda" and not fake
         with (
             session.workload_step(workload),
             _measured(device) if real_cuda else contextlib.nullcontext({}) as measured,
         ):
-            _run("recorded step", workload.name, workload.step)
+            run_user_code("recorded step", workload.name, workload.step)
         del workload
     if measured:
         session.trace.meta["cuda_measured"] = measured

@@ -93,6 +93,14 @@ class CaptureChoice:
         return "fake" if self.fake else "real"
 
 
+def sized_capture(capture: str, path: str | os.PathLike, *, batch: int, seq: int, dtype: str) -> CaptureChoice:
+    """`choose_capture` for a model file's step: auto sizes it on a fake trace of the model as built (only
+    auto traces anything)."""
+    if capture != "auto":
+        return choose_capture(capture, 0)
+    return choose_capture(capture, trace_model_file(path, batch=batch, seq=seq, dtype=dtype, fake=True).peak()[0])
+
+
 def choose_capture(capture: str, need: int) -> CaptureChoice:
     """`--capture auto|real|fake` for steps holding about `need` bytes: auto traces fake tensors when a
     real step would be slow (above REAL_STEP_BYTES) or would not fit this machine's RAM."""

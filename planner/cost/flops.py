@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from memplan.traces.capture import recording_session
+from memplan.traces.capture import recording_session, run_user_code
 from memplan.traces.compile import Compile, compile_model
 from memplan.traces.errors import MemplanError
 from memplan.traces.fake import RANDOM_FILLS
@@ -139,15 +139,7 @@ def step_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def checked_step(workload: Workload, what: str) -> None:
     """Run one training step of `workload`; an exception from its user code becomes one CostError line."""
-    try:
-        workload.step()
-    except MemplanError:
-        raise
-    except (Exception, SystemExit) as e:  # user code: sys.exit() in a loss or model is an error too
-        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-        raise CostError(
-            f"{workload.name}: the {what} raised {type(e).__name__}" + (f": {first}" if first else "")
-        ) from None
+    run_user_code(what, workload.name, workload.step, CostError)
 
 
 def _elements_written(func, args: tuple, kwargs: dict, out) -> int:

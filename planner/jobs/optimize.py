@@ -2,11 +2,11 @@
 memory size with the least recompute, chosen by CP-SAT on a model measured from traces, then checked
 by tracing the chosen configuration and solving its plan.
 
-The model (planner/optimize/terms.py) comes from one trace per mode with every layer in that mode and
-the rest of the model as built; the recompute of a layer in a mode is the FLOPs its subtree runs more
-than as built (planner/cost). An assignment whose traced plan does not fit is cut from the model and
-CP-SAT asked again, so "optimal" means: no assignment of less recompute fits, by the model, and the
-answer's own plan fits, measured.
+The memory model (planner/optimize/terms.py) comes from the traces of terms.assignments_to_trace (every
+layer in one mode, and pairs of modes alternating; the rest of the model as built); the recompute of a
+layer in a mode is the FLOPs its subtree runs more than as built (planner/cost, one count per mode). An
+assignment whose traced plan does not fit is cut from the model and CP-SAT asked again, so "optimal"
+means: no assignment of less recompute fits, by the model, and the answer's own plan fits, measured.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from memplan.traces.capture import recording_session
 from memplan.traces.errors import MemplanError
 from memplan.traces.format import Trace
 from memplan.traces.model_file import AS_BUILT, build_workload, import_model_file
-from memplan.traces.trace_model import CaptureChoice, choose_capture, trace_model_file
+from memplan.traces.trace_model import CaptureChoice, sized_capture, trace_model_file
 from memplan.traces.units import human_bytes
 
 OPTIMIZE_MODES = (AS_BUILT, "tempo", "selective", "tempo+selective", "full")  # a layer's choices
@@ -56,7 +56,7 @@ class OptimizeOptions:
 class Candidate:
     """One assignment, modelled and (when traced) measured."""
 
-    name: str  # "chosen", "uniform tempo", "Megatron: first 2 layers full"
+    name: str  # "chosen", "every layer tempo", "Megatron: first 2 full"
     assignment: Assignment
     recompute: Flops  # FLOPs over every layer as built
     predicted_peak: int  # the model's peak live bytes (aligned)
@@ -83,11 +83,6 @@ class OptimizeResult:
     seconds: float
 
     def summary(self) -> dict:
-        def candidate(c: Candidate | None) -> dict | None:
-            if c is None:
-                return None
-            return asdict(c)
-
         return {
             "model_file": self.options.model_file,
             "memory": self.options.memory,
@@ -98,10 +93,10 @@ class OptimizeResult:
             "capture_reason": self.capture.reason,
             "layers": list(self.layers),
             "status": self.choice.status,
-            "chosen": candidate(self.chosen),
-            "rejected": [candidate(c) for c in self.rejected],
-            "uniform": [candidate(c) for c in self.uniform],
-            "megatron": candidate(self.megatron),
+            "chosen": asdict(self.chosen) if self.chosen else None,
+            "rejected": [asdict(c) for c in self.rejected],
+            "uniform": [asdict(c) for c in self.uniform],
+            "megatron": asdict(self.megatron) if self.megatron else None,
             "step_flops": self.step_flops,
             "seconds": round(self.seconds, 1),
         }
@@ -109,7 +104,7 @@ class OptimizeResult:
 
 @dataclass
 class Measured:
-    """Everything measured at one batch size: the model, the layer costs, the uniform traces."""
+    """Everything measured at one batch size: the memory model, the layer costs, the traces."""
 
     batch: int
     terms: MemoryTerms
@@ -129,10 +124,12 @@ def model_layers(opts: OptimizeOptions) -> tuple[str, ...]:
 
 
 def every_layer(layers: tuple[str, ...], mode: str) -> Assignment:
+    """The assignment of `mode` to every layer."""
     return tuple(mode for _ in layers)
 
 
 def patch_of(layers: tuple[str, ...], assignment: Assignment) -> LayerModes:
+    """The trace patch that applies `assignment` to the layers."""
     return LayerModes(dict(zip(layers, assignment)))
 
 
@@ -248,8 +245,7 @@ def optimize(opts: OptimizeOptions, progress: Callable[[str], None] = lambda m: 
     layers = model_layers(opts)
     if not layers:
         raise OptimizeError(f"{opts.model_file}: no list of Transformer layers found to choose modes for")
-    sizing = trace_model_file(opts.model_file, batch=opts.batch or 1, seq=opts.seq, dtype=opts.dtype, fake=True)
-    capture = choose_capture(opts.capture, sizing.peak()[0])
+    capture = sized_capture(opts.capture, opts.model_file, batch=opts.batch or 1, seq=opts.seq, dtype=opts.dtype)
     progress(f"{len(layers)} layers; {capture.name} traces ({capture.reason})")
     # 2. The model at the batch asked, or at the largest batch it fits.
     if opts.batch is None:

@@ -21,10 +21,9 @@ from memplan.planner.report.memory_report import build_report
 from memplan.planner.report.plots import figure_format
 from memplan.planner.report.tradeoff_plot import plot_tradeoff
 from memplan.traces.compile import Compile
-from memplan.traces.errors import MemplanError
 from memplan.traces.model_file import AS_BUILT
 from memplan.traces.summary import no_change_mark
-from memplan.traces.trace_model import CaptureChoice, choose_capture, trace_model_file
+from memplan.traces.trace_model import CaptureChoice, sized_capture, trace_model_file
 from memplan.traces.units import human_bytes
 
 DEFAULT_BUDGETS = (1.0, 0.5, 0.2, 0.0)
@@ -146,12 +145,12 @@ def measure_point(opts: TradeoffOptions, mode: str, budget: float | None, fake: 
 def tradeoff(opts: TradeoffOptions, progress: Callable[[str], None] = lambda m: None) -> TradeoffResult:
     """Measure every layer mode and compile budget, mark the frontiers and draw the figure."""
     start = time.monotonic()
-    if any(not 0.0 <= b <= 1.0 for b in opts.budgets):
-        raise MemplanError(f"--budgets {','.join(f'{b:g}' for b in opts.budgets)}: every budget is from 0 to 1")
+    for budget in opts.budgets:
+        Compile(budget)  # a budget outside [0, 1] fails before the work
     if opts.output:
         figure_format(opts.output)  # a figure it cannot write fails before the work
     # 1. Real or fake traces; compiled steps need real ones.
-    capture = choose_capture(opts.capture, 0) if opts.capture != "auto" else sized_capture(opts)
+    capture = sized_capture(opts.capture, opts.model_file, batch=opts.batch, seq=opts.seq, dtype=opts.dtype)
     budgets, notes = opts.budgets, []
     if capture.fake and budgets:
         budgets = ()
@@ -175,12 +174,6 @@ def tradeoff(opts: TradeoffOptions, progress: Callable[[str], None] = lambda m: 
         result.figure = opts.output
     result.seconds = time.monotonic() - start
     return result
-
-
-def sized_capture(opts: TradeoffOptions) -> CaptureChoice:
-    """--capture auto: real or fake, by the size of a fake trace of the model as built."""
-    sizing = trace_model_file(opts.model_file, batch=opts.batch, seq=opts.seq, dtype=opts.dtype, fake=True)
-    return choose_capture("auto", sizing.peak()[0])
 
 
 def render(result: TradeoffResult) -> str:

@@ -272,8 +272,13 @@ def plot_reports(reports: list[MemoryReport], path: str | os.PathLike, address_s
     fig.legend(handles=handles, loc="outside lower center", ncol=ncol, fontsize=8, frameon=False)
     if cols > 1 or address_space:
         fig.suptitle("Device memory over one training step", fontsize=12)
+    write_figure(fig, path, fmt, dpi=110)
+
+
+def write_figure(fig: Figure, path: str | os.PathLike, fmt: str, dpi: int) -> None:
+    """Render `fig` as `fmt` and write it atomically (a failed write leaves no half figure)."""
     buf = io.BytesIO()
-    fig.savefig(buf, format=fmt, dpi=110)
+    fig.savefig(buf, format=fmt, dpi=dpi)
     atomic_write(path, buf.getvalue())
 
 

@@ -8,14 +8,12 @@ Drawn from `TradeoffResult.summary()`, plain data.
 
 from __future__ import annotations
 
-import io
 import os
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from memplan.planner.report.plots import figure_format
-from memplan.traces.files import atomic_write
+from memplan.planner.report.plots import figure_format, write_figure
 from memplan.traces.units import byte_unit
 
 POINT_COLOR, COMPILE_COLOR, FRONTIER_COLOR = "#4c72b0", "#dd8452", "#d62728"
@@ -74,6 +72,4 @@ def plot_tradeoff(summary: dict, path: str | os.PathLike) -> None:
     )
     fig.tight_layout()
     FigureCanvasAgg(fig)
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format=fmt, dpi=130)
-    atomic_write(path, buffer.getvalue())
+    write_figure(fig, path, fmt, dpi=130)
