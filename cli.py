@@ -10,6 +10,7 @@ import click
 
 from memplan.planner.simulate.alloc_conf import TIE_BREAKS
 from memplan.traces.errors import MemplanError
+from memplan.traces.units import SizeError, parse_size
 
 
 class MemplanGroup(click.Group):
@@ -40,6 +41,19 @@ class MemplanGroup(click.Group):
         sys.exit(code if isinstance(code, int) else 0)
 
 
+class Size(click.ParamType):
+    """A memory size option: 11GiB, 16GB, 512MiB, 1.5 GiB or a number of bytes (traces.units.parse_size)."""
+
+    name = "size"
+
+    def convert(self, value, param, ctx) -> int:
+        try:
+            return value if isinstance(value, int) else parse_size(value)
+        except SizeError as e:
+            self.fail(str(e), param, ctx)
+
+
+SIZE = Size()
 LAYERS_HELP = (
     "Layer mode (planner.layers.MODES). as-built: the model as its file builds it, nothing patched. "
     "baseline: Megatron's reference accounting: nn.Dropout keeps a 1-byte mask (the CPU's keeps a noise "
@@ -223,9 +237,9 @@ tie_break_option = click.option(
 @tie_break_option
 @click.option(
     "--capacity",
-    type=click.IntRange(min=1),
+    type=SIZE,
     default=None,
-    help="Device capacity in bytes: the allocator's out-of-memory retry and failure are simulated.",
+    help="Device capacity (16GiB, 80GB or bytes): the allocator's out-of-memory retry and failure are simulated.",
 )
 @click.option(
     "--timeline",
@@ -378,9 +392,9 @@ def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq,
 )
 @click.option(
     "--capacity",
-    type=click.IntRange(min=0),
+    type=SIZE,
     default=None,
-    help="Bytes the plan must fit in; stop at the first plan that fits, exit 1 if none.",
+    help="Memory the plan must fit in (16GiB, 80GB or bytes); stop at the first plan that fits, exit 1 if none.",
 )
 @click.option(
     "--method",
@@ -487,7 +501,7 @@ def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps
 
 @main.command("fit")
 @click.argument("model_file", type=click.Path(dir_okay=False))
-@click.option("--memory", required=True, help="Device memory: 11GiB, 16GB, 512MiB or a number of bytes.")
+@click.option("--memory", type=SIZE, required=True, help="Device memory: 11GiB, 16GB, 512MiB or a number of bytes.")
 @click.option(
     "--layers",
     "modes",
@@ -519,13 +533,12 @@ def fit_command(model_file, memory, modes, seq, dtype, alloc_conf, tie_break, ti
     \b
     Example: MEMPLAN_PRESET=tiny memplan fit examples/bert.py --memory 64MiB --seq 64 --layers baseline --layers tempo
     """
-    from memplan.planner.jobs.fit import fit_model, parse_size
+    from memplan.planner.jobs.fit import fit_model
     from memplan.planner.layers import MODES
 
-    size = parse_size(memory)
     result = fit_model(
         model_file,
-        size,
+        memory,
         modes=tuple(modes) or MODES,
         seq=seq,
         dtype=dtype,
@@ -566,24 +579,32 @@ def budget_list(_ctx, _param, value: str) -> tuple[float, ...]:
 )
 @click.option("--time-limit", type=click.FloatRange(min=0.1), default=5.0, show_default=True, help="Seconds per plan.")
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="Timed steps per point.")
+@click.option(
+    "--variant",
+    "variants",
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    help="Another model file of the same model built another way (examples/gpt2_reversible.py), measured as built "
+    "at the same shape and drawn with the rest; repeatable.",
+)
 @capture_option
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Figure to write: .png or .svg.")
 @click.option("--json", "as_json", is_flag=True, help="Print every point as JSON.")
-def tradeoff_command(model_file, batch, seq, dtype, budgets, time_limit, repeats, capture, output, as_json):
+def tradeoff_command(model_file, batch, seq, dtype, budgets, time_limit, repeats, variants, capture, output, as_json):
     """Peak memory against extra compute for every layer mode and torch.compile budget, Pareto frontier marked.
 
-    Example: memplan tradeoff examples/gpt2.py --budgets 1,0 -o tradeoff.png
+    Example: memplan tradeoff examples/gpt2.py --budgets 1,0 --variant examples/gpt2_reversible.py -o tradeoff.png
     """
     from memplan.planner.jobs.tradeoff import TradeoffOptions, render, tradeoff
 
-    opts = TradeoffOptions(model_file, batch, seq, dtype, budgets, time_limit, repeats, capture, output)
+    opts = TradeoffOptions(model_file, batch, seq, dtype, budgets, time_limit, repeats, capture, output, variants)
     result = tradeoff(opts, progress=progress)
     emit(result.summary(), as_json, render(result))
 
 
 @main.command("optimize")
 @click.argument("model_file", type=click.Path(dir_okay=False))
-@click.option("--memory", required=True, help="Memory the step's plan must fit: 11GiB, 16GB, 512MiB or bytes.")
+@click.option("--memory", type=SIZE, required=True, help="Memory the plan must fit: 11GiB, 16GB, 512MiB or bytes.")
 @click.option("--batch", type=click.IntRange(min=1), default=None, help="Batch size passed to build() [default: 2].")
 @click.option("--max-batch", is_flag=True, help="Choose the largest batch that fits too.")
 @click.option(
@@ -605,13 +626,11 @@ def optimize_command(model_file, memory, batch, max_batch, seq, dtype, time_limi
 
     Example: memplan optimize examples/gpt2.py --memory 6MiB --batch 2 --seq 128
     """
-    from memplan.planner.jobs.fit import parse_size
     from memplan.planner.jobs.optimize import OptimizeOptions, optimize, render
 
     if max_batch and batch is not None:
         raise click.UsageError("--batch and --max-batch exclude each other", ctx=click.get_current_context())
-    size = parse_size(memory)
-    opts = OptimizeOptions(model_file, size, None if max_batch else batch or 2, seq, dtype, capture, time_limit)
+    opts = OptimizeOptions(model_file, memory, None if max_batch else batch or 2, seq, dtype, capture, time_limit)
     result = optimize(opts, progress=progress)
     emit(result.summary(), as_json, render(result))
 

@@ -8,7 +8,7 @@ import torch
 from click.testing import CliRunner
 
 from memplan.cli import main
-from memplan.planner.jobs.fit import FitError, fit_model, parse_size
+from memplan.planner.jobs.fit import FitError, fit_model
 from memplan.planner.layers import LayerMode
 from memplan.planner.problem import problem_from_trace
 from memplan.planner.simulate.caching_allocator import simulate_caching
@@ -43,27 +43,6 @@ def plan_fits(trace, memory):
     except CapacityError:
         return False
     return True
-
-
-@pytest.mark.parametrize(
-    "text,expected",
-    [
-        ("11GiB", 11 << 30),
-        ("16GB", 16 * 10**9),
-        ("512MiB", 512 << 20),
-        ("4096", 4096),
-        ("1.5 KiB", 1536),
-        ("2gib", 2 << 30),
-    ],
-)
-def test_parse_size(text, expected):
-    assert parse_size(text) == expected
-
-
-@pytest.mark.parametrize("text", ["", "GiB", "11 parsecs", "-3GiB", "0", "1e9", "12 GiB extra"])
-def test_parse_size_rejects(text):
-    with pytest.raises(FitError):
-        parse_size(text)
 
 
 @pytest.mark.parametrize("mode", ["baseline", "tempo+selective"])

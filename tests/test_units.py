@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from memplan.traces.format import live_bytes, make_trace
-from memplan.traces.units import GiB, KiB, MiB, byte_unit, human_bytes
+from memplan.traces.units import GiB, KiB, MiB, SizeError, byte_unit, human_bytes, parse_size
 
 
 def test_unit_follows_magnitude_down_to_the_smallest_asked():
@@ -48,3 +49,24 @@ def test_live_bytes_sums_sizes_over_alloc_to_free():
     trace = make_trace({"size": size.tolist(), "alloc": alloc.tolist(), "free": free.tolist()})
     assert trace.live_bytes().tolist() == live_bytes(size, alloc, free, trace.end).tolist()
     assert live_bytes(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), 0).tolist() == []
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("11GiB", 11 << 30),
+        ("16GB", 16 * 10**9),
+        ("512MiB", 512 << 20),
+        ("4096", 4096),
+        ("1.5 KiB", 1536),
+        ("2gib", 2 << 30),
+    ],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "11 parsecs", "-3GiB", "0", "1e9", "12 GiB extra"])
+def test_parse_size_rejects(text):
+    with pytest.raises(SizeError):
+        parse_size(text)

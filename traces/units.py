@@ -2,8 +2,40 @@
 
 from __future__ import annotations
 
+import re
+
+from memplan.traces.errors import MemplanError
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": KiB,
+    "mib": MiB,
+    "gib": GiB,
+    "tib": 1 << 40,
+}  # what a size given by a person may end in, lower-cased
 SCALES = {"GiB": GiB, "MiB": MiB, "KiB": KiB, "B": 1}  # largest first
+
+
+class SizeError(MemplanError):
+    """A memory size given by a person that is not a positive number of bytes."""
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size such as '11GiB', '16GB', '512MiB', '1.5 GiB' or '4096'; SizeError otherwise."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in SIZE_UNITS:
+        raise SizeError(f"{text!r} is not a size (use e.g. 11GiB, 16GB, 512MiB or a number of bytes)")
+    size = int(float(m.group(1)) * SIZE_UNITS[unit])
+    if size <= 0:
+        raise SizeError(f"{text!r}: a size must be positive")
+    return size
 
 
 def byte_unit(n: int | float, smallest: str = "B") -> tuple[str, int]:

@@ -10,7 +10,6 @@ would be slow or would not fit this machine: `--capture` chooses, the summary sa
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,41 +30,17 @@ from memplan.traces.trace_model import (
     host_memory_available,
     trace_model_file,
 )
-from memplan.traces.units import GiB, KiB, MiB, human_bytes
+from memplan.traces.units import GiB, human_bytes
 
 MEASURE_BATCHES = (1, 2, 4)
 MAX_BATCH = 4096  # the search stops here: larger batches take too long to trace
 GROWTH = 8  # a trace is at most this many times the largest batch known to fit
 GUESSES = 2  # traces that may leave the bracket more than half as wide before the search bisects it
-UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": KiB,
-    "mib": MiB,
-    "gib": GiB,
-    "tib": 1 << 40,
-}
 ALLOCATORS = ("caching", "plan")
 
 
 class FitError(MemplanError):
-    """A fit request that cannot be answered: bad size, or memory below what batch 1 needs."""
-
-
-def parse_size(text: str) -> int:
-    """Bytes in a size such as '11GiB', '16GB', '512MiB', '1.5 GiB' or '4096'; FitError otherwise."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in UNITS:
-        raise FitError(f"--memory {text!r}: not a size (use e.g. 11GiB, 16GB, 512MiB or a number of bytes)")
-    size = int(float(m.group(1)) * UNITS[unit])
-    if size <= 0:
-        raise FitError(f"--memory {text!r}: the size must be positive")
-    return size
+    """A fit request that cannot be answered: memory below what batch 1 needs, or a mode or batch it cannot trace."""
 
 
 def format_size(n: int) -> str:
