@@ -7,7 +7,9 @@ caching reserved, FLOPs, CPU step time, the Pareto frontiers) with its figure in
 first-k-layers recipe. Target: at some size a per-layer mix fits with less recompute than every uniform
 mode that fits.
 
-Example: .venv/bin/python benchmarks/tradeoff.py                   # both models (cold Inductor cache: ~20 minutes)
+Both at batch 2, s = 512 (real traces on this machine).
+
+Example: .venv/bin/python benchmarks/tradeoff.py                   # both models (cold Inductor cache: ~40 minutes)
          .venv/bin/python benchmarks/tradeoff.py --only llama --no-compile
 """
 
@@ -57,40 +59,38 @@ def build(batch_size, seq_len, dtype, device):
     """A Llama-style decoder (RMSNorm, SwiGLU, rotary positions, grouped-query SDPA) of 4 layers, hidden 1024."""
     return build_workload(batch_size, seq_len, dtype, device, config=CONFIG)
 '''
-MODELS = {  # name: (model file text, tradeoff shape, optimize shape)
-    "bert-large": (BERT_LARGE_4, {"batch": 2, "seq": 128}, {"batch": 2, "seq": 512}),
-    "llama": (LLAMA_4, {"batch": 2, "seq": 128}, {"batch": 2, "seq": 512}),
-}
+MODELS = {"bert-large": BERT_LARGE_4, "llama": LLAMA_4}  # name: model file text
+SHAPE = {"batch": 2, "seq": 512}  # activations decide the peak here: at s = 128 AdamW's step does, in every mode
 
 
 def log(message: str) -> None:
     print(f"  .. {message}", file=sys.stderr, flush=True)
 
 
-def run_model(name: str, folder: Path, budgets: tuple[float, ...], tradeoff_too: bool) -> None:
-    text, tradeoff_shape, optimize_shape = MODELS[name]
+def run_model(name: str, folder: Path, budgets: tuple[float, ...], repeats: int, tradeoff_too: bool) -> None:
     model_file = folder / f"{name.replace('-', '_')}_4.py"
-    model_file.write_text(text)
+    model_file.write_text(MODELS[name])
     # 1. The trade-off table and figure.
     if tradeoff_too:
         figure = ROOT / "docs" / f"tradeoff-{name}.png"
-        result = tradeoff(TradeoffOptions(str(model_file), budgets=budgets, output=str(figure), **tradeoff_shape), log)
-        print(f"\n## {name}: trade-off, {tradeoff_shape}\n{render_tradeoff(result)}", flush=True)
+        opts = TradeoffOptions(str(model_file), budgets=budgets, repeats=repeats, output=str(figure), **SHAPE)
+        result = tradeoff(opts, log)
+        print(f"\n## {name}: trade-off, {SHAPE}\n{render_tradeoff(result)}", flush=True)
     # 2. optimize at three sizes between every layer tempo+selective and every layer as built, on one measurement.
-    opts = OptimizeOptions(str(model_file), memory=0, **optimize_shape)
+    opts = OptimizeOptions(str(model_file), memory=0, **SHAPE)
     layers = model_layers(opts)
     capture = sized_capture(opts.capture, opts.model_file, batch=opts.batch, seq=opts.seq, dtype=opts.dtype)
     start = time.monotonic()
     measured = measure_batch(opts, layers, opts.batch, capture.fake, log)
     seconds = time.monotonic() - start
-    print(f"\n## {name}: optimize's model, {optimize_shape}: {len(measured.traces)} traces, {seconds:.0f} s")
+    print(f"\n## {name}: optimize's model, {SHAPE}: {len(measured.traces)} traces, {seconds:.0f} s")
     arenas = {m: solve_plan(measured.traces[every_layer(layers, m)], "auto", 10).arena for m in OPTIMIZE_MODES}
     low, high = arenas["tempo+selective"], arenas["as-built"]
     for fraction in (0.25, 0.5, 0.75):
         start = time.monotonic()
         opts = replace(opts, memory=int(low + fraction * (high - low)))
         answer = optimize_answer(opts, layers, measured, capture, log, start)
-        print(f"\n## {name}: optimize at {fraction:.0%} of the way from tempo+selective to as-built, {optimize_shape}")
+        print(f"\n## {name}: optimize at {fraction:.0%} of the way from tempo+selective to as-built, {SHAPE}")
         print(render_optimize(answer), flush=True)
         uniform = [c.recompute for c in answer.uniform if c.fits]
         beats = answer.chosen is not None and all(answer.chosen.recompute < r for r in uniform)
@@ -106,12 +106,13 @@ def main() -> None:
     parser.add_argument("--only", choices=sorted(MODELS), help="one model only")
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out of the trade-off")
     parser.add_argument("--optimize-only", action="store_true", help="only the optimize part")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per trade-off point")
     args = parser.parse_args()
     torch.set_num_threads(1)
     budgets = () if args.no_compile else DEFAULT_BUDGETS
     with tempfile.TemporaryDirectory() as folder:
         for name in [args.only] if args.only else MODELS:
-            run_model(name, Path(folder), budgets, not args.optimize_only)
+            run_model(name, Path(folder), budgets, args.repeats, not args.optimize_only)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """`memplan tradeoff`: memory against extra compute for every way memplan knows to trade one for the other.
 
 Every layer mode (planner.layers.MODES: as built, Megatron's baseline accounting, Tempo, selective and
-full recomputation) and torch.compile at each memory budget is traced, planned (the solver's verified
+full recomputation), torch.compile at each memory budget and each variant (another model file of the same model
+built another way, such as examples/gpt2_reversible.py, as built) is traced, planned (the solver's verified
 arena), simulated through PyTorch's caching allocator (its peak reserved), counted (planner.cost: the
 step's FLOPs) and, on real tensors, timed (median CPU step). Extra compute is counted against the model
 as built, eager. A point is on the Pareto frontier when no other point needs no more memory (plan
@@ -13,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from memplan.planner.cost import count_step_flops, time_step
 from memplan.planner.layers import MODES, LayerMode
@@ -21,7 +23,7 @@ from memplan.planner.report.memory_report import build_report
 from memplan.planner.report.plots import figure_format
 from memplan.planner.report.tradeoff_plot import plot_tradeoff
 from memplan.traces.compile import Compile
-from memplan.traces.model_file import AS_BUILT
+from memplan.traces.model_file import AS_BUILT, import_model_file
 from memplan.traces.summary import no_change_mark
 from memplan.traces.trace_model import CaptureChoice, sized_capture, trace_model_file
 from memplan.traces.units import human_bytes
@@ -42,13 +44,14 @@ class TradeoffOptions:
     repeats: int = 5  # timed steps per point (the median is kept)
     capture: str = "auto"  # real or fake traces: auto, real, fake
     output: str | None = None  # the figure (.png or .svg); None draws none
+    variants: tuple[str, ...] = ()  # other model files of the same model (reversible, ...), measured as built
 
 
 @dataclass
 class TradeoffPoint:
     """One configuration's memory and compute; bytes, FLOPs and seconds."""
 
-    name: str  # the layer mode, or compile@BUDGET
+    name: str  # the layer mode, compile@BUDGET, or a variant's file name without .py
     layers: str  # the layer mode traced
     compile_budget: float | None  # torch.compile's activation memory budget; None when eager
     changed: bool  # whether the configuration differs from the model as built, eager
@@ -64,10 +67,12 @@ class TradeoffPoint:
     time_ratio: float | None  # step_seconds / the model as built's
     pareto_flops: bool = False  # on the frontier of plan arena against extra FLOPs
     pareto_time: bool = False  # ... against step time (real traces only)
+    variant: str | None = None  # the variant's model file; None for the model file's own points
 
     @property
     def label(self) -> str:
-        return self.name + no_change_mark(self.layers, self.changed) if self.compile_budget is None else self.name
+        plain = self.compile_budget is None and self.variant is None
+        return self.name + no_change_mark(self.layers, self.changed) if plain else self.name
 
 
 @dataclass
@@ -88,6 +93,7 @@ class TradeoffResult:
             "seq": self.options.seq,
             "dtype": self.options.dtype,
             "budgets": list(self.options.budgets),
+            "variants": list(self.options.variants),
             "capture": self.capture.name,
             "capture_reason": self.capture.reason,
             "points": [asdict(p) for p in self.points],
@@ -112,23 +118,27 @@ def mark_frontiers(points: list[TradeoffPoint]) -> None:
         p.pareto_time = p.step_seconds is not None and not dominated((p.plan_arena, p.step_seconds), timed)
 
 
-def measure_point(opts: TradeoffOptions, mode: str, budget: float | None, fake: bool, progress) -> TradeoffPoint:
-    """Trace, plan, simulate, count and time one configuration."""
-    name = mode if budget is None else f"compile@{budget:g}"
+def measure_point(
+    opts: TradeoffOptions, mode: str, budget: float | None, fake: bool, progress, variant: str | None = None
+) -> TradeoffPoint:
+    """Trace, plan, simulate, count and time one configuration: `opts.model_file` in `mode` compiled at `budget`
+    (None: eager), or the model file `variant` as built."""
+    name = Path(variant).stem if variant else mode if budget is None else f"compile@{budget:g}"
+    model_file = variant or opts.model_file
     compiled = None if budget is None else Compile(budget)
     shape = {"batch": opts.batch, "seq": opts.seq, "dtype": opts.dtype, "layers": LayerMode(mode), "compile": compiled}
     progress(f"[{name}] tracing one training step ({'fake' if fake else 'real'} tensors)")
-    trace = trace_model_file(opts.model_file, fake=fake, **shape)
+    trace = trace_model_file(model_file, fake=fake, **shape)
     plan = solve_plan(trace, "auto", opts.time_limit)
     report = build_report(trace, name, plan=plan)
     progress(f"[{name}] counting FLOPs{'' if fake else ' and timing the step'}")
-    flops = count_step_flops(opts.model_file, fake=fake, **shape)
-    seconds = None if fake else time_step(opts.model_file, repeats=opts.repeats, **shape).median
+    flops = count_step_flops(model_file, fake=fake, **shape)
+    seconds = None if fake else time_step(model_file, repeats=opts.repeats, **shape).median
     return TradeoffPoint(
         name=name,
         layers=mode,
         compile_budget=budget,
-        changed=bool(trace.meta["patch"]["changed"]) or budget is not None,
+        changed=bool(trace.meta["patch"]["changed"]) or budget is not None or variant is not None,
         peak_live=trace.peak()[0],
         plan_arena=plan.arena,
         plan_status=plan.status,
@@ -139,12 +149,15 @@ def measure_point(opts: TradeoffOptions, mode: str, budget: float | None, fake: 
         extra_flops=0,
         step_seconds=seconds,
         time_ratio=None,
+        variant=variant,
     )
 
 
 def tradeoff(opts: TradeoffOptions, progress: Callable[[str], None] = lambda m: None) -> TradeoffResult:
-    """Measure every layer mode and compile budget, mark the frontiers and draw the figure."""
+    """Measure every layer mode, compile budget and variant, mark the frontiers and draw the figure."""
     start = time.monotonic()
+    for variant in opts.variants:
+        import_model_file(variant)  # a variant that is not a model file fails before the work
     for budget in opts.budgets:
         Compile(budget)  # a budget outside [0, 1] fails before the work
     if opts.output:
@@ -157,9 +170,10 @@ def tradeoff(opts: TradeoffOptions, progress: Callable[[str], None] = lambda m: 
         notes.append("torch.compile not measured: it runs on real tensors, and these traces are fake")
     if capture.fake:
         notes.append("no step times: fake tensors compute nothing")
-    # 2. Every layer mode eager, then the model as built compiled at each budget.
+    # 2. Every layer mode eager, the model as built compiled at each budget, then each variant as built.
     points = [measure_point(opts, mode, None, capture.fake, progress) for mode in MODES]
     points += [measure_point(opts, AS_BUILT, budget, capture.fake, progress) for budget in budgets]
+    points += [measure_point(opts, AS_BUILT, None, capture.fake, progress, variant) for variant in opts.variants]
     # 3. Compute against the model as built, eager; the frontiers; the figure.
     reference = points[0]
     for p in points:
