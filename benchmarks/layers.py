@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
-import time
 
 import torch
 
+from memplan.planner.cost import time_workloads
 from memplan.planner.layers import MODES, patch
 from memplan.planner.layers.memory import FORMULA_MODES, LayerShape, LlamaLayerShape, held_for_backward, saved_bytes
 from memplan.planner.workloads import bert
@@ -77,22 +76,12 @@ def memory_table(seqs, dtypes, batch: int, method: str, device: str) -> None:
 
 def time_modes(workloads: dict, steps: int, device: str) -> None:
     """Median step time of each mode's workload over `steps` interleaved steps, against the baseline's."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for workload in workloads.values():
-        workload.step()  # the optimizer's state, and warm caches
-    times = {mode: [] for mode in workloads}
-    for _ in range(steps):
-        for mode, workload in workloads.items():
-            sync()
-            start = time.perf_counter()
-            workload.step()
-            sync()
-            times[mode].append(time.perf_counter() - start)
-    base = statistics.median(times["baseline"])
+    times = time_workloads(workloads, device=device, repeats=steps)
+    base = times["baseline"].median
     tokens = next(iter(workloads.values())).inputs
     tokens = (tokens["input_ids"] if isinstance(tokens, dict) else tokens).numel()
     for mode in workloads:
-        median = statistics.median(times[mode])
+        median = times[mode].median
         print(f"{mode:>16} {median * 1e3:8.1f} ms  {median / base:6.3f}x baseline  {tokens / median:10,.0f} tokens/s")
 
 

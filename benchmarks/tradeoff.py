@@ -1,8 +1,9 @@
 """The memory/compute trade-off on a BERT-Large-shaped model and a Llama-style decoder, and `optimize` at three
 memory sizes between the every-layer tempo+selective and as-built plans.
 
-For each model: `planner.jobs.tradeoff.tradeoff` (every layer mode, torch.compile at each budget: plan arena,
-caching reserved, FLOPs, CPU step time, the Pareto frontiers) with its figure in docs/, then
+For each model: `planner.jobs.tradeoff.tradeoff` (every layer mode, torch.compile at each budget, and for BERT its
+reversible variant: plan arena, caching reserved, FLOPs, CPU step time, the Pareto frontiers) with its figure in
+docs/, then
 `planner.jobs.optimize.optimize` at three sizes, each printed against the uniform choices and Megatron's
 first-k-layers recipe. Target: at some size a per-layer mix fits with less recompute than every uniform
 mode that fits.
@@ -49,6 +50,17 @@ def build(batch_size, seq_len, dtype, device):
     """BERT-Large's shape with 4 of its 24 layers."""
     return build_workload(batch_size, seq_len, dtype, device, config=replace(LARGE, layers=4))
 '''
+BERT_LARGE_4_REVERSIBLE = '''
+from dataclasses import replace
+
+from memplan.planner.workloads.bert import LARGE
+from memplan.planner.workloads.reversible import build_bert_workload
+
+
+def build(batch_size, seq_len, dtype, device):
+    """BERT-Large's shape with 4 of its 24 layers as a reversible stack."""
+    return build_bert_workload(batch_size, seq_len, dtype, device, config=replace(LARGE, layers=4))
+'''
 LLAMA_4 = '''
 from memplan.planner.workloads.llama import LlamaConfig, build_workload
 
@@ -60,6 +72,7 @@ def build(batch_size, seq_len, dtype, device):
     return build_workload(batch_size, seq_len, dtype, device, config=CONFIG)
 '''
 MODELS = {"bert-large": BERT_LARGE_4, "llama": LLAMA_4}  # name: model file text
+VARIANTS = {"bert-large": {"bert_large_4_reversible": BERT_LARGE_4_REVERSIBLE}}  # name: {file name: text}
 SHAPE = {"batch": 2, "seq": 512}  # activations decide the peak here: at s = 128 AdamW's step does, in every mode
 
 
@@ -70,10 +83,15 @@ def log(message: str) -> None:
 def run_model(name: str, folder: Path, budgets: tuple[float, ...], repeats: int, tradeoff_too: bool) -> None:
     model_file = folder / f"{name.replace('-', '_')}_4.py"
     model_file.write_text(MODELS[name])
-    # 1. The trade-off table and figure.
+    variants = []
+    for file_name, text in VARIANTS.get(name, {}).items():
+        variants.append(folder / f"{file_name}.py")
+        variants[-1].write_text(text)
+    # 1. The trade-off table and figure, variants included.
     if tradeoff_too:
         figure = ROOT / "docs" / f"tradeoff-{name}.png"
-        opts = TradeoffOptions(str(model_file), budgets=budgets, repeats=repeats, output=str(figure), **SHAPE)
+        options = {"budgets": budgets, "repeats": repeats, "output": str(figure), "variants": tuple(map(str, variants))}
+        opts = TradeoffOptions(str(model_file), **options, **SHAPE)
         result = tradeoff(opts, log)
         print(f"\n## {name}: trade-off, {SHAPE}\n{render_tradeoff(result)}", flush=True)
     # 2. optimize at three sizes between every layer tempo+selective and every layer as built, on one measurement.

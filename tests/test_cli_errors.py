@@ -109,10 +109,13 @@ BAD = {
         ["{e}/bert.py", "--budgets", "2"],
         ["{e}/bert.py", "--budgets", "half"],
         ["{e}/bert.py", "-o", "{d}/figure.txt"],
+        ["{e}/bert.py", "--variant", "{d}/nobuild.py"],
+        ["{e}/bert.py", "--variant", "{d}/missing.py"],
     ],
     "optimize": [
         ["{d}/missing.py", "--memory", "1GiB"],
         ["{e}/bert.py", "--memory", "lots"],
+        ["{e}/bert.py", "--memory", "0GiB"],
         ["{e}/bert.py"],
         ["{e}/bert.py", "--memory", "1GiB", "--batch", "2", "--max-batch"],
     ],

@@ -52,6 +52,21 @@ def test_figure_is_written_readable_and_not_blank(summary):
     assert len(np.unique(image[..., :3].reshape(-1, 3), axis=0)) > 20  # points, lines and text, not one colour
 
 
+def test_a_variant_model_file_is_measured_next_to_the_modes():
+    """The reversible GPT-2 as a variant of GPT-2: its point is named by its file, counts its rebuild as extra
+    compute and needs less memory than GPT-2 as built."""
+    examples = MODEL.parent
+    args = ["tradeoff", str(examples / "gpt2.py"), "--seq", "64", "--budgets", "", "--repeats", "1", "--json"]
+    result = CliRunner().invoke(main, [*args, "--variant", str(examples / "gpt2_reversible.py")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    by_name = {p["name"]: p for p in summary["points"]}
+    assert list(by_name) == [*MODES, "gpt2_reversible"]
+    reversible, built = by_name["gpt2_reversible"], by_name["as-built"]
+    assert reversible["variant"].endswith("gpt2_reversible.py") and reversible["changed"]
+    assert reversible["extra_flops"] > 0 and reversible["plan_arena"] < built["plan_arena"]
+
+
 def point(name, arena, extra, seconds=None):
     return TradeoffPoint(name, name, None, True, arena, arena, "optimal", arena, 0, 0, 0, extra, seconds, None)
 

@@ -2,6 +2,6 @@
 its measured time, for every layer mode, full checkpointing and compile budget."""
 
 from memplan.planner.cost.flops import CostError, StepFlops, count_step_flops
-from memplan.planner.cost.timing import StepTime, time_step
+from memplan.planner.cost.timing import StepTime, time_step, time_workloads
 
-__all__ = ["CostError", "StepFlops", "StepTime", "count_step_flops", "time_step"]
+__all__ = ["CostError", "StepFlops", "StepTime", "count_step_flops", "time_step", "time_workloads"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ import torch
 from memplan.planner.cost.flops import CostError, checked_step, step_dtype
 from memplan.traces.compile import Compile, compile_model
 from memplan.traces.model_file import ModelPatch, load_workload
+from memplan.traces.workload import Workload
 
 
 @dataclass(frozen=True)
@@ -56,16 +58,25 @@ def time_step(
     workload = load_workload(model_file, batch=batch, seq=seq, dtype=step_dtype(dtype), device=device, layers=layers)
     if compile is not None:
         compile_model(workload.model, compile)
+    # 2. Warm-up steps (the optimizer state created, the model compiled), then the timed ones.
+    return time_workloads({"step": workload}, device=device, repeats=repeats, warmup=warmup)["step"]
+
+
+def time_workloads(
+    workloads: Mapping[str, Workload], *, device: str = "cpu", repeats: int = 5, warmup: int = 1
+) -> dict[str, StepTime]:
+    """Wall time of each workload's training step, the steps interleaved (one of each in turn) so that drift in the
+    machine's speed falls on all of them alike: `warmup` untimed rounds, then the median of `repeats` timed ones."""
     dev = torch.device(device)
-    # 2. Warm-up steps: the optimizer state is created and the model compiled.
     for _ in range(warmup):
-        checked_step(workload, "warm-up step")
-    # 3. The timed steps, each between device synchronisations.
-    runs = []
+        for workload in workloads.values():
+            checked_step(workload, "warm-up step")
+    runs: dict[str, list[float]] = {name: [] for name in workloads}
     for _ in range(repeats):
-        _synchronize(dev)
-        start = time.perf_counter()
-        checked_step(workload, "timed step")
-        _synchronize(dev)
-        runs.append(time.perf_counter() - start)
-    return StepTime(statistics.median(runs), runs)
+        for name, workload in workloads.items():
+            _synchronize(dev)
+            start = time.perf_counter()
+            checked_step(workload, "timed step")
+            _synchronize(dev)
+            runs[name].append(time.perf_counter() - start)
+    return {name: StepTime(statistics.median(times), times) for name, times in runs.items()}

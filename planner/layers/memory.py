@@ -70,6 +70,24 @@ GENERATOR_STATE = {"cpu": 5056, "cuda": 16}  # bytes of the RNG state a checkpoi
 
 
 @dataclass(frozen=True)
+class ReversibleBytes:
+    """What a stack of reversible blocks (`layers.reversible`) costs in activation memory."""
+
+    held: int  # held from forward into backward by the whole stack
+    rebuild: int  # at most this much more while backward rebuilds one block (one branch's graph at a time)
+
+
+def reversible_formula(shape: LayerShape, layers: int, device: str = "cpu", extra: int = 0) -> ReversibleBytes:
+    """Activation bytes of `layers` reversible blocks of `shape` on `device`: the two output streams (2·s·b·h·p),
+    the generator states before each block's F and G (2·layers·GENERATOR_STATE, the only term growing with the
+    layers; on CUDA the CPU's states, kept too, are host memory) and `extra`, the bytes of the extra arguments every
+    F takes (GPT-2's causal mask: s·s·p); rebuilding a block holds at most one baseline layer's activations
+    (REFERENCE §1) on top."""
+    held = 2 * shape.s * shape.b * shape.h * shape.p + 2 * layers * GENERATOR_STATE[device] + extra
+    return ReversibleBytes(held=held, rebuild=shape.formula("baseline"))
+
+
+@dataclass(frozen=True)
 class LlamaLayerShape:
     """The symbols of a Llama-style layer (HuggingFace's LlamaDecoderLayer: two RMSNorms, rotary grouped-query
     attention on SDPA's fused kernels, SwiGLU MLP): s, b, h, a heads, k key/value heads, f MLP width, p."""

@@ -28,6 +28,7 @@ from memplan.planner.layers.attention import PatchedAttentionCore
 from memplan.planner.layers.gated_mlp import GatedMLP
 from memplan.planner.layers.gelu import HF_GELU_FORMS, InplaceGELU
 from memplan.planner.layers.layernorm import InplaceLayerNorm
+from memplan.planner.layers.reversible import ReversibleBlock
 from memplan.planner.layers.rmsnorm import InplaceRMSNorm
 from memplan.planner.layers.silu import InplaceSiLU
 from memplan.planner.workloads.blocks import AttentionCore, Dropout
@@ -349,16 +350,20 @@ def switch_config(modules: list[nn.Module], functions: dict[int, str], state: Pa
 
 
 def checkpoint_layers(model: nn.Module, modes: dict[int, str], state: PatchState, swaps: Counter) -> list[str]:
-    """Checkpoint the Transformer layers whose mode is `full` or `tempo+full`; a note when the model's mode asks for
-    it and it has no layer list."""
+    """Checkpoint the Transformer layers whose mode is `full` or `tempo+full`, except reversible blocks (which keep
+    nothing to checkpoint); a note when the model's mode asks for it and it has no layer list, or when a reversible
+    block was asked for it."""
     layers = [layer for layers in checkpoint.layer_lists(model) for layer in layers]
-    checkpointed = [layer for layer in layers if "full" in parts(modes[id(layer)])]
+    asked = [layer for layer in layers if "full" in parts(modes[id(layer)])]
+    checkpointed = [layer for layer in asked if not isinstance(layer, ReversibleBlock)]
     if not layers and "full" in parts(modes[id(model)]):
         return ["full: no list of Transformer layers found, nothing checkpointed"]
     if checkpointed:
         state.checkpointing = checkpoint.enable(model, checkpointed)
     for layer in checkpointed:
         swaps[type(layer).__name__, "checkpoint"] += 1
+    if len(checkpointed) < len(asked):
+        return ["full: reversible layers keep no activations; nothing to checkpoint"]
     return []
 
 

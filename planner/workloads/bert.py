@@ -54,7 +54,10 @@ class BertLayer(PostLNLayer):
 
 
 class Bert(nn.Module):
-    """Embeddings (word + position), LayerNorm and dropout, the layers, then the MLM head tied to the word embedding."""
+    """Embeddings (word + position), LayerNorm and dropout, the layers, then the MLM head tied to the word embedding.
+    A variant (workloads.reversible) changes only `make_layers` and `run_layers`."""
+
+    NAME = "bert"  # the workload's name begins with it
 
     def __init__(self, c: BertConfig):
         super().__init__()
@@ -63,20 +66,26 @@ class Bert(nn.Module):
         self.position = nn.Embedding(c.max_positions, c.hidden)
         self.ln_embed = nn.LayerNorm(c.hidden, eps=c.eps)
         self.dropout = Dropout(c.dropout)
-        self.layers = nn.ModuleList(BertLayer(c) for _ in range(c.layers))
+        self.layers = self.make_layers(c)
         self.head_dense = nn.Linear(c.hidden, c.hidden)
         self.head_act = nn.GELU()
         self.head_ln = nn.LayerNorm(c.hidden, eps=c.eps)
         self.decoder_bias = nn.Parameter(torch.zeros(c.vocab_size))
         self.apply(init_weights)
 
+    def make_layers(self, c: BertConfig) -> nn.Module:
+        return nn.ModuleList(BertLayer(c) for _ in range(c.layers))
+
+    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token ids (batch, seq) -> vocabulary logits (batch, seq, vocab)."""
         positions = torch.arange(input_ids.size(1), device=input_ids.device)
         x = self.dropout(self.ln_embed(self.word(input_ids) + self.position(positions)))
-        for layer in self.layers:
-            x = layer(x)
-        x = self.head_ln(self.head_act(self.head_dense(x)))
+        x = self.head_ln(self.head_act(self.head_dense(self.run_layers(x))))
         return nn.functional.linear(x, self.word.weight, self.decoder_bias)
 
 
@@ -98,13 +107,15 @@ def build_workload(
     config: BertConfig = TINY,
     seed: int = 0,
     lr: float = 1e-4,
+    architecture: type[Bert] = Bert,
 ) -> Workload:
-    """A BERT MLM training step: random weights and synthetic tokens from `seed`, cross-entropy loss, AdamW."""
+    """A BERT MLM training step: random weights and synthetic tokens from `seed`, cross-entropy loss, AdamW;
+    `architecture` is Bert or a variant of it."""
     if seq_len > config.max_positions:
         raise WorkloadConfigError(f"seq_len {seq_len} exceeds the model's {config.max_positions} positions")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Bert(config)
+        model = architecture(config)
     model = module_to(model, device, dtype).train()
     input_ids, labels = mlm_batch(batch_size, seq_len, config.vocab_size, torch.Generator().manual_seed(seed))
     return Workload(
@@ -112,5 +123,5 @@ def build_workload(
         inputs=(input_ids.to(device),),
         optimizer=torch.optim.AdamW(model.parameters(), lr=lr),
         loss_fn=TokenLoss(labels.to(device)),
-        name=f"bert-{config.layers}x{config.hidden}",
+        name=f"{architecture.NAME}-{config.layers}x{config.hidden}",
     )

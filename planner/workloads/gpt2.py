@@ -53,7 +53,10 @@ class GPT2Layer(PreLNLayer):
 
 
 class GPT2(nn.Module):
-    """Token and position embeddings with dropout, the causal layers, a final LayerNorm and the tied LM head."""
+    """Token and position embeddings with dropout, the causal layers, a final LayerNorm and the tied LM head.
+    A variant (workloads.reversible) changes only `make_layers` and `run_layers`."""
+
+    NAME = "gpt2"  # the workload's name begins with it
 
     def __init__(self, c: GPT2Config):
         super().__init__()
@@ -61,9 +64,17 @@ class GPT2(nn.Module):
         self.wte = nn.Embedding(c.vocab_size, c.hidden)
         self.wpe = nn.Embedding(c.max_positions, c.hidden)
         self.dropout = Dropout(c.dropout)
-        self.layers = nn.ModuleList(GPT2Layer(c) for _ in range(c.layers))
+        self.layers = self.make_layers(c)
         self.ln_f = nn.LayerNorm(c.hidden, eps=c.eps)
         self.apply(init_weights)
+
+    def make_layers(self, c: GPT2Config) -> nn.Module:
+        return nn.ModuleList(GPT2Layer(c) for _ in range(c.layers))
+
+    def run_layers(self, x: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, causal)
+        return x
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token ids (batch, seq) -> next-token logits (batch, seq, vocab)."""
@@ -71,9 +82,7 @@ class GPT2(nn.Module):
         positions = torch.arange(s, device=input_ids.device)
         x = self.dropout(self.wte(input_ids) + self.wpe(positions))
         causal = torch.full((s, s), float("-inf"), device=x.device, dtype=x.dtype).triu(1)
-        for layer in self.layers:
-            x = layer(x, causal)
-        return nn.functional.linear(self.ln_f(x), self.wte.weight)
+        return nn.functional.linear(self.ln_f(self.run_layers(x, causal)), self.wte.weight)
 
 
 def build_workload(
@@ -84,12 +93,14 @@ def build_workload(
     config: GPT2Config = TINY,
     seed: int = 0,
     lr: float = 1e-4,
+    architecture: type[GPT2] = GPT2,
 ) -> Workload:
-    """A GPT-2 language-model training step: random weights and tokens from `seed`, next-token loss, AdamW."""
+    """A GPT-2 language-model training step: random weights and tokens from `seed`, next-token loss, AdamW;
+    `architecture` is GPT2 or a variant of it."""
     if seq_len > config.max_positions:
         raise WorkloadConfigError(f"seq_len {seq_len} exceeds the model's {config.max_positions} positions")
     return language_model_workload(
-        lambda: GPT2(config),
+        lambda: architecture(config),
         config.vocab_size,
         batch_size,
         seq_len,
@@ -97,5 +108,5 @@ def build_workload(
         device,
         seed,
         lr,
-        f"gpt2-{config.layers}x{config.hidden}",
+        f"{architecture.NAME}-{config.layers}x{config.hidden}",
     )
