@@ -5,7 +5,9 @@ mode and the next layer's, tied to the modes by flow constraints. Each segment o
 is a linear constraint: the bytes the other layers hold in it (by their contexts), plus the segment's
 own bytes under its owner's context, fit the memory; for a segment owned by a layer it is one
 constraint per context of that layer, enforced when the layer has it. The objective is the recompute
-FLOPs summed over layers. Assignments already traced and found not to fit are excluded by a cut each.
+FLOPs summed over layers, and among assignments of equal recompute the one that changes the fewest layers
+(a mode that recomputes nothing there, such as selective over fused attention, is not chosen over as-built).
+Assignments already traced and found not to fit are excluded by a cut each.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from memplan.planner.optimize.terms import PREFIX, Assignment, Bytes, Context, MemoryTerms, Mode, owner_of
+from memplan.traces.model_file import AS_BUILT
 
 Flops = int
 
@@ -76,8 +79,10 @@ def choose_modes(
     # 3. Assignments known not to fit.
     for assignment in excluded:
         model.AddBoolOr([pick[j, m].Not() for j, m in enumerate(assignment)])
-    # 4. The least recompute.
-    model.Minimize(sum(cost[j, m] * pick[j, m] for j in range(count) for m in modes))
+    # 4. The least recompute; then the fewest layers changed (worth less than one FLOP).
+    recompute = sum(cost[j, m] * pick[j, m] for j in range(count) for m in modes)
+    changed = sum(pick[j, m] for j in range(count) for m in modes if m != AS_BUILT)
+    model.Minimize((count + 1) * recompute + changed)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit
     solver.parameters.num_workers = 1  # the same answer on every run
