@@ -35,7 +35,8 @@ def loss(output, inputs):
 
 
 def build(batch_size, seq_len, dtype, device):
-    """A BertModel training step on random token ids with an all-ones attention mask."""
+    """A BertModel training step on random token ids, every token attended (no attention mask: HuggingFace
+    checks an all-ones mask's values to skip it, and with fake tensors, which have none, builds it instead)."""
     from transformers import BertConfig, BertModel
 
     preset = os.environ.get("MEMPLAN_PRESET", "tiny")
@@ -44,5 +45,5 @@ def build(batch_size, seq_len, dtype, device):
     model = BertModel(BertConfig(**PRESETS[preset])).train()
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, PRESETS[preset]["vocab_size"], (batch_size, seq_len), generator=generator)
-    inputs = {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}
+    inputs = {"input_ids": ids.to(device)}
     return {"model": model, "inputs": inputs, "loss": loss}

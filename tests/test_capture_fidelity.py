@@ -4,6 +4,7 @@ against real ones, and a model far larger than this machine."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -187,6 +188,45 @@ def test_fake_and_real_traces_hold_the_same_state_and_peak(name):
     assert 0 <= real_bytes["activation"] - fake_bytes["activation"] <= 4 * 8
     # fake tensors see what ops return; a CPU kernel's own scratch (bert's dropout noise) only adds
     assert 0.95 * real.peak()[0] <= fake.peak()[0] <= real.peak()[0]
+
+
+@pytest.mark.parametrize("p, train", [(0.1, True), (0.0, True), (1.0, True), (0.1, False)])
+def test_fake_dropout_on_the_cpu_allocates_its_outputs_as_the_cpu_kernel_does(p, train):
+    """The CPU kernel allocates the mask before the output (the meta kernel the other way round); what it
+    frees before returning is its own scratch, which fake tensors do not hold."""
+    from memplan.traces.fake import FakeCapture
+    from memplan.traces.recorder import recording
+
+    def outputs(fake: bool) -> list[int]:
+        with recording(torch.device("cpu"), fake=fake) as recorder:
+            with FakeCapture(recorder, "cpu") if fake else contextlib.nullcontext():
+                x = torch.empty(8, 128)
+                recorder.begin_step()
+                kept = torch.ops.aten.native_dropout(x, p, train)
+                events = recorder.end_step()
+        freed = {key for key, size in zip(events.key.tolist(), events.size.tolist()) if size < 0}
+        del kept
+        return [size for key, size in zip(events.key.tolist(), events.size.tolist()) if size > 0 and key not in freed]
+
+    assert outputs(fake=True) == outputs(fake=False) == [8 * 128, 8 * 128 * 4]  # bool mask, then the output
+
+
+def test_moving_a_fake_model_keeps_what_the_program_attached_to_its_parameters():
+    """module_to rebinds fake parameters to converted copies: their attributes and gradient hooks (a
+    sequence-parallel layer's flag and gradient all-reduce) come along, as with Module.to."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memplan.traces.fake import module_to
+
+    seen = []
+    with FakeTensorMode():
+        layer = nn.Linear(4, 4)
+        layer.weight.flagged = True
+        layer.weight.register_hook(lambda grad: seen.append(tuple(grad.shape)))
+        module_to(layer, dtype=torch.bfloat16)
+        assert layer.weight.dtype == torch.bfloat16 and layer.weight.flagged
+        layer(torch.ones(2, 4, dtype=torch.bfloat16)).sum().backward()
+    assert seen == [(4, 4)]
 
 
 def test_fake_trace_of_a_7b_llama_has_the_models_own_state_bytes(monkeypatch):

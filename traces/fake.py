@@ -9,7 +9,7 @@
 - Optimizers take fake tensors for the tensors they stand for: on CUDA they pick their foreach kernels
   (AdamW's default there), as with real CUDA tensors, where a fake tensor would send them to the
   per-tensor loop.
-- On a CUDA device, `native_dropout` allocates its mask before its output, as CUDA's kernel does (the
+- `native_dropout` allocates its mask before its output, as the CPU and CUDA kernels do (the
   meta kernel allocates them the other way round).
 - Values that depend on data get a rule instead of an error (DATA_RULE): a scalar read from a
   tensor (`.item()`, `bool(t)`) is 0 (False), and a selection whose size depends on the data
@@ -69,7 +69,8 @@ def is_fake(tensor: torch.Tensor) -> bool:
 def module_to(model: nn.Module, device=None, dtype: torch.dtype | None = None) -> nn.Module:
     """`model.to(device, dtype)`, also for a model of fake tensors: fake parameters cannot be swapped in
     place (fake tensor mode holds weak references to them), so each is rebound to its converted copy,
-    tied ones once. Only floating-point tensors change dtype, as with `Module.to`."""
+    tied ones once, keeping what the program attached to it (attributes, gradient hooks) as `Module.to`
+    does. Only floating-point tensors change dtype, as with `Module.to`."""
     if not any(is_fake(t) for t in (*model.parameters(), *model.buffers())):
         return model.to(device=device, dtype=dtype)
     converted: dict[int, torch.Tensor] = {}
@@ -77,7 +78,12 @@ def module_to(model: nn.Module, device=None, dtype: torch.dtype | None = None) -
     def convert(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in converted:
             new = t.detach().to(device=device, dtype=dtype if t.is_floating_point() else None)
-            converted[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+            if isinstance(t, nn.Parameter):
+                new = nn.Parameter(new, t.requires_grad)
+                new.__dict__.update(t.__dict__)
+                if t._backward_hooks:
+                    new._backward_hooks = t._backward_hooks
+            converted[id(t)] = new
         return converted[id(t)]
 
     for module in model.modules():
@@ -130,8 +136,11 @@ def _cuda(to):
     return cuda
 
 
-def _cuda_dropout_kernel(x: torch.Tensor, p: float, train: bool | None = None) -> bool:
-    """Whether CUDA's native_dropout runs its kernel (not the shortcuts for train=False and p=1)."""
+def _dropout_mask_first(x: torch.Tensor, p: float, train: bool | None = None) -> bool:
+    """Whether native_dropout's kernel allocates its mask before its output: on the CPU always (measured: also
+    for train=False, p=0 and p=1), on CUDA unless it takes its shortcuts for train=False and p=1."""
+    if x.device.type == "cpu":
+        return x.numel() > 0
     return x.device.type == "cuda" and train is not False and p != 1 and x.numel() > 0
 
 
@@ -173,8 +182,8 @@ class FakeCapture(FakeTensorMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket in RANDOM_FILLS:
             return args[0]
-        if func is aten.native_dropout.default and _cuda_dropout_kernel(*args):
-            return self._cuda_dropout(args[0])
+        if func is aten.native_dropout.default and _dropout_mask_first(*args):
+            return self._mask_first_dropout(args[0])
         try:
             out = super().__torch_dispatch__(func, types, args, kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):
@@ -184,8 +193,9 @@ class FakeCapture(FakeTensorMode):
                 self._claim(t)
         return out
 
-    def _cuda_dropout(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """native_dropout as CUDA's kernel allocates it: the mask first, then the output (meta: the reverse)."""
+    def _mask_first_dropout(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """native_dropout as the CPU and CUDA kernels allocate it: the mask first, then the output (meta: the
+        reverse)."""
         with self:
             mask = torch.empty_like(x, dtype=torch.bool)
             output = torch.empty_like(x)
