@@ -204,9 +204,10 @@ def test_fake_dropout_on_the_cpu_allocates_its_outputs_as_the_cpu_kernel_does(p,
                 recorder.begin_step()
                 kept = torch.ops.aten.native_dropout(x, p, train)
                 events = recorder.end_step()
-        freed = {key for key, size in zip(events.key.tolist(), events.size.tolist()) if size < 0}
         del kept
-        return [size for key, size in zip(events.key.tolist(), events.size.tolist()) if size > 0 and key not in freed]
+        pairs = list(zip(events.key.tolist(), events.size.tolist()))
+        freed = {key for key, size in pairs if size < 0}
+        return [size for key, size in pairs if size > 0 and key not in freed]
 
     assert outputs(fake=True) == outputs(fake=False) == [8 * 128, 8 * 128 * 4]  # bool mask, then the output
 
@@ -226,6 +227,8 @@ def test_moving_a_fake_model_keeps_what_the_program_attached_to_its_parameters()
         module_to(layer, dtype=torch.bfloat16)
         assert layer.weight.dtype == torch.bfloat16 and layer.weight.flagged
         layer(torch.ones(2, 4, dtype=torch.bfloat16)).sum().backward()
+        module_to(layer, device=torch.device("meta"))  # the copy's device is its own, not the original's
+        assert layer.weight.device.type == "meta" and layer.weight.flagged
     assert seen == [(4, 4)]
 
 

@@ -80,7 +80,8 @@ def module_to(model: nn.Module, device=None, dtype: torch.dtype | None = None) -
             new = t.detach().to(device=device, dtype=dtype if t.is_floating_point() else None)
             if isinstance(t, nn.Parameter):
                 new = nn.Parameter(new, t.requires_grad)
-                new.__dict__.update(t.__dict__)
+                # the program's attributes only: the fake tensor's own (its device, mode, memos) are the copy's
+                new.__dict__.update({k: v for k, v in t.__dict__.items() if k not in new.__dict__})
                 if t._backward_hooks:
                     new._backward_hooks = t._backward_hooks
             converted[id(t)] = new
