@@ -10,6 +10,7 @@ set to DISPATCH, and each module names the function it calls in its attribute CH
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 from torch import nn
@@ -29,9 +30,15 @@ class AttentionPatchError(MemplanError):
     """An attention module asks for something memplan's cores do not compute."""
 
 
+def unwrapped_forward(module: nn.Module) -> Callable:
+    """The function behind `module`'s forward, unwrapped from decorators (transformers 5.24 wraps T5's in
+    `deprecate_kwarg`), whose code names what the forward calls."""
+    return inspect.unwrap(type(module).forward)
+
+
 def uses_registry(module: nn.Module) -> bool:
     """Whether `module` is a HuggingFace attention module that computes its core through the registry."""
-    code = getattr(type(module).forward, "__code__", None)
+    code = getattr(unwrapped_forward(module), "__code__", None)
     return (
         type(module).__module__.startswith("transformers.")
         and code is not None
@@ -114,7 +121,7 @@ def attention_function(module: nn.Module, name: str) -> Callable:
 
     if name in ALL_ATTENTION_FUNCTIONS:
         return ALL_ATTENTION_FUNCTIONS[name]
-    forward = type(module).forward
+    forward = unwrapped_forward(module)
     eager = [forward.__globals__[n] for n in forward.__code__.co_names if n.endswith("eager_attention_forward")]
     if name != EAGER or not eager:
         raise AttentionPatchError(f"{type(module).__name__} has no attention function {name!r} memplan can call")
