@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -9,7 +11,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint
 
+from memplan.planner.layers import patch
 from memplan.planner.layers.gelu import TABLES, InplaceGELU, InplaceGELUFunction, recover_input
 from memplan.planner.layers.memory import saved_bytes
 from memplan.traces.errors import MemplanError
@@ -143,3 +147,33 @@ def test_runs_under_fake_tensors():
         x = torch.randn(8, 300, requires_grad=True)
         InplaceGELU("none")(x).sum().backward()
         assert x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("norm, activation", [(torch.nn.LayerNorm, torch.nn.GELU), (torch.nn.RMSNorm, torch.nn.SiLU)])
+def test_right_after_an_inplace_norm_it_keeps_the_input_the_norm_keeps(norm, activation, dtype, checkpointed):
+    """Right after the in-place LayerNorm (RMSNorm) the GELU's (SiLU's) input is the norm's kept output: the
+    activation keeps that (no bytes on top, where output + mask would be) and its gradients still match
+    torch's own layers."""
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(norm(256), activation()).to(dtype)
+    tempo = copy.deepcopy(reference)
+    patch(tempo, "tempo")
+    x, dy = torch.randn(8, 256, dtype=dtype), torch.randn(8, 256, dtype=dtype)
+
+    def run(model, as_type=dtype):
+        leaf = x.to(as_type, copy=True).requires_grad_()
+        out = checkpoint(model, leaf, use_reentrant=False) if checkpointed else model(leaf)
+        out.backward(dy.to(as_type))
+        return out.detach(), leaf.grad, [p.grad for p in model.parameters()]
+
+    got, torch_own = tree_leaves(run(tempo)), tree_leaves(run(reference))
+    exact = tree_leaves(run(copy.deepcopy(reference).double(), torch.float64))
+    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-20
+    for value, torch_value, want in zip(got, torch_own, exact):
+        # no further from the exact result than torch's own layers, give or take two ulps
+        bound = (torch_value.double() - want).abs().max() + ulp * want.abs().max()
+        assert (value.double() - want).abs().max() <= bound
+    leaf = x.clone().requires_grad_()
+    assert saved_bytes(tempo, lambda: tempo(leaf)) == saved_bytes(tempo, lambda: tempo[0](leaf))

@@ -56,15 +56,16 @@ class GELUFormError(MemplanError):
 
 
 class InplaceGELUFunction(inverse.InplaceActivationFunction):
-    """GELU whose backward needs only its output and a bool mask (x ≥ x*), not its input."""
+    """GELU whose backward needs only its output and a bool mask (x ≥ x*), not its input (unless kept anyway)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, approximate: str) -> torch.Tensor:
-        return inverse.InplaceActivationFunction.forward(ctx, x, GELU[approximate])
+    def forward(ctx, x: torch.Tensor, approximate: str, keep_input: bool = False) -> torch.Tensor:
+        return inverse.InplaceActivationFunction.forward(ctx, x, GELU[approximate], keep_input)
 
 
 class InplaceGELU(nn.Module):
-    """Drop-in for nn.GELU (approximate 'none' or 'tanh') that holds output + 1-byte mask for backward."""
+    """Drop-in for nn.GELU (approximate 'none' or 'tanh') that holds output + 1-byte mask for backward, or its
+    input where the op before keeps that anyway (after the in-place LayerNorm)."""
 
     def __init__(self, approximate: str = "none"):
         super().__init__()
@@ -73,7 +74,7 @@ class InplaceGELU(nn.Module):
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return InplaceGELUFunction.apply(x, self.approximate)
+        return InplaceGELUFunction.apply(x, self.approximate, inverse.kept_by_producer(x))
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"

@@ -201,19 +201,31 @@ def input_gradient(
     return grad_input
 
 
+def kept_by_producer(x: torch.Tensor) -> bool:
+    """Whether the op that made `x` keeps `x` itself for its backward, as the in-place LayerNorm and RMSNorm keep
+    their output (their nodes say so with `keeps_output`): an activation then keeps `x` too, at no cost, rather
+    than its output and a mask, which would be bytes on top. Read from the node, never unpacking what it saved
+    (under checkpointing that would recompute); while torch.compile traces, no (it has no nodes yet)."""
+    return not torch.compiler.is_compiling() and getattr(x.grad_fn, "keeps_output", False)
+
+
 class InplaceActivationFunction(torch.autograd.Function):
-    """An activation whose backward needs only its output and a bool mask (x ≥ x*), not its input."""
+    """An activation whose backward needs only its output and a bool mask (x ≥ x*), not its input; or its
+    input, when `keep_input` says another op keeps that anyway (see `kept_by_producer`)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, activation: Activation) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, activation: Activation, keep_input: bool = False) -> torch.Tensor:
         y = activation.function(x)
-        ctx.activation = activation
-        ctx.save_for_backward(y, x >= activation.tables.x_min)
+        ctx.activation, ctx.keep_input = activation, keep_input
+        ctx.save_for_backward(*((x,) if keep_input else (y, x >= activation.tables.x_min)))
         return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if ctx.keep_input:
+            (x,) = ctx.saved_tensors
+            return ctx.activation.backward(grad, x), None, None
         y, right = ctx.saved_tensors
         flat = grad.reshape(-1)  # a view unless grad is partly broadcast
         grad_input = torch.empty(y.shape, dtype=grad.dtype, device=grad.device)
-        return input_gradient(y, right, ctx.activation, lambda span: flat[span], grad_input), None
+        return input_gradient(y, right, ctx.activation, lambda span: flat[span], grad_input), None, None

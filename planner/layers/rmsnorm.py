@@ -75,6 +75,7 @@ class InplaceRMSNormFunction(torch.autograd.Function):
         keep, exact = exact_part(x_rows, weight, None, y.dtype, rstd)
         ctx.n, ctx.dtype, ctx.shape = n, x.dtype, x.shape
         ctx.save_for_backward(y, rstd, weight, keep, exact)
+        ctx.keeps_output = True  # an activation right after may keep y too (inverse.kept_by_producer)
         return y
 
     @staticmethod

@@ -40,17 +40,18 @@ SILU = silu_activation()
 
 
 class InplaceSiLUFunction(inverse.InplaceActivationFunction):
-    """SiLU whose backward needs only its output and a bool mask (x ≥ x*), not its input."""
+    """SiLU whose backward needs only its output and a bool mask (x ≥ x*), not its input (unless kept anyway)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return inverse.InplaceActivationFunction.forward(ctx, x, SILU)
+    def forward(ctx, x: torch.Tensor, keep_input: bool = False) -> torch.Tensor:
+        return inverse.InplaceActivationFunction.forward(ctx, x, SILU, keep_input)
 
 
 class InplaceSiLU(nn.Module):
-    """Drop-in for nn.SiLU and HuggingFace's SiLUActivation that holds output + 1-byte mask for backward."""
+    """Drop-in for nn.SiLU and HuggingFace's SiLUActivation that holds output + 1-byte mask for backward, or its
+    input where the op before keeps that anyway (after the in-place RMSNorm)."""
 
     HF_NAMES = HF_SILU_NAMES
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return InplaceSiLUFunction.apply(x)
+        return InplaceSiLUFunction.apply(x, inverse.kept_by_producer(x))
