@@ -3,7 +3,8 @@
 The step follows a real one's shape: parameters and optimizer state exist before recording, the
 forward pass keeps one activation per layer and frees a temporary, the backward pass frees the
 activations in reverse and allocates gradients, the optimizer allocates and frees temporaries.
-`bytes_by_category` totals any trace's bytes per category, for tests that compare two traces.
+`bytes_by_category` totals any trace's bytes per category and `buffer_events` lists what fake and real
+traces of one step share, for tests that compare two traces.
 """
 
 from __future__ import annotations
@@ -85,3 +86,21 @@ def bytes_by_category(trace: Trace) -> Counter:
     for size, category in zip(trace.size, trace.category):
         totals[category] += int(size)
     return totals
+
+
+def buffer_events(trace: Trace) -> list[tuple]:
+    """The buffers alive at the start (size and labels, in order), then every allocation (+size) and free (-size)
+    of a buffer an op returned, in time order with its labels: what a fake and a real trace of one step share
+    (a real one also holds kernels' own buffers, marked internal)."""
+
+    def labelled(i: int, size: int) -> tuple:
+        return (size, trace.op[i], trace.module[i], trace.phase[i], trace.category[i])
+
+    state = [labelled(i, int(trace.size[i])) for i in range(len(trace)) if trace.alloc[i] == 0]
+    timed = []
+    for i in range(len(trace)):
+        if trace.alloc[i] > 0 and not trace.internal[i]:
+            timed.append((int(trace.alloc[i]), labelled(i, int(trace.size[i]))))
+        if trace.free[i] < trace.end and not trace.internal[i]:
+            timed.append((int(trace.free[i]), labelled(i, -int(trace.size[i]))))
+    return state + [event for _, event in sorted(timed)]

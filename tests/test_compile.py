@@ -105,6 +105,9 @@ def test_meta_and_labels_say_compiled(traces):
                                                               traces[budget].module) if alloc > 0}  # fmt: skip
         assert (INDUCTOR, "model") in labelled
     assert INDUCTOR not in traces["eager"].op
+    # Inductor allocates its buffers outside any op: which ones an op returned is not known there
+    assert traces["eager"].meta["internal_marked"] and traces["eager"].internal.any()
+    assert not traces[1.0].meta["internal_marked"] and not traces[1.0].internal.any()
 
 
 def test_graph_breaking_mode_compiles_only_in_the_warm_up_and_traces_alike_twice():

@@ -66,6 +66,7 @@ def write(tmp_path, doc):
         ),
         (lambda d: d["buffers"]["phase"].__setitem__(0, "warmup"), "buffers.phase[0]: unknown phase 'warmup'"),
         (lambda d: d.update(syncs=[[1, 2]]), "syncs[0]: expected [time, from_stream, to_stream]"),
+        (lambda d: d["buffers"]["internal"].__setitem__(1, 2), "buffers.internal[1]: 2 is not 0 or 1"),
     ],
 )
 def test_validation_names_field_and_problem(tmp_path, mutate, message):

@@ -58,6 +58,7 @@ class _Buffer:
     op: str
     category: str = ""
     stream: int = 0
+    internal: bool = False  # never returned by an op fake tensors see: a kernel's scratch, a wrapped Python number
 
 
 @contextlib.contextmanager
@@ -100,8 +101,9 @@ def run_user_code(what: str, name: str, call: Callable, error: type[MemplanError
         raise error(f"{name}: the {what} raised {type(e).__name__}" + (f": {first}" if first else "")) from None
 
 
-def _assemble(live: Events, step: Events, names: list[str], resident: dict) -> list[_Buffer]:
-    """Buffers from the storages alive at the start (alloc 0) and the step's events (times 1, 2, ...)."""
+def _assemble(live: Events, step: Events, names: list[str], resident: dict, marked: bool) -> list[_Buffer]:
+    """Buffers from the storages alive at the start (alloc 0) and the step's events (times 1, 2, ...); with
+    `marked`, those no op returned are internal."""
     end = len(step) + 1
     buffers: list[_Buffer] = []
     index: dict[int, int] = {}  # storage key -> its buffer, while live
@@ -120,12 +122,13 @@ def _assemble(live: Events, step: Events, names: list[str], resident: dict) -> l
             )
         )
         index[key] = len(buffers) - 1
-    for t, (key, size, op, module, phase) in enumerate(
-        zip(step.key.tolist(), step.size.tolist(), step.op.tolist(), step.module.tolist(), step.phase.tolist()), start=1
-    ):
+    columns = (step.key, step.size, step.op, step.module, step.phase, step.output)
+    for t, (key, size, op, module, phase, output) in enumerate(zip(*(c.tolist() for c in columns)), start=1):
         if size > 0:
             index[key] = len(buffers)
-            buffers.append(_Buffer(size, t, end, key, PHASES[phase], names[module], names[op] or SCALAR_OP))
+            label = names[op] or SCALAR_OP
+            internal = marked and not output
+            buffers.append(_Buffer(size, t, end, key, PHASES[phase], names[module], label, internal=internal))
         else:
             buffers[index.pop(key)].free = t
     return buffers
@@ -266,7 +269,8 @@ class Recording:
         finally:
             gc.enable()
         # 3. Buffers: the storages alive at the start and the step's events, categorized, sizes as requested.
-        buffers = _assemble(live, events, self._recorder.names(), resident)
+        marked = self._recorder.outputs_marked()
+        buffers = _assemble(live, events, self._recorder.names(), resident, marked)
         _categorize(buffers, marks)
         if history is not None:
             _requested_sizes(buffers, history)
@@ -280,6 +284,7 @@ class Recording:
                 "model": workload.name,
                 "dtype": dtype,
                 "optimizer": type(workload.optimizer).__name__,
+                "internal_marked": marked,
                 **({"patch": workload.patch} if workload.patch is not None else {}),
                 **self._meta,
             },
@@ -310,6 +315,7 @@ def _trace(buffers: list[_Buffer], device: torch.device, fake: FakeCapture | Non
         "phase": [b.phase for b in buffers],
         "op": [b.op for b in buffers],
         "module": [b.module for b in buffers],
+        "internal": [int(b.internal) for b in buffers],
     }
     return make_trace(columns, meta=info)
 

@@ -11,6 +11,14 @@
   per-tensor loop.
 - `native_dropout` allocates its mask before its output, as the CPU and CUDA kernels do (the
   meta kernel allocates them the other way round).
+- The autograd engine sums two gradients of one input in place where it would for real tensors (it
+  holds the last reference to the first, which is dense); for a fake tensor, a Python subclass, it
+  never does, so each such sum would allocate a gradient more.
+- Composite ops that take another path for tensor subclasses (fake tensors are one) take the real
+  tensors' path (SUBCLASS_PATHS): the math attention adds its mask in place.
+- Only what an op returns is claimed, its new storages allocated in the order it returns them, as
+  kernels allocate their outputs: what fake tensor mode makes inside an op (a decomposition) is the
+  op's own work, in the decomposition's order, as a real kernel's scratch is.
 - Values that depend on data get a rule instead of an error (DATA_RULE): a scalar read from a
   tensor (`.item()`, `bool(t)`) is 0 (False), and a selection whose size depends on the data
   (`nonzero`, `masked_select`) selects nothing. Each use is counted per op in `data_dependent`, and
@@ -54,6 +62,14 @@ RANDOM_FILLS = frozenset(
         aten.geometric_,
     }
 )  # every overload: all in place
+# The autograd engine sums gradients in place when it holds the only reference to the first and to its storage.
+# Seen from fake tensor mode, that first gradient has 4 references more (the engine's call, boxed and handed to
+# Python), its storage none (with fake tensor mode's dispatch cache off). tests/test_capture_fidelity.py pins
+# it: fake and real traces of every bundled model allocate the same sequence.
+DISPATCH_REFERENCES = 4
+# Composite ops that call an op out of place for tensor subclasses and in place for real tensors:
+# (composite op, op it calls) -> the in-place op real tensors get.
+SUBCLASS_PATHS = {("aten::_scaled_dot_product_attention_math", aten.add.Tensor): aten.add_.Tensor}
 DATA_RULE = "a scalar read from a fake tensor is 0 (False); a data-dependent selection selects nothing"
 
 
@@ -151,10 +167,15 @@ class FakeCapture(FakeTensorMode):
 
     def __init__(self, recorder: Recorder, device_type: str):
         super().__init__(allow_non_fake_inputs=True)
-        self._claim, self._device_type = recorder.claim, device_type
+        # The dispatch cache is shared by every fake tensor mode of the process, and an output it has not cached
+        # yet has a storage reference more (see DISPATCH_REFERENCES): off, a trace never depends on what ran
+        # before it (the 7B Llama step takes 7 s instead of 4).
+        self.cache_enabled = False
+        self._recorder, self._claim, self._device_type = recorder, recorder.claim, device_type
         self.data_dependent: Counter[str] = Counter()  # op -> times DATA_RULE decided its output
         self._originals: list[tuple[type, str, object]] = []
         self._depth = 0  # fake tensor mode enters itself again inside ops: patch once, on the outermost
+        self._dispatching = 0  # ops under way: those inside one are fake tensor mode's own (a decomposition)
 
     def __enter__(self):
         if self._depth == 0:
@@ -183,16 +204,42 @@ class FakeCapture(FakeTensorMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket in RANDOM_FILLS:
             return args[0]
+        if self._dispatching:  # what a decomposition makes is the op's own work, as a real kernel's scratch
+            return super().__torch_dispatch__(func, types, args, kwargs)
         if func is aten.native_dropout.default and _dropout_mask_first(*args):
             return self._mask_first_dropout(args[0])
+        if func is aten.add.Tensor and self._recorder.accumulating() and self._sums_in_place(args[0]):
+            func = aten.add_.Tensor
+        func = SUBCLASS_PATHS.get((self._recorder.caller(), func), func)
+        self._dispatching += 1
         try:
             out = super().__torch_dispatch__(func, types, args, kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):
             out = self._by_rule(func, args)
+        finally:
+            self._dispatching -= 1
+        self._allocated_in_return_order(out, (args, kwargs))
         for t in tree_leaves(out):
             if isinstance(t, FakeTensor) and t.device.type == self._device_type:
                 self._claim(t)
         return out
+
+    def _allocated_in_return_order(self, out, inputs) -> None:
+        """Put the allocations of the op's new storages in the order it returns them, as kernels allocate their
+        outputs (fake tensor mode may have run a decomposition, which makes them in its own order)."""
+        keys = self._recorder.storage_key
+        aliased = {keys(t) for t in tree_leaves(inputs) if isinstance(t, FakeTensor)}
+        fresh = [keys(t) for t in tree_leaves(out) if isinstance(t, FakeTensor) and t.device.type == self._device_type]
+        fresh = list(dict.fromkeys(key for key in fresh if key not in aliased))
+        if len(fresh) > 1:
+            self._recorder.in_order(fresh)
+
+    def _sums_in_place(self, first: torch.Tensor) -> bool:
+        """Whether the autograd engine, summing a gradient into `first`, would add in place for real tensors: with
+        grad mode off, `first` dense, and the engine holding the only reference to it and to its storage."""
+        uses, storage_uses, dense = self._recorder.references(first)
+        last = uses == 1 + DISPATCH_REFERENCES and storage_uses == 1
+        return not torch.is_grad_enabled() and last and dense
 
     def _mask_first_dropout(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """native_dropout as the CPU and CUDA kernels allocate it: the mask first, then the output (meta: the

@@ -24,7 +24,7 @@ from memplan.traces.files import atomic_write, read_bytes
 FORMAT = "memplan-trace/1"
 CATEGORIES = ("parameter", "gradient", "optimizer", "activation", "input", "temporary", "unknown")
 PHASES = ("forward", "backward", "optimizer", "other")
-INT_COLUMNS = ("size", "alloc", "free", "stream", "addr")
+INT_COLUMNS = ("size", "alloc", "free", "stream", "addr", "internal")
 STR_COLUMNS = ("category", "phase", "op", "module")
 COLUMNS = INT_COLUMNS + STR_COLUMNS
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -39,6 +39,7 @@ class Trace:
     free: np.ndarray
     stream: np.ndarray
     addr: np.ndarray  # original address, -1 when unknown
+    internal: np.ndarray  # 1: no op returned it (a kernel's scratch, a wrapped Python number); fake tensors miss it
     category: list[str]
     phase: list[str]
     op: list[str]
@@ -165,7 +166,7 @@ def from_dict(data: Any) -> Trace:
     n = len(size)
     cols: dict[str, Any] = {"size": size}
     for name in INT_COLUMNS[1:]:
-        default = [0] * n if name == "stream" else [-1] * n
+        default = [0] * n if name in ("stream", "internal") else [-1] * n
         cols[name] = _int_column(name, buffers.get(name, default), n)
     for name in STR_COLUMNS:
         default = {"category": "unknown", "phase": "other"}.get(name, "")
@@ -182,6 +183,10 @@ def from_dict(data: Any) -> Trace:
         raise TraceError(
             f"buffers.free[{i}]: free at {int(cols['free'][i])} is before its allocation at {int(cols['alloc'][i])}"
         )
+    bad = np.nonzero((cols["internal"] != 0) & (cols["internal"] != 1))[0]
+    if len(bad):
+        i = int(bad[0])
+        raise TraceError(f"buffers.internal[{i}]: {int(cols['internal'][i])} is not 0 or 1")
     for name, allowed in (("category", CATEGORIES), ("phase", PHASES)):
         for i, v in enumerate(cols[name]):
             if v not in allowed:

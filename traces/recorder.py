@@ -38,16 +38,18 @@ class Events:
     op: np.ndarray
     module: np.ndarray
     phase: np.ndarray  # FORWARD, BACKWARD, OPTIMIZER or OTHER
+    output: np.ndarray  # bool: the storage was returned by an op fake tensors see (else a kernel's own)
 
     @classmethod
     def from_columns(cls, columns: tuple) -> Events:
-        key, size, op, module, phase = columns
+        key, size, op, module, phase, output = columns
         return cls(
             np.asarray(key, dtype=np.int64),
             np.asarray(size, dtype=np.int64),
             np.asarray(op, dtype=np.int32),
             np.asarray(module, dtype=np.int32),
             np.asarray(phase, dtype=np.int8),
+            np.asarray(output, dtype=bool),
         )
 
     def __len__(self) -> int:
@@ -73,6 +75,25 @@ class Recorder:
         """Count the storage of a tensor made before recording began as alive from now on (its free is seen)."""
         self._native.adopt(tensor)
 
+    def accumulating(self) -> bool:
+        """Whether the op running is the autograd engine summing two gradients of one input (`aten::add` outside
+        every node's formula)."""
+        return self._native.accumulating()
+
+    def caller(self) -> str:
+        """The aten op that called the op running now (a composite op runs as others), or "" at the top."""
+        return self._native.caller()
+
+    def references(self, tensor: torch.Tensor) -> tuple[int, int, bool]:
+        """References to the tensor and to its storage as C++ counts them (the call's own included), and whether
+        the tensor is non-overlapping and dense."""
+        uses, storage_uses, dense = self._native.references(tensor)
+        return uses, storage_uses, dense
+
+    def in_order(self, keys: list[int]) -> None:
+        """Reorder the allocations of these storages (made during the step) among themselves to the order given."""
+        self._native.in_order(keys)
+
     def claim(self, tensor: torch.Tensor) -> None:
         """Keep a fake tensor's storage in the capture (only claimed storages count when fake)."""
         self._native.claim(tensor)
@@ -93,6 +114,10 @@ class Recorder:
 
     def end_step(self) -> Events:
         return Events.from_columns(self._native.end_step())
+
+    def outputs_marked(self) -> bool:
+        """Whether the step's `Events.output` marks hold: no torch.compile code ran (it allocates outside ops)."""
+        return self._native.outputs_marked()
 
 
 @contextlib.contextmanager

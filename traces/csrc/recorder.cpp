@@ -7,7 +7,10 @@
 // evaluate_function record with the node's sequence number; the record around Inductor's generated code)
 // and from the module and phase the Python side sets. Nothing here allocates
 // tensor memory, so a recorded step allocates exactly what an unrecorded one does.
+// Each allocation is also marked when its storage is returned by an op as fake tensors see it (the outermost
+// op that is not CompositeImplicitAutograd); the rest is kernels' own (scratch, wrapped Python numbers).
 #include <ATen/record_function.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/Allocator.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/csrc/profiler/orchestration/observer.h>
@@ -16,6 +19,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -36,21 +40,25 @@ enum Phase : int8_t { kForward = 0, kBackward = 1, kOptimizer = 2, kOther = 3 };
 struct Event {
   StorageKey key;  // which storage
   int64_t size;    // bytes requested (allocation) or released (free, negated)
-  LabelId op;      // innermost aten op that is not an allocation helper, else innermost aten op
+  LabelId op;      // the op fake tensors see; else innermost aten op not an allocation helper; else innermost
   LabelId module;  // module path; in backward, the module of the forward op that made the node
   int8_t phase;    // Phase
+  bool output;     // the storage was returned by an op fake tensors see (set when that op returns)
 };
 
 // A storage alive now: what its allocation event said.
 struct Live {
-  int64_t order;  // allocation counter, so live storages list in allocation order
+  int64_t order;       // allocation counter, so live storages list in allocation order
   Event event;
+  int64_t step_index;  // its allocation's index in the step's events, -1 if made before the step
 };
 
 // One aten op (or region of Inductor code) being run on this thread.
 struct OpFrame {
   const char* name;  // stable while the op runs
   bool helper;       // only obtains memory for an enclosing op (aten::empty, ...)
+  bool seen;         // an op fake tensors see: the outermost one not CompositeImplicitAutograd
+  int64_t first;     // for a seen op, the allocation counter when it began
 };
 
 // Label state of one thread; the autograd engine runs CPU backward on the calling thread.
@@ -58,6 +66,8 @@ struct ThreadState {
   std::vector<OpFrame> ops;
   std::vector<SequenceNumber> nodes;  // sequence numbers of the autograd nodes being run, outermost first
   std::vector<LabelId> modules;       // pushed by the Python module hooks
+  int seen_frames = 0;                // frames in `ops` with `seen` set (0 or 1)
+  int applying = 0;                   // autograd nodes whose own apply (the backward formula) runs now
 };
 thread_local ThreadState this_thread;
 
@@ -73,6 +83,25 @@ bool is_helper(const char* name) {
 
 bool is_aten(const char* name) { return std::strncmp(name, "aten::", 6) == 0; }
 
+// Whether the op runs as the ops it is made of on `backend` (CompositeImplicitAutograd, with no kernel of its own
+// there): those are what fake tensors (and any dispatch mode) see. Cached per backend and op name (a stable
+// pointer into the op's schema).
+bool is_composite(const at::RecordFunction& fn, c10::DispatchKey backend) {
+  thread_local std::unordered_map<const char*, bool> cache[2];
+  auto& known = cache[backend == c10::DispatchKey::CUDA];
+  auto found = known.find(fn.name());
+  if (found != known.end()) return found->second;
+  bool composite = false;
+  if (auto name = fn.operator_name()) {
+    auto handle = c10::Dispatcher::singleton().findOp(*name);
+    composite = handle && handle->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) &&
+                !handle->hasKernelForDispatchKey(backend) &&
+                !handle->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
+                !handle->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional);
+  }
+  return known[fn.name()] = composite;
+}
+
 // torch.compile's Inductor code runs inside a user-scope record graph_N_inductor_wrapper_call (memplan compiles
 // with profiler_mark_wrapper_call): what it allocates outside any aten op is its own buffers, labelled kInductor.
 constexpr char kWrapperPrefix[] = "graph_";
@@ -84,6 +113,11 @@ bool is_compiled_region(const char* name) {
   return length > prefix + suffix && std::strncmp(name, kWrapperPrefix, prefix) == 0 &&
          std::strcmp(name + length - suffix, kWrapperSuffix) == 0;
 }
+
+// torch.tensor(data) allocates in aten::empty and then lifts the tensor (aten::lift_fresh, nothing allocated);
+// under fake tensors the storage is made in the lift. Labelled aten::empty both ways.
+constexpr char kLiftFresh[] = "aten::lift_fresh";
+constexpr char kEmpty[] = "aten::empty";
 
 class Recorder {
  public:
@@ -100,12 +134,14 @@ class Recorder {
   void set_phase(int8_t phase) { phase_.store(phase); }
   int8_t phase() const { return phase_.load(); }
   bool active() const { return active_.load(); }
+  c10::DispatchKey backend() const { return backend_; }  // set before recording starts
 
   // claimed_only: keep only storages claim() names (fake tensors the program saw), not the meta
   // storages fake tensor mode makes for its own work.
-  void start(c10::DeviceType device, int64_t index, bool claimed_only) {
+  void start(c10::DeviceType device, c10::DeviceType backend, int64_t index, bool claimed_only) {
     std::lock_guard<std::mutex> guard(mutex_);
     device_ = device;
+    backend_ = backend == c10::DeviceType::CUDA ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU;
     device_index_ = index;
     claimed_only_ = claimed_only;
     claimed_.clear();
@@ -113,6 +149,7 @@ class Recorder {
     events_.clear();
     module_of_node_.clear();
     stepping_ = false;
+    compiled_ = false;
     order_ = 0;
     phase_.store(kOther);
     active_.store(true);
@@ -138,15 +175,58 @@ class Recorder {
     if (!active() || nbytes <= 0) return;
     std::lock_guard<std::mutex> guard(mutex_);
     Event e = labelled(key, nbytes);
-    live_[key] = Live{order_++, e};
+    live_[key] = Live{order_++, e, stepping_ ? static_cast<int64_t>(events_.size()) : -1};
     if (stepping_) events_.push_back(e);
   }
+
+  // An op fake tensors see returned this storage: its allocation was an op's output.
+  void returned(StorageKey key) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    auto it = live_.find(key);
+    if (it != live_.end() && it->second.step_index >= 0) events_[it->second.step_index].output = true;
+  }
+
+  // Give these storages' allocations, made during the step, the positions they hold now in the order given.
+  void in_order(const std::vector<StorageKey>& keys) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    std::vector<int64_t> positions;
+    std::vector<Event> allocations;
+    for (StorageKey key : keys) {
+      auto it = live_.find(key);
+      if (it == live_.end() || it->second.step_index < 0) return;  // not all made in the step: leave them
+      positions.push_back(it->second.step_index);
+      allocations.push_back(events_[it->second.step_index]);
+    }
+    std::sort(positions.begin(), positions.end());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      events_[positions[i]] = allocations[i];
+      live_[keys[i]].step_index = positions[i];
+    }
+  }
+
+  // The allocation counter: storages allocated from now on have this order or later.
+  int64_t allocations() {
+    std::lock_guard<std::mutex> guard(mutex_);
+    return order_;
+  }
+
+  // An op that began at allocation counter `first` raised after computing its outputs (a checkpoint's saved-tensor
+  // hook stops the recomputation that way): what it allocated and still holds was its output.
+  void returned_since(int64_t first) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    for (const auto& kv : live_)
+      if (kv.second.order >= first && kv.second.step_index >= 0) events_[kv.second.step_index].output = true;
+  }
+
+  // torch.compile's code ran: it allocates its own buffers outside any op, so the output marks mean nothing.
+  void saw_compiled_region() { compiled_ = true; }
+  bool outputs_marked() const { return !compiled_; }
 
   // A storage made before recording began, counted as alive from now on so that its free is seen.
   void adopt(StorageKey key, int64_t nbytes) {
     if (!active() || nbytes <= 0) return;
     std::lock_guard<std::mutex> guard(mutex_);
-    if (live_.count(key) == 0) live_[key] = Live{order_++, Event{key, nbytes, 0, 0, kOther}};
+    if (live_.count(key) == 0) live_[key] = Live{order_++, Event{key, nbytes, 0, 0, kOther, true}, -1};
   }
 
   void freed(StorageKey key) {
@@ -154,6 +234,9 @@ class Recorder {
     std::lock_guard<std::mutex> guard(mutex_);
     auto it = live_.find(key);
     if (it == live_.end()) return;  // allocated before the recorder started: not part of the capture
+    // Freed while an exception unwinds (a checkpoint's saved-tensor hook stopping a recomputation): its op
+    // had made it and was handing it back.
+    if (std::uncaught_exceptions() > 0 && it->second.step_index >= 0) events_[it->second.step_index].output = true;
     Event e = labelled(key, -it->second.event.size);
     live_.erase(it);
     if (stepping_) events_.push_back(e);
@@ -190,6 +273,8 @@ class Recorder {
     out.reserve(events_.size());
     for (const Event& e : events_)
       if (kept(e)) out.push_back(e);
+    if (claimed_only_)  // fake: a claimed storage is an op's output by definition
+      for (Event& e : out) e.output = true;
     events_.clear();
     return out;
   }
@@ -209,11 +294,11 @@ class Recorder {
   Event labelled(StorageKey key, int64_t size) {
     const ThreadState& t = this_thread;
     LabelId op = 0;
-    for (auto it = t.ops.rbegin(); it != t.ops.rend(); ++it) {
-      if (!it->helper) {
-        op = intern_locked(it->name);
-        break;
-      }
+    for (const OpFrame& frame : t.ops) {  // the op fake tensors see, so real and fake traces label alike
+      if (frame.seen) op = intern_locked(std::strcmp(frame.name, kLiftFresh) == 0 ? kEmpty : frame.name);
+    }
+    for (auto it = t.ops.rbegin(); op == 0 && it != t.ops.rend(); ++it) {
+      if (!it->helper) op = intern_locked(it->name);
     }
     if (op == 0 && !t.ops.empty()) op = intern_locked(t.ops.back().name);
     LabelId module = t.modules.empty() ? 0 : t.modules.back();
@@ -223,7 +308,7 @@ class Recorder {
       module = found == module_of_node_.end() ? 0 : found->second;
       phase = kBackward;
     }
-    return Event{key, size, op, module, phase};
+    return Event{key, size, op, module, phase, false};
   }
 
   std::mutex mutex_;
@@ -235,8 +320,10 @@ class Recorder {
   bool claimed_only_ = false;
   std::vector<Event> events_;
   c10::DeviceType device_ = c10::DeviceType::CPU;
+  c10::DispatchKey backend_ = c10::DispatchKey::CPU;  // the kernels of the device recorded (faked)
   int64_t device_index_ = -1;
   bool stepping_ = false;
+  bool compiled_ = false;
   int64_t order_ = 0;
   std::atomic<int8_t> phase_{kOther};
   std::atomic<bool> active_{false};
@@ -289,6 +376,14 @@ RecordingMetaAllocator& meta_allocator() {
   return *a;
 }
 
+// A tensor's storage key: the data address, or for a meta (fake) storage the key its allocator gave.
+int64_t storage_key(const at::Tensor& t) {
+  const c10::Storage& storage = t.storage();
+  if (storage.device_type() == c10::DeviceType::Meta)
+    return reinterpret_cast<int64_t>(storage.data_ptr().get_context());
+  return reinterpret_cast<int64_t>(storage.data_ptr().get());
+}
+
 // The autograd engine runs each node inside a record of this name (its validate_outputs too, where
 // broadcast gradients are summed); the number comes from the node's own apply record inside it.
 constexpr char kEvaluateFunction[] = "autograd::engine::evaluate_function: ";
@@ -300,6 +395,7 @@ std::unique_ptr<at::ObserverContext> on_enter(const at::RecordFunction& fn) {
   ThreadState& t = this_thread;
   if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION) {  // a node's apply: number its evaluate frame
     if (!t.nodes.empty() && t.nodes.back() == kUnknownNode) t.nodes.back() = fn.seqNr();
+    t.applying += 1;
     return nullptr;
   }
   const char* name = fn.name();
@@ -312,20 +408,44 @@ std::unique_ptr<at::ObserverContext> on_enter(const at::RecordFunction& fn) {
   int8_t phase = recorder().phase();
   if (fn.seqNr() >= 0 && t.nodes.empty() && phase != kBackward && phase != kOptimizer)
     recorder().note_node_module(fn.seqNr(), t.modules.empty() ? 0 : t.modules.back());
-  if (is_aten(name))
-    t.ops.push_back(OpFrame{name, is_helper(name)});
-  else if (is_compiled_region(name))
-    t.ops.push_back(OpFrame{kInductor, false});
+  if (is_aten(name)) {
+    bool seen = t.seen_frames == 0 && !is_composite(fn, recorder().backend());
+    t.ops.push_back(OpFrame{name, is_helper(name), seen, seen ? recorder().allocations() : 0});
+    t.seen_frames += seen;
+  } else if (is_compiled_region(name)) {
+    recorder().saw_compiled_region();
+    t.ops.push_back(OpFrame{kInductor, false, false, 0});
+  }
   return nullptr;
 }
 
+// Mark the storages of the tensors an op returned (in lists too) as op outputs.
+void mark_returned(const c10::IValue& value) {
+  if (value.isTensor()) {
+    const at::Tensor& t = value.toTensor();
+    if (t.defined() && t.has_storage() && recorder().wants(t.device())) recorder().returned(storage_key(t));
+  } else if (value.isTensorList()) {
+    for (const at::Tensor& t : value.toTensorVector())
+      if (t.defined() && t.has_storage() && recorder().wants(t.device())) recorder().returned(storage_key(t));
+  }
+}
+
 void on_exit(const at::RecordFunction& fn, at::ObserverContext*) {
-  if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION) return;
   ThreadState& t = this_thread;
+  if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION) {
+    t.applying -= 1;
+    return;
+  }
   const char* name = fn.name();
   if (is_node(name)) {
     if (!t.nodes.empty()) t.nodes.pop_back();
   } else if ((is_aten(name) || is_compiled_region(name)) && !t.ops.empty()) {
+    if (t.ops.back().seen) {
+      t.seen_frames -= 1;
+      if (std::uncaught_exceptions() > 0)  // unwinding: no outputs were handed back
+        recorder().returned_since(t.ops.back().first);
+      for (const c10::IValue& value : fn.outputs()) mark_returned(value);
+    }
     t.ops.pop_back();
   }
 }
@@ -343,7 +463,7 @@ constexpr uint8_t kMetaPriority = 100;  // above the built-in meta allocator's 0
 void start(const std::string& device_type, int64_t device_index, bool fake) {
   TORCH_CHECK(!recorder().active(), "the step recorder is already recording");
   c10::DeviceType type = c10::Device(device_type).type();
-  recorder().start(fake ? c10::DeviceType::Meta : type, fake ? -1 : device_index, fake);
+  recorder().start(fake ? c10::DeviceType::Meta : type, type, fake ? -1 : device_index, fake);
   this_thread = ThreadState{};
   if (fake) {
     installed.previous_meta = c10::GetAllocator(c10::DeviceType::Meta);
@@ -355,6 +475,7 @@ void start(const std::string& device_type, int64_t device_index, bool fake) {
   installed.callback = at::addThreadLocalCallback(
       at::RecordFunctionCallback(&on_enter, &on_exit)
           .needsIds(true)
+          .needsOutputs(true)
           .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION, at::RecordScope::USER_SCOPE}));
 }
 
@@ -367,27 +488,20 @@ void stop() {
   this_thread = ThreadState{};
 }
 
-// Events as five parallel columns (key, size, op, module, phase) for the Python side.
+// Events as six parallel columns (key, size, op, module, phase, output) for the Python side.
 py::tuple columns(const std::vector<Event>& events) {
   std::vector<int64_t> key, size;
   std::vector<int32_t> op, module;
-  std::vector<int8_t> phase;
+  std::vector<int8_t> phase, output;
   for (const Event& e : events) {
     key.push_back(e.key);
     size.push_back(e.size);
     op.push_back(e.op);
     module.push_back(e.module);
     phase.push_back(e.phase);
+    output.push_back(e.output);
   }
-  return py::make_tuple(key, size, op, module, phase);
-}
-
-// A tensor's storage key: the data address, or for a meta (fake) storage the key its allocator gave.
-int64_t storage_key(const at::Tensor& t) {
-  const c10::Storage& storage = t.storage();
-  if (storage.device_type() == c10::DeviceType::Meta)
-    return reinterpret_cast<int64_t>(storage.data_ptr().get_context());
-  return reinterpret_cast<int64_t>(storage.data_ptr().get());
+  return py::make_tuple(key, size, op, module, phase, output);
 }
 
 }  // namespace
@@ -408,8 +522,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Storages alive now as columns; later events belong to the step");
   m.def("end_step", []() { return columns(recorder().end_step()); }, "The step's events as columns");
   m.def("storage_key", &storage_key);
+  m.def("accumulating", []() {
+    const ThreadState& t = this_thread;
+    return !t.nodes.empty() && t.applying == 0 && t.ops.size() == 1 && std::strcmp(t.ops.back().name, "aten::add") == 0;
+  }, "Whether the op running is the autograd engine summing two gradients of one input (outside any node's formula)");
+  m.def("caller", []() {
+    const auto& ops = this_thread.ops;
+    return ops.size() < 2 ? std::string() : std::string(ops[ops.size() - 2].name);
+  }, "The op that called the op running now (as composite ops call others), or an empty string");
+  m.def("references", [](const at::Tensor& t) {
+    return py::make_tuple(t.use_count(), t.storage().use_count(), t.is_non_overlapping_and_dense());
+  }, "References to the tensor and to its storage (the call's own included), and whether it is dense");
+  m.def("outputs_marked", []() { return recorder().outputs_marked(); },
+        "Whether the step's output marks hold (no torch.compile code ran, which allocates outside ops)");
   m.def("adopt", [](const at::Tensor& t) { recorder().adopt(storage_key(t), static_cast<int64_t>(t.storage().nbytes())); },
         "Count a tensor's storage, made before recording began, as alive from now on");
+  m.def("in_order", [](const std::vector<StorageKey>& keys) { recorder().in_order(keys); },
+        "Reorder the allocations of these storages, made in the step, among themselves to the order given");
   m.def("claim", [](const at::Tensor& t) { recorder().claim(storage_key(t)); },
         "Keep the storage of this fake tensor in the capture");
 }
