@@ -23,6 +23,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -81,7 +82,9 @@ bool is_helper(const char* name) {
   return false;
 }
 
-bool is_aten(const char* name) { return std::strncmp(name, "aten::", 6) == 0; }
+// An op of ATen or of torch.distributed's collectives (c10d::allreduce_, ...): what a frame is made for. A
+// collective's own buffers (gloo's staging copies) are then its scratch, not outputs of the ops inside it.
+bool is_op(const char* name) { return std::strncmp(name, "aten::", 6) == 0 || std::strncmp(name, "c10d::", 6) == 0; }
 
 // Whether the op runs as the ops it is made of on `backend` (CompositeImplicitAutograd, with no kernel of its own
 // there): those are what fake tensors (and any dispatch mode) see. Cached per backend and op name (a stable
@@ -135,12 +138,16 @@ class Recorder {
   int8_t phase() const { return phase_.load(); }
   bool active() const { return active_.load(); }
   c10::DispatchKey backend() const { return backend_; }  // set before recording starts
+  // Whether ops on this thread are the program's: the capturing thread's, and the autograd engine's (its device
+  // threads run backward nodes), not a process group's worker threads (gloo's staging buffers are its own).
+  bool programs(const ThreadState& t) const { return std::this_thread::get_id() == capturing_ || !t.nodes.empty(); }
 
   // claimed_only: keep only storages claim() names (fake tensors the program saw), not the meta
   // storages fake tensor mode makes for its own work.
   void start(c10::DeviceType device, c10::DeviceType backend, int64_t index, bool claimed_only) {
     std::lock_guard<std::mutex> guard(mutex_);
     device_ = device;
+    capturing_ = std::this_thread::get_id();
     backend_ = backend == c10::DeviceType::CUDA ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU;
     device_index_ = index;
     claimed_only_ = claimed_only;
@@ -321,6 +328,7 @@ class Recorder {
   std::vector<Event> events_;
   c10::DeviceType device_ = c10::DeviceType::CPU;
   c10::DispatchKey backend_ = c10::DispatchKey::CPU;  // the kernels of the device recorded (faked)
+  std::thread::id capturing_;                         // the thread that started the recording
   int64_t device_index_ = -1;
   bool stepping_ = false;
   bool compiled_ = false;
@@ -408,7 +416,7 @@ std::unique_ptr<at::ObserverContext> on_enter(const at::RecordFunction& fn) {
   int8_t phase = recorder().phase();
   if (fn.seqNr() >= 0 && t.nodes.empty() && phase != kBackward && phase != kOptimizer)
     recorder().note_node_module(fn.seqNr(), t.modules.empty() ? 0 : t.modules.back());
-  if (is_aten(name)) {
+  if (is_op(name)) {
     bool seen = t.seen_frames == 0 && !is_composite(fn, recorder().backend());
     t.ops.push_back(OpFrame{name, is_helper(name), seen, seen ? recorder().allocations() : 0});
     t.seen_frames += seen;
@@ -430,6 +438,15 @@ void mark_returned(const c10::IValue& value) {
   }
 }
 
+// Mark what an op fake tensors see returned; unwinding (no outputs handed back), what it made and still holds.
+void mark_outputs(const at::RecordFunction& fn, const OpFrame& frame) {
+  if (std::uncaught_exceptions() > 0) {
+    recorder().returned_since(frame.first);
+    return;
+  }
+  for (const c10::IValue& value : fn.outputs()) mark_returned(value);
+}
+
 void on_exit(const at::RecordFunction& fn, at::ObserverContext*) {
   ThreadState& t = this_thread;
   if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION) {
@@ -439,12 +456,10 @@ void on_exit(const at::RecordFunction& fn, at::ObserverContext*) {
   const char* name = fn.name();
   if (is_node(name)) {
     if (!t.nodes.empty()) t.nodes.pop_back();
-  } else if ((is_aten(name) || is_compiled_region(name)) && !t.ops.empty()) {
+  } else if ((is_op(name) || is_compiled_region(name)) && !t.ops.empty()) {
     if (t.ops.back().seen) {
       t.seen_frames -= 1;
-      if (std::uncaught_exceptions() > 0)  // unwinding: no outputs were handed back
-        recorder().returned_since(t.ops.back().first);
-      for (const c10::IValue& value : fn.outputs()) mark_returned(value);
+      if (recorder().programs(t)) mark_outputs(fn, t.ops.back());
     }
     t.ops.pop_back();
   }
