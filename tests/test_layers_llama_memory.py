@@ -1,5 +1,6 @@
 """Bytes per HuggingFace Llama layer, measured by the tracer (stacks of 2 and 1 layers), against
-LlamaLayerShape's formulas in every mode, fp32 and bf16, with grouped-query and full multi-head attention."""
+LlamaLayerShape's formulas in every mode, fp32 and bf16, with grouped-query and full multi-head attention, on
+SDPA and on eager attention, with and without attention dropout."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from memplan.planner.layers import MODES, patch
-from memplan.planner.layers.memory import LlamaLayerShape, held_for_backward
+from memplan.planner.layers.memory import LlamaLayerShape, MeasureError, held_for_backward
 from memplan.traces.capture import capture_step
 from memplan.traces.workload import Workload
 
@@ -17,7 +18,9 @@ transformers.logging.set_verbosity_error()
 S, B, H, A, F = 64, 2, 128, 4, 352
 
 
-def held(mode: str, layers: int, kv_heads: int, dtype: torch.dtype) -> int:
+def held(
+    mode: str, layers: int, kv_heads: int, dtype: torch.dtype, attention: str = "sdpa", dropout: float = 0.0
+) -> int:
     def build():
         torch.manual_seed(0)
         config = transformers.LlamaConfig(
@@ -28,7 +31,9 @@ def held(mode: str, layers: int, kv_heads: int, dtype: torch.dtype) -> int:
             num_attention_heads=A,
             num_key_value_heads=kv_heads,
             max_position_embeddings=S,
+            attention_dropout=dropout,
         )
+        config._attn_implementation = attention
         model = transformers.LlamaForCausalLM(config).to(dtype).train()
         patch(model, mode)
         ids = torch.randint(0, 256, (B, S))
@@ -44,6 +49,25 @@ def held(mode: str, layers: int, kv_heads: int, dtype: torch.dtype) -> int:
 def test_llama_layer_bytes_within_2_percent_of_formula(mode, dtype, kv_heads):
     shape = LlamaLayerShape(s=S, b=B, h=H, a=A, k=kv_heads, f=F, p=torch.finfo(dtype).bits // 8)
     measured = held(mode, 2, kv_heads, dtype) - held(mode, 1, kv_heads, dtype)
+    assert abs(measured - shape.formula(mode)) <= 0.02 * shape.formula(mode)
+
+
+SQUARE = [("eager", 0.0), ("eager", 0.1), ("sdpa", 0.1)]
+
+
+@pytest.mark.parametrize("attention, dropout", SQUARE, ids=["eager", "eager-dropout", "sdpa-dropout"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", MODES)
+def test_llama_layer_bytes_with_a_square_tensor_within_2_percent_of_formula(mode, dtype, attention, dropout):
+    """Eager attention, and SDPA with dropout on the CPU (its math path), keep s x s tensors; grouped-query."""
+    shape = LlamaLayerShape(
+        s=S, b=B, h=H, a=A, k=2, f=F, p=torch.finfo(dtype).bits // 8, attention=attention, dropout=dropout > 0
+    )
+    if (mode, attention, dropout, dtype) == ("as-built", "sdpa", 0.1, torch.bfloat16):
+        with pytest.raises(MeasureError, match="math path on the CPU below fp32"):
+            shape.formula(mode)
+        return
+    measured = held(mode, 2, 2, dtype, attention, dropout) - held(mode, 1, 2, dtype, attention, dropout)
     assert abs(measured - shape.formula(mode)) <= 0.02 * shape.formula(mode)
 
 

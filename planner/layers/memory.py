@@ -90,7 +90,8 @@ def reversible_formula(shape: LayerShape, layers: int, device: str = "cpu", extr
 @dataclass(frozen=True)
 class LlamaLayerShape:
     """The symbols of a Llama-style layer (HuggingFace's LlamaDecoderLayer: two RMSNorms, rotary grouped-query
-    attention on SDPA's fused kernels, SwiGLU MLP): s, b, h, a heads, k key/value heads, f MLP width, p."""
+    attention, SwiGLU MLP): s, b, h, a heads, k key/value heads, f MLP width, p; how attention is computed
+    (SDPA, or HuggingFace's written-out "eager") and whether it has dropout in training."""
 
     s: int
     b: int
@@ -100,27 +101,57 @@ class LlamaLayerShape:
     f: int
     p: int
     device: str = "cpu"
+    attention: str = "sdpa"  # "sdpa" (SDPA's kernels) or "eager" (HuggingFace's eager_attention_forward)
+    dropout: bool = False  # attention dropout in training: on the CPU SDPA then takes its math path
 
     def formula(self, mode: str) -> int:
         """Activation bytes one layer holds for backward under `mode` (memplan's derivation, README "Formulas")."""
         s, b, h, p = self.s, self.b, self.h, self.p
-        sbh, sbf, kv = s * b * h, s * b * self.f, s * b * h * self.k // self.a
+        sbh, sbf = s * b * h, s * b * self.f
         # 1. Per RMSNorm: HuggingFace keeps the fp32 input (4 B), the normalised input and the output (p each)
         #    and rstd (4 B a row); Tempo's keeps the output (the next linear layer's input) and rstd.
         norms = 2 * ((4 + 2 * p) * sbh + 4 * s * b)
         tempo_norms = 2 * (p * sbh + 4 * s * b)
-        # 2. Attention on fused SDPA: rotated q and k, v, the output and the fp32 log-sum-exp per head and row.
-        attention = p * (2 * sbh + 2 * kv) + 4 * self.a * s * b
-        # 3. SwiGLU: gate, SiLU and up outputs and their product (4 x p, f wide); Tempo keeps the SiLU output
+        # 2. SwiGLU: gate, SiLU and up outputs and their product (4 x p, f wide); Tempo keeps the SiLU output
         #    over the gate's, the up output and a 1-byte branch mask, and rebuilds the product in backward.
         mlp, tempo_mlp = 4 * p * sbf, (2 * p + 1) * sbf
-        if mode in ("as-built", "baseline", "selective"):  # no s x s tensor: nothing for selective to drop
+        if mode in ("full", "tempo+full"):  # the layer's input and the generator state to replay its dropout
+            return p * sbh + GENERATOR_STATE[self.device]
+        attention = self.attention_bytes(mode)
+        if mode in ("as-built", "baseline", "selective"):
             return norms + attention + mlp
         if mode in ("tempo", "tempo+selective"):
             return tempo_norms + attention + tempo_mlp
-        if mode in ("full", "tempo+full"):
-            return p * sbh + GENERATOR_STATE[self.device]
         raise MeasureError(f"no formula for layers mode {mode!r}")
+
+    def attention_bytes(self, mode: str) -> int:
+        """What the attention of one layer keeps for backward under `mode` (not full, whose layer keeps its input)."""
+        s, b, h, p = self.s, self.b, self.h, self.p
+        sbh, kv, square = s * b * h, s * b * h * self.k // self.a, self.b * self.a * s * s
+        math_path = self.attention == "sdpa" and self.dropout and self.device == "cpu"
+        # 1. SDPA's fused kernels keep no s x s tensor: rotated q and k, v, the output and the fp32
+        #    log-sum-exp per head and row; selective has nothing to drop.
+        if self.attention == "sdpa" and not math_path:
+            return p * (2 * sbh + 2 * kv) + 4 * self.a * s * b
+        # 2. Written out (eager, or SDPA's math path): q, k and v repeated to every head, and the output.
+        inputs = 4 * p * sbh
+        if mode in ("selective", "tempo+selective"):  # the core recomputed: the generator state replays dropout
+            return inputs + GENERATOR_STATE[self.device] * self.dropout
+        # 3. memplan's reference core (baseline, tempo): the softmax output; with dropout a 1-byte mask and the
+        #    dropped-out probabilities, which tempo rebuilds from the other two.
+        if mode == "baseline":
+            return inputs + ((2 * p + 1) * square if self.dropout else p * square)
+        if mode == "tempo":
+            return inputs + ((p + 1) * square if self.dropout else p * square)
+        # 4. As built, HuggingFace's eager attention: the fp32 softmax output; with dropout (torch's dropout keeps
+        #    an input-sized noise tensor on the CPU, a 1-byte mask on CUDA) the dropped-out probabilities, else
+        #    their cast to p where p is not fp32.
+        if mode != "as-built":
+            raise MeasureError(f"no formula for layers mode {mode!r}")
+        if math_path and p != 4:
+            raise MeasureError("SDPA's math path on the CPU below fp32 (it computes in fp32 copies): not derived")
+        dropped = ((p if self.device == "cpu" else 1) + p) * square
+        return inputs + 4 * square + (dropped if self.dropout else p * square * (p != 4))
 
 
 def held_for_backward(trace) -> int:
