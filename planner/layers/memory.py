@@ -145,11 +145,11 @@ class LlamaLayerShape:
             return inputs + ((p + 1) * square if self.dropout else p * square)
         # 4. As built, HuggingFace's eager attention: the fp32 softmax output; with dropout (torch's dropout keeps
         #    an input-sized noise tensor on the CPU, a 1-byte mask on CUDA) the dropped-out probabilities, else
-        #    their cast to p where p is not fp32.
+        #    their cast to p where p is not fp32. SDPA's math path computes all of it in fp32.
         if mode != "as-built":
             raise MeasureError(f"no formula for layers mode {mode!r}")
-        if math_path and p != 4:
-            raise MeasureError("SDPA's math path on the CPU below fp32 (it computes in fp32 copies): not derived")
+        if math_path:  # in fp32 whatever p: copies of q, k and v, the softmax output, noise, probabilities
+            return (p + 3 * 4) * sbh + 3 * 4 * square
         dropped = ((p if self.device == "cpu" else 1) + p) * square
         return inputs + 4 * square + (dropped if self.dropout else p * square * (p != 4))
 
