@@ -13,6 +13,7 @@ from torch import nn
 from memplan.planner.layers.memory import saved_bytes
 from memplan.planner.layers.rmsnorm import InplaceRMSNorm, RMSNormError
 from memplan.traces.fake import FakeCapture
+from memplan.traces.recorder import recording
 
 pytest.importorskip("transformers")
 
@@ -164,15 +165,8 @@ def test_from_module_declines_other_modules():
         InplaceRMSNorm(H, flavour="gemma")
 
 
-class Claims(list):
-    """A stand-in recorder for FakeCapture: keeps the fake tensors it claims."""
-
-    def claim(self, tensor: torch.Tensor) -> None:
-        self.append(tensor)
-
-
 def test_runs_under_fake_tensors():
-    with FakeCapture(Claims(), "cpu") as fake:
+    with recording(torch.device("cpu"), fake=True) as recorder, FakeCapture(recorder, "cpu") as fake:
         new = InplaceRMSNorm.from_module(make_original("llama", "random"))
         x = torch.randn(4096, H, dtype=torch.bfloat16, requires_grad=True)
         out = new(x)
