@@ -186,9 +186,11 @@ def _cuda_history(device: torch.device):
 
 def _garbage_generation() -> int:
     """The oldest generation a collection before the step must reach to free the warm-up's cyclic garbage: it is
-    young (a full collection costs ~0.1 s in a torch process), unless torch.compile has run (torch._dynamo is
-    imported): its graph breaks leave cycles holding the warm-up's tensors in older generations."""
-    return 2 if "torch._dynamo" in sys.modules else 1
+    young (a full collection costs ~0.1 s in a torch process), unless torch.compile has run (Dynamo has seen a
+    frame; merely imported, as every optimizer imports it, it has not): its graph breaks leave cycles holding
+    the warm-up's tensors in older generations."""
+    dynamo = sys.modules.get("torch._dynamo")
+    return 2 if dynamo is not None and dynamo.utils.counters["frames"]["total"] > 0 else 1
 
 
 def _resident_at_start(workload: Workload, recorder: Recorder, live: Events, device: torch.device, adopt: bool) -> dict:
