@@ -61,7 +61,9 @@ def row(
     peak = trace.peak()[0]
     reserved = simulate_caching(trace).peak_reserved
     same = reproduced(real_sizes, sizes_in_order(trace))
-    outputs = f" (op outputs only: {reproduced(real_sizes, sizes_in_order(trace, True)):,})" * trace.internal.any()
+    outputs = ""
+    if trace.internal.any():  # a real trace: its kernels' own buffers left out too
+        outputs = f" (op outputs only: {reproduced(real_sizes, sizes_in_order(trace, outputs_only=True)):,})"
     print(
         f"  {label:22} peak {peak:>15,} ({(peak / real_peak - 1) * 100:+.3f}%)   "
         f"simulated reserved {reserved:>15,} ({(reserved / real_reserved - 1) * 100:+.3f}%)   "

@@ -14,8 +14,9 @@
 - The autograd engine sums two gradients of one input in place where it would for real tensors (it
   holds the last reference to the first, which is dense); for a fake tensor, a Python subclass, it
   never does, so each such sum would allocate a gradient more.
-- Composite ops that take another path for tensor subclasses (fake tensors are one) take the real
-  tensors' path (SUBCLASS_PATHS): the math attention adds its mask in place.
+- Composite ops and backward formulas that take another path for tensor subclasses (fake tensors
+  are one) take the real tensors' path (SUBCLASS_PATHS): the math attention adds its mask in place,
+  the backward of gather, max and indexing write into their zeros in place.
 - Only what an op returns is claimed, its new storages allocated in the order it returns them, as
   kernels allocate their outputs: what fake tensor mode makes inside an op (a decomposition) is the
   op's own work, in the decomposition's order, as a real kernel's scratch is.
@@ -67,9 +68,14 @@ RANDOM_FILLS = frozenset(
 # Python), its storage none (with fake tensor mode's dispatch cache off). tests/test_capture_fidelity.py pins
 # it: fake and real traces of every bundled model allocate the same sequence.
 DISPATCH_REFERENCES = 4
-# Composite ops that call an op out of place for tensor subclasses and in place for real tensors:
-# (composite op, op it calls) -> the in-place op real tensors get.
-SUBCLASS_PATHS = {("aten::_scaled_dot_product_attention_math", aten.add.Tensor): aten.add_.Tensor}
+# Composite ops and backward formulas that call an op out of place for tensor subclasses and in place for real
+# tensors: (caller: composite op or autograd node, op it calls) -> the in-place op real tensors get.
+SUBCLASS_PATHS = {
+    ("aten::_scaled_dot_product_attention_math", aten.add.Tensor): aten.add_.Tensor,  # the mask
+    ("aten::gather_backward", aten.scatter_add.default): aten.scatter_add_.default,  # into zeros
+    ("aten::value_selecting_reduction_backward", aten.scatter.src): aten.scatter_.src,  # max, min, ... into zeros
+    ("IndexBackward0", aten.index_put.default): aten.index_put_.default,  # index_backward, into zeros
+}
 DATA_RULE = "a scalar read from a fake tensor is 0 (False); a data-dependent selection selects nothing"
 
 

@@ -81,7 +81,8 @@ class Recorder:
         return self._native.accumulating()
 
     def caller(self) -> str:
-        """The aten op that called the op running now (a composite op runs as others), or "" at the top."""
+        """What called the op running now: the op (a composite op runs as others), or the autograd node whose
+        backward formula calls it directly (IndexBackward0), or ""."""
         return self._native.caller()
 
     def references(self, tensor: torch.Tensor) -> tuple[int, int, bool]:

@@ -66,6 +66,7 @@ struct OpFrame {
 struct ThreadState {
   std::vector<OpFrame> ops;
   std::vector<SequenceNumber> nodes;  // sequence numbers of the autograd nodes being run, outermost first
+  std::vector<std::string> node_names;  // their names (IndexBackward0, ...), likewise
   std::vector<LabelId> modules;       // pushed by the Python module hooks
   int seen_frames = 0;                // frames in `ops` with `seen` set (0 or 1)
   int applying = 0;                   // autograd nodes whose own apply (the backward formula) runs now
@@ -409,6 +410,7 @@ std::unique_ptr<at::ObserverContext> on_enter(const at::RecordFunction& fn) {
   const char* name = fn.name();
   if (is_node(name)) {
     t.nodes.push_back(kUnknownNode);
+    t.node_names.emplace_back(name + sizeof(kEvaluateFunction) - 1);
     return nullptr;
   }
   // A forward op reports the next sequence number until one creates the autograd node and takes it:
@@ -456,6 +458,7 @@ void on_exit(const at::RecordFunction& fn, at::ObserverContext*) {
   const char* name = fn.name();
   if (is_node(name)) {
     if (!t.nodes.empty()) t.nodes.pop_back();
+    if (!t.node_names.empty()) t.node_names.pop_back();
   } else if ((is_op(name) || is_compiled_region(name)) && !t.ops.empty()) {
     if (t.ops.back().seen) {
       t.seen_frames -= 1;
@@ -542,9 +545,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return !t.nodes.empty() && t.applying == 0 && t.ops.size() == 1 && std::strcmp(t.ops.back().name, "aten::add") == 0;
   }, "Whether the op running is the autograd engine summing two gradients of one input (outside any node's formula)");
   m.def("caller", []() {
-    const auto& ops = this_thread.ops;
-    return ops.size() < 2 ? std::string() : std::string(ops[ops.size() - 2].name);
-  }, "The op that called the op running now (as composite ops call others), or an empty string");
+    const ThreadState& t = this_thread;
+    if (t.ops.size() >= 2) return std::string(t.ops[t.ops.size() - 2].name);
+    if (t.ops.size() == 1 && t.applying > 0 && !t.node_names.empty()) return t.node_names.back();
+    return std::string();
+  }, "What called the op running now: the op (a composite runs as others), or the autograd node whose formula "
+     "calls it directly, or an empty string");
   m.def("references", [](const at::Tensor& t) {
     return py::make_tuple(t.use_count(), t.storage().use_count(), t.is_non_overlapping_and_dense());
   }, "References to the tensor and to its storage (the call's own included), and whether it is dense");
