@@ -8,10 +8,13 @@ Part 2 times training steps of a BERT per mode (median of several, interleaved),
 Part 3 (--llama) measures a HuggingFace Llama layer at Llama 2 7B's shape (h 4096, 32 heads, 32 and 8
 key/value heads, MLP 11008, s 4096, bf16) with fake traces next to LlamaLayerShape's formula, and
 times each mode's training step of a reduced Llama (median of several, interleaved).
+Part 4 (--peaks) gives the peak live bytes of a whole training step under baseline and tempo for a small MLP
+with a GELU right after a LayerNorm, the shape where tempo once cost memory (+26.9%).
 
     .venv/bin/python benchmarks/layers.py
     .venv/bin/python benchmarks/layers.py --seqs 128 --dtypes bf16 --method saved --steps 5
     .venv/bin/python benchmarks/layers.py --llama
+    .venv/bin/python benchmarks/layers.py --peaks
     python benchmarks/layers.py --device cuda --seqs 512 --time-shape 512 8 1024 16 24 --time-dtype bf16
 """
 
@@ -157,6 +160,28 @@ def llama_step_times(steps: int, device: str) -> None:
     time_modes({mode: llama_workload(shape, 2, mode, torch.float32, device) for mode in MODES}, steps, device)
 
 
+def mlp_peaks() -> None:
+    """Part 4: Linear(64, w), LayerNorm(w), GELU, Linear(w, 64) with AdamW, rows x 64 inputs; peak live per mode."""
+    print("MLP with a GELU right after a LayerNorm, peak live bytes of a training step")
+    print(f"{'dtype':>5} {'rows':>5} {'width':>5} {'baseline':>12} {'tempo':>12}  tempo/baseline")
+    for name, dtype in DTYPES.items():
+        for rows, width in ((64, 256), (512, 1024)):
+            peaks = {}
+            for mode in ("baseline", "tempo"):
+
+                def build(mode=mode, rows=rows, width=width, dtype=dtype):
+                    torch.manual_seed(0)
+                    layers = [torch.nn.Linear(64, width), torch.nn.LayerNorm(width), torch.nn.GELU()]
+                    model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 64)).to(dtype)
+                    patch(model, mode)
+                    inputs = torch.randn(rows, 64, dtype=dtype)
+                    return Workload(model, inputs, torch.optim.AdamW(model.parameters()), name="mlp")
+
+                peaks[mode] = capture_step(build).peak()[0]
+            ratio = peaks["tempo"] / peaks["baseline"]
+            print(f"{name:>5} {rows:>5} {width:>5} {peaks['baseline']:>12,} {peaks['tempo']:>12,}  {ratio:.4f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, nargs="+", default=[128, 512])
@@ -171,8 +196,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--llama", action="store_true", help="part 3 only: the Llama layer at the 7B shape")
+    parser.add_argument("--peaks", action="store_true", help="part 4 only: tempo's peak on an MLP, LayerNorm + GELU")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.peaks:
+        mlp_peaks()
+        return
     if args.llama:
         llama_table(args.device)
         if args.steps:
