@@ -17,6 +17,7 @@ from memplan.planner.layers import LayerMode
 from memplan.planner.workloads import bert
 from memplan.traces.capture import capture_step
 from memplan.traces.model_file import load_workload
+from memplan.traces.summary import render, summarize
 from memplan.traces.workload import Workload
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -179,6 +180,16 @@ def test_phases_follow_the_step_and_labels_name_modules_and_ops(bert_trace):
     assert all(trace.free[i] >= first_backward for i in acts)
     # the attention output projection of layer 0 holds a forward buffer named after its module
     assert any(m.startswith("model.layers.0") for m in labelled)
+
+
+def test_the_kernels_own_buffers_are_marked_and_counted_in_the_summary(bert_trace):
+    _, trace = bert_trace
+    internal = [i for i in trace.recorded if trace.internal[i]]
+    assert trace.meta["internal_marked"] and internal
+    assert all(trace.internal[i] for i in trace.recorded if trace.op[i] == "python scalar")  # never an op's output
+    summary = summarize(trace)
+    assert summary["internal"] == len(internal) and 0 <= summary["internal_at_peak"] <= summary["peak_bytes"]
+    assert f"{len(internal):,} buffers are kernels' own" in render(summary)
 
 
 @pytest.mark.parametrize("mode", ["tempo", "tempo+selective"])

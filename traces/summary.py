@@ -34,8 +34,10 @@ def bytes_by_category(trace: Trace, t: int) -> dict[str, int]:
 
 def summarize(trace: Trace, top: int = 5) -> dict[str, Any]:
     """Peak live bytes and its time, the phase, module and op of the allocation that reached it,
-    bytes by category live at the peak, totals by category, and the `top` largest buffers."""
+    bytes by category live at the peak, totals by category, the kernels' own buffers (internal), and the `top`
+    largest buffers."""
     peak, t = trace.peak()
+    live = trace.live_at(t)
     at_peak = bytes_by_category(trace, t)
     reached_by = np.nonzero(trace.alloc == t)[0] if t > 0 else np.zeros(0, dtype=np.int64)
     largest = np.argsort(-trace.size, kind="stable")[:top]
@@ -55,6 +57,8 @@ def summarize(trace: Trace, top: int = 5) -> dict[str, Any]:
         "peak_module": trace.module[reached_by[0]] if len(reached_by) else "",
         "peak_op": trace.op[reached_by[0]] if len(reached_by) else "",
         "at_peak_by_category": {c: b for c, b in at_peak.items() if b},
+        "internal": int(trace.internal.sum()),
+        "internal_at_peak": int(trace.size[live][trace.internal[live] == 1].sum()),
         "largest": [_buffer(trace, int(i)) for i in largest],
         "cuda_measured": trace.meta.get("cuda_measured", {}),
         "patch": trace.meta.get("patch"),
@@ -88,6 +92,13 @@ def render(summary: dict[str, Any]) -> str:
         f"trace of {s['model']} ({s['layers']}, {s['device']}, {s['dtype']}{', fake tensors' if s['fake'] else ''}): "
         f"{s['buffers']} buffers, "
         f"{s['recorded']} allocated during the step, {s['end'] - 1} events",
+        *(
+            [
+                f"{s['internal']:,} buffers are kernels' own (internal: scratch, wrapped Python numbers; a --fake "
+                f"trace cannot hold them), {human_bytes(s['internal_at_peak'], grouped=True)} live at the peak"
+            ]
+            * bool(s["internal"])
+        ),
         f"peak live: {human_bytes(s['peak_bytes'], grouped=True)} ({s['peak_bytes']:,} bytes) "
         f"at time {s['peak_time']}, "
         f"phase {s['peak_phase']}, module {s['peak_module'] or '-'}, op {s['peak_op'] or '-'}",
