@@ -3,12 +3,12 @@
 // Real tensors: the recorder is c10's memory reporter for the thread (the slot the profiler uses), so
 // the CPU allocator and CUDA's caching allocator call it synchronously with every allocation and free.
 // Fake tensors: a meta allocator that reports each storage's creation and death the same way.
-// Labels come from RecordFunction callbacks (the innermost aten op; the autograd engine's
-// evaluate_function record with the node's sequence number; the record around Inductor's generated code)
-// and from the module and phase the Python side sets. Nothing here allocates
-// tensor memory, so a recorded step allocates exactly what an unrecorded one does.
-// Each allocation is also marked when its storage is returned by an op as fake tensors see it (the outermost
-// op that is not CompositeImplicitAutograd); the rest is kernels' own (scratch, wrapped Python numbers).
+// Labels come from RecordFunction callbacks (the op as fake tensors see it: the outermost aten or c10d op
+// that is not a composite on the device; the autograd engine's evaluate_function record with the node's
+// sequence number; the record around Inductor's generated code) and from the module and phase the Python
+// side sets. Nothing here allocates tensor memory, so a recorded step allocates exactly what an unrecorded
+// one does. Each allocation is also marked when that op returns its storage; the rest is kernels' own
+// (scratch, wrapped Python numbers, a process group's staging buffers).
 #include <ATen/record_function.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/Allocator.h>
