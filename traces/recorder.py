@@ -88,8 +88,7 @@ class Recorder:
     def references(self, tensor: torch.Tensor) -> tuple[int, int, bool]:
         """References to the tensor and to its storage as C++ counts them (the call's own included), and whether
         the tensor is non-overlapping and dense."""
-        uses, storage_uses, dense = self._native.references(tensor)
-        return uses, storage_uses, dense
+        return tuple(self._native.references(tensor))
 
     def in_order(self, keys: list[int]) -> None:
         """Reorder the allocations of these storages (made during the step) among themselves to the order given."""

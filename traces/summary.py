@@ -92,13 +92,6 @@ def render(summary: dict[str, Any]) -> str:
         f"trace of {s['model']} ({s['layers']}, {s['device']}, {s['dtype']}{', fake tensors' if s['fake'] else ''}): "
         f"{s['buffers']} buffers, "
         f"{s['recorded']} allocated during the step, {s['end'] - 1} events",
-        *(
-            [
-                f"{s['internal']:,} buffers are kernels' own (internal: scratch, wrapped Python numbers; a --fake "
-                f"trace cannot hold them), {human_bytes(s['internal_at_peak'], grouped=True)} live at the peak"
-            ]
-            * bool(s["internal"])
-        ),
         f"peak live: {human_bytes(s['peak_bytes'], grouped=True)} ({s['peak_bytes']:,} bytes) "
         f"at time {s['peak_time']}, "
         f"phase {s['peak_phase']}, module {s['peak_module'] or '-'}, op {s['peak_op'] or '-'}",
@@ -118,6 +111,12 @@ def render(summary: dict[str, Any]) -> str:
             1,
             "data-dependent values taken by rule (a scalar reads 0, a selection selects nothing): "
             + ", ".join(f"{op} x{n}" for op, n in sorted(s["data_dependent"].items())),
+        )
+    if s["internal"]:
+        lines.insert(
+            1,
+            f"{s['internal']:,} buffers are kernels' own (internal: scratch, wrapped Python numbers; a --fake trace "
+            f"cannot hold them), {human_bytes(s['internal_at_peak'], grouped=True)} live at the peak",
         )
     for cat, b in sorted(s["at_peak_by_category"].items(), key=lambda kv: -kv[1]):
         share = 100.0 * b / s["peak_bytes"] if s["peak_bytes"] else 0.0

@@ -429,15 +429,9 @@ std::unique_ptr<at::ObserverContext> on_enter(const at::RecordFunction& fn) {
   return nullptr;
 }
 
-// Mark the storages of the tensors an op returned (in lists too) as op outputs.
-void mark_returned(const c10::IValue& value) {
-  if (value.isTensor()) {
-    const at::Tensor& t = value.toTensor();
-    if (t.defined() && t.has_storage() && recorder().wants(t.device())) recorder().returned(storage_key(t));
-  } else if (value.isTensorList()) {
-    for (const at::Tensor& t : value.toTensorVector())
-      if (t.defined() && t.has_storage() && recorder().wants(t.device())) recorder().returned(storage_key(t));
-  }
+// Mark the storage of a tensor an op returned as an op output.
+void mark_returned(const at::Tensor& t) {
+  if (t.defined() && t.has_storage() && recorder().wants(t.device())) recorder().returned(storage_key(t));
 }
 
 // Mark what an op fake tensors see returned; unwinding (no outputs handed back), what it made and still holds.
@@ -446,7 +440,13 @@ void mark_outputs(const at::RecordFunction& fn, const OpFrame& frame) {
     recorder().returned_since(frame.first);
     return;
   }
-  for (const c10::IValue& value : fn.outputs()) mark_returned(value);
+  for (const c10::IValue& value : fn.outputs()) {
+    if (value.isTensor()) {
+      mark_returned(value.toTensor());
+    } else if (value.isTensorList()) {
+      for (const at::Tensor& t : value.toTensorVector()) mark_returned(t);
+    }
+  }
 }
 
 void on_exit(const at::RecordFunction& fn, at::ObserverContext*) {
