@@ -63,6 +63,8 @@ class SearchProblem(ctypes.Structure):
         ("first_section", ctypes.POINTER(SectionIndex)),  # first_section[i]: the first section buffer i is live in
         ("end_section", ctypes.POINTER(SectionIndex)),  # end_section[i]: one past the last section it is live in
         ("capacity", Bytes),  # every buffer must end at or below this many bytes
+        ("prefix_length", ctypes.c_int32),  # how many buffers the prefix places before the search starts (0: none)
+        ("prefix", ctypes.POINTER(BufferIndex)),  # prefix[k]: the k-th placed, at the lowest offset left to it
         ("heuristics", ctypes.c_int32),  # how many static buffer orders to search with, one thread each
         ("heuristic", ctypes.POINTER(ctypes.c_char_p)),  # heuristic[h]: its sort keys, e.g. b"TWA" (see search.py)
         ("work_limit", Work),  # each thread stops after this many steps (the deterministic budget)

@@ -6,7 +6,10 @@ bytes exceeds C prunes the node, a buffer whose offset would leave room below fo
 is skipped, and the problem splits into independent parts whenever no unplaced buffer crosses a section
 boundary. Three static orders (re-ranked in every independent part) search in parallel threads; the one
 that finds a placement or proves that none exists in the fewest steps wins, so the answer depends on the
-step budget, not on the machine's load (the wall-clock ceiling aside).
+step budget, not on the machine's load (the wall-clock ceiling aside). A prefix restarts the search from
+part of an earlier placement: its buffers go first, in its order, each as low as those placed before allow
+(any canonical placement is rebuilt exactly by its own buffers in offset order), and the search completes
+it; the portfolio's descent uses it to rebuild only the top of its best placement.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from memplan.solvers.native import (
     SEARCH_FITS,
     SEARCH_INFEASIBLE,
     SEARCH_TIMEOUT,
+    BufferIndex,
     Bytes,
     SearchProblem,
     SectionIndex,
@@ -50,16 +54,23 @@ class SearchResult:
     work: int  # steps, all threads together
 
 
-def search_fit(p: Problem, capacity: int, work: int, seconds: float) -> SearchResult:
+def search_fit(p: Problem, capacity: int, work: int, seconds: float, prefix: np.ndarray | None = None) -> SearchResult:
     """Decide whether p fits in `capacity` bytes with at most `work` steps per thread and `seconds` of wall
     time. Buffers never live sit at offset 0 but still count in the arena, so one larger than `capacity`
-    makes it infeasible."""
+    makes it infeasible. `prefix` (active buffers, in order) restarts the search from part of an earlier
+    placement: they are placed first, each as low as the ones placed before it allow; INFEASIBLE then only
+    says that nothing completes them."""
     if int(p.size.max(initial=0)) > capacity:
         return SearchResult(INFEASIBLE, None, 0)
     act = np.nonzero(p.active)[0]
     offsets = np.zeros(len(p), dtype=np.int64)
     if len(act) == 0:
         return SearchResult(FITS, offsets, 0)
+    position = np.full(len(p), -1, dtype=np.int32)
+    position[act] = np.arange(len(act), dtype=np.int32)
+    first = np.ascontiguousarray(position[np.asarray(prefix if prefix is not None else [], dtype=np.int64)])
+    if (first < 0).any() or len(np.unique(first)) < len(first):
+        raise ValueError("a search prefix names a buffer that is not active, or one twice")
     size = np.ascontiguousarray(p.size[act])  # named, like every array below, so it outlives the call
     alloc, free = np.ascontiguousarray(p.alloc[act]), np.ascontiguousarray(p.free[act])
     times = np.unique(np.concatenate([alloc, free]))
@@ -75,6 +86,8 @@ def search_fit(p: Problem, capacity: int, work: int, seconds: float) -> SearchRe
         first_section=as_pointer(first_section, SectionIndex),
         end_section=as_pointer(end_section, SectionIndex),
         capacity=int(capacity),
+        prefix_length=len(first),
+        prefix=as_pointer(first, BufferIndex),
         heuristics=len(HEURISTICS),
         heuristic=heuristics,
         work_limit=int(work),

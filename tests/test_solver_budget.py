@@ -58,3 +58,11 @@ def test_json_names_the_bound_source(shared, tmp_path):
     summary = report.summary()
     assert summary["bound_source"] and json.dumps(summary)
     assert f"({summary['bound_source']})" in report.text()
+
+
+@pytest.mark.parametrize("name, target", [("D", 1_025_024), ("J", 1_035_264)])
+def test_descent_reaches_the_issue_targets_on_the_hardest_instances(shared, name, target):
+    """Issue 16's targets at --time-limit 10: the best arenas an 80 s solve had found before the descent."""
+    problem = load_problem(str(shared / f"benchmarks/minimalloc/{name}.1048576.csv"))
+    plan = solve(problem, time_limit=10)
+    assert plan.arena <= target and plan.solver == "search"

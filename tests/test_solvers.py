@@ -13,9 +13,11 @@ from memplan.planner.minimalloc_csv import read_csv
 from memplan.planner.problem import build_problem
 from memplan.planner.verify import verify_plan
 from memplan.solvers import CapacityError, solve
-from memplan.solvers.bounds import lower_bound
+from memplan.solvers.bounds import Bound, lower_bound
+from memplan.solvers.budget import Budget
 from memplan.solvers.cpsat import cpsat_place
 from memplan.solvers.greedy import greedy
+from memplan.solvers.portfolio import _Best, _search_at
 from memplan.solvers.search import FITS, INFEASIBLE, search_fit
 
 WORK = 10**9  # search steps per thread: far more than these instances need
@@ -132,6 +134,41 @@ def test_exact_search_decides_like_brute_force(p):
     verify_plan(p, result.offsets, optimum)
     if optimum > 0:
         assert search_fit(p, optimum - 1, WORK, 5.0).status == INFEASIBLE
+
+
+@settings(max_examples=40, deadline=None)
+@given(instances(max_n=6), st.data())
+def test_search_after_a_prefix_keeps_its_placement_valid(p, data):
+    """A prefix in the offset order of a canonical placement rebuilds that placement exactly; any prefix, in
+    any order, leaves the search a valid placement to complete, or none (never an overlap)."""
+    optimum = brute_optimum(p)
+    found = search_fit(p, optimum, WORK, 5.0)
+    active = np.nonzero(p.active)[0]
+    in_order = active[np.argsort(found.offsets[active], kind="stable")]
+    again = search_fit(p, optimum, WORK, 5.0, prefix=in_order)
+    assert again.status == FITS and np.array_equal(again.offsets[active], found.offsets[active])
+    prefix = data.draw(st.permutations(active.tolist()))[: data.draw(st.integers(0, len(active)))]
+    capacity = data.draw(st.integers(optimum, optimum + 1024))
+    result = search_fit(p, capacity, WORK, 5.0, prefix=np.array(prefix, dtype=np.int64))
+    if result.status == FITS:
+        verify_plan(p, result.offsets, capacity)
+
+
+def prefix_trap():
+    """Optimum 2 (a and d at 0, b and c at 1); after the prefix [c, d] (both dropped to 0) a and b must sit
+    above them and overlap each other at time 1, so nothing completes the prefix within 2 bytes."""
+    return build_problem([1, 1, 1, 1], [0, 1, 0, 2], [2, 3, 1, 3], alignment=1)
+
+
+def test_a_prefix_that_cannot_be_completed_is_no_proof():
+    p = prefix_trap()
+    assert search_fit(p, 2, WORK, 5.0).status == FITS
+    assert search_fit(p, 2, WORK, 5.0, prefix=np.array([2, 3])).status == INFEASIBLE
+    best = _Best(p, Bound(1, "test"), 0.0, None)
+    assert _search_at(best, Budget(1.0, float("inf")), 1, 1.0, prefix=np.array([2, 3])) == INFEASIBLE
+    assert best.bound == 1  # a prefix that fails proves nothing about the problem
+    assert _search_at(best, Budget(1.0, float("inf")), 1, 1.0) == INFEASIBLE
+    assert (best.bound, best.bound_source) == (2, "search: no placement fits in 1 B")
 
 
 def hard_instance():

@@ -221,6 +221,67 @@ struct Search {
     return true;
   }
 
+  // What placing one buffer changed, so that it can be undone.
+  struct Placement {
+    BufferIndex buffer;
+    std::vector<std::pair<BufferIndex, Bytes>> offset_changes;  // (unplaced neighbour, its lowest offset before)
+    std::vector<std::pair<SectionIndex, Bytes>> floor_changes;  // (section, its floor before)
+  };
+
+  // Places `buffer` at `at`: raises its unplaced neighbours' lowest offsets and the sections' floors. Returns
+  // whether every section of the part still fits its unplaced bytes above max(bottom, its floor), where
+  // `bottom` is the offset no unplaced buffer may go below (the canonical order's last offset, or 0).
+  bool place(const Part& part, BufferIndex buffer, Bytes at, Bytes bottom, Placement& placement) {
+    const Bytes top = at + size[buffer];
+    placement.buffer = buffer;
+    offset[buffer] = at;
+    std::vector<SectionIndex> affected;
+    ++generation;
+    work += 8 + 2 * (Work)(*neighbours)[buffer].size() + (end_section[buffer] - first_section[buffer]);
+    for (const BufferIndex neighbour : (*neighbours)[buffer])
+      if (offset[neighbour] < 0 && lowest_offset[neighbour] < top) {
+        placement.offset_changes.push_back({neighbour, lowest_offset[neighbour]});
+        lowest_offset[neighbour] = top;
+        for (SectionIndex s = first_section[neighbour]; s < end_section[neighbour]; ++s)
+          if (stamp[s] != generation) { stamp[s] = generation; affected.push_back(s); }
+      }
+    for (SectionIndex s = first_section[buffer]; s < end_section[buffer]; ++s) {
+      placement.floor_changes.push_back({s, section_floor[s]});
+      section_floor[s] = top;
+      unplaced_bytes[s] -= size[buffer];
+    }
+    for (SectionIndex s = first_section[buffer]; s + 1 < end_section[buffer]; ++s) --crossing[s];
+    // A section's floor is at least the lowest offset any of its unplaced buffers can take; computed
+    // only when the cheap check passes, then the sections it raised are checked again.
+    if (!sections_fit(part, bottom)) return false;
+    int visited = 0;
+    for (const SectionIndex s : affected) {
+      if ((++visited & 63) == 0 && expired()) return false;
+      work += 1 + (Work)(*section_members)[s].size();
+      Bytes lowest = -1;
+      for (const BufferIndex member : (*section_members)[s])
+        if (offset[member] < 0 && (lowest < 0 || lowest_offset[member] < lowest)) lowest = lowest_offset[member];
+      if (lowest > section_floor[s]) {
+        placement.floor_changes.push_back({s, section_floor[s]});
+        section_floor[s] = lowest;
+        if (s >= part.first_section && s < part.end_section && lowest + unplaced_bytes[s] > capacity) return false;
+      }
+    }
+    return true;
+  }
+
+  // Undoes place(): the state is as before it.
+  void unplace(const Placement& placement) {
+    const BufferIndex buffer = placement.buffer;
+    for (auto it = placement.floor_changes.rbegin(); it != placement.floor_changes.rend(); ++it)
+      section_floor[it->first] = it->second;
+    for (SectionIndex s = first_section[buffer]; s < end_section[buffer]; ++s) unplaced_bytes[s] += size[buffer];
+    for (SectionIndex s = first_section[buffer]; s + 1 < end_section[buffer]; ++s) ++crossing[s];
+    for (auto it = placement.offset_changes.rbegin(); it != placement.offset_changes.rend(); ++it)
+      lowest_offset[it->first] = it->second;
+    offset[buffer] = -1;
+  }
+
   // Tries each unplaced buffer of the part at its lowest offset, in canonical order (offsets
   // nondecreasing, ties by rank), and recurses.
   SearchOutcome place_next(const Part& part, Bytes last_offset, int last_rank) {
@@ -245,62 +306,40 @@ struct Search {
       if (at < last_offset || (at == last_offset && buffer_rank < last_rank)) continue;
       if (at >= min_height) break;  // a gap below would fit another buffer entirely: dominated
       if (expired()) return SEARCH_TIMEOUT;
-      const Bytes top = at + size[buffer];
-      offset[buffer] = at;
-      std::vector<std::pair<BufferIndex, Bytes>> offset_changes;
-      std::vector<std::pair<SectionIndex, Bytes>> floor_changes;
-      std::vector<SectionIndex> affected;
-      ++generation;
       bool hatless = true;  // nothing unplaced overlaps the buffer: its placement constrains no one
-      work += 8 + 2 * (Work)(*neighbours)[buffer].size() + (end_section[buffer] - first_section[buffer]);
       for (const BufferIndex neighbour : (*neighbours)[buffer])
         if (offset[neighbour] < 0) hatless = false;
-      for (const BufferIndex neighbour : (*neighbours)[buffer])
-        if (offset[neighbour] < 0 && lowest_offset[neighbour] < top) {
-          offset_changes.push_back({neighbour, lowest_offset[neighbour]});
-          lowest_offset[neighbour] = top;
-          for (SectionIndex s = first_section[neighbour]; s < end_section[neighbour]; ++s)
-            if (stamp[s] != generation) { stamp[s] = generation; affected.push_back(s); }
-        }
-      for (SectionIndex s = first_section[buffer]; s < end_section[buffer]; ++s) {
-        floor_changes.push_back({s, section_floor[s]});
-        section_floor[s] = top;
-        unplaced_bytes[s] -= size[buffer];
-      }
-      // A section's floor is at least the lowest offset any of its unplaced buffers can take; computed
-      // only when the cheap check passes, then the sections it raised are checked again.
-      bool ok = sections_fit(part, at);
-      if (ok) {
-        int visited = 0;
-        for (const SectionIndex s : affected) {
-          if ((++visited & 63) == 0 && expired()) { ok = false; break; }
-          work += 1 + (Work)(*section_members)[s].size();
-          Bytes lowest = -1;
-          for (const BufferIndex member : (*section_members)[s])
-            if (offset[member] < 0 && (lowest < 0 || lowest_offset[member] < lowest)) lowest = lowest_offset[member];
-          if (lowest > section_floor[s]) {
-            floor_changes.push_back({s, section_floor[s]});
-            section_floor[s] = lowest;
-            if (s >= part.first_section && s < part.end_section && lowest + unplaced_bytes[s] > capacity) ok = false;
-          }
-        }
-      }
+      Placement placement;
       SearchOutcome outcome = SEARCH_INFEASIBLE;
-      if (ok) {
+      if (place(part, buffer, at, at, placement)) {
         solution[buffer] = at;
-        for (SectionIndex s = first_section[buffer]; s + 1 < end_section[buffer]; ++s) --crossing[s];
         outcome = solve(part, at, buffer_rank, false);
-        for (SectionIndex s = first_section[buffer]; s + 1 < end_section[buffer]; ++s) ++crossing[s];
       }
-      for (auto it = floor_changes.rbegin(); it != floor_changes.rend(); ++it) section_floor[it->first] = it->second;
-      for (SectionIndex s = first_section[buffer]; s < end_section[buffer]; ++s) unplaced_bytes[s] += size[buffer];
-      for (auto it = offset_changes.rbegin(); it != offset_changes.rend(); ++it) lowest_offset[it->first] = it->second;
-      offset[buffer] = -1;
+      unplace(placement);
       if (outcome != SEARCH_INFEASIBLE) return outcome;
       if (expired()) return SEARCH_TIMEOUT;
       if (hatless) break;  // the other candidates lead to the same failure
     }
     return SEARCH_INFEASIBLE;
+  }
+
+  // Places the prefix's buffers first, in its order, each at the lowest offset its placed neighbours leave
+  // it, then searches the rest of the part from offset 0. With a prefix, SEARCH_INFEASIBLE only says that
+  // no placement of the rest completes this one.
+  SearchOutcome solve_after(const Part& part, const BufferIndex* prefix, int32_t prefix_length) {
+    for (int32_t k = 0; k < prefix_length; ++k) {
+      const BufferIndex buffer = prefix[k];
+      Placement placement;  // kept: the prefix is never undone
+      if (!place(part, buffer, lowest_offset[buffer], 0, placement))
+        return expired() ? SEARCH_TIMEOUT : SEARCH_INFEASIBLE;
+      solution[buffer] = offset[buffer];
+    }
+    Part rest;
+    rest.first_section = part.first_section;
+    rest.end_section = part.end_section;
+    for (const BufferIndex buffer : part.buffers)
+      if (offset[buffer] < 0) rest.buffers.push_back(buffer);
+    return solve(rest, 0, -1, true);
   }
 };
 
@@ -359,7 +398,7 @@ SearchOutcome search(const SearchProblem& problem, Bytes* offsets, Work* work) {
     worker.crossing = crossing;
     worker.stamp.assign(sections, 0);
     threads.emplace_back([&, h]() {
-      outcomes[h] = workers[h].solve(all, 0, -1, true);
+      outcomes[h] = workers[h].solve_after(all, problem.prefix, problem.prefix_length);
       if (outcomes[h] == SEARCH_TIMEOUT) return;
       Work fewest = decided.load();
       while (workers[h].work < fewest && !decided.compare_exchange_weak(fewest, workers[h].work)) {

@@ -47,6 +47,9 @@ struct SearchProblem {
   const SectionIndex* first_section;  // first_section[i]: the first section buffer i is live in
   const SectionIndex* end_section;    // end_section[i]: one past the last section buffer i is live in
   Bytes capacity;                     // every buffer must end at or below this many bytes
+  int32_t prefix_length;              // how many buffers the prefix places before the search starts (0: none)
+  const BufferIndex* prefix;          // prefix[k]: the k-th buffer placed, each at the lowest offset its placed
+                                      //   neighbours leave it; the search then places the rest
   int32_t heuristics;                 // how many static buffer orders to search with, one thread each
   const char* const* heuristic;       // heuristic[h]: sort keys, most significant first, all descending:
                                       //   W lifetime, A area (lifetime x size), T section total, Z size
@@ -57,7 +60,7 @@ struct SearchProblem {
 // What mp_search decided.
 enum SearchOutcome : int32_t {
   SEARCH_TIMEOUT = -2,     // the time limit passed first
-  SEARCH_INFEASIBLE = 0,   // proven: no placement fits in the capacity
+  SEARCH_INFEASIBLE = 0,   // proven: no placement fits in the capacity (with a prefix: none that completes it)
   SEARCH_FITS = 1,         // a placement fits; its offsets are written
 };
 
@@ -71,7 +74,8 @@ Bytes mp_greedy(const GreedyProblem* problem,  // the buffers and the items; rea
 
 // Decides whether problem's buffers fit in problem->capacity by a canonical depth-first search (each
 // buffer at the lowest offset its placed neighbours allow, offsets nondecreasing), with section inference,
-// gap dominance and dynamic decomposition into independent parts. Each heuristic runs in its own thread.
+// gap dominance and dynamic decomposition into independent parts; after the prefix, if one is given, which
+// restarts the search from part of an earlier placement. Each heuristic runs in its own thread.
 // The answer is the one reached in the fewest steps (ties: the earlier heuristic), so it does not depend
 // on how the threads were scheduled: a thread stops once it has spent more steps than a finished one,
 // or work_limit. Only the wall-clock ceiling, when it strikes first, makes the outcome machine-dependent.
