@@ -3,8 +3,9 @@
 `--time-limit T` buys the work this machine (2 cores, idle) does in WORK_SHARE x T seconds, counted in each
 method's own deterministic unit: search and greedy steps (solvers/csrc/place.cpp counts them) and CP-SAT's
 deterministic time, converted at rates measured here (benchmarks/solvers.py --calibrate prints them). The
-wall clock T is a ceiling only: the answer changes only on a machine more than 1 / WORK_SHARE times slower
-than this one is when idle, where the ceiling strikes before the work is done.
+wall clock T is a ceiling only: the answer changes only on a machine about 2x slower than this one is when
+idle (1 / WORK_SHARE, less the wall time no work counts: starting each search's threads, Python between
+the probes, a quarter of the work on MiniMalloc's D), where the ceiling strikes before the work is done.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 WORK_SHARE = 0.4  # the share of the time limit an idle machine needs for the whole budget
-SEARCH_STEPS_PER_SECOND = 4.5e8  # exact-search steps, all threads together: 4.5e8-7.1e8 on long runs
+SEARCH_STEPS_PER_SECOND = 4.5e8  # exact-search steps, all threads together: 4.5e8-7.7e8 on long runs
 GREEDY_STEPS_PER_SECOND = 3.0e7  # greedy placement steps, one thread: 1.1e7-9e7 measured
 CPSAT_TIME_PER_SECOND = 0.1  # CP-SAT deterministic time, one worker: 0.09-0.21 measured
 
