@@ -68,8 +68,8 @@ def search_fit(p: Problem, capacity: int, work: int, seconds: float, prefix: np.
         return SearchResult(FITS, offsets, 0)
     position = np.full(len(p), -1, dtype=np.int32)
     position[act] = np.arange(len(act), dtype=np.int32)
-    first = np.ascontiguousarray(position[np.asarray(prefix if prefix is not None else [], dtype=np.int64)])
-    if (first < 0).any() or len(np.unique(first)) < len(first):
+    placed_first = np.ascontiguousarray(position[np.asarray(prefix if prefix is not None else [], dtype=np.int64)])
+    if (placed_first < 0).any() or len(np.unique(placed_first)) < len(placed_first):
         raise ValueError("a search prefix names a buffer that is not active, or one twice")
     size = np.ascontiguousarray(p.size[act])  # named, like every array below, so it outlives the call
     alloc, free = np.ascontiguousarray(p.alloc[act]), np.ascontiguousarray(p.free[act])
@@ -86,8 +86,8 @@ def search_fit(p: Problem, capacity: int, work: int, seconds: float, prefix: np.
         first_section=as_pointer(first_section, SectionIndex),
         end_section=as_pointer(end_section, SectionIndex),
         capacity=int(capacity),
-        prefix_length=len(first),
-        prefix=as_pointer(first, BufferIndex),
+        prefix_length=len(placed_first),
+        prefix=as_pointer(placed_first, BufferIndex),
         heuristics=len(HEURISTICS),
         heuristic=heuristics,
         work_limit=int(work),
