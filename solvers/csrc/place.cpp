@@ -349,14 +349,18 @@ SearchOutcome search(const SearchProblem& problem, Bytes* offsets, Work* work) {
   std::vector<std::vector<BufferIndex>> neighbours(buffers), section_members(sections);
   std::vector<Bytes> unplaced_bytes(sections, 0);
   std::vector<int> crossing(sections, 0);
+  // Building the sections' lists and the neighbour lists is work too: on thousands of buffers it costs
+  // more than a short search, and the budget must see it so that many short searches stay within it.
+  Work setup = sections + (Work)buffers * (buffers - 1) / 2;
   for (BufferIndex b = 0; b < buffers; ++b) {
+    setup += 1 + 2 * (Work)(problem.end_section[b] - problem.first_section[b]);
     for (SectionIndex s = problem.first_section[b]; s < problem.end_section[b]; ++s) {
       section_members[s].push_back(b);
       unplaced_bytes[s] += problem.size[b];
     }
     for (SectionIndex s = problem.first_section[b]; s + 1 < problem.end_section[b]; ++s) ++crossing[s];
   }
-  *work = 0;
+  *work = setup;
   for (SectionIndex s = 0; s < sections; ++s)
     if (unplaced_bytes[s] > problem.capacity) return SEARCH_INFEASIBLE;
   for (BufferIndex b = 0; b < buffers; ++b)
@@ -416,7 +420,7 @@ SearchOutcome search(const SearchProblem& problem, Bytes* offsets, Work* work) {
     if (outcomes[h] != SEARCH_TIMEOUT && (won < 0 || workers[h].work < workers[won].work)) won = h;
   }
   if (won < 0) return SEARCH_TIMEOUT;
-  *work = workers[won].work * problem.heuristics;
+  *work = setup + workers[won].work * problem.heuristics;
   if (outcomes[won] == SEARCH_FITS)
     for (BufferIndex b = 0; b < buffers; ++b) offsets[b] = workers[won].solution[b];
   return outcomes[won];
