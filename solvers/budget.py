@@ -35,6 +35,10 @@ class Budget:
         """Seconds until the ceiling."""
         return max(self.deadline - time.monotonic(), 0.0)
 
+    def exhausted(self, floor: float = 0.0) -> bool:
+        """Whether the work left is down to `floor` (kept for the methods after this one) or the ceiling passed."""
+        return self.seconds <= floor or self.wall_left() <= 0
+
     def search_steps(self, seconds: float, threads: int) -> int:
         """Each search thread's step limit for `seconds` of work."""
         return int(max(seconds, 0.0) * SEARCH_STEPS_PER_SECOND / threads)

@@ -153,7 +153,7 @@ def _search_down(best: _Best, budget: Budget, share: float) -> None:
     if _search_at(best, budget, best.bound, FIRST_PROBE_SHARE * share, unit) == FITS:
         return
     probe, descent_probe, whole = PROBE_SHARE * share, DESCENT_PROBE_SHARE * share, True
-    while best.arena > best.bound and budget.seconds > floor and budget.wall_left() > 0:
+    while best.arena > best.bound and not budget.exhausted(floor):
         _bisect(best, budget, probe, floor, unit, whole)
         _descend(best, budget, descent_probe, floor, unit)
         probe, descent_probe, whole = 2 * probe, 2 * descent_probe, False
@@ -165,7 +165,7 @@ def _bisect(best: _Best, budget: Budget, probe: float, floor: float, unit: int, 
     `whole`, the pass ends at its first placement: the descent improves on it for less work than the
     targets just below it, which mostly run out of work."""
     low = best.bound
-    while low < best.arena and budget.seconds > floor and budget.wall_left() > 0:
+    while low < best.arena and not budget.exhausted(floor):
         target = (low + best.arena - 1) // 2 // unit * unit
         if target < low or best.arena - target < best.arena * RESOLUTION:
             return
@@ -183,22 +183,22 @@ def _descend(best: _Best, budget: Budget, probe: float, floor: float, unit: int)
     levels go on while one of them improves. The search rebuilds the top of a placement the bisection found,
     which its own backtracking rarely reaches: at --time-limit 10 this took MiniMalloc's D from 1,039,360
     to 1,025,024 and J from 1,044,480 to 1,033,216."""
+    active = np.nonzero(best.p.active)[0]
     improved = True
-    while improved and best.arena > best.bound and budget.seconds > floor and budget.wall_left() > 0:
+    while improved and best.arena > best.bound and not budget.exhausted(floor):
         improved = False
-        active = np.nonzero(best.p.active)[0]
         by_offset = active[np.argsort(best.offsets[active], kind="stable")]
+        target = max(best.arena - unit, best.bound)
         kept = {len(by_offset)}  # keeping every buffer leaves nothing to search
         for level in DESCENT_LEVELS:
             prefix = by_offset[best.offsets[by_offset] < level * best.arena]
             if len(prefix) in kept:
                 continue
             kept.add(len(prefix))
-            target = max(best.arena - unit, best.bound)
             if _search_at(best, budget, target, min(probe, budget.seconds - floor), unit, prefix) == FITS:
                 improved = True
                 break
-            if budget.seconds <= floor or budget.wall_left() <= 0:
+            if budget.exhausted(floor):
                 return
 
 
