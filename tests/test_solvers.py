@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -164,10 +165,10 @@ def test_a_prefix_that_cannot_be_completed_is_no_proof():
     p = prefix_trap()
     assert search_fit(p, 2, WORK, 5.0).status == FITS
     assert search_fit(p, 2, WORK, 5.0, prefix=np.array([2, 3])).status == INFEASIBLE
-    best = _Best(p, Bound(1, "test"), 0.0, None)
-    assert _search_at(best, Budget(1.0, float("inf")), 1, 1.0, prefix=np.array([2, 3])) == INFEASIBLE
-    assert best.bound == 1  # a prefix that fails proves nothing about the problem
-    assert _search_at(best, Budget(1.0, float("inf")), 1, 1.0) == INFEASIBLE
+    best, budget = _Best(p, Bound(1, "test"), 0.0, None), Budget(1.0, time.monotonic() + 60.0)
+    assert _search_at(best, budget, 2, 1.0, prefix=np.array([2, 3])) == INFEASIBLE
+    assert best.bound == 1  # a prefix that fails proves nothing: raising the bound to 3 would be wrong
+    assert _search_at(best, budget, 1, 1.0) == INFEASIBLE
     assert (best.bound, best.bound_source) == (2, "search: no placement fits in 1 B")
 
 
