@@ -375,7 +375,8 @@ SearchOutcome search(const SearchProblem& problem, Bytes* offsets, Work* work) {
   for (BufferIndex b = 0; b < buffers; ++b) all.buffers.push_back(b);
   std::atomic<Work> decided(INT64_MAX);
   const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::microseconds((int64_t)(problem.seconds * 1e6));
+      std::chrono::steady_clock::now() +
+      std::chrono::microseconds((int64_t)(std::min(problem.seconds, 1e9) * 1e6));  // no ceiling: a 30-year one
   std::vector<Search> workers(problem.heuristics);
   std::vector<SearchOutcome> outcomes(problem.heuristics, SEARCH_TIMEOUT);
   std::vector<std::thread> threads;
