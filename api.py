@@ -14,6 +14,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from memplan import __all__ as PUBLIC_API
+from memplan.errors import MemplanError
 from memplan.planner.jobs.fit import FitResult, fit_model
 from memplan.planner.jobs.optimize import OptimizeOptions, OptimizeResult
 from memplan.planner.jobs.optimize import optimize as optimize_job
@@ -32,7 +33,6 @@ from memplan.planner.simulate.plan_footprint import match_plans
 from memplan.solvers import solve as solve_problem
 from memplan.traces.capture import Recording, record
 from memplan.traces.compile import Compile
-from memplan.traces.errors import MemplanError
 from memplan.traces.format import Trace, load, save
 from memplan.traces.snapshot import import_snapshot
 from memplan.traces.trace_model import trace_model_file as trace_with

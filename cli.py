@@ -8,9 +8,9 @@ import sys
 
 import click
 
+from memplan.errors import MemplanError
 from memplan.planner.simulate.alloc_conf import TIE_BREAKS
-from memplan.traces.errors import MemplanError
-from memplan.traces.units import SizeError, parse_size
+from memplan.units import SizeError, parse_size
 
 
 class MemplanGroup(click.Group):
@@ -42,7 +42,7 @@ class MemplanGroup(click.Group):
 
 
 class Size(click.ParamType):
-    """A memory size option: 11GiB, 16GB, 512MiB, 1.5 GiB or a number of bytes (traces.units.parse_size)."""
+    """A memory size option: 11GiB, 16GB, 512MiB, 1.5 GiB or a number of bytes (units.parse_size)."""
 
     name = "size"
 

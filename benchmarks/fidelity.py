@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
+from memplan.errors import MemplanError
 from memplan.planner.simulate.caching_allocator import simulate_caching
-from memplan.traces.errors import MemplanError
 from memplan.traces.format import Trace
 from memplan.traces.snapshot import read_snapshot, snapshot_to_trace
 from memplan.traces.trace_model import trace_model_file

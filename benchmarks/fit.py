@@ -23,7 +23,7 @@ import torch
 
 from memplan.planner.jobs.fit import FitError, fit_model
 from memplan.planner.layers import MODES
-from memplan.traces.units import parse_size
+from memplan.units import parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,9 +12,9 @@ import os
 
 import numpy as np
 
+from memplan.errors import MemplanError
+from memplan.files import atomic_write, read_bytes
 from memplan.planner.problem import MAX_BYTES, Problem, ProblemError, build_problem
-from memplan.traces.errors import MemplanError
-from memplan.traces.files import atomic_write, read_bytes
 from memplan.traces.format import columns_digest
 
 REQUIRED = ("id", "lower", "upper", "size")

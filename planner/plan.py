@@ -9,10 +9,10 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
+from memplan.errors import PlanError
+from memplan.files import atomic_write, read_bytes
 from memplan.planner.problem import Problem, problem_from_trace
 from memplan.planner.verify import verify_plan
-from memplan.traces.errors import PlanError
-from memplan.traces.files import atomic_write, read_bytes
 from memplan.traces.format import Trace
 
 FORMAT = "memplan-plan/1"

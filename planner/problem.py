@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from memplan.errors import MemplanError
 from memplan.planner.safety import conflicts_with, release_matrix
-from memplan.traces.errors import MemplanError
 from memplan.traces.format import Trace, trace_digest
 
 MAX_BYTES = 2**62  # sizes, offsets and times stay below this, so their sums never overflow int64

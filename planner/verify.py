@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from memplan.errors import PlanError
 from memplan.planner.problem import MAX_BYTES, OUTSIDE, Problem
-from memplan.traces.errors import PlanError
 
 
 def _name(p: Problem, i: int) -> str:

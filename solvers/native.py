@@ -1,6 +1,6 @@
 """Builds (once, with the system C++ compiler) and loads the native placement kernels in csrc/place.cpp.
 
-The shared library is cached in traces.cxx.cache_dir() (default ~/.cache/memplan), keyed by the hash of
+The shared library is cached in memplan.cxx.cache_dir() (default ~/.cache/memplan), keyed by the hash of
 place.cpp and place.h, so the first solve compiles it (about a second) and later ones load it directly.
 The structures below mirror csrc/place.h field by field; callers keep the arrays they point to alive.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from memplan.traces.cxx import cxx_shared_library
+from memplan.cxx import cxx_shared_library
 
 SOURCE = Path(__file__).with_name("csrc") / "place.cpp"
 HEADER = SOURCE.with_name("place.h")

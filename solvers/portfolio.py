@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from memplan.errors import MemplanError
 from memplan.planner.plan import Plan
 from memplan.planner.problem import OUTSIDE, Problem
 from memplan.planner.verify import verify_plan
@@ -31,7 +32,6 @@ from memplan.solvers.cpsat import MAX_TERMS, cpsat_place, model_terms
 from memplan.solvers.greedy import greedy, squeaky_wheel
 from memplan.solvers.search import FITS, HEURISTICS, INFEASIBLE, applicable, search_fit
 from memplan.solvers.window_bound import window_bound
-from memplan.traces.errors import MemplanError
 
 METHODS = ("auto", "greedy", "cpsat")
 SEARCH_MAX_BUFFERS = 5000  # the exact search is hopeless beyond this (MiniMalloc-style DFS)

@@ -13,10 +13,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
+from memplan.errors import MemplanError
 from memplan.planner.layers import patch
 from memplan.planner.layers.gelu import TABLES, InplaceGELU, InplaceGELUFunction, recover_input
 from memplan.planner.layers.memory import saved_bytes
-from memplan.traces.errors import MemplanError
 
 FORMS = ["none", "tanh"]
 

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("traces", "planner", "solvers")
 # The flow, earliest first: a module may import its own stage and earlier ones, never a later one.
 STAGES = (
+    ("memplan.errors", "memplan.units", "memplan.files", "memplan.cxx"),  # shared by every stage
     ("memplan.traces",),
     ("memplan.planner.problem", "memplan.planner.safety", "memplan.planner.verify", "memplan.planner.plan",
      "memplan.planner.minimalloc_csv"),
@@ -34,7 +35,8 @@ INNER_ALLOWED = {"memplan.cli": "each command imports what it runs: `memplan --h
 
 def module_files() -> dict[str, Path]:
     """memplan module name -> file, for every module the wheel ships."""
-    files = {"memplan": ROOT / "__init__.py", "memplan.cli": ROOT / "cli.py", "memplan.api": ROOT / "api.py"}
+    files = {"memplan": ROOT / "__init__.py"}
+    files |= {f"memplan.{path.stem}": path for path in sorted(ROOT.glob("*.py")) if path.name != "__init__.py"}
     for folder in FOLDERS:
         for path in sorted((ROOT / folder).rglob("*.py")):
             parts = path.relative_to(ROOT).with_suffix("").parts

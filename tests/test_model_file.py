@@ -10,8 +10,8 @@ import torch
 from click.testing import CliRunner
 
 from memplan.cli import main
+from memplan.errors import MemplanError, ModelFileError
 from memplan.planner.layers import LayerMode
-from memplan.traces.errors import MemplanError, ModelFileError
 from memplan.traces.format import load
 from memplan.traces.model_file import DeviceError, load_workload
 

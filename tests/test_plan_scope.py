@@ -10,13 +10,13 @@ from click.testing import CliRunner
 from step_traces import step_trace
 
 from memplan.cli import main
+from memplan.errors import PlanError
 from memplan.planner.plan import load_plan, save_plan
 from memplan.planner.problem import ProblemError, problem_from_trace
 from memplan.planner.simulate.plan_footprint import simulate_plan
 from memplan.planner.verify import verify_plan
 from memplan.solvers import solve
 from memplan.traces import save
-from memplan.traces.errors import PlanError
 
 
 @pytest.fixture

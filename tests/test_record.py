@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 import memplan
+from memplan.errors import MemplanError
 from memplan.planner.workloads import gpt2
 from memplan.traces.capture import capture_step
-from memplan.traces.errors import MemplanError
 
 COLUMNS = ("size", "alloc", "free", "category", "phase")
 

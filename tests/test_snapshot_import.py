@@ -9,10 +9,10 @@ import pytest
 from click.testing import CliRunner
 
 from memplan.cli import main
-from memplan.traces.errors import SnapshotError
+from memplan.errors import SnapshotError
 from memplan.traces.format import load
 from memplan.traces.snapshot import import_snapshot, load_plain_pickle, parse_snapshot, snapshot_to_trace
-from memplan.traces.units import MiB
+from memplan.units import MiB
 
 SNAPSHOTS = ("gpt_ctx128_fullstep", "gpt2_medium_ctx128_training", "gpt2_medium_ctx512_training")
 

@@ -10,8 +10,8 @@ import subprocess
 import numpy as np
 import pytest
 
+from memplan.cxx import compiler, digest
 from memplan.solvers import native
-from memplan.traces.cxx import compiler, digest
 
 STRUCTS = (native.GreedyProblem, native.SearchProblem)
 

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
+from memplan.errors import TraceError
 from memplan.traces import load, make_trace, save
-from memplan.traces.errors import TraceError
 from memplan.traces.format import to_dict
 
 

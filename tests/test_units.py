@@ -1,4 +1,4 @@
-"""traces/units.py: the unit chosen for a byte count and the text every report prints for it."""
+"""units.py: the unit chosen for a byte count and the text every report prints for it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from memplan.traces.format import live_bytes, make_trace
-from memplan.traces.units import GiB, KiB, MiB, SizeError, byte_unit, human_bytes, parse_size
+from memplan.units import GiB, KiB, MiB, SizeError, byte_unit, human_bytes, parse_size
 
 
 def test_unit_follows_magnitude_down_to_the_smallest_asked():

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from memplan.errors import PlanError
 from memplan.planner.plan import Plan, load_plan, save_plan
 from memplan.planner.problem import build_problem
 from memplan.planner.verify import verify_plan
-from memplan.traces.errors import PlanError
 
 
 def problem(**kw):

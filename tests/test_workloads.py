@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
+from memplan.errors import MemplanError
 from memplan.planner.layers.memory import LayerShape, saved_bytes
 from memplan.planner.workloads import bert, gpt2
-from memplan.traces.errors import MemplanError
 
 MODELS = [bert, gpt2]
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memplan.traces.errors import MemplanError
+from memplan.errors import MemplanError
 from memplan.traces.fake import DATA_RULE, FakeCapture
 from memplan.traces.format import PHASES, Trace, make_trace, save
 from memplan.traces.recorder import Events, Recorder, recording

@@ -12,7 +12,7 @@ import torch._functorch.config as functorch_config
 from torch import nn
 from torch._dynamo.utils import counters
 
-from memplan.traces.errors import MemplanError
+from memplan.errors import MemplanError
 
 # Inductor's generated code runs inside a RecordFunction named graph_N_inductor_wrapper_call, forward and
 # backward alike: the step recorder labels the allocations in it outside any aten op (its buffers) `inductor`.

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from memplan.traces.errors import MemplanError
-from memplan.traces.files import atomic_write
+from memplan.errors import MemplanError
+from memplan.files import atomic_write
 from memplan.traces.format import save
 from memplan.traces.model_file import AS_BUILT, ModelPatch
 from memplan.traces.summary import render, summarize

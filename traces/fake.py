@@ -45,7 +45,7 @@ from torch._subclasses.fake_tensor import (
 from torch.optim import optimizer
 from torch.utils._pytree import tree_leaves
 
-from memplan.traces.errors import MemplanError
+from memplan.errors import MemplanError
 from memplan.traces.recorder import Recorder
 
 aten = torch.ops.aten

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from memplan.traces.errors import TraceError
-from memplan.traces.files import atomic_write, read_bytes
+from memplan.errors import TraceError
+from memplan.files import atomic_write, read_bytes
 
 FORMAT = "memplan-trace/1"
 CATEGORIES = ("parameter", "gradient", "optimizer", "activation", "input", "temporary", "unknown")

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from memplan.traces.errors import MemplanError, ModelFileError
+from memplan.errors import MemplanError, ModelFileError
 from memplan.traces.fake import module_to
 from memplan.traces.workload import Workload, default_loss
 

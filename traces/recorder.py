@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from memplan.traces.cxx import torch_extension
+from memplan.cxx import torch_extension
 from memplan.traces.format import PHASES
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "recorder.cpp"

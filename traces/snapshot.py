@@ -15,9 +15,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from memplan.traces.errors import SnapshotError
+from memplan.errors import SnapshotError
 from memplan.traces.format import Trace, make_trace
-from memplan.traces.units import MiB, human_bytes
+from memplan.units import MiB, human_bytes
 
 PLAIN_TYPES = (dict, list, tuple, str, int, float, bool, type(None))
 KEYS = ("segments", "device_traces")

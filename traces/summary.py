@@ -8,7 +8,7 @@ import numpy as np
 
 from memplan.traces.format import CATEGORIES, Trace
 from memplan.traces.model_file import AS_BUILT
-from memplan.traces.units import human_bytes
+from memplan.units import human_bytes
 
 
 def _buffer(trace: Trace, i: int) -> dict[str, Any]:

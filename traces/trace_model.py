@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
+from memplan.errors import MemplanError
 from memplan.traces.capture import capture_step
 from memplan.traces.compile import Compile, compile_model, require_real_tensors
-from memplan.traces.errors import MemplanError
 from memplan.traces.format import Trace
 from memplan.traces.model_file import AS_BUILT, ModelPatch, build_workload, import_model_file, require_device
-from memplan.traces.units import human_bytes
+from memplan.units import human_bytes
 
 
 def trace_model_file(

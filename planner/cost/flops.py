@@ -40,9 +40,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+from memplan.errors import MemplanError
 from memplan.traces.capture import recording_session, run_user_code
 from memplan.traces.compile import Compile, compile_model
-from memplan.traces.errors import MemplanError
 from memplan.traces.fake import RANDOM_FILLS
 from memplan.traces.model_file import ModelPatch, build_workload, import_model_file, require_device
 from memplan.traces.workload import Workload

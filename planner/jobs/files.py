@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from memplan.files import atomic_write
 from memplan.planner.plan import Plan, load_plan
 from memplan.planner.report.compare import compare_summary, compare_text, compare_traces
 from memplan.planner.report.memory_report import build_report, report_summary, report_text, timeline_csv
 from memplan.planner.report.plots import check_request, plot_reports
 from memplan.planner.simulate.plan_footprint import match_plans
-from memplan.traces.files import atomic_write
 from memplan.traces.format import Trace, load, save
 from memplan.traces.snapshot import import_snapshot, import_summary, render_import_summary
 

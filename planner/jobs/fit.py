@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from memplan.errors import MemplanError
 from memplan.planner.layers import MODES, LayerMode
 from memplan.planner.problem import problem_from_trace
 from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.solvers import CapacityError, solve
 from memplan.traces.compile import Compile, CompileError, describe_compile, require_real_tensors
-from memplan.traces.errors import MemplanError
 from memplan.traces.summary import describe_patch, no_change_mark
 from memplan.traces.trace_model import (
     HOST_SHARE,
@@ -30,7 +30,7 @@ from memplan.traces.trace_model import (
     host_memory_available,
     trace_model_file,
 )
-from memplan.traces.units import GiB, human_bytes
+from memplan.units import GiB, human_bytes
 
 MEASURE_BATCHES = (1, 2, 4)
 MAX_BATCH = 4096  # the search stops here: larger batches take too long to trace

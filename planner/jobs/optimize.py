@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from memplan.errors import MemplanError
 from memplan.planner.cost import count_step_flops
 from memplan.planner.layers import LayerModes, transformer_layers
 from memplan.planner.optimize.choose import Assignment, Choice, Flops, choose_modes, recompute_of
@@ -24,11 +25,10 @@ from memplan.planner.optimize.terms import MemoryTerms, assignments_to_trace, me
 from memplan.planner.problem import problem_from_trace
 from memplan.solvers import solve
 from memplan.traces.capture import recording_session
-from memplan.traces.errors import MemplanError
 from memplan.traces.format import Trace
 from memplan.traces.model_file import AS_BUILT, build_workload, import_model_file
 from memplan.traces.trace_model import CaptureChoice, sized_capture, trace_model_file
-from memplan.traces.units import human_bytes
+from memplan.units import human_bytes
 
 OPTIMIZE_MODES = (AS_BUILT, "tempo", "selective", "tempo+selective", "full")  # a layer's choices
 MAX_BATCH = 4096  # --max-batch stops doubling here

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from memplan.errors import MemplanError
+from memplan.files import atomic_write
 from memplan.planner.jobs.solve_file import solve_file
 from memplan.planner.layers import MODES, LayerMode
 from memplan.planner.replay.model_replay import replay_model_file
@@ -24,13 +26,11 @@ from memplan.planner.replay.report import ReplayReport
 from memplan.planner.report.memory_report import MemoryReport, build_report
 from memplan.planner.report.plots import plot_reports
 from memplan.traces.compile import Compile, CompileError, describe_compile, require_real_tensors
-from memplan.traces.errors import MemplanError
-from memplan.traces.files import atomic_write
 from memplan.traces.format import Trace, save
 from memplan.traces.model_file import AS_BUILT
 from memplan.traces.summary import describe_patch, no_change_mark
 from memplan.traces.trace_model import CaptureChoice, choose_capture, trace_model_file
-from memplan.traces.units import human_bytes
+from memplan.units import human_bytes
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "workloads" / "bert_large_slice.py"  # ships in the wheel
 

@@ -26,7 +26,7 @@ from memplan.traces.compile import Compile
 from memplan.traces.model_file import AS_BUILT, import_model_file
 from memplan.traces.summary import no_change_mark
 from memplan.traces.trace_model import CaptureChoice, sized_capture, trace_model_file
-from memplan.traces.units import human_bytes
+from memplan.units import human_bytes
 
 DEFAULT_BUDGETS = (1.0, 0.5, 0.2, 0.0)
 

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from memplan.errors import MemplanError
 from memplan.planner.layers import inverse
-from memplan.traces.errors import MemplanError
 
 FORMS = ("none", "tanh")
 HF_GELU_FORMS = {"GELUActivation": "none", "NewGELUActivation": "tanh", "GELUTanh": "tanh"}  # HF class -> form

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 from torch import nn
 
+from memplan.errors import MemplanError
 from memplan.planner.layers.attention import CORES
-from memplan.traces.errors import MemplanError
 
 REGISTRY_NAME = "ALL_ATTENTION_FUNCTIONS"  # the name HuggingFace's modeling files call attention through
 FUSED = "sdpa"  # the implementation whose kernels keep no s x s tensor (flash, memory-efficient)

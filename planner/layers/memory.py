@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from memplan.traces.errors import MemplanError
+from memplan.errors import MemplanError
 
 
 class MeasureError(MemplanError):

@@ -23,6 +23,7 @@ from itertools import groupby
 
 from torch import nn
 
+from memplan.errors import MemplanError
 from memplan.planner.layers import checkpoint, hf_attention
 from memplan.planner.layers.attention import PatchedAttentionCore
 from memplan.planner.layers.gated_mlp import GatedMLP
@@ -32,7 +33,6 @@ from memplan.planner.layers.reversible import ReversibleBlock
 from memplan.planner.layers.rmsnorm import InplaceRMSNorm
 from memplan.planner.layers.silu import InplaceSiLU
 from memplan.planner.workloads.blocks import AttentionCore, Dropout
-from memplan.traces.errors import MemplanError
 from memplan.traces.model_file import AS_BUILT
 
 MODES = (AS_BUILT, "baseline", "tempo", "selective", "tempo+selective", "full", "tempo+full")

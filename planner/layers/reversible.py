@@ -24,8 +24,8 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from memplan.errors import MemplanError
 from memplan.planner.layers.attention import autocast_state, rng_state, set_rng_state
-from memplan.traces.errors import MemplanError
 
 
 class ReversibleError(MemplanError):

@@ -13,8 +13,8 @@ import math
 import torch
 from torch import nn
 
+from memplan.errors import MemplanError
 from memplan.planner.layers.layernorm import exact_part, normalized_backward, row_chunks
-from memplan.traces.errors import MemplanError
 
 FORWARD_TEMPORARIES = 4  # fp32 (rows × n) buffers a forward chunk may hold at once (torch's CPU rms_norm: 3.5)
 

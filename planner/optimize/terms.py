@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from memplan.errors import MemplanError
 from memplan.planner.problem import align_up
-from memplan.traces.errors import MemplanError
 from memplan.traces.format import Trace, live_bytes
 from memplan.traces.step_marks import ROOT_MODULE
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from memplan.traces.errors import MemplanError
+from memplan.errors import MemplanError
 
 
 class ParallelError(MemplanError):

@@ -1,6 +1,6 @@
 """Build the C++ plan allocator: the CPU torch extension, the plain C library and the CUDA plugin.
 
-Builds are cached in traces.cxx.cache_dir() (~/.cache/memplan) keyed by the sources' hash, so only
+Builds are cached in memplan.cxx.cache_dir() (~/.cache/memplan) keyed by the sources' hash, so only
 the first call compiles. `python -m memplan.planner.replay.build` builds everything, the step
 recorder and the solver kernels too (scripts/setup.sh runs it).
 """
@@ -12,8 +12,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from memplan.cxx import BuildError, cache_dir, compiler, cxx_shared_library, digest, link_shared, torch_extension
 from memplan.solvers.native import library_path
-from memplan.traces.cxx import BuildError, cache_dir, compiler, cxx_shared_library, digest, link_shared, torch_extension
 from memplan.traces.recorder import extension as recorder_extension
 
 CSRC = Path(__file__).resolve().parent / "csrc"

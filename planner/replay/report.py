@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from memplan.traces.units import human_bytes
+from memplan.units import human_bytes
 
 
 @dataclass

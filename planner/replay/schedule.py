@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memplan.errors import MemplanError
 from memplan.planner.plan import Plan
-from memplan.traces.errors import MemplanError
 from memplan.traces.format import Trace, trace_digest
 
 CPU_ALIGNMENT = 64  # PyTorch's CPU allocator aligns every block to 64 bytes; kernels may rely on it

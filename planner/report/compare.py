@@ -16,7 +16,7 @@ from memplan.planner.simulate.plan_footprint import match_plans
 from memplan.solvers.portfolio import solve
 from memplan.traces.format import CATEGORIES, Trace
 from memplan.traces.summary import bytes_by_category
-from memplan.traces.units import human_bytes
+from memplan.units import human_bytes
 
 
 @dataclass

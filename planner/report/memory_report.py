@@ -21,7 +21,7 @@ from memplan.planner.simulate.caching_allocator import OutOfMemory, SimResult, s
 from memplan.planner.simulate.plan_footprint import PlanMemory, simulate_plan
 from memplan.traces.format import PHASES, Trace
 from memplan.traces.summary import no_change_mark
-from memplan.traces.units import human_bytes
+from memplan.units import human_bytes
 
 
 @dataclass

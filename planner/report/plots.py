@@ -21,11 +21,11 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
+from memplan.errors import MemplanError
+from memplan.files import atomic_write
 from memplan.planner.report.memory_report import MemoryReport, phase_at_times, trace_title
-from memplan.traces.errors import MemplanError
-from memplan.traces.files import atomic_write
 from memplan.traces.format import CATEGORIES, PHASES, Trace, live_bytes
-from memplan.traces.units import byte_unit, human_bytes
+from memplan.units import byte_unit, human_bytes
 
 MAX_POINTS = 20_000
 EVENTS_FORMAT = FuncFormatter(lambda v, _: f"{v:,.0f}")

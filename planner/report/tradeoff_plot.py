@@ -15,7 +15,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from memplan.planner.report.plots import figure_format, write_figure
-from memplan.traces.units import byte_unit
+from memplan.units import byte_unit
 
 POINT_COLOR, COMPILE_COLOR, VARIANT_COLOR, FRONTIER_COLOR = "#4c72b0", "#dd8452", "#55a868", "#d62728"
 FLOPS_AXIS, TIME_AXIS = "extra FLOPs (% of the model as built)", "step time (x the model as built, CPU median)"

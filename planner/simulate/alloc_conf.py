@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from memplan.traces.errors import MemplanError
-from memplan.traces.units import MiB
+from memplan.errors import MemplanError
+from memplan.units import MiB
 
 LARGE_BUFFER = 20 * MiB
 N_INTERVALS = 16  # roundup_power2_divisions intervals: [1 MiB, 2 MiB), ..., [32 GiB, inf)

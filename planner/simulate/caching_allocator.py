@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from memplan.errors import MemplanError
 from memplan.planner.simulate.alloc_conf import LARGE_BUFFER, AllocConf
-from memplan.traces.errors import MemplanError
 from memplan.traces.format import Trace
 
 MIN_BLOCK = 512

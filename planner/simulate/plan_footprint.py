@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from memplan.errors import MemplanError, PlanError
 from memplan.planner.plan import Plan, plan_problem
 from memplan.planner.problem import align_up
 from memplan.planner.verify import verify_plan
-from memplan.traces.errors import MemplanError, PlanError
 from memplan.traces.format import Trace, live_bytes, trace_digest
 
 

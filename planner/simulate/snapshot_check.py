@@ -12,9 +12,9 @@ from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 
+from memplan.errors import MemplanError
 from memplan.planner.simulate.alloc_conf import AllocConf, conf_from_snapshot_settings
 from memplan.planner.simulate.caching_allocator import MIN_BLOCK, SMALL_BUFFER, SMALL_SIZE, CachingAllocator, round_size
-from memplan.traces.errors import MemplanError
 from memplan.traces.snapshot import FREE_ACTIONS, Snapshot, is_live_block
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from memplan.traces.errors import MemplanError
+from memplan.errors import MemplanError
 from memplan.traces.fake import module_to
 from memplan.traces.workload import Workload
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from memplan.traces.errors import MemplanError
+from memplan.errors import MemplanError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZE_UNITS = {

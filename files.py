@@ -8,7 +8,7 @@ import tempfile
 import zlib
 from pathlib import Path
 
-from memplan.traces.errors import MemplanError
+from memplan.errors import MemplanError
 
 
 class OutputError(MemplanError):

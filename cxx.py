@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from memplan.traces.errors import MemplanError
+from memplan.errors import MemplanError
 
 
 class BuildError(MemplanError):
