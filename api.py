@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 
 from memplan import __all__ as PUBLIC_API
 from memplan.errors import MemplanError
+from memplan.modes import AS_BUILT
 from memplan.planner.jobs.fit import FitResult, fit_model
 from memplan.planner.jobs.optimize import OptimizeOptions, OptimizeResult
 from memplan.planner.jobs.optimize import optimize as optimize_job
@@ -55,7 +56,7 @@ def save_trace(trace: Trace, path: PathLike) -> None:
 def trace_model_file(
     path: PathLike,
     *,
-    layers: str | Mapping[str, str] = "baseline",
+    layers: str | Mapping[str, str] = AS_BUILT,
     batch: int = 2,
     seq: int = 128,
     dtype: str = "float32",

@@ -9,6 +9,7 @@ import sys
 import click
 
 from memplan.errors import MemplanError
+from memplan.modes import AS_BUILT, modes_help
 from memplan.planner.simulate.alloc_conf import TIE_BREAKS
 from memplan.units import SizeError, parse_size
 
@@ -54,16 +55,7 @@ class Size(click.ParamType):
 
 
 SIZE = Size()
-LAYERS_HELP = (
-    "Layer mode (planner.layers.MODES). as-built: the model as its file builds it, nothing patched. "
-    "baseline: Megatron's reference accounting: nn.Dropout keeps a 1-byte mask (the CPU's keeps a noise "
-    "tensor), and HuggingFace attention that keeps an s x s tensor is written out by memplan's reference "
-    "core (same arithmetic); SDPA's fused attention stays. tempo: baseline plus Tempo's in-place GELU, "
-    "LayerNorm, RMSNorm and SiLU, gated MLPs that rebuild their product in backward, and attention-dropout "
-    "recomputation. selective: baseline plus the attention core recomputed in backward. tempo+selective. "
-    "full: baseline plus every Transformer layer checkpointed. tempo+full. The trace says what was swapped "
-    "and what was left as built."
-)
+LAYERS_HELP = f"Layer mode (memplan.modes). {modes_help()} The trace says what was swapped and what was left as built."
 
 
 def compile_options(command):
@@ -122,7 +114,7 @@ def main() -> None:
     "--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build()."
 )
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
-@click.option("--layers", default="as-built", show_default=True, help=LAYERS_HELP)
+@click.option("--layers", default=AS_BUILT, show_default=True, help=LAYERS_HELP)
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
 @click.option(
     "--fake",
@@ -343,7 +335,7 @@ def compare_command(trace_files, plan_files, method, time_limit, alloc_conf, tie
     "--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build()."
 )
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
-@click.option("--layers", default="as-built", show_default=True, help=LAYERS_HELP)
+@click.option("--layers", default=AS_BUILT, show_default=True, help=LAYERS_HELP)
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq, dtype, layers, compile, as_json):
@@ -533,8 +525,8 @@ def fit_command(model_file, memory, modes, seq, dtype, alloc_conf, tie_break, ti
     \b
     Example: MEMPLAN_PRESET=tiny memplan fit examples/bert.py --memory 64MiB --seq 64 --layers baseline --layers tempo
     """
+    from memplan.modes import MODES
     from memplan.planner.jobs.fit import fit_model
-    from memplan.planner.layers import MODES
 
     result = fit_model(
         model_file,

@@ -19,3 +19,11 @@ class PlanError(MemplanError):
 
 class ModelFileError(MemplanError):
     """A model file for `memplan trace` breaks the model-file protocol."""
+
+
+class PatchError(MemplanError):
+    """A layer mode that does not exist, or a model that cannot be patched with the mode asked for."""
+
+
+class CompileError(MemplanError):
+    """A step cannot be compiled as asked (budget outside [0, 1], fake tensors, ...)."""

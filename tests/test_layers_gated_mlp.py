@@ -15,7 +15,7 @@ from memplan.planner.layers.gated_mlp import HF_GATED_MLP_NAMES, GatedMLP, Gated
 from memplan.planner.layers.gelu import GELU
 from memplan.planner.layers.memory import saved_bytes
 from memplan.planner.layers.silu import SILU
-from memplan.planner.workloads.llama import LlamaConfig, SwiGLU
+from memplan.planner.workloads.llama import SwiGLU
 
 transformers = pytest.importorskip("transformers")
 HIDDEN, FFN = 64, 176
@@ -48,7 +48,7 @@ def t5(projection="gated-gelu", dropout=0.1):
 
 
 def swiglu():
-    return SwiGLU(LlamaConfig(hidden=HIDDEN, ffn_hidden=FFN))
+    return SwiGLU(HIDDEN, FFN)
 
 
 MODULES = {

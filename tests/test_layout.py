@@ -1,7 +1,7 @@
 """The package's shape: one `memplan` namespace, every package listed for the wheel, imports that run one
-way along the flow (traces -> problem/plan/verify -> solvers/optimize -> simulate/replay/cost/report -> jobs
--> cli), no import cycle, and memplan's own imports inside functions only where the module is heavy (cli) or
-CUDA-only."""
+way along the flow (modes/step -> layers -> traces -> problem/plan/verify -> solvers/optimize ->
+simulate/replay/cost/report -> jobs -> cli), no import cycle, memplan's own imports inside functions only where
+the module is heavy (cli) or CUDA-only, and no mode name spelled outside the registry (memplan/modes.py)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ FOLDERS = ("traces", "planner", "solvers")
 # The flow, earliest first: a module may import its own stage and earlier ones, never a later one.
 STAGES = (
     ("memplan.errors", "memplan.units", "memplan.files", "memplan.cxx"),  # shared by every stage
-    ("memplan.traces",),
+    ("memplan.modes", "memplan.step"),  # what a mode is made of; the one description of a step
+    ("memplan.planner.layers",),  # the layers the modes swap in, and the patcher that applies a mode
+    ("memplan.traces",),  # a step of a model file, patched with its mode, recorded
     ("memplan.planner.problem", "memplan.planner.safety", "memplan.planner.verify", "memplan.planner.plan",
      "memplan.planner.minimalloc_csv"),
-    ("memplan.planner.layers", "memplan.planner.workloads", "memplan.planner.parallel"),  # models memplan measures
+    ("memplan.planner.workloads", "memplan.planner.parallel"),  # the models memplan bundles
     ("memplan.solvers", "memplan.planner.optimize"),  # placements; the per-layer choice
     ("memplan.planner.simulate", "memplan.planner.replay", "memplan.planner.cost"),  # what a step costs
     ("memplan.planner.report",),
@@ -125,3 +127,18 @@ def test_the_public_api_is_listed_and_documented():
         value = getattr(memplan, name)
         if callable(value) and not isinstance(value, type):
             assert value.__doc__ and value.__doc__.strip(), f"memplan.{name} has no docstring"
+
+
+def test_no_module_outside_the_registry_spells_a_mode_name():
+    """A mode is named by memplan.modes' constants everywhere else, so the registry is its one definition."""
+    from memplan.modes import MODES, PARTS, PER_LAYER
+
+    names = {*MODES, *PARTS, PER_LAYER}
+    spelled = [
+        f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}"
+        for name, path in module_files().items()
+        if name != "memplan.modes"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+    ]
+    assert not spelled, "mode names spelled outside memplan/modes.py:\n" + "\n".join(spelled)

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from memplan.errors import MemplanError
+from memplan.modes import AS_BUILT
 from memplan.traces.fake import DATA_RULE, FakeCapture
 from memplan.traces.format import PHASES, Trace, make_trace, save
 from memplan.traces.recorder import Events, Recorder, recording
@@ -297,7 +298,7 @@ def _trace(buffers: list[_Buffer], device: torch.device, fake: FakeCapture | Non
     """The Trace of assembled buffers, with the meta every capture records."""
     info = {
         "source": "memplan trace",
-        "layers": "baseline",
+        "layers": AS_BUILT,
         "device": device.type,
         "torch": torch.__version__,
         "fake": fake is not None,

@@ -12,15 +12,11 @@ import torch._functorch.config as functorch_config
 from torch import nn
 from torch._dynamo.utils import counters
 
-from memplan.errors import MemplanError
+from memplan.errors import CompileError
 
 # Inductor's generated code runs inside a RecordFunction named graph_N_inductor_wrapper_call, forward and
 # backward alike: the step recorder labels the allocations in it outside any aten op (its buffers) `inductor`.
 INDUCTOR_OPTIONS = {"profiler_mark_wrapper_call": True}
-
-
-class CompileError(MemplanError):
-    """A step cannot be compiled as asked (budget outside [0, 1], fake tensors, ...)."""
 
 
 @dataclass(frozen=True)

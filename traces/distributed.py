@@ -31,8 +31,9 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from memplan.errors import MemplanError
 from memplan.files import atomic_write
+from memplan.modes import AS_BUILT
 from memplan.traces.format import save
-from memplan.traces.model_file import AS_BUILT, ModelPatch
+from memplan.traces.model_file import ModelPatch
 from memplan.traces.summary import render, summarize
 from memplan.traces.trace_model import trace_model_file
 

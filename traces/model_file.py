@@ -50,9 +50,6 @@ class ModelPatch(Protocol):
     def __call__(self, model: nn.Module) -> dict: ...
 
 
-AS_BUILT = "as-built"  # meta "layers" of a model traced with no ModelPatch
-
-
 class DeviceError(MemplanError):
     """The requested device cannot be used on this machine."""
 

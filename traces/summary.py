@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 
+from memplan.modes import AS_BUILT
 from memplan.traces.format import CATEGORIES, Trace
-from memplan.traces.model_file import AS_BUILT
 from memplan.units import human_bytes
 
 

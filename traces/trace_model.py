@@ -9,10 +9,11 @@ from dataclasses import dataclass
 import torch
 
 from memplan.errors import MemplanError
+from memplan.modes import AS_BUILT
 from memplan.traces.capture import capture_step
 from memplan.traces.compile import Compile, compile_model, require_real_tensors
 from memplan.traces.format import Trace
-from memplan.traces.model_file import AS_BUILT, ModelPatch, build_workload, import_model_file, require_device
+from memplan.traces.model_file import ModelPatch, build_workload, import_model_file, require_device
 from memplan.units import human_bytes
 
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from memplan.errors import MemplanError
-from memplan.planner.layers import MODES, LayerMode
+from memplan.modes import MODES
+from memplan.planner.layers import LayerMode
 from memplan.planner.problem import problem_from_trace
 from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.caching_allocator import simulate_caching

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from memplan.errors import MemplanError
+from memplan.modes import AS_BUILT, FULL, OPTIMIZE_MODES
 from memplan.planner.cost import count_step_flops
 from memplan.planner.layers import LayerModes, transformer_layers
 from memplan.planner.optimize.choose import Assignment, Choice, Flops, choose_modes, recompute_of
@@ -26,11 +27,12 @@ from memplan.planner.problem import problem_from_trace
 from memplan.solvers import solve
 from memplan.traces.capture import recording_session
 from memplan.traces.format import Trace
-from memplan.traces.model_file import AS_BUILT, build_workload, import_model_file
+from memplan.traces.model_file import build_workload, import_model_file
 from memplan.traces.trace_model import CaptureChoice, sized_capture, trace_model_file
 from memplan.units import human_bytes
 
-OPTIMIZE_MODES = (AS_BUILT, "tempo", "selective", "tempo+selective", "full")  # a layer's choices
+MEGATRON_RECIPE = FULL  # the mode Megatron's recipe checkpoints its first layers with
+
 MAX_BATCH = 4096  # --max-batch stops doubling here
 VERIFY_ROUNDS = 5  # assignments traced before the job gives up on a batch
 
@@ -182,7 +184,7 @@ def megatron_assignment(measured: Measured, memory: int) -> Assignment | None:
     """Megatron's recipe: the first k layers checkpointed whole, the rest as built, least k the model fits."""
     count = len(measured.terms.layers)
     for k in range(count + 1):
-        assignment = tuple("full" if j < k else "as-built" for j in range(count))
+        assignment = tuple(MEGATRON_RECIPE if j < k else AS_BUILT for j in range(count))
         if measured.terms.peak(assignment) <= memory:
             return assignment
     return None
@@ -284,7 +286,7 @@ def answer(
     recipe = megatron_assignment(measured, opts.memory)
     megatron = None
     if recipe is not None:
-        name = f"Megatron: first {recipe.count('full')} full"
+        name = f"Megatron: first {recipe.count(MEGATRON_RECIPE)} {MEGATRON_RECIPE}"
         megatron = trace_candidate(opts, layers, measured, candidate(name, recipe, measured), capture.fake, progress)
     return OptimizeResult(
         opts,

@@ -19,15 +19,15 @@ from pathlib import Path
 
 from memplan.errors import MemplanError
 from memplan.files import atomic_write
+from memplan.modes import AS_BUILT, MODES, REPLAYED_MODE
 from memplan.planner.jobs.solve_file import solve_file
-from memplan.planner.layers import MODES, LayerMode
+from memplan.planner.layers import LayerMode
 from memplan.planner.replay.model_replay import replay_model_file
 from memplan.planner.replay.report import ReplayReport
 from memplan.planner.report.memory_report import MemoryReport, build_report
 from memplan.planner.report.plots import plot_reports
 from memplan.traces.compile import Compile, CompileError, describe_compile, require_real_tensors
 from memplan.traces.format import Trace, save
-from memplan.traces.model_file import AS_BUILT
 from memplan.traces.summary import describe_patch, no_change_mark
 from memplan.traces.trace_model import CaptureChoice, choose_capture, trace_model_file
 from memplan.units import human_bytes
@@ -46,7 +46,7 @@ class RunOptions:
     dtype: str = "float32"
     modes: tuple[str, ...] = MODES
     time_limit: float = 10.0
-    replay_mode: str = "tempo"
+    replay_mode: str = REPLAYED_MODE
     replay_steps: int = 2
     capture: str = "auto"  # real or fake traces: auto, real, fake
     compile: float | None = None  # the activation memory budget of a step compiled by torch.compile; None: eager

@@ -16,14 +16,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from memplan.modes import AS_BUILT, MODES
 from memplan.planner.cost import count_step_flops, time_step
-from memplan.planner.layers import MODES, LayerMode
+from memplan.planner.layers import LayerMode
 from memplan.planner.report.compare import solve_plan
 from memplan.planner.report.memory_report import build_report
 from memplan.planner.report.plots import figure_format
 from memplan.planner.report.tradeoff_plot import plot_tradeoff
 from memplan.traces.compile import Compile
-from memplan.traces.model_file import AS_BUILT, import_model_file
+from memplan.traces.model_file import import_model_file
 from memplan.traces.summary import no_change_mark
 from memplan.traces.trace_model import CaptureChoice, sized_capture, trace_model_file
 from memplan.units import human_bytes

@@ -2,13 +2,12 @@
 their product, dropout and selective recomputation, whole-layer checkpointing) and the patcher that swaps
 them into a model, for the whole model or per Transformer layer, and reports what it changed."""
 
+from memplan.errors import PatchError
+from memplan.modes import MODES, PER_LAYER_MODES
 from memplan.planner.layers.patch import (
-    MODES,
-    PER_LAYER_MODES,
     LayerMode,
     LayerModes,
     LayerModesReport,
-    PatchError,
     PatchReport,
     Swap,
     patch,

@@ -2,7 +2,7 @@
 selective recomputation.
 
 Both compute softmax(q·kᵀ·scale + bias), dropout (1-byte mask), times v, exactly like
-`planner.workloads.blocks.AttentionCore`; q, k, v are (batch, heads, seq, head_dim).
+`planner.layers.baseline.AttentionCore`; q, k, v are (batch, heads, seq, head_dim).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import math
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from memplan.modes import BASELINE, SELECTIVE, TEMPO
 
 
 def attention_scores(q, k, scale: float, bias):
@@ -127,7 +129,7 @@ def selective_attention(q, k, v, bias, scale: float, dropout_p: float, training:
     return RecomputedAttentionFunction.apply(q, k, v, bias, scale, dropout_p, training)
 
 
-CORES = {"baseline": baseline_attention, "tempo": tempo_attention, "selective": selective_attention}
+CORES = {BASELINE: baseline_attention, TEMPO: tempo_attention, SELECTIVE: selective_attention}  # by modes.Mode.core
 
 
 class PatchedAttentionCore(nn.Module):

@@ -18,9 +18,9 @@ from torch.nn import functional as F
 
 from memplan.planner.layers import inverse
 from memplan.planner.layers.attention import autocast_state
+from memplan.planner.layers.baseline import SwiGLU
 from memplan.planner.layers.gelu import GELU, HF_GELU_FORMS, InplaceGELU
 from memplan.planner.layers.silu import HF_SILU_NAMES, SILU, InplaceSiLU
-from memplan.planner.workloads.llama import SwiGLU
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from memplan.errors import MemplanError
+from memplan.modes import BASELINE, REGISTRY, TEMPO, Mode, mode
 
 
 class MeasureError(MemplanError):
@@ -37,7 +38,7 @@ def saved_bytes(model: nn.Module, forward: Callable[[], object]) -> int:
     return sum(storages.values())
 
 
-FORMULA_MODES = ("baseline", "tempo", "selective", "tempo+selective", "full", "tempo+full")  # as-built: no formula
+FORMULA_MODES = tuple(name for name, m in REGISTRY.items() if m.patches)  # as-built: no formula, nothing known of it
 
 
 @dataclass(frozen=True)
@@ -50,20 +51,20 @@ class LayerShape:
     a: int
     p: int
 
-    def formula(self, mode: str) -> int:
-        """Activation bytes one Transformer layer holds for backward under `mode` (Megatron's accounting)."""
+    def formula(self, name: str) -> int:
+        """Activation bytes one Transformer layer holds for backward under the mode `name` (Megatron's accounting,
+        REFERENCE §1), from the mode's parts: full keeps the layer's input; tempo keeps sbh(10p + 6) where the
+        baseline keeps sbh(16p + 2) outside the attention core; the core keeps as²b(2p + 1), tempo's as²b(p + 1)
+        (the dropped-out probabilities rebuilt), and nothing when selective recomputes it."""
+        chosen = mode(name)
         sbh, as2b, p = self.s * self.b * self.h, self.a * self.s * self.s * self.b, self.p
-        if mode == "baseline":
-            return sbh * (16 * p + 2) + as2b * (2 * p + 1)
-        if mode == "tempo":
-            return sbh * (10 * p + 6) + as2b * (p + 1)
-        if mode == "selective":
-            return sbh * (16 * p + 2)
-        if mode == "tempo+selective":
-            return sbh * (10 * p + 6)
-        if mode in ("full", "tempo+full"):
+        if not chosen.patches:
+            raise MeasureError(f"no formula for layers mode {name!r}: it is whatever the model file builds")
+        if chosen.checkpoints:
             return sbh * p  # the layer's input; everything else is recomputed in backward
-        raise MeasureError(f"no formula for layers mode {mode!r}")
+        outside_core = sbh * (10 * p + 6) if chosen.tempo else sbh * (16 * p + 2)
+        core = 0 if chosen.recomputes_attention else as2b * (p + 1) if chosen.tempo else as2b * (2 * p + 1)
+        return outside_core + core
 
 
 GENERATOR_STATE = {"cpu": 5056, "cuda": 16}  # bytes of the RNG state a checkpoint keeps (CPU MT19937; CUDA Philox)
@@ -84,7 +85,7 @@ def reversible_formula(shape: LayerShape, layers: int, device: str = "cpu", extr
     F takes (GPT-2's causal mask: s·s·p); rebuilding a block holds at most one baseline layer's activations
     (REFERENCE §1) on top."""
     held = 2 * shape.s * shape.b * shape.h * shape.p + 2 * layers * GENERATOR_STATE[device] + extra
-    return ReversibleBytes(held=held, rebuild=shape.formula("baseline"))
+    return ReversibleBytes(held=held, rebuild=shape.formula(BASELINE))
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,10 @@ class LlamaLayerShape:
     attention: str = "sdpa"  # "sdpa" (SDPA's kernels) or "eager" (HuggingFace's eager_attention_forward)
     dropout: bool = False  # attention dropout in training: on the CPU SDPA then takes its math path
 
-    def formula(self, mode: str) -> int:
-        """Activation bytes one layer holds for backward under `mode` (memplan's derivation, README "Formulas")."""
+    def formula(self, name: str) -> int:
+        """Activation bytes one layer holds for backward under the mode `name` (memplan's derivation, README
+        "Formulas"); as built, the layer is HuggingFace's."""
+        chosen = mode(name)
         s, b, h, p = self.s, self.b, self.h, self.p
         sbh, sbf = s * b * h, s * b * self.f
         # 1. Per RMSNorm: HuggingFace keeps the fp32 input (4 B), the normalised input and the output (p each)
@@ -115,17 +118,14 @@ class LlamaLayerShape:
         # 2. SwiGLU: gate, SiLU and up outputs and their product (4 x p, f wide); Tempo keeps the SiLU output
         #    over the gate's, the up output and a 1-byte branch mask, and rebuilds the product in backward.
         mlp, tempo_mlp = 4 * p * sbf, (2 * p + 1) * sbf
-        if mode in ("full", "tempo+full"):  # the layer's input and the generator state to replay its dropout
+        if chosen.checkpoints:  # the layer's input and the generator state to replay its dropout
             return p * sbh + GENERATOR_STATE[self.device]
-        attention = self.attention_bytes(mode)
-        if mode in ("as-built", "baseline", "selective"):
-            return norms + attention + mlp
-        if mode in ("tempo", "tempo+selective"):
-            return tempo_norms + attention + tempo_mlp
-        raise MeasureError(f"no formula for layers mode {mode!r}")
+        attention = self.attention_bytes(chosen)
+        return tempo_norms + attention + tempo_mlp if chosen.tempo else norms + attention + mlp
 
-    def attention_bytes(self, mode: str) -> int:
-        """What the attention of one layer keeps for backward under `mode` (not full, whose layer keeps its input)."""
+    def attention_bytes(self, chosen: Mode) -> int:
+        """What the attention of one layer keeps for backward under the mode `chosen` (not full, whose layer keeps
+        its input)."""
         s, b, h, p = self.s, self.b, self.h, self.p
         sbh, kv, square = s * b * h, s * b * h * self.k // self.a, self.b * self.a * s * s
         math_path = self.attention == "sdpa" and self.dropout and self.device == "cpu"
@@ -135,19 +135,17 @@ class LlamaLayerShape:
             return p * (2 * sbh + 2 * kv) + 4 * self.a * s * b
         # 2. Written out (eager, or SDPA's math path): q, k and v repeated to every head, and the output.
         inputs = 4 * p * sbh
-        if mode in ("selective", "tempo+selective"):  # the core recomputed: the generator state replays dropout
+        if chosen.recomputes_attention:  # the core recomputed: the generator state replays dropout
             return inputs + GENERATOR_STATE[self.device] * self.dropout
         # 3. memplan's reference core (baseline, tempo): the softmax output; with dropout a 1-byte mask and the
         #    dropped-out probabilities, which tempo rebuilds from the other two.
-        if mode == "baseline":
-            return inputs + ((2 * p + 1) * square if self.dropout else p * square)
-        if mode == "tempo":
+        if chosen.core == TEMPO:
             return inputs + ((p + 1) * square if self.dropout else p * square)
+        if chosen.core == BASELINE:
+            return inputs + ((2 * p + 1) * square if self.dropout else p * square)
         # 4. As built, HuggingFace's eager attention: the fp32 softmax output; with dropout (torch's dropout keeps
         #    an input-sized noise tensor on the CPU, a 1-byte mask on CUDA) the dropped-out probabilities, else
         #    their cast to p where p is not fp32. SDPA's math path computes all of it in fp32.
-        if mode != "as-built":
-            raise MeasureError(f"no formula for layers mode {mode!r}")
         if math_path:  # in fp32 whatever p: copies of q, k and v, the softmax output, noise, probabilities
             return (p + 3 * 4) * sbh + 3 * 4 * square
         dropped = ((p if self.device == "cpu" else 1) + p) * square

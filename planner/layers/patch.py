@@ -19,25 +19,31 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from itertools import groupby
 
 from torch import nn
 
-from memplan.errors import MemplanError
+from memplan.errors import PatchError
+from memplan.modes import (
+    AS_BUILT,
+    BASELINE,
+    PER_LAYER,
+    SELECTIVE,
+    Mode,
+    check_layer_modes,
+    describe_assignment,
+    mode,
+    spans,
+)
 from memplan.planner.layers import checkpoint, hf_attention
 from memplan.planner.layers.attention import PatchedAttentionCore
+from memplan.planner.layers.baseline import AttentionCore, Dropout
 from memplan.planner.layers.gated_mlp import GatedMLP
 from memplan.planner.layers.gelu import HF_GELU_FORMS, InplaceGELU
 from memplan.planner.layers.layernorm import InplaceLayerNorm
 from memplan.planner.layers.reversible import ReversibleBlock
 from memplan.planner.layers.rmsnorm import InplaceRMSNorm
 from memplan.planner.layers.silu import InplaceSiLU
-from memplan.planner.workloads.blocks import AttentionCore, Dropout
-from memplan.traces.model_file import AS_BUILT
 
-MODES = (AS_BUILT, "baseline", "tempo", "selective", "tempo+selective", "full", "tempo+full")
-PER_LAYER_MODES = tuple(mode for mode in MODES if mode != "baseline")  # baseline accounts for a whole model
-PER_LAYER = "per-layer"  # the report's mode when each layer has its own
 NEUTRAL = (
     nn.Linear,
     nn.Conv1d,
@@ -57,10 +63,6 @@ NEUTRAL = (
 )  # modules whose memory is not the layer modes' business, or memplan's own
 NEUTRAL_NAMES = {"Conv1D", "ColumnParallelLinear", "RowParallelLinear", "ParallelSelfAttention"}
 STATE = "_memplan_patch"
-
-
-class PatchError(MemplanError):
-    """A model cannot be patched with the mode asked for."""
 
 
 @dataclass(frozen=True)
@@ -120,24 +122,14 @@ class PatchState:
     routed: list[nn.Module] = field(default_factory=list)  # attention modules with an hf_attention.CHOICE
 
 
-def parts(mode: str) -> set[str]:
-    """The components of a mode name (`tempo+selective` -> {tempo, selective})."""
-    return set(mode.split("+"))
-
-
-def core_kind(mode: str) -> str:
-    """Which attention core a mode uses (selective recomputation makes dropout recomputation moot)."""
-    return "selective" if "selective" in parts(mode) else "tempo" if "tempo" in parts(mode) else "baseline"
-
-
-def replacement(module: nn.Module, mode: str) -> nn.Module | None:
-    """The memplan module that replaces `module` under `mode`, or None when it stays."""
+def replacement(module: nn.Module, chosen: Mode) -> nn.Module | None:
+    """The memplan module that replaces `module` under the mode `chosen` (not as-built), or None when it stays."""
     name, from_hf = type(module).__name__, type(module).__module__.startswith("transformers.")
     if type(module) is nn.Dropout and module.p > 0:  # at p = 0 it keeps nothing: nothing to change
         return Dropout(module.p)
-    if isinstance(module, AttentionCore) and core_kind(mode) != "baseline":
-        return PatchedAttentionCore(module.dropout.p, core_kind(mode))
-    if "tempo" not in parts(mode):
+    if isinstance(module, AttentionCore) and chosen.core != BASELINE:
+        return PatchedAttentionCore(module.dropout.p, chosen.core)
+    if not chosen.tempo:
         return None
     if type(module) is nn.GELU:
         return InplaceGELU(module.approximate)
@@ -176,48 +168,11 @@ def keeps_activations(module: nn.Module) -> bool:
     return is_attention(module) or next(module.children(), None) is None
 
 
-def check_mode(mode: str) -> str:
-    """`mode` if it is one of MODES; PatchError naming the choices otherwise."""
-    if mode not in MODES:
-        raise PatchError(f"unknown layers mode {mode!r}; choose one of {', '.join(MODES)}")
-    return mode
-
-
 def transformer_layers(model: nn.Module) -> list[str]:
     """The module paths of `model`'s Transformer layers, in order (`layers.0`, `model.layers.0`): the keys of a
     per-layer `patch`."""
     paths = {id(module): path for path, module in model.named_modules()}
     return [paths[id(layer)] for layers in checkpoint.layer_lists(model) for layer in layers]
-
-
-def spans(paths: list[str]) -> list[str]:
-    """`paths` written short: consecutive layers of one list as one span (`layers.0-3`)."""
-    runs: list[tuple[str, int, int]] = []  # (`layers.`, 0, 3); a path ending in no number: (path, -1, -1)
-    for path in paths:
-        number = path.rpartition(".")[2]
-        head, index = (path.removesuffix(number), int(number)) if number.isdigit() else (path, -1)
-        if index >= 0 and runs and runs[-1][0] == head and runs[-1][2] == index - 1:
-            runs[-1] = (head, runs[-1][1], index)
-        else:
-            runs.append((head, index, index))
-    return [
-        head if first < 0 else f"{head}{first}" if first == last else f"{head}{first}-{last}"
-        for head, first, last in runs
-    ]
-
-
-def check_layer_modes(modes: Mapping[str, str]) -> dict[str, str]:
-    """`modes` as a dict if it maps layer paths to PER_LAYER_MODES; PatchError naming the choices otherwise."""
-    if not isinstance(modes, Mapping):
-        raise PatchError(
-            f"layers modes must be a mode name or a {{layer path: mode}} mapping, not {type(modes).__name__}"
-        )
-    for path, mode in modes.items():
-        if mode not in PER_LAYER_MODES:
-            raise PatchError(
-                f"layer {path!r}: {mode!r} is not a per-layer mode; choose one of {', '.join(PER_LAYER_MODES)}"
-            )
-    return dict(modes)
 
 
 def check_layer_paths(model: nn.Module, modes: dict[str, str]) -> dict[str, str]:
@@ -233,7 +188,7 @@ def check_layer_paths(model: nn.Module, modes: dict[str, str]) -> dict[str, str]
 def assignment(model: nn.Module, modes: str | Mapping[str, str]) -> tuple[str, dict[str, str]]:
     """`modes` checked, as the mode of the modules outside the layers it names and the mode of each layer it names."""
     if isinstance(modes, str):
-        return check_mode(modes), {}
+        return mode(modes).name, {}
     return AS_BUILT, check_layer_paths(model, check_layer_modes(modes))
 
 
@@ -241,8 +196,8 @@ def module_modes(model: nn.Module, rest: str, layers: dict[str, str]) -> dict[in
     """The mode of each of `model`'s modules, by id: that of the layer in `layers` holding it, else `rest`."""
     modes = {id(module): rest for module in model.modules()}
     named = dict(model.named_modules())
-    for path, mode in layers.items():
-        modes.update((id(module), mode) for module in named[path].modules())
+    for path, name in layers.items():
+        modes.update((id(module), name) for module in named[path].modules())
     return modes
 
 
@@ -256,8 +211,8 @@ def swap_modules(module: nn.Module, modes: dict[int, str], state: PatchState, sw
     """Replace `module`'s descendants for their modes (`module_modes`), outermost first (a replaced module's
     children are not visited); as-built ones stay."""
     for name, child in list(module.named_children()):
-        mode = modes[id(child)]
-        new = done.get(id(child)) or (replacement(child, mode) if mode != AS_BUILT else None)
+        chosen = mode(modes[id(child)])
+        new = done.get(id(child)) or (replacement(child, chosen) if chosen.patches else None)
         if new is None:
             swap_modules(child, modes, state, swaps, done)
             continue
@@ -285,7 +240,7 @@ def switch_attention(model: nn.Module, modes: dict[int, str], state: PatchState,
     device = device_type(model)
     fused = [m for m in patched if not hf_attention.keeps_square(m, device)]
     fused_ids = {id(m) for m in fused}
-    cores = {id(m): hf_attention.register(core_kind(modes[id(m)])) for m in patched if id(m) not in fused_ids}
+    cores = {id(m): hf_attention.register(mode(modes[id(m)]).core) for m in patched if id(m) not in fused_ids}
     functions = {id(m): cores.get(id(m), m.config._attn_implementation) for m in modules}
     # 2. The configs whose modules are to call another function; where they differ, each must name one it can call.
     groups = [
@@ -354,9 +309,9 @@ def checkpoint_layers(model: nn.Module, modes: dict[int, str], state: PatchState
     nothing to checkpoint); a note when the model's mode asks for it and it has no layer list, or when a reversible
     block was asked for it."""
     layers = [layer for layers in checkpoint.layer_lists(model) for layer in layers]
-    asked = [layer for layer in layers if "full" in parts(modes[id(layer)])]
+    asked = [layer for layer in layers if mode(modes[id(layer)]).checkpoints]
     checkpointed = [layer for layer in asked if not isinstance(layer, ReversibleBlock)]
-    if not layers and "full" in parts(modes[id(model)]):
+    if not layers and mode(modes[id(model)]).checkpoints:
         return ["full: no list of Transformer layers found, nothing checkpointed"]
     if checkpointed:
         state.checkpointing = checkpoint.enable(model, checkpointed)
@@ -383,8 +338,8 @@ def patch(model: nn.Module, modes: str | Mapping[str, str]) -> PatchReport:
     object.__setattr__(model, STATE, state)
     # 5. The report: every swap, and the types of the modules that keep activations as built.
     left = sorted({type(m).__name__ for m in model.modules() if keeps_activations(m) and core_of(m) is None})
-    selective = any("selective" in parts(mode) for mode in (rest, *layers.values()))
-    if selective and not notes and not any(core_of(m) == "selective" for m in model.modules()):
+    selective = any(mode(name).recomputes_attention for name in (rest, *layers.values()))
+    if selective and not notes and not any(core_of(m) == SELECTIVE for m in model.modules()):
         notes.append("selective: nothing to recompute: no attention core here keeps an s x s tensor memplan can reach")
     swapped = [Swap(original, new, n) for (original, new), n in sorted(swaps.items())]
     if isinstance(modes, str):
@@ -401,7 +356,7 @@ class LayerMode:
     name: str  # one of MODES
 
     def __post_init__(self) -> None:
-        check_mode(self.name)
+        mode(self.name)
 
     def __call__(self, model: nn.Module) -> dict:
         return patch(model, self.name).to_dict()
@@ -421,9 +376,7 @@ class LayerModes:
     @property
     def name(self) -> str:
         """The modes in a line, a run of layers in one mode as a span: `per-layer: layers.0-1 full, layers.2 tempo`."""
-        runs = groupby(self.modes.items(), key=lambda item: item[1])
-        described = [f"{', '.join(spans([path for path, _ in run]))} {mode}" for mode, run in runs]
-        return f"{PER_LAYER}: {', '.join(described)}" if described else PER_LAYER
+        return describe_assignment(self.modes)
 
     def __call__(self, model: nn.Module) -> dict:
         return patch(model, self.modes).to_dict()

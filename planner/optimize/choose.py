@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
+from memplan.modes import AS_BUILT
 from memplan.planner.optimize.terms import PREFIX, Assignment, Bytes, Context, MemoryTerms, Mode, owner_of
-from memplan.traces.model_file import AS_BUILT
 
 Flops = int
 

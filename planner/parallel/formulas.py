@@ -9,23 +9,19 @@ selective rows are REFERENCE §1's; the Tempo rows follow from the same split.
 
 from __future__ import annotations
 
+from memplan.modes import mode as registered
 from memplan.planner.layers.memory import LayerShape
-
-# mode -> (replicated bytes per sbh, split bytes per sbh, as²b bytes per element) as functions of p
-_TENSOR_PARALLEL = {
-    "baseline": (lambda p: 4 * p + 2, lambda p: 12 * p, lambda p: 2 * p + 1),
-    "selective": (lambda p: 4 * p + 2, lambda p: 12 * p, lambda p: 0),
-    "tempo": (lambda p: 2 * p + 2, lambda p: 8 * p + 4, lambda p: p + 1),
-    "tempo+selective": (lambda p: 2 * p + 2, lambda p: 8 * p + 4, lambda p: 0),
-}
 
 
 def parallel_formula(shape: LayerShape, mode: str, t: int, sequence_parallel: bool) -> float:
     """Bytes one rank holds for backward for one layer (shape: the whole layer's s, b, h, a and p)."""
     if sequence_parallel:
         return shape.formula(mode) / t
-    if mode not in _TENSOR_PARALLEL:
+    chosen, p = registered(mode), shape.p
+    if not chosen.patches or chosen.checkpoints:
         raise ValueError(f"no formula for mode {mode!r}")
-    replicated, split, attention = (f(shape.p) for f in _TENSOR_PARALLEL[mode])
+    # bytes per sbh replicated on every rank and split over them, and per as²b element of the attention core
+    replicated, split = (2 * p + 2, 8 * p + 4) if chosen.tempo else (4 * p + 2, 12 * p)
+    attention = 0 if chosen.recomputes_attention else p + 1 if chosen.tempo else 2 * p + 1
     sbh, as2b = shape.s * shape.b * shape.h, shape.a * shape.s * shape.s * shape.b
     return sbh * replicated + (sbh * split + as2b * attention) / t

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from memplan.modes import AS_BUILT
 from memplan.planner.layers import LayerMode
 from memplan.planner.plan import load_plan
 from memplan.planner.replay.cpu_session import CPUPlanAllocator
@@ -28,7 +29,7 @@ def replay_model_file(
     batch: int = 2,
     seq: int = 128,
     dtype: str = "float32",
-    layers: str = "baseline",
+    layers: str = AS_BUILT,
     progress: Callable[[str], None] = lambda m: None,
     compile: float | None = None,
 ) -> ReplayReport:

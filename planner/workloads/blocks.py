@@ -2,59 +2,24 @@
 
 Written so that what autograd keeps for backward matches Megatron's accounting (REFERENCE §1):
 attention is spelled out (QKᵀ, softmax, dropout, ·V) and every dropout keeps a 1-byte mask
-(`torch.native_dropout`), on the CPU too. The patcher swaps `nn.GELU`, `nn.LayerNorm` and
-`AttentionCore` for memplan's memory-saving layers.
+(`torch.native_dropout`), on the CPU too: the baseline blocks of planner/layers/baseline.py. The patcher swaps
+`nn.GELU`, `nn.LayerNorm` and `AttentionCore` for memplan's memory-saving layers.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from memplan.errors import MemplanError
+from memplan.planner.layers.baseline import AttentionCore, Dropout
 from memplan.traces.fake import module_to
 from memplan.traces.workload import Workload
 
 
 class WorkloadConfigError(MemplanError):
     """A workload was asked for a shape its configuration cannot build."""
-
-
-class Dropout(nn.Module):
-    """Dropout that keeps a 1-byte bool mask for backward on every device (nn.Dropout on CPU keeps a noise tensor)."""
-
-    def __init__(self, p: float):
-        super().__init__()
-        self.p = p
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        return torch.native_dropout(x, self.p, True)[0]
-
-    def extra_repr(self) -> str:
-        return f"p={self.p}"
-
-
-class AttentionCore(nn.Module):
-    """softmax(q·kᵀ·scale + bias) with dropout on the probabilities, times v; q, k, v are
-    (batch, heads, seq, head_dim)."""
-
-    def __init__(self, dropout_p: float):
-        super().__init__()
-        self.dropout = Dropout(dropout_p)
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
-        if bias is not None:
-            scores = scores + bias
-        probs = F.softmax(scores, dim=-1)
-        return torch.matmul(self.dropout(probs), v)
 
 
 class SelfAttention(nn.Module):

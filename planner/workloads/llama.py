@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from memplan.planner.layers.baseline import SwiGLU
 from memplan.planner.workloads.blocks import WorkloadConfigError, language_model_workload
 from memplan.traces.workload import Workload
 
@@ -64,20 +65,6 @@ class Attention(nn.Module):
         return self.o(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class SwiGLU(nn.Module):
-    """Feed-forward block: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, c: LlamaConfig):
-        super().__init__()
-        self.gate = nn.Linear(c.hidden, c.ffn_hidden, bias=False)
-        self.up = nn.Linear(c.hidden, c.ffn_hidden, bias=False)
-        self.act = nn.SiLU()
-        self.down = nn.Linear(c.ffn_hidden, c.hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.act(self.gate(x)) * self.up(x))
-
-
 class LlamaLayer(nn.Module):
     """x = x + attention(RMSNorm(x)); x = x + mlp(RMSNorm(x))."""
 
@@ -86,7 +73,7 @@ class LlamaLayer(nn.Module):
         self.norm1 = nn.RMSNorm(c.hidden, eps=c.eps)
         self.attention = Attention(c)
         self.norm2 = nn.RMSNorm(c.hidden, eps=c.eps)
-        self.mlp = SwiGLU(c)
+        self.mlp = SwiGLU(c.hidden, c.ffn_hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.norm1(x), cos, sin)
