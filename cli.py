@@ -58,6 +58,41 @@ SIZE = Size()
 LAYERS_HELP = f"Layer mode (memplan.modes). {modes_help()} The trace says what was swapped and what was left as built."
 
 
+def step_options(*, batch: bool = False, layers: bool = False):
+    """The options that shape a model file's step, declared once for every command that builds one: --seq and
+    --dtype, and --batch and --layers where the command takes them."""
+    options = (
+        [
+            click.option(
+                "--batch",
+                type=click.IntRange(min=1),
+                default=2,
+                show_default=True,
+                help="Batch size passed to build().",
+            )
+        ]
+        * batch
+        + [
+            click.option(
+                "--seq",
+                type=click.IntRange(min=1),
+                default=128,
+                show_default=True,
+                help="Sequence length passed to build().",
+            ),
+            click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True),
+        ]
+        + [click.option("--layers", default=AS_BUILT, show_default=True, help=LAYERS_HELP)] * layers
+    )
+
+    def decorate(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
+
+
 def compile_options(command):
     """--compile and --memory-budget for a command that traces or replays a step: the command gets them as one
     argument `compile`, the activation memory budget when compiled and None when eager."""
@@ -109,12 +144,7 @@ def main() -> None:
     type=click.Path(dir_okay=False),
     help="Trace file to write (default: <model>.<layers>.trace.json.gz).",
 )
-@click.option("--batch", type=click.IntRange(min=1), default=2, show_default=True, help="Batch size passed to build().")
-@click.option(
-    "--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build()."
-)
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
-@click.option("--layers", default=AS_BUILT, show_default=True, help=LAYERS_HELP)
+@step_options(batch=True, layers=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
 @click.option(
     "--fake",
@@ -330,12 +360,7 @@ def compare_command(trace_files, plan_files, method, time_limit, alloc_conf, tie
 )
 @click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True, help="Consecutive steps to replay.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--batch", type=click.IntRange(min=1), default=2, show_default=True, help="Batch size passed to build().")
-@click.option(
-    "--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build()."
-)
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
-@click.option("--layers", default=AS_BUILT, show_default=True, help=LAYERS_HELP)
+@step_options(batch=True, layers=True)
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq, dtype, layers, compile, as_json):
@@ -441,11 +466,7 @@ def solve_command(source, output, time_limit, capacity, method, alignment, scope
     show_default=True,
     help="Folder for report.md, timeline.png, address_space.png, traces/ and plans/.",
 )
-@click.option("--batch", type=click.IntRange(min=1), default=2, show_default=True, help="Batch size passed to build().")
-@click.option(
-    "--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build()."
-)
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@step_options(batch=True)
 @click.option(
     "--time-limit",
     type=click.FloatRange(min=0, min_open=True),
@@ -500,10 +521,7 @@ def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps
     multiple=True,
     help="Layer mode to fit; repeat for several [default: every mode]. " + LAYERS_HELP,
 )
-@click.option(
-    "--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build()."
-)
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@step_options()
 @click.option("--alloc-conf", default="", help=ALLOC_CONF_HELP)
 @tie_break_option
 @click.option(
@@ -557,11 +575,7 @@ def budget_list(_ctx, _param, value: str) -> tuple[float, ...]:
 
 @main.command("tradeoff")
 @click.argument("model_file", type=click.Path(dir_okay=False))
-@click.option("--batch", type=click.IntRange(min=1), default=2, show_default=True, help="Batch size passed to build().")
-@click.option(
-    "--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build()."
-)
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@step_options(batch=True)
 @click.option(
     "--budgets",
     default="1,0.5,0.2,0",
@@ -599,10 +613,7 @@ def tradeoff_command(model_file, batch, seq, dtype, budgets, time_limit, repeats
 @click.option("--memory", type=SIZE, required=True, help="Memory the plan must fit: 11GiB, 16GB, 512MiB or bytes.")
 @click.option("--batch", type=click.IntRange(min=1), default=None, help="Batch size passed to build() [default: 2].")
 @click.option("--max-batch", is_flag=True, help="Choose the largest batch that fits too.")
-@click.option(
-    "--seq", type=click.IntRange(min=1), default=128, show_default=True, help="Sequence length passed to build()."
-)
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@step_options()
 @click.option(
     "--time-limit",
     type=click.FloatRange(min=0.1),
