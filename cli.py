@@ -58,32 +58,21 @@ SIZE = Size()
 LAYERS_HELP = f"Layer mode (memplan.modes). {modes_help()} The trace says what was swapped and what was left as built."
 
 
+def shape_option(name: str, default: int, what: str):
+    """A whole-number option of the step's shape that build() takes (--batch, --seq)."""
+    help_text = f"{what} passed to build()."
+    return click.option(name, type=click.IntRange(min=1), default=default, show_default=True, help=help_text)
+
+
 def step_options(*, batch: bool = False, layers: bool = False):
     """The options that shape a model file's step, declared once for every command that builds one: --seq and
     --dtype, and --batch and --layers where the command takes them."""
-    options = (
-        [
-            click.option(
-                "--batch",
-                type=click.IntRange(min=1),
-                default=2,
-                show_default=True,
-                help="Batch size passed to build().",
-            )
-        ]
-        * batch
-        + [
-            click.option(
-                "--seq",
-                type=click.IntRange(min=1),
-                default=128,
-                show_default=True,
-                help="Sequence length passed to build().",
-            ),
-            click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True),
-        ]
-        + [click.option("--layers", default=AS_BUILT, show_default=True, help=LAYERS_HELP)] * layers
-    )
+    options = [shape_option("--batch", 2, "Batch size")] if batch else []
+    options += [shape_option("--seq", 128, "Sequence length")]
+    options += [
+        click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+    ]
+    options += [click.option("--layers", default=AS_BUILT, show_default=True, help=LAYERS_HELP)] if layers else []
 
     def decorate(command):
         for option in reversed(options):
