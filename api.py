@@ -10,12 +10,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 
 from memplan import __all__ as PUBLIC_API
 from memplan.errors import MemplanError
-from memplan.modes import AS_BUILT
+from memplan.modes import AS_BUILT, MODES
 from memplan.planner.jobs.fit import FitResult, fit_model
 from memplan.planner.jobs.optimize import OptimizeOptions, OptimizeResult
 from memplan.planner.jobs.optimize import optimize as optimize_job
@@ -23,7 +24,7 @@ from memplan.planner.jobs.run import DEFAULT_MODEL, RunOptions, RunResult
 from memplan.planner.jobs.run import run as run_job
 from memplan.planner.jobs.tradeoff import TradeoffOptions, TradeoffResult
 from memplan.planner.jobs.tradeoff import tradeoff as tradeoff_job
-from memplan.planner.layers import MODES, LayerMode, LayerModes, patch, transformer_layers, unpatch
+from memplan.planner.layers import patch, transformer_layers, unpatch
 from memplan.planner.plan import Plan, check_plan, load_plan, plan_problem
 from memplan.planner.plan import save_plan as save_checked_plan
 from memplan.planner.problem import problem_from_trace
@@ -32,15 +33,16 @@ from memplan.planner.report.memory_report import MemoryReport, build_report
 from memplan.planner.report.plots import plot_reports
 from memplan.planner.simulate.plan_footprint import match_plans
 from memplan.solvers import solve as solve_problem
+from memplan.step import StepSpec
 from memplan.traces.capture import Recording, record
-from memplan.traces.compile import Compile
 from memplan.traces.format import Trace, load, save
 from memplan.traces.snapshot import import_snapshot
-from memplan.traces.trace_model import trace_model_file as trace_with
+from memplan.traces.trace_model import trace_step
 
 __all__ = PUBLIC_API  # the one list, in __init__.py (which loads this module on first use)
 
 PathLike = str | os.PathLike
+STEP_OPTIONS = {field.name for field in dataclasses.fields(StepSpec)} - {"model_file"}
 
 
 def load_trace(path: PathLike) -> Trace:
@@ -67,11 +69,8 @@ def trace_model_file(
     """One training step of a model file (README: Model files) with memplan's `layers` mode (or a mode per
     Transformer layer: {"layers.0": "full", ...}), as `memplan trace` records it; `fake` runs it under fake
     tensors (any size, nothing allocated); `compile` under torch.compile at that activation memory budget."""
-    chosen = LayerMode(layers) if isinstance(layers, str) else LayerModes(dict(layers))
-    compiled = None if compile is None else Compile(compile)
-    return trace_with(
-        path, batch=batch, seq=seq, dtype=dtype, device=device, layers=chosen, fake=fake, compile=compiled
-    )
+    step = StepSpec(path, batch=batch, seq=seq, dtype=dtype, device=device, mode=layers, fake=fake, compile=compile)
+    return trace_step(step)
 
 
 def solve(
@@ -136,13 +135,14 @@ def fit(
 ) -> FitResult:
     """The largest batch of `model_file` whose step fits `memory` bytes under each layer mode, under the
     caching allocator and under a plan, each proven by direct traces (real or fake, as `capture` says)."""
-    return fit_model(str(model_file), memory, modes=tuple(layers), seq=seq, dtype=dtype, capture=capture)
+    return fit_model(StepSpec(model_file, seq=seq, dtype=dtype), memory, modes=tuple(layers), capture=capture)
 
 
 def tradeoff(model_file: PathLike, **options) -> TradeoffResult:
     """Memory against extra compute (`memplan tradeoff`) for every layer mode and torch.compile budget, the
     Pareto frontiers marked; TradeoffOptions names the options (budgets, batch, seq, output, ...)."""
-    return tradeoff_job(TradeoffOptions(model_file=str(model_file), **options))
+    step, rest = split_step(model_file, options)
+    return tradeoff_job(TradeoffOptions(step, **rest))
 
 
 def optimize(model_file: PathLike, memory: int, **options) -> OptimizeResult:
@@ -150,11 +150,20 @@ def optimize(model_file: PathLike, memory: int, **options) -> OptimizeResult:
     recompute, proven within the model by CP-SAT and checked by a trace; OptimizeOptions names the options
     (batch=None chooses the largest batch too). `patch(model, dict(zip(result.layers, result.chosen.assignment)))`
     applies the answer."""
-    return optimize_job(OptimizeOptions(model_file=str(model_file), memory=memory, **options))
+    choose_batch = "batch" in options and options["batch"] is None
+    step, rest = split_step(model_file, {**options, "batch": 1} if choose_batch else options)
+    max_batch = rest.pop("max_batch", False) or choose_batch
+    return optimize_job(OptimizeOptions(step, memory, max_batch=max_batch, **rest))
 
 
 def run(model_file: PathLike | None = None, output: PathLike = "memplan-out", **options) -> RunResult:
     """The main job (`memplan run`): every layer mode traced, solved, simulated, the tempo plan replayed,
     and report.md with two pictures in `output`; RunOptions names the other options."""
-    opts = RunOptions(model_file=str(model_file or DEFAULT_MODEL), out_dir=str(output), **options)
-    return run_job(opts)
+    step, rest = split_step(model_file or DEFAULT_MODEL, options)
+    return run_job(RunOptions(step, str(output), **rest))
+
+
+def split_step(model_file: PathLike, options: Mapping) -> tuple[StepSpec, dict]:
+    """`options` parted into the StepSpec of `model_file` they describe and the job's own options."""
+    step = {name: value for name, value in options.items() if name in STEP_OPTIONS}
+    return StepSpec(model_file, **step), {name: value for name, value in options.items() if name not in STEP_OPTIONS}

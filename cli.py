@@ -170,21 +170,10 @@ def trace_command(model_file, output, batch, seq, dtype, layers, device, fake, t
     memplan trace examples/llama.py --compile --memory-budget 0 -o llama.compiled.json.gz
     """
     from memplan.planner.jobs.trace import trace_to_file
+    from memplan.step import StepSpec
 
-    summary, text = trace_to_file(
-        model_file,
-        output,
-        layers=layers,
-        batch=batch,
-        seq=seq,
-        dtype=dtype,
-        device=device,
-        fake=fake,
-        top=top,
-        nproc=nproc,
-        compile=compile,
-        progress=progress,
-    )
+    step = StepSpec(model_file, batch, seq, dtype, device, layers, fake, compile)
+    summary, text = trace_to_file(step, output, top=top, nproc=nproc, progress=progress)
     emit(summary, as_json, text)
 
 
@@ -363,20 +352,10 @@ def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq,
     Example: memplan replay bert.plan.json examples/bert.py --batch 2 --seq 128 --steps 3
     """
     from memplan.planner.replay.model_replay import replay_model_file
+    from memplan.step import StepSpec
 
-    report = replay_model_file(
-        plan_file,
-        model_file,
-        trace_file=trace_file,
-        steps=steps,
-        device=device,
-        batch=batch,
-        seq=seq,
-        dtype=dtype,
-        layers=layers,
-        compile=compile,
-        progress=progress,
-    )
+    step = StepSpec(model_file, batch, seq, dtype, device, layers, compile=compile)
+    report = replay_model_file(plan_file, step, trace_file=trace_file, steps=steps, progress=progress)
     emit(report.summary(), as_json, report.text())
 
 
@@ -485,18 +464,10 @@ def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps
     import os
 
     from memplan.planner.jobs.run import DEFAULT_MODEL, RunOptions, render_text, run
+    from memplan.step import StepSpec
 
-    opts = RunOptions(
-        model_file=str(model_file or os.path.relpath(DEFAULT_MODEL)),
-        out_dir=out_dir,
-        batch=batch,
-        seq=seq,
-        dtype=dtype,
-        time_limit=time_limit,
-        replay_steps=replay_steps,
-        capture=capture,
-        compile=compile,
-    )
+    step = StepSpec(model_file or os.path.relpath(DEFAULT_MODEL), batch, seq, dtype, compile=compile)
+    opts = RunOptions(step, out_dir, time_limit=time_limit, replay_steps=replay_steps, capture=capture)
     result = run(opts, progress=progress)
     emit(result.summary(), as_json, render_text(result))
 
@@ -534,18 +505,16 @@ def fit_command(model_file, memory, modes, seq, dtype, alloc_conf, tie_break, ti
     """
     from memplan.modes import MODES
     from memplan.planner.jobs.fit import fit_model
+    from memplan.step import StepSpec
 
     result = fit_model(
-        model_file,
+        StepSpec(model_file, seq=seq, dtype=dtype, compile=compile),
         memory,
         modes=tuple(modes) or MODES,
-        seq=seq,
-        dtype=dtype,
         alloc_conf=alloc_conf,
         time_limit=time_limit,
         tie_break=tie_break,
         capture=capture,
-        compile=compile,
         progress=progress,
     )
     emit(result.summary(), as_json, result.text())
@@ -591,8 +560,10 @@ def tradeoff_command(model_file, batch, seq, dtype, budgets, time_limit, repeats
     Example: memplan tradeoff examples/gpt2.py --budgets 1,0 --variant examples/gpt2_reversible.py -o tradeoff.png
     """
     from memplan.planner.jobs.tradeoff import TradeoffOptions, render, tradeoff
+    from memplan.step import StepSpec
 
-    opts = TradeoffOptions(model_file, batch, seq, dtype, budgets, time_limit, repeats, capture, output, variants)
+    step = StepSpec(model_file, batch, seq, dtype)
+    opts = TradeoffOptions(step, budgets, time_limit, repeats, capture, output, variants)
     result = tradeoff(opts, progress=progress)
     emit(result.summary(), as_json, render(result))
 
@@ -619,10 +590,12 @@ def optimize_command(model_file, memory, batch, max_batch, seq, dtype, time_limi
     Example: memplan optimize examples/gpt2.py --memory 6MiB --batch 2 --seq 128
     """
     from memplan.planner.jobs.optimize import OptimizeOptions, optimize, render
+    from memplan.step import StepSpec
 
     if max_batch and batch is not None:
         raise click.UsageError("--batch and --max-batch exclude each other", ctx=click.get_current_context())
-    opts = OptimizeOptions(model_file, memory, None if max_batch else batch or 2, seq, dtype, capture, time_limit)
+    step = StepSpec(model_file, 1 if max_batch else batch or 2, seq, dtype)
+    opts = OptimizeOptions(step, memory, max_batch, capture, time_limit)
     result = optimize(opts, progress=progress)
     emit(result.summary(), as_json, render(result))
 

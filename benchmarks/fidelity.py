@@ -25,9 +25,10 @@ import torch
 
 from memplan.errors import MemplanError
 from memplan.planner.simulate.caching_allocator import simulate_caching
+from memplan.step import StepSpec
 from memplan.traces.format import Trace
 from memplan.traces.snapshot import read_snapshot, snapshot_to_trace
-from memplan.traces.trace_model import trace_model_file
+from memplan.traces.trace_model import trace_step
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,7 +75,7 @@ def row(
 def traced(context: int, fake: bool, device: str) -> tuple[Trace | None, float, str]:
     start = time.perf_counter()
     try:
-        trace = trace_model_file(ROOT / "examples" / "cs336_lm.py", batch=BATCH, seq=context, fake=fake, device=device)
+        trace = trace_step(StepSpec(ROOT / "examples" / "cs336_lm.py", BATCH, context, device=device, fake=fake))
     except MemplanError as e:
         return None, 0.0, f"not run: {e}"
     return trace, time.perf_counter() - start, ""

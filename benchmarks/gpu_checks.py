@@ -26,6 +26,7 @@ from memplan.planner.layers import MODES, patch
 from memplan.planner.layers.memory import LlamaLayerShape
 from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.planner.workloads import bert
+from memplan.step import StepSpec
 from memplan.traces.format import load
 from memplan.traces.model_file import load_workload
 
@@ -108,10 +109,10 @@ def check_capture(out: Path, jobs: int, shapes: list[tuple[str, str, int, int]])
         )
 
 
-def step_seconds(model_file: str, preset: str, batch: int, seq: int, dtype: torch.dtype, steps: int) -> list[float]:
+def step_seconds(model_file: str, preset: str, batch: int, seq: int, dtype: str, steps: int) -> list[float]:
     """Wall time of each of `steps` training steps on PyTorch's default caching allocator, after a warm-up."""
     os.environ["MEMPLAN_PRESET"] = preset
-    workload = load_workload(model_file, batch=batch, seq=seq, dtype=dtype, device="cuda")
+    workload = load_workload(StepSpec(model_file, batch, seq, dtype, device="cuda"))
     workload.step()
     times = []
     for _ in range(steps):
@@ -142,7 +143,7 @@ def check_replay(out: Path, steps: int) -> None:
         if "error" in report:
             print(f"bert-{preset}: replay FAILED: {report['error']}")
             continue
-        plain = step_seconds(BERT, preset, batch, seq, getattr(torch, dtype), steps)
+        plain = step_seconds(BERT, preset, batch, seq, dtype, steps)
         print(
             f"bert-{preset} b={batch} s={seq} {dtype}: {report['steps']} steps, arena {report['arena_bytes']:,} B "
             f"(bound {report['bound']:,}), fallbacks {report['fallback_count']}, peak {report['peak_bytes']:,} B "

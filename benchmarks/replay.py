@@ -27,6 +27,7 @@ from memplan.planner.replay.fingerprint import RunPrints
 from memplan.planner.replay.runner import run_steps, warm_up
 from memplan.planner.replay.schedule import schedule_from
 from memplan.solvers import solve
+from memplan.step import StepSpec
 from memplan.traces.capture import capture_step
 from memplan.traces.model_file import load_workload
 
@@ -37,9 +38,7 @@ def bench(model: str, args) -> dict:
     os.environ["MEMPLAN_PRESET"] = args.preset
 
     def make():
-        return load_workload(
-            ROOT / "examples" / f"{model}.py", batch=args.batch, seq=args.seq, dtype=torch.float32, device="cpu"
-        )
+        return load_workload(StepSpec(ROOT / "examples" / f"{model}.py", batch=args.batch, seq=args.seq))
 
     trace = capture_step(make)
     plan = solve(problem_from_trace(trace), method=args.method, time_limit=args.time_limit)

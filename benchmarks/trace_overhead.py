@@ -33,9 +33,10 @@ FAKE_7B = """
 import json, os, resource, time, torch
 torch.set_num_threads(1)
 os.environ["MEMPLAN_PRESET"] = "7b"
-from memplan.traces.trace_model import trace_model_file
+from memplan.step import StepSpec
+from memplan.traces.trace_model import trace_step
 start = time.perf_counter()
-trace = trace_model_file("examples/hf_llama.py", batch=1, seq=2048, dtype="bfloat16", fake=True)
+trace = trace_step(StepSpec("examples/hf_llama.py", batch=1, seq=2048, dtype="bfloat16", fake=True))
 print(json.dumps({"seconds": time.perf_counter() - start, "buffers": len(trace), "peak": trace.peak()[0],
                   "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
@@ -43,12 +44,12 @@ FAKE_RANKS = """
 import json, os, resource, tempfile, time, torch
 torch.set_num_threads(1)
 os.environ.update(MEMPLAN_PRESET="medium", MEMPLAN_PARALLEL="tp+sp")
-from memplan.planner.layers import LayerMode
+from memplan.step import StepSpec
 from memplan.traces.distributed import trace_ranks
 start = time.perf_counter()
 with tempfile.TemporaryDirectory() as folder:
-    ranks = trace_ranks("examples/gpt2_parallel.py", f"{folder}/m.json.gz", 8, batch=8, seq=1024, dtype="float32",
-                        layers=LayerMode("baseline"), device="cpu", meta={}, fake=True)
+    step = StepSpec("examples/gpt2_parallel.py", batch=8, seq=1024, mode="baseline", fake=True)
+    ranks = trace_ranks(step, f"{folder}/m.json.gz", 8)
 print(json.dumps({"seconds": time.perf_counter() - start, "peak": max(s["peak_bytes"] for _, s in ranks),
                   "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """

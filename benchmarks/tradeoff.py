@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
+from memplan.modes import OPTIMIZE_MODES
 from memplan.planner.jobs.optimize import (
-    OPTIMIZE_MODES,
     OptimizeOptions,
     every_layer,
     measure_batch,
@@ -37,6 +37,7 @@ from memplan.planner.jobs.optimize import render as render_optimize
 from memplan.planner.jobs.tradeoff import DEFAULT_BUDGETS, TradeoffOptions, tradeoff
 from memplan.planner.jobs.tradeoff import render as render_tradeoff
 from memplan.planner.report.compare import solve_plan
+from memplan.step import StepSpec
 from memplan.traces.trace_model import sized_capture
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,15 +92,15 @@ def run_model(name: str, folder: Path, budgets: tuple[float, ...], repeats: int,
     if tradeoff_too:
         figure = ROOT / "docs" / f"tradeoff-{name}.png"
         options = {"budgets": budgets, "repeats": repeats, "output": str(figure), "variants": tuple(map(str, variants))}
-        opts = TradeoffOptions(str(model_file), **options, **SHAPE)
+        opts = TradeoffOptions(StepSpec(model_file, **SHAPE), **options)
         result = tradeoff(opts, log)
         print(f"\n## {name}: trade-off, {SHAPE}\n{render_tradeoff(result)}", flush=True)
     # 2. optimize at three sizes between every layer tempo+selective and every layer as built, on one measurement.
-    opts = OptimizeOptions(str(model_file), memory=0, **SHAPE)
+    opts = OptimizeOptions(StepSpec(model_file, **SHAPE), memory=0)
     layers = model_layers(opts)
-    capture = sized_capture(opts.capture, opts.model_file, batch=opts.batch, seq=opts.seq, dtype=opts.dtype)
+    capture = sized_capture(opts.capture, opts.step)
     start = time.monotonic()
-    measured = measure_batch(opts, layers, opts.batch, capture.fake, log)
+    measured = measure_batch(opts, layers, opts.step.batch, capture.fake, log)
     seconds = time.monotonic() - start
     print(f"\n## {name}: optimize's model, {SHAPE}: {len(measured.traces)} traces, {seconds:.0f} s")
     arenas = {m: solve_plan(measured.traces[every_layer(layers, m)], "auto", 10).arena for m in OPTIMIZE_MODES}

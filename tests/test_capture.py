@@ -13,8 +13,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memplan.planner.layers import LayerMode
 from memplan.planner.workloads import bert
+from memplan.step import StepSpec
 from memplan.traces.capture import capture_step
 from memplan.traces.model_file import load_workload
 from memplan.traces.summary import render, summarize
@@ -221,7 +221,7 @@ def test_untrained_optimizer_state_is_labelled_when_created_during_the_step():
 @pytest.mark.parametrize("name", ["bert", "gpt2", "hf_bert", "hf_gpt2"])
 def test_example_model_files_capture_with_exact_state_bytes(name):
     def build():
-        return load_workload(EXAMPLES / f"{name}.py", batch=2, seq=16, dtype=torch.float32, device="cpu")
+        return load_workload(StepSpec(EXAMPLES / f"{name}.py", batch=2, seq=16))
 
     w = build()
     trace = capture_step(build)
@@ -240,9 +240,7 @@ def test_a_plain_step_allocates_exactly_the_recorded_sequence():
     from memplan.planner.replay.schedule import CPU_ALIGNMENT, Schedule
 
     def build():
-        return load_workload(
-            EXAMPLES / "gpt2.py", batch=2, seq=16, dtype=torch.float32, device="cpu", layers=LayerMode("tempo")
-        )
+        return load_workload(StepSpec(EXAMPLES / "gpt2.py", batch=2, seq=16, mode="tempo"))
 
     trace = capture_step(build)
     w = build()

@@ -14,15 +14,16 @@ import torch
 from step_traces import buffer_events, bytes_by_category
 from torch import nn
 
-from memplan.planner.layers import MODES, LayerMode
+from memplan.modes import MODES
 from memplan.planner.problem import problem_from_trace
 from memplan.planner.replay.cpu_session import CPUPlanAllocator
 from memplan.planner.replay.runner import replay
 from memplan.planner.replay.schedule import schedule_from
 from memplan.solvers import solve
+from memplan.step import StepSpec
 from memplan.traces.capture import CaptureError, capture_step
 from memplan.traces.model_file import load_workload
-from memplan.traces.trace_model import trace_model_file
+from memplan.traces.trace_model import trace_step
 from memplan.traces.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +38,7 @@ GPU_PEAK_CTX128 = 7_013_335_044  # ../shared/clients/cs336/NOTICE.md: the snapsh
 def cs336_step(fake: bool):
     """The CS336 client's step at context 128, batch 4, as the snapshot's (CS336_DIR set by the caller), traced
     once per process."""
-    return trace_model_file(EXAMPLES / "cs336_lm.py", batch=4, seq=128, fake=fake)
+    return trace_step(StepSpec(EXAMPLES / "cs336_lm.py", batch=4, seq=128, fake=fake))
 
 
 @pytest.fixture
@@ -182,9 +183,7 @@ def model_files(tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "hf_llama", "hf_gpt2", "hf_mistral", "hf_qwen2"])
 def test_the_plan_of_a_traced_step_serves_untraced_steps_exactly(model_files, name, mode):
     def make():
-        return load_workload(
-            model_files[name], batch=2, seq=16, dtype=torch.float32, device="cpu", layers=LayerMode(mode)
-        )
+        return load_workload(StepSpec(model_files[name], batch=2, seq=16, mode=mode))
 
     trace = capture_step(make)
     plan = solve(problem_from_trace(trace), method="greedy", time_limit=5.0)
@@ -217,7 +216,7 @@ def test_fake_and_real_traces_allocate_the_same_buffers_in_the_same_order(model_
     numbers), marked internal, which fake tensors cannot see."""
 
     def trace(fake: bool):
-        return trace_model_file(model_files[name], batch=2, seq=16, fake=fake, layers=LayerMode(mode))
+        return trace_step(StepSpec(model_files[name], batch=2, seq=16, fake=fake, mode=mode))
 
     real, fake = trace(False), trace(True)
     assert real.meta["internal_marked"] and real.internal.any() and not fake.internal.any()
@@ -276,7 +275,7 @@ def test_fake_trace_of_a_7b_llama_has_the_models_own_state_bytes(monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     monkeypatch.setenv("MEMPLAN_PRESET", "7b")
-    trace = trace_model_file(EXAMPLES / "hf_llama.py", batch=1, seq=2048, dtype="bfloat16", fake=True)
+    trace = trace_step(StepSpec(EXAMPLES / "hf_llama.py", batch=1, seq=2048, dtype="bfloat16", fake=True))
     with FakeTensorMode():
         params = list(LlamaForCausalLM(LlamaConfig()).parameters())
     param_bytes = sum(p.numel() for p in params) * 2  # bf16
@@ -324,12 +323,12 @@ def test_a_fake_trace_leaves_memplans_own_tables_real():
 
     code = (
         "import torch\n"
-        "from memplan.planner.layers import LayerMode\n"
-        "from memplan.traces.trace_model import trace_model_file\n"
-        "trace_model_file('examples/gpt2.py', batch=2, seq=16, layers=LayerMode('tempo'), fake=True)\n"
+        "from memplan.step import StepSpec\n"
+        "from memplan.traces.trace_model import trace_step\n"
+        "trace_step(StepSpec('examples/gpt2.py', batch=2, seq=16, mode='tempo', fake=True))\n"
         "from memplan.planner.layers import gelu\n"
         "assert type(gelu.TABLES['tanh'].main) is torch.Tensor, type(gelu.TABLES['tanh'].main)\n"
-        "real = trace_model_file('examples/gpt2.py', batch=2, seq=16, layers=LayerMode('tempo'))\n"
+        "real = trace_step(StepSpec('examples/gpt2.py', batch=2, seq=16, mode='tempo'))\n"
         "assert 'unknown' not in real.category, sorted(set(real.category))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
@@ -343,7 +342,7 @@ def test_a_plan_replays_exactly_when_torch_has_several_threads():
     try:
 
         def make():
-            return load_workload(EXAMPLES / "llama.py", batch=2, seq=16, dtype=torch.float32, device="cpu")
+            return load_workload(StepSpec(EXAMPLES / "llama.py", batch=2, seq=16))
 
         trace = capture_step(make)
         assert torch.get_num_threads() == 2  # restored after the capture

@@ -16,13 +16,14 @@ import torch
 from click.testing import CliRunner
 
 from memplan.cli import main
-from memplan.planner.layers import LayerMode
+from memplan.modes import AS_BUILT
 from memplan.planner.replay.model_replay import replay_model_file
 from memplan.planner.replay.schedule import ReplayError
+from memplan.step import StepSpec
 from memplan.traces.compile import Compile, compile_model
 from memplan.traces.format import Trace, save, trace_digest
 from memplan.traces.model_file import load_workload
-from memplan.traces.trace_model import trace_model_file
+from memplan.traces.trace_model import trace_step
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "examples" / "llama.py"
@@ -30,9 +31,9 @@ BATCH, SEQ = 2, 64
 INDUCTOR = "inductor"  # the op label of what Inductor's own code allocates
 
 
-def trace(compile: Compile | None = None, layers: str | None = None) -> Trace:
-    """One traced step of tiny Llama, eager or compiled, as built or under a layer mode."""
-    return trace_model_file(MODEL, batch=BATCH, seq=SEQ, layers=LayerMode(layers) if layers else None, compile=compile)
+def trace(compile: float | None = None, layers: str = AS_BUILT) -> Trace:
+    """One traced step of tiny Llama, eager or compiled (at that activation memory budget), under a layer mode."""
+    return trace_step(StepSpec(MODEL, batch=BATCH, seq=SEQ, mode=layers, compile=compile))
 
 
 def activation_bytes(trace: Trace) -> int:
@@ -56,12 +57,12 @@ def tiny_preset():
 @pytest.fixture(scope="module")
 def traces(tiny_preset) -> dict:
     """The same step eager, under full checkpointing, and compiled at activation memory budgets 1 and 0."""
-    return {"eager": trace(), "full": trace(layers="full"), 1.0: trace(Compile(1.0)), 0.0: trace(Compile(0.0))}
+    return {"eager": trace(), "full": trace(layers="full"), 1.0: trace(1.0), 0.0: trace(0.0)}
 
 
 def gradients_of_one_step(budget: float | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss and parameter gradients of the first step of tiny Llama (seeded build), compiled at `budget`."""
-    workload = load_workload(MODEL, batch=BATCH, seq=SEQ, dtype=torch.float32, device="cpu")
+    workload = load_workload(StepSpec(MODEL, batch=BATCH, seq=SEQ))
     if budget is not None:
         compile_model(workload.model, Compile(budget))
     loss = workload.loss_fn(workload.forward(), workload.inputs)
@@ -114,7 +115,7 @@ def test_graph_breaking_mode_compiles_only_in_the_warm_up_and_traces_alike_twice
     # tempo's in-place layers break the graph, so eager code (and the recorder's module hooks) runs between
     # compiled pieces: the recorded step must compile nothing more (trace_model_file checks it), and the cyclic
     # garbage the compiler leaves must be gone before the step, or the second trace of a process holds it.
-    first, second = trace(Compile(1.0), "tempo"), trace(Compile(1.0), "tempo")
+    first, second = trace(1.0, "tempo"), trace(1.0, "tempo")
     assert trace_digest(first) == trace_digest(second)
     assert "unknown" not in first.category
 
@@ -126,19 +127,17 @@ def test_compiled_trace_replays_with_no_fallback(traces, tmp_path):
     )
     report = replay_model_file(
         str(tmp_path / "p.json"),
-        str(MODEL),
+        StepSpec(MODEL, batch=BATCH, seq=SEQ, compile=0.0),
         trace_file=str(tmp_path / "t.json.gz"),
         steps=2,
-        batch=BATCH,
-        seq=SEQ,
-        layers="as-built",
-        compile=0.0,
     )
     assert report.fallback_count == 0 and report.bitwise_equal, report.text()
     for compile in (None, 1.0):  # the trace's budget is 0: eager or another budget would allocate otherwise
         with pytest.raises(ReplayError, match="replay its plan with --compile --memory-budget 0"):
             replay_model_file(
-                str(tmp_path / "p.json"), str(MODEL), trace_file=str(tmp_path / "t.json.gz"), seq=SEQ, compile=compile
+                str(tmp_path / "p.json"),
+                StepSpec(MODEL, seq=SEQ, compile=compile),
+                trace_file=str(tmp_path / "t.json.gz"),
             )
 
 

@@ -7,12 +7,10 @@ import statistics
 from pathlib import Path
 
 import pytest
-import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from memplan.planner.cost import CostError, StepFlops, count_step_flops, time_step
-from memplan.planner.layers import LayerMode
-from memplan.traces.compile import Compile
+from memplan.step import StepError, StepSpec
 from memplan.traces.model_file import load_workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +49,7 @@ def gpt2(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def counts(gpt2) -> dict[str, StepFlops]:
     """The 4-layer GPT-2's step FLOPs in each of MODES, on real tensors."""
-    return {mode: count_step_flops(gpt2, batch=BATCH, seq=SEQ, layers=LayerMode(mode)) for mode in MODES}
+    return {mode: count_step_flops(StepSpec(gpt2, batch=BATCH, seq=SEQ, mode=mode)) for mode in MODES}
 
 
 def layer_growth(counts: dict[str, StepFlops], mode: str) -> list[int]:
@@ -60,9 +58,7 @@ def layer_growth(counts: dict[str, StepFlops], mode: str) -> list[int]:
 
 
 def test_matmul_flops_equal_flop_counter_mode(gpt2, counts):
-    workload = load_workload(
-        gpt2, batch=BATCH, seq=SEQ, dtype=torch.float32, device="cpu", layers=LayerMode("baseline")
-    )
+    workload = load_workload(StepSpec(gpt2, batch=BATCH, seq=SEQ, mode="baseline"))
     workload.step()  # the warm-up count_step_flops runs too
     with FlopCounterMode(display=False) as counter:
         workload.step()
@@ -96,29 +92,29 @@ def test_tempo_recomputes_elementwise_work_only(counts):
 
 def test_fake_tensors_count_what_real_ones_do(gpt2, counts):
     for mode in ("tempo", "full"):
-        fake = count_step_flops(gpt2, batch=BATCH, seq=SEQ, layers=LayerMode(mode), fake=True)
+        fake = count_step_flops(StepSpec(gpt2, batch=BATCH, seq=SEQ, mode=mode, fake=True))
         assert fake == counts[mode]
 
 
 def test_compile_budget_zero_recomputes_more_than_budget_one():
-    shape = {"batch": 2, "seq": 16}
-    eager = count_step_flops(TINY_GPT2, **shape)
-    kept = count_step_flops(TINY_GPT2, **shape, compile=Compile(1.0))
-    recomputed = count_step_flops(TINY_GPT2, **shape, compile=Compile(0.0))
+    step = StepSpec(TINY_GPT2, batch=2, seq=16)
+    eager = count_step_flops(step)
+    kept = count_step_flops(step.replace(compile=1.0))
+    recomputed = count_step_flops(step.replace(compile=0.0))
     assert recomputed.matmul > kept.matmul == eager.matmul
     assert kept.total == pytest.approx(eager.total, rel=0.05)  # decomposed ops write a few more elements
     assert kept.by_module == {}  # compiled graphs run no modules
-    assert count_step_flops(TINY_GPT2, **shape, compile=Compile(0.0), fake=True) == recomputed
+    assert count_step_flops(step.replace(compile=0.0, fake=True)) == recomputed
 
 
 def test_time_step_gives_the_median_of_its_runs():
-    timed = time_step(TINY_GPT2, batch=2, seq=16, dtype="float32", repeats=3, warmup=1)
+    timed = time_step(StepSpec(TINY_GPT2, batch=2, seq=16), repeats=3, warmup=1)
     assert len(timed.runs) == 3 and all(run > 0 for run in timed.runs)
     assert timed.median == statistics.median(timed.runs)
 
 
 def test_bad_options_are_one_line_errors():
-    with pytest.raises(CostError, match="--dtype float33: not a torch dtype"):
-        count_step_flops(TINY_GPT2, batch=2, seq=16, dtype="float33")
+    with pytest.raises(StepError, match="--dtype 'float33': choose one of float32, bfloat16"):
+        StepSpec(TINY_GPT2, batch=2, seq=16, dtype="float33")
     with pytest.raises(CostError, match="repeats 0"):
-        time_step(TINY_GPT2, batch=2, seq=16, dtype="float32", repeats=0)
+        time_step(StepSpec(TINY_GPT2, batch=2, seq=16), repeats=0)

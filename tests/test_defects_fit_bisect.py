@@ -8,6 +8,7 @@ import pytest
 
 import memplan.planner.jobs.fit as fit
 from memplan.planner.jobs.fit import MAX_BATCH, Point, fit_model
+from memplan.step import StepSpec
 
 GPT2 = str(Path(__file__).resolve().parents[1] / "examples" / "gpt2.py")
 MEMORY = 1 << 20
@@ -48,7 +49,7 @@ def test_fit_bisects_between_a_fitting_and_a_failing_batch(monkeypatch, caching_
         return point(batch)
 
     monkeypatch.setattr(fit.BatchProbe, "_measure", measure)
-    (mode,) = fit_model("unused.py", MEMORY, modes=("baseline",), capture="real").modes
+    (mode,) = fit_model(StepSpec("unused.py"), MEMORY, modes=("baseline",), capture="real").modes
     assert mode.batch == {"caching": stepping(point, "caching"), "plan": stepping(point, "plan")}
     assert abs(mode.predicted["caching"] - caching_limit) >= 20  # the prediction is off by many batches
     assert len(traced) == len(set(traced)) == mode.traces <= most, traced
@@ -60,18 +61,18 @@ def test_fit_bisects_between_a_fitting_and_a_failing_batch(monkeypatch, caching_
 def test_fit_of_gpt2_gives_the_answer_of_stepping_batch_by_batch(monkeypatch):
     monkeypatch.delenv("MEMPLAN_PRESET", raising=False)  # tiny
     traced: list[int] = []
-    trace = fit.trace_model_file
+    trace = fit.trace_step
 
-    def counted(*args, **kwargs):
-        traced.append(kwargs["batch"])
-        return trace(*args, **kwargs)
+    def counted(step):
+        traced.append(step.batch)
+        return trace(step)
 
-    monkeypatch.setattr(fit, "trace_model_file", counted)
+    monkeypatch.setattr(fit, "trace_step", counted)
     memory, seq = 8 << 20, 16
-    (mode,) = fit_model(GPT2, memory, modes=("baseline",), seq=seq, time_limit=2.0).modes
+    (mode,) = fit_model(StepSpec(GPT2, seq=seq), memory, modes=("baseline",), time_limit=2.0).modes
     assert len(traced) == mode.traces <= 14, traced
     every = fit.BatchProbe(
-        GPT2, "baseline", memory, seq=seq, dtype="float32", alloc_conf="", time_limit=2.0, progress=lambda _: None
+        StepSpec(GPT2, seq=seq, mode="baseline"), memory, alloc_conf="", time_limit=2.0, progress=lambda _: None
     )
     for allocator in ("caching", "plan"):
         assert mode.batch[allocator] == stepping(every, allocator) >= 4

@@ -1,16 +1,16 @@
 """A model file's name (the "name" key of build()'s dict, or Workload.name) is the trace's meta "model" for
-every command that traces it (trace, run, fit and replay all go through trace_model_file); without one, the
+every command that traces it (trace, run, fit and replay all go through trace_step); without one, the
 file's name."""
 
 import textwrap
 
-import torch
 from click.testing import CliRunner
 
 from memplan.cli import main
+from memplan.step import StepSpec
 from memplan.traces.format import load
 from memplan.traces.model_file import load_workload
-from memplan.traces.trace_model import trace_model_file
+from memplan.traces.trace_model import trace_step
 
 MODEL = """
 import torch
@@ -46,10 +46,10 @@ def test_the_model_files_name_is_the_traces_model(tmp_path):
     }
     for stem, text in cases.items():
         path = write(tmp_path, stem, text)
-        workload = load_workload(path, batch=2, seq=4, dtype=torch.float32, device="cpu")
+        workload = load_workload(StepSpec(path, batch=2, seq=4))
         assert workload.name == expected[stem]  # what replay reports
-        assert trace_model_file(path, batch=2, seq=4).meta["model"] == expected[stem], stem  # trace, run, fit
-        assert trace_model_file(path, batch=2, seq=4, fake=True).meta["model"] == expected[stem], stem
+        assert trace_step(StepSpec(path, batch=2, seq=4)).meta["model"] == expected[stem], stem  # trace, run, fit
+        assert trace_step(StepSpec(path, batch=2, seq=4, fake=True)).meta["model"] == expected[stem], stem
 
 
 def test_cli_trace_records_the_model_files_name(tmp_path):

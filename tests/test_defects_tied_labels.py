@@ -5,7 +5,8 @@ import textwrap
 
 import pytest
 
-from memplan.traces.trace_model import trace_model_file
+from memplan.step import StepSpec
+from memplan.traces.trace_model import trace_step
 
 TIED = """
 import torch
@@ -35,7 +36,7 @@ EMB = 64 * 16 * 4  # bytes of the tied fp32 weight
 def test_a_tied_parameter_and_its_optimizer_state_share_one_module_label(tmp_path, fake):
     path = tmp_path / "tied.py"
     path.write_text(textwrap.dedent(TIED))
-    trace = trace_model_file(path, batch=2, seq=4, fake=fake)
+    trace = trace_step(StepSpec(path, batch=2, seq=4, fake=fake))
     resident = [(c, m, int(s)) for c, m, s, a in zip(trace.category, trace.module, trace.size, trace.alloc) if a == 0]
     tied = {(c, m) for c, m, s in resident if s == EMB and c in ("parameter", "optimizer")}
     # the weight once, and AdamW's exp_avg and exp_avg_sq for it: all under model.emb, its named_parameters() name

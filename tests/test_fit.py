@@ -4,16 +4,15 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from memplan.cli import main
 from memplan.planner.jobs.fit import FitError, fit_model
-from memplan.planner.layers import LayerMode
 from memplan.planner.problem import problem_from_trace
 from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.solvers import CapacityError, solve
 from memplan.solvers.bounds import lower_bound
+from memplan.step import StepSpec
 from memplan.traces.capture import capture_step
 from memplan.traces.model_file import load_workload
 
@@ -28,9 +27,7 @@ def tiny_preset(monkeypatch):
 
 
 def direct_trace(batch, mode):
-    return capture_step(
-        lambda: load_workload(MODEL, batch=batch, seq=SEQ, dtype=torch.float32, device="cpu", layers=LayerMode(mode))
-    )
+    return capture_step(lambda: load_workload(StepSpec(MODEL, batch=batch, seq=SEQ, mode=mode)))
 
 
 def plan_fits(trace, memory):
@@ -47,7 +44,7 @@ def plan_fits(trace, memory):
 
 @pytest.mark.parametrize("mode", ["baseline", "tempo+selective"])
 def test_fit_agrees_with_direct_traces(mode):
-    result = fit_model(MODEL, MEMORY, modes=(mode,), seq=SEQ, time_limit=2.0)
+    result = fit_model(StepSpec(MODEL, seq=SEQ), MEMORY, modes=(mode,), time_limit=2.0)
     (fit,) = result.modes
     b = fit.batch["caching"]
     assert b >= 4  # more than the measured sizes: the prediction and boundary search did work
@@ -66,7 +63,7 @@ def test_fit_agrees_with_direct_traces(mode):
 
 def test_memory_beyond_the_largest_batch_is_one_line():
     with pytest.raises(FitError, match="batch 4096 still fits under the caching model"):
-        fit_model(MODEL, 1 << 40, modes=("baseline",), seq=2, time_limit=1.0)
+        fit_model(StepSpec(MODEL, seq=2), 1 << 40, modes=("baseline",), time_limit=1.0)
 
 
 def test_a_real_trace_too_large_for_this_machine_is_refused(monkeypatch):
@@ -74,7 +71,7 @@ def test_a_real_trace_too_large_for_this_machine_is_refused(monkeypatch):
 
     monkeypatch.setattr(memplan.planner.jobs.fit, "host_memory_available", lambda: 64 << 20)
     with pytest.raises(FitError, match=r"tracing batch \d+ would need about .* memory.*: use --capture fake"):
-        fit_model(MODEL, 1 << 40, modes=("baseline",), seq=SEQ, time_limit=1.0, capture="real")
+        fit_model(StepSpec(MODEL, seq=SEQ), 1 << 40, modes=("baseline",), time_limit=1.0, capture="real")
 
 
 def test_auto_capture_is_fake_where_a_real_step_is_slow_or_does_not_fit(monkeypatch):
@@ -90,7 +87,7 @@ def test_auto_capture_is_fake_where_a_real_step_is_slow_or_does_not_fit(monkeypa
 
 def test_fake_traces_give_the_real_traces_answer():
     """Fake tensors hold what real ones do: the same batch under both allocator models, and JSON says fake."""
-    real = fit_model(MODEL, MEMORY, modes=("tempo",), seq=SEQ, time_limit=2.0, capture="real")
+    real = fit_model(StepSpec(MODEL, seq=SEQ), MEMORY, modes=("tempo",), time_limit=2.0, capture="real")
     res = CliRunner().invoke(
         main,
         [

@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from memplan.planner.layers import LayerMode, patch
+from memplan.planner.layers import patch
+from memplan.step import StepSpec
 from memplan.traces.capture import capture_step
-from memplan.traces.trace_model import trace_model_file
+from memplan.traces.trace_model import trace_step
 from memplan.traces.workload import Workload
 
 pytest.importorskip("transformers")
@@ -25,7 +26,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 @pytest.mark.parametrize("file", ["bert.py", "gpt2.py", "llama.py", "hf_bert.py", "hf_gpt2.py", "hf_llama.py"])
 def test_tempo_peak_at_most_baselines_on_the_bundled_model_files(file):
     peaks = {
-        mode: trace_model_file(EXAMPLES / file, batch=2, seq=32, layers=LayerMode(mode)).peak()[0]
+        mode: trace_step(StepSpec(EXAMPLES / file, batch=2, seq=32, mode=mode)).peak()[0]
         for mode in ("baseline", "tempo")
     }
     assert peaks["tempo"] <= peaks["baseline"], peaks

@@ -12,6 +12,7 @@ from memplan.cli import main
 from memplan.planner.jobs.run import RunOptions, RunResult, step_sentence
 from memplan.planner.layers import MODES
 from memplan.planner.plan import load_plan
+from memplan.step import StepSpec
 from memplan.traces.format import load
 from memplan.traces.trace_model import CaptureChoice
 
@@ -116,7 +117,7 @@ def test_report_names_the_optimizer_the_trace_names_and_no_other():
     def sentence(optimizer):
         return step_sentence(
             RunResult(
-                options=RunOptions(model_file="m.py", out_dir="out"),
+                options=RunOptions(StepSpec("m.py"), out_dir="out"),
                 capture=CaptureChoice(fake=True, reason="--capture fake"),
                 optimizer=optimizer,
                 rows=[],

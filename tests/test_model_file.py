@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from memplan.cli import main
 from memplan.errors import MemplanError, ModelFileError
-from memplan.planner.layers import LayerMode
+from memplan.step import StepSpec
 from memplan.traces.format import load
 from memplan.traces.model_file import DeviceError, load_workload
 
@@ -68,7 +68,7 @@ def one_error_line(result) -> str:
 
 
 def test_a_good_model_file_builds_the_workload_it_describes(tmp_path):
-    w = load_workload(write(tmp_path, "good", GOOD), batch=3, seq=5, dtype=torch.bfloat16, device="cpu")
+    w = load_workload(StepSpec(write(tmp_path, "good", GOOD), batch=3, seq=5, dtype="bfloat16"))
     assert w.inputs.shape == (3, 5)
     assert isinstance(w.optimizer, torch.optim.SGD)
     assert all(p.dtype == torch.bfloat16 for p in w.model.parameters())
@@ -80,7 +80,7 @@ def test_a_good_model_file_builds_the_workload_it_describes(tmp_path):
 def test_a_broken_model_file_gives_one_line_naming_the_problem(tmp_path, case):
     text, expected = BAD[case]
     with pytest.raises(ModelFileError) as err:
-        load_workload(write(tmp_path, case, text), batch=2, seq=4, dtype=torch.float32, device="cpu")
+        load_workload(StepSpec(write(tmp_path, case, text), batch=2, seq=4))
     message = str(err.value)
     assert expected in message and "\n" not in message
 
@@ -88,18 +88,18 @@ def test_a_broken_model_file_gives_one_line_naming_the_problem(tmp_path, case):
 def test_an_unknown_preset_of_a_bundled_model_file_is_reported(monkeypatch):
     monkeypatch.setenv("MEMPLAN_PRESET", "huge")
     with pytest.raises(ModelFileError, match=r"build\(\) raised ValueError: MEMPLAN_PRESET='huge' is not one of"):
-        load_workload(EXAMPLES / "gpt2.py", batch=2, seq=4, dtype=torch.float32, device="cpu")
+        load_workload(StepSpec(EXAMPLES / "gpt2.py", batch=2, seq=4))
 
 
 def test_a_missing_model_file_is_named(tmp_path):
     with pytest.raises(ModelFileError, match="no such model file"):
-        load_workload(tmp_path / "absent.py", batch=2, seq=4, dtype=torch.float32, device="cpu")
+        load_workload(StepSpec(tmp_path / "absent.py", batch=2, seq=4))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_on_a_machine_without_it_is_refused_before_building(tmp_path):
     with pytest.raises(DeviceError, match="CUDA is not available"):
-        load_workload(write(tmp_path, "good", GOOD), batch=2, seq=4, dtype=torch.float32, device="cuda")
+        load_workload(StepSpec(write(tmp_path, "good", GOOD), batch=2, seq=4, device="cuda"))
     out = tmp_path / "t.json.gz"
     result = CliRunner().invoke(main, ["trace", str(tmp_path / "good.py"), "--device", "cuda", "-o", str(out)])
     assert result.exit_code != 0 and not out.exists()
@@ -107,14 +107,12 @@ def test_cuda_on_a_machine_without_it_is_refused_before_building(tmp_path):
 
 
 def test_layers_mode_is_applied_to_the_built_model_and_unknown_modes_are_refused(tmp_path):
-    w = load_workload(
-        EXAMPLES / "bert.py", batch=2, seq=8, dtype=torch.float32, device="cpu", layers=LayerMode("tempo")
-    )
+    w = load_workload(StepSpec(EXAMPLES / "bert.py", batch=2, seq=8, mode="tempo"))
     kinds = {type(m).__module__ for m in w.model.modules()}
     assert any(k.startswith("memplan.planner.layers") for k in kinds)
     assert {id(p) for g in w.optimizer.param_groups for p in g["params"]} == {id(p) for p in w.model.parameters()}
     with pytest.raises(MemplanError) as err:
-        LayerMode("no-such-mode")
+        StepSpec(EXAMPLES / "bert.py", mode="no-such-mode")
     assert "\n" not in str(err.value) and "no-such-mode" in str(err.value)
 
 

@@ -12,11 +12,11 @@ from click.testing import CliRunner
 from memplan.cli import main
 from memplan.planner.cost import count_step_flops
 from memplan.planner.jobs.optimize import OPTIMIZE_MODES, OptimizeError, OptimizeOptions, optimize
-from memplan.planner.layers import LayerModes
 from memplan.planner.optimize.choose import recompute_of
 from memplan.planner.problem import problem_from_trace
 from memplan.solvers import solve
-from memplan.traces.trace_model import trace_model_file
+from memplan.step import StepSpec
+from memplan.traces.trace_model import trace_step
 
 LAYERS = tuple(f"layers.{i}" for i in range(4))
 SHAPE = {"batch": 1, "seq": 128, "dtype": "float32"}
@@ -36,8 +36,8 @@ def model_file(tmp_path_factory):
     return str(path)
 
 
-def patch_of(assignment):
-    return LayerModes(dict(zip(LAYERS, assignment)))
+def step_of(model_file, assignment):
+    return StepSpec(model_file, mode=dict(zip(LAYERS, assignment)), **SHAPE)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def brute(model_file):
     """Plan arena of every one of the 5^4 assignments, each traced for real and solved."""
     arenas = {}
     for assignment in itertools.product(OPTIMIZE_MODES, repeat=len(LAYERS)):
-        trace = trace_model_file(model_file, layers=patch_of(assignment), **SHAPE)
+        trace = trace_step(step_of(model_file, assignment))
         arenas[assignment] = solve(problem_from_trace(trace), time_limit=2).arena
     return arenas
 
@@ -53,7 +53,7 @@ def brute(model_file):
 @pytest.fixture(scope="module")
 def layer_costs(model_file):
     """Recompute FLOPs per (layer, mode), from one count per mode on every layer."""
-    counts = {m: count_step_flops(model_file, layers=patch_of((m,) * 4), **SHAPE) for m in OPTIMIZE_MODES}
+    counts = {m: count_step_flops(step_of(model_file, (m,) * 4)) for m in OPTIMIZE_MODES}
     return {
         (j, m): counts[m].by_module[path] - counts["as-built"].by_module[path]
         for j, path in enumerate(LAYERS)
@@ -65,7 +65,7 @@ def test_recompute_adds_up_over_layers(model_file, layer_costs):
     """The brute force may sum the per-layer costs: a mixed assignment's counted FLOPs are that sum exactly."""
     cost, as_built = layer_costs
     for assignment in [("full", "tempo", "as-built", "tempo+selective"), ("selective", "full", "full", "tempo")]:
-        counted = count_step_flops(model_file, layers=patch_of(assignment), **SHAPE).total
+        counted = count_step_flops(step_of(model_file, assignment)).total
         assert counted - as_built == recompute_of(assignment, cost)
 
 
@@ -87,7 +87,7 @@ def test_optimize_agrees_with_brute_force(model_file, brute, layer_costs):
     arenas = sorted(brute[a] for a in uniform)
     sizes = [mixed_wins[len(mixed_wins) // 2], *((a + b) // 2 for a, b in zip(arenas, arenas[1:]))]
     for memory in sizes:
-        result = optimize(OptimizeOptions(model_file, memory=memory, capture="real", time_limit=5, **SHAPE))
+        result = optimize(OptimizeOptions(StepSpec(model_file, **SHAPE), memory=memory, capture="real", time_limit=5))
         assert result.choice.status == "optimal"
         assert result.chosen.recompute == least_recompute(brute, cost, memory), memory
         assert result.chosen.plan_arena <= memory and brute[result.chosen.assignment] <= memory
@@ -113,4 +113,4 @@ def test_max_batch_json(model_file):
     assert batch >= 1 and summary["chosen"]["fits"] and summary["chosen"]["plan_arena"] <= 8 << 20
     # one more sample does not fit with any assignment, by the model
     with pytest.raises(OptimizeError, match=f"no assignment of modes fits batch {batch + 1}"):
-        optimize(OptimizeOptions(model_file, memory=8 << 20, batch=batch + 1, seq=32, capture="real"))
+        optimize(OptimizeOptions(StepSpec(model_file, batch=batch + 1, seq=32), memory=8 << 20, capture="real"))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from memplan.planner.layers import MODES, LayerMode, PatchError, patch, unpatch
+from memplan.planner.layers import MODES, PatchError, patch, unpatch
 from memplan.planner.layers.memory import LayerShape, saved_bytes
 from memplan.planner.workloads import bert, gpt2
 
@@ -139,10 +139,11 @@ def test_hf_layer_holds_formula_bytes(builder, mode):
 def test_model_files_are_patched_for_baseline_too(file):
     """`--layers baseline` traces memplan's reference layers (1-byte dropout masks, attention written out),
     so baseline and tempo differ only in what tempo saves."""
+    from memplan.step import StepSpec
     from memplan.traces.model_file import load_workload
 
     path = Path(__file__).resolve().parents[1] / "examples" / file
-    w = load_workload(path, batch=2, seq=16, dtype=torch.float32, device="cpu", layers=LayerMode("baseline"))
+    w = load_workload(StepSpec(path, batch=2, seq=16, mode="baseline"))
     assert not any(type(m) is nn.Dropout for m in w.model.modules())
     assert w.model.config._attn_implementation == "memplan_baseline"
 

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from memplan.modes import check_layer_modes, describe_assignment
 from memplan.planner.layers import (
     PER_LAYER_MODES,
-    LayerMode,
-    LayerModes,
     PatchError,
     hf_attention,
     patch,
@@ -21,8 +20,9 @@ from memplan.planner.layers import (
 )
 from memplan.planner.layers.memory import held_for_backward
 from memplan.planner.workloads import bert, gpt2, llama
+from memplan.step import StepSpec
 from memplan.traces.format import Trace
-from memplan.traces.trace_model import trace_model_file
+from memplan.traces.trace_model import trace_step
 from memplan.traces.workload import Workload
 
 pytest.importorskip("transformers")
@@ -140,15 +140,16 @@ LAYERS = ["layers.0", "layers.1", "layers.2", "layers.3"]
 
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
-    """A function tracing a step of the 4-layer GPT-2 under a ModelPatch (each traced once)."""
+    """A function tracing a step of the 4-layer GPT-2 under a mode or {layer path: mode} (each traced once)."""
     path = tmp_path_factory.mktemp("models") / "gpt2_4.py"
     path.write_text(MODEL_FILE)
     traces: dict[str, Trace] = {}
 
     def trace(layers) -> Trace:
-        if layers.name not in traces:
-            traces[layers.name] = trace_model_file(path, batch=2, seq=SEQ, layers=layers)
-        return traces[layers.name]
+        step = StepSpec(path, batch=2, seq=SEQ, mode=layers)
+        if step.mode_name not in traces:
+            traces[step.mode_name] = trace_step(step)
+        return traces[step.mode_name]
 
     return trace
 
@@ -167,16 +168,16 @@ def held_by_layer(trace: Trace) -> dict[str, int]:
 
 
 def test_a_mixed_assignment_holds_between_the_uniform_modes(traced):
-    mixed = LayerModes(MIXED["gpt2"])
-    assert mixed.name == "per-layer: layers.0 full, layers.1 tempo, layers.2 tempo+selective"
+    mixed = MIXED["gpt2"]
+    assert describe_assignment(mixed) == "per-layer: layers.0 full, layers.1 tempo, layers.2 tempo+selective"
     trace = traced(mixed)
-    assert trace.meta["layers"] == mixed.name and trace.meta["patch"]["layers"] == MIXED["gpt2"]
-    held = {mode: held_for_backward(traced(LayerMode(mode))) for mode in ("as-built", "full")}
+    assert trace.meta["layers"] == describe_assignment(mixed) and trace.meta["patch"]["layers"] == mixed
+    held = {mode: held_for_backward(traced(mode)) for mode in ("as-built", "full")}
     assert held["full"] < held_for_backward(trace) < held["as-built"]
 
 
 def test_full_on_one_layer_changes_only_that_layer(traced):
-    built, one = held_by_layer(traced(LayerMode("as-built"))), held_by_layer(traced(LayerModes({"layers.2": "full"})))
+    built, one = held_by_layer(traced("as-built")), held_by_layer(traced({"layers.2": "full"}))
     assert all(one[path] == built[path] for path in ("layers.0", "layers.1", "layers.3"))
     assert one["layers.2"] < built["layers.2"] / 10
     assert one[""] - built[""] == SEQ * SEQ * 4  # the causal mask, an input the checkpointed layer keeps
@@ -185,8 +186,8 @@ def test_full_on_one_layer_changes_only_that_layer(traced):
 @pytest.mark.parametrize("mode", [m for m in PER_LAYER_MODES if m != "as-built"])
 def test_one_mode_on_every_layer_holds_what_the_uniform_mode_holds_inside_the_layers(traced, mode):
     uniform, every = (
-        held_by_layer(traced(LayerMode(mode))),
-        held_by_layer(traced(LayerModes(dict.fromkeys(LAYERS, mode)))),
+        held_by_layer(traced(mode)),
+        held_by_layer(traced(dict.fromkeys(LAYERS, mode))),
     )
     assert all(every[path] == uniform[path] for path in LAYERS[:-1])
     # The last layer's output is the final LayerNorm's input, which that LayerNorm (as built) keeps, tempo's not.
@@ -228,9 +229,9 @@ def test_bad_paths_and_modes_are_patch_errors():
     with pytest.raises(PatchError, match="'baseline' is not a per-layer mode; choose one of as-built, tempo"):
         patch(model, {"layers.0": "baseline"})
     with pytest.raises(PatchError, match="'fast' is not a per-layer mode"):
-        LayerModes({"layers.0": "fast"})
+        check_layer_modes({"layers.0": "fast"})
     with pytest.raises(PatchError, match="mode name or a {layer path: mode} mapping"):
         patch(model, ["layers.0"])
     with pytest.raises(PatchError, match="not a Transformer layer"):
-        LayerModes({"h.0": "tempo"})(model)
+        patch(model, {"h.0": "tempo"})
     assert not any(type(m).__name__.startswith("Inplace") for m in model.modules())  # nothing half-patched

@@ -22,6 +22,7 @@ from memplan.planner.replay.fingerprint import RunPrints, first_difference, tens
 from memplan.planner.replay.runner import replay, run_steps, warm_up
 from memplan.planner.replay.schedule import ReplayError, Schedule, schedule_from
 from memplan.solvers import solve
+from memplan.step import StepSpec
 from memplan.traces.capture import capture_step
 from memplan.traces.format import save
 from memplan.traces.model_file import load_workload
@@ -32,7 +33,7 @@ SEQ = 32
 
 
 def maker(model: str, batch: int):
-    return lambda: load_workload(MODELS[model], batch=batch, seq=SEQ, dtype=torch.float32, device="cpu")
+    return lambda: load_workload(StepSpec(MODELS[model], batch=batch, seq=SEQ))
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))

@@ -13,6 +13,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from memplan.errors import CompileError
+from memplan.step import StepSpec, check_budget
 
 # Inductor's generated code runs inside a RecordFunction named graph_N_inductor_wrapper_call, forward and
 # backward alike: the step recorder labels the allocations in it outside any aten op (its buffers) `inductor`.
@@ -27,8 +28,7 @@ class Compile:
     backend: str | Callable = "inductor"  # torch.compile's backend; FLOP counting passes its own
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.budget <= 1.0:
-            raise CompileError(f"--memory-budget {self.budget:g}: choose a value from 0 to 1")
+        check_budget(self.budget)
 
     def meta(self) -> dict:
         """What a trace's meta "compile" says: the backend's name and the activation memory budget."""
@@ -59,10 +59,11 @@ def describe_compile(meta: dict) -> str:
     return f"torch.compile ({meta['backend']}), activation memory budget {meta['memory_budget']:g}"
 
 
-def require_real_tensors(fake: bool) -> None:
-    """Refuse a compiled step on fake tensors: Inductor's kernels read and write the tensors' data, which fake
-    tensors do not have (tried: the first compiled kernel crashes the process)."""
-    if fake:
+def require_real_tensors(step: StepSpec) -> None:
+    """Refuse to trace a compiled step on fake tensors: Inductor's kernels read and write the tensors' data, which
+    fake tensors do not have (tried: the first compiled kernel crashes the process). Counting a compiled step's
+    FLOPs needs no data, so only tracing asks this."""
+    if step.compile is not None and step.fake:
         raise CompileError(
             "--compile needs real tensors: Inductor's compiled kernels run on the tensors' data, "
             "which fake tensors (--fake, --capture fake) do not have"

@@ -31,11 +31,10 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from memplan.errors import MemplanError
 from memplan.files import atomic_write
-from memplan.modes import AS_BUILT
+from memplan.step import StepSpec
 from memplan.traces.format import save
-from memplan.traces.model_file import ModelPatch
-from memplan.traces.summary import render, summarize
-from memplan.traces.trace_model import trace_model_file
+from memplan.traces.summary import summarize
+from memplan.traces.trace_model import trace_step
 
 TIMEOUT_S = 300  # a collective waiting longer than this fails the rank
 
@@ -135,20 +134,12 @@ def _launcher_quiet() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _trace_rank(work: Path, model_file: str, options: dict, meta: dict, top: int) -> dict:
+def _trace_rank(work: Path, step: StepSpec, top: int) -> dict:
     """One rank of `memplan trace --nproc`: build the workload, capture its step, save, summarise."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = f"cuda:{rank}" if options["device"] == "cuda" else "cpu"
-    trace = trace_model_file(
-        model_file,
-        batch=options["batch"],
-        seq=options["seq"],
-        dtype=options["dtype"],
-        device=device,
-        layers=options["layers"],
-        fake=options["fake"],
-        meta={**meta, "rank": rank, "world_size": world, "backend": dist.get_backend()},
-    )
+    device = f"cuda:{rank}" if step.device == "cuda" else "cpu"
+    meta = {"rank": rank, "world_size": world, "backend": dist.get_backend()}
+    trace = trace_step(step.replace(device=device), meta=meta)
     save(trace, work / f"rank{rank}.json.gz")
     return summarize(trace, top=top)
 
@@ -193,23 +184,10 @@ def _fake_ranks(fn: Callable, args: tuple, nproc: int, work: Path) -> list[Any]:
     return results
 
 
-def trace_ranks(
-    model_file: str,
-    output: str | os.PathLike,
-    nproc: int,
-    *,
-    batch: int,
-    seq: int,
-    dtype: str,
-    layers: ModelPatch | None,
-    device: str,
-    meta: dict,
-    top: int = 5,
-    fake: bool = False,
-) -> list[tuple[Path, dict]]:
+def trace_ranks(step: StepSpec, output: str | os.PathLike, nproc: int, *, top: int = 5) -> list[tuple[Path, dict]]:
     """Trace one training step on each of `nproc` ranks; returns (file, summary) per rank. The files
-    FILE.rank{r}.json.gz appear only when every rank succeeded (RankError otherwise). With `fake`, the
-    ranks run one after another in this process under fake tensors, on the fake process group."""
+    FILE.rank{r}.json.gz appear only when every rank succeeded (RankError otherwise). On fake tensors, the
+    ranks run one after another in this process, on the fake process group."""
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     paths = [rank_path(output, r) for r in range(nproc)]
@@ -225,59 +203,7 @@ def trace_ranks(
                 path.unlink(missing_ok=True)
             raise RankError(f"{output}: cannot write the rank traces ({e.strerror or e})") from None
 
-    options = {"batch": batch, "seq": seq, "dtype": dtype, "layers": layers, "device": device, "fake": fake}
     summaries = launch(
-        _trace_rank,
-        (str(model_file), options, meta, top),
-        nproc,
-        device,
-        tmp_parent=output.parent,
-        keep=keep,
-        fake=fake,
+        _trace_rank, (step, top), nproc, step.device, tmp_parent=output.parent, keep=keep, fake=step.fake
     )
     return list(zip(paths, summaries))
-
-
-def trace_command_ranks(
-    model_file: str,
-    output: str | None,
-    nproc: int,
-    *,
-    batch: int,
-    seq: int,
-    dtype: str,
-    layers: ModelPatch | None,
-    device: str,
-    top: int,
-    progress: Callable[[str], None],
-    fake: bool = False,
-) -> tuple[dict, str]:
-    """`memplan trace --nproc N`: trace every rank and return the summary (JSON keys: world_size, ranks,
-    each rank's summary with rank and output) and its text."""
-    stem, mode = Path(model_file).stem, layers.name if layers else AS_BUILT
-    output = output or f"{stem}.{mode}.trace.json.gz"
-    backend = "fake process group, fake tensors" if fake else "nccl" if device == "cuda" else "gloo"
-    progress(
-        f"{'tracing' if fake else 'starting'} {nproc} ranks ({backend}): {model_file} (batch {batch}, "
-        f"seq {seq}, {dtype}, layers {mode}), one training step each after a warm-up step"
-    )
-    meta = {"batch": batch, "seq": seq, "model_file": str(model_file)}
-    results = trace_ranks(
-        model_file,
-        output,
-        nproc,
-        batch=batch,
-        seq=seq,
-        dtype=dtype,
-        layers=layers,
-        device=device,
-        meta=meta,
-        top=top,
-        fake=fake,
-    )
-    ranks, texts = [], []
-    for r, (path, summary) in enumerate(results):
-        progress(f"wrote {path}")
-        ranks.append({**summary, "rank": r, "output": str(path)})
-        texts.append(f"rank {r} of {nproc}:\n{render(summary)}\nwritten to {path}")
-    return {"world_size": nproc, "ranks": ranks}, "\n\n".join(texts)

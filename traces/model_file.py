@@ -11,8 +11,8 @@ A model file defines
 or returns a `traces.workload.Workload` (its `name` left at the default is the file's name too). The
 name is the workload's everywhere: the trace's meta "model" and replay's report. `inputs` is a tensor,
 a tuple (passed positionally) or a dict (passed by keyword). memplan seeds torch with 0 before calling
-build(), casts a dict's model to `dtype` and `device`, and applies the caller's ModelPatch (memplan's
-layer modes) before the optimizer is made.
+build(), casts a dict's model to `dtype` and `device`, and applies the step's layer mode (planner.layers.patch)
+before the optimizer is made.
 Every breach of the protocol raises ModelFileError with one line naming what is wrong. The file is
 imported with its own folder first on sys.path, so it can import its sibling modules (`_model_folder_on_path`).
 """
@@ -26,12 +26,14 @@ import sys
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 from memplan.errors import MemplanError, ModelFileError
+from memplan.planner.layers.patch import patch
+from memplan.step import StepSpec
 from memplan.traces.fake import module_to
 from memplan.traces.workload import Workload, default_loss
 
@@ -39,15 +41,6 @@ BUILD = "build"
 BUILD_ARGS = ("batch_size", "seq_len", "dtype", "device")
 DICT_KEYS = ("model", "inputs", "loss", "optimizer", "name")
 DEFAULT_NAME = next(f.default for f in fields(Workload) if f.name == "name")  # a Workload built without a name
-
-
-class ModelPatch(Protocol):
-    """What changes a built model before its optimizer is made: memplan's layer modes (planner.layers.LayerMode);
-    calling it returns what it changed, as plain data the trace keeps in meta "patch"."""
-
-    name: str  # the trace's meta "layers"
-
-    def __call__(self, model: nn.Module) -> dict: ...
 
 
 class DeviceError(MemplanError):
@@ -150,9 +143,7 @@ def _optimizer(path: Path, spec: Any, model: nn.Module) -> torch.optim.Optimizer
     )
 
 
-def _from_dict(
-    path: Path, built: dict, dtype: torch.dtype, device: torch.device, layers: ModelPatch | None
-) -> Workload:
+def _from_dict(path: Path, built: dict, dtype: torch.dtype, device: torch.device, step: StepSpec) -> Workload:
     for key in ("model", "inputs"):
         if key not in built:
             raise ModelFileError(f"{path}: {BUILD}() returned a dict without the key '{key}'")
@@ -168,7 +159,7 @@ def _from_dict(
     if not callable(loss):
         raise ModelFileError(f"{path}: {BUILD}()['loss'] is {type(loss).__name__}, not callable")
     module_to(model, device=device, dtype=dtype)
-    report = layers(model) if layers is not None else None
+    report = patch(model, step.assignment).to_dict()
     optimizer = _optimizer(path, built.get("optimizer"), model)
     name = str(built.get("name") or path.stem)
     return Workload(model=model, inputs=built["inputs"], optimizer=optimizer, loss_fn=loss, name=name, patch=report)
@@ -192,24 +183,15 @@ def import_model_file(path: str | os.PathLike) -> Callable[..., Any]:
     return _build_function(path, _import(path))
 
 
-def build_workload(
-    path: str | os.PathLike,
-    build: Callable[..., Any],
-    *,
-    batch: int,
-    seq: int,
-    dtype: torch.dtype,
-    device: str,
-    layers: ModelPatch | None = None,
-    fake: bool = False,
-) -> Workload:
-    """Call a model file's build() and return the Workload (with `layers` applied); `fake` when it is
-    called under fake tensors, where a CUDA device needs no GPU but a CUDA build of torch."""
-    path = Path(path)
-    dev = require_device(device, fake)
+def build_workload(step: StepSpec, build: Callable[..., Any]) -> Workload:
+    """Call the step's model file's build() (imported by `import_model_file`) and return the Workload with the
+    step's layer mode applied; under fake tensors when `step.fake` (a CUDA device then needs no GPU, but a CUDA
+    build of torch)."""
+    path, dtype = Path(step.model_file), getattr(torch, step.dtype)
+    dev = require_device(step.device, step.fake)
     torch.manual_seed(0)
     try:
-        built = build(batch_size=batch, seq_len=seq, dtype=dtype, device=str(dev))
+        built = build(batch_size=step.batch, seq_len=step.seq, dtype=dtype, device=str(dev))
     except MemplanError:
         raise
     except (Exception, SystemExit) as e:
@@ -217,11 +199,10 @@ def build_workload(
     if isinstance(built, Workload):
         if built.name == DEFAULT_NAME:  # the file gave no name: the file's, as for a dict
             built.name = path.stem
-        if layers is not None:
-            built.patch = layers(built.model)
+        built.patch = patch(built.model, step.assignment).to_dict()
         workload = built
     elif isinstance(built, dict):
-        workload = _from_dict(path, built, dtype, dev, layers)
+        workload = _from_dict(path, built, dtype, dev, step)
     else:
         raise ModelFileError(
             f"{path}: {BUILD}() returned {type(built).__name__}; expected a dict with "
@@ -231,18 +212,7 @@ def build_workload(
     return workload
 
 
-def load_workload(
-    path: str | os.PathLike,
-    *,
-    batch: int,
-    seq: int,
-    dtype: torch.dtype,
-    device: str,
-    layers: ModelPatch | None = None,
-    fake: bool = False,
-) -> Workload:
-    """Import a model file, call its build(), and return the Workload (with `layers` applied)."""
-    require_device(device, fake)
-    return build_workload(
-        path, import_model_file(path), batch=batch, seq=seq, dtype=dtype, device=device, layers=layers, fake=fake
-    )
+def load_workload(step: StepSpec) -> Workload:
+    """Import the step's model file, call its build(), and return the Workload with the step's mode applied."""
+    require_device(step.device, step.fake)
+    return build_workload(step, import_model_file(step.model_file))

@@ -1,66 +1,50 @@
-"""Trace one training step of a model file: the one function behind `memplan trace`, `run`, `fit` and
-`replay`, so every command records a model file the same way."""
+"""Trace one training step of a model file (a StepSpec): the one function behind `memplan trace`, `run`, `fit`,
+`tradeoff` and `optimize`, so every command records a model file the same way."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-
-import torch
 
 from memplan.errors import MemplanError
 from memplan.modes import AS_BUILT
+from memplan.step import StepSpec
 from memplan.traces.capture import capture_step
 from memplan.traces.compile import Compile, compile_model, require_real_tensors
 from memplan.traces.format import Trace
-from memplan.traces.model_file import ModelPatch, build_workload, import_model_file, require_device
+from memplan.traces.model_file import build_workload, import_model_file, require_device
 from memplan.units import human_bytes
 
 
-def trace_model_file(
-    path: str | os.PathLike,
-    *,
-    batch: int,
-    seq: int,
-    dtype: str | torch.dtype = "float32",
-    device: str = "cpu",
-    layers: ModelPatch | None = None,
-    fake: bool = False,
-    warmup: bool = True,
-    meta: dict | None = None,
-    compile: Compile | None = None,
-) -> Trace:
-    """Build `path`'s workload (batch, seq, dtype, device, layer mode) and record one training step; with
-    `fake`, under fake tensors (nothing allocated or computed, any size, also a CUDA device on a CPU); with
-    `compile`, the model's forward runs under torch.compile (the warm-up step compiles it, so the compiler's
-    own allocations are not the recorded step's; a recorded step that compiles again is a CompileError)."""
-    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    require_device(device, fake)
-    if compile is not None:
-        require_real_tensors(fake)
-    build_function = import_model_file(path)  # before recording: import-time tensors are not the step's
+def trace_step(step: StepSpec, meta: dict | None = None) -> Trace:
+    """Build the step's workload (its shape, device and layer mode) and record one training step (after a warm-up
+    step unless `step.warmup` is off); under fake tensors when `step.fake` (nothing allocated or computed, any
+    size, also a CUDA device on a CPU); compiled by torch.compile when `step.compile` is a budget (the warm-up
+    step compiles it, so the compiler's own allocations are not the recorded step's; a recorded step that
+    compiles again is a CompileError)."""
+    require_device(step.device, step.fake)
+    require_real_tensors(step)
+    compiled = None if step.compile is None else Compile(step.compile)
+    build_function = import_model_file(step.model_file)  # before recording: import-time tensors are not the step's
 
     compilations = []  # the compiled forward's Compilations, once built
 
     def build():
-        workload = build_workload(
-            path, build_function, batch=batch, seq=seq, dtype=torch_dtype, device=device, layers=layers, fake=fake
-        )
-        if compile is not None:
-            compilations.append(compile_model(workload.model, compile))
+        workload = build_workload(step, build_function)
+        if compiled is not None:
+            compilations.append(compile_model(workload.model, compiled))
         return workload
 
     info = {  # meta "model" is capture_step's: the workload's name (the model file's "name", else its file name)
-        "layers": layers.name if layers else AS_BUILT,
-        "batch": batch,
-        "seq": seq,
-        "dtype": str(torch_dtype).replace("torch.", ""),
-        "model_file": str(path),
-        **({"compile": compile.meta()} if compile is not None else {}),
+        "layers": step.mode_name,
+        "batch": step.batch,
+        "seq": step.seq,
+        "dtype": step.dtype,
+        "model_file": step.model_file,
+        **({"compile": compiled.meta()} if compiled is not None else {}),
     }
-    trace = capture_step(build, device, fake=fake, warmup=warmup, meta={**info, **(meta or {})})
-    for compiled in compilations:
-        compiled.require_steady(str(path), steps=2 if warmup else 1)
+    trace = capture_step(build, step.device, fake=step.fake, warmup=step.warmup, meta={**info, **(meta or {})})
+    for compilation in compilations:
+        compilation.require_steady(step.model_file, steps=2 if step.warmup else 1)
     return trace
 
 
@@ -94,12 +78,13 @@ class CaptureChoice:
         return "fake" if self.fake else "real"
 
 
-def sized_capture(capture: str, path: str | os.PathLike, *, batch: int, seq: int, dtype: str) -> CaptureChoice:
-    """`choose_capture` for a model file's step: auto sizes it on a fake trace of the model as built (only
+def sized_capture(capture: str, step: StepSpec) -> CaptureChoice:
+    """`choose_capture` for a model file's step: auto sizes it on a fake, eager trace of the model as built (only
     auto traces anything)."""
     if capture != "auto":
         return choose_capture(capture, 0)
-    return choose_capture(capture, trace_model_file(path, batch=batch, seq=seq, dtype=dtype, fake=True).peak()[0])
+    sizing = step.replace(mode=AS_BUILT, fake=True, compile=None)
+    return choose_capture(capture, trace_step(sizing).peak()[0])
 
 
 def choose_capture(capture: str, need: int) -> CaptureChoice:

@@ -27,8 +27,6 @@ step can be counted with `fake` too.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import os
 from collections import Counter
 from dataclasses import dataclass
 
@@ -41,10 +39,11 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from memplan.errors import MemplanError
+from memplan.step import StepSpec
 from memplan.traces.capture import recording_session, run_user_code
 from memplan.traces.compile import Compile, compile_model
 from memplan.traces.fake import RANDOM_FILLS
-from memplan.traces.model_file import ModelPatch, build_workload, import_model_file, require_device
+from memplan.traces.model_file import build_workload, import_model_file, require_device
 from memplan.traces.workload import Workload
 
 aten = torch.ops.aten
@@ -127,14 +126,6 @@ class StepFlops:
     @property
     def total(self) -> int:
         return self.matmul + self.elementwise
-
-
-def step_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """The torch dtype named by `dtype` ("float32", "bfloat16", or a torch.dtype as is)."""
-    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-    if not isinstance(resolved, torch.dtype):
-        raise CostError(f"--dtype {dtype}: not a torch dtype (e.g. float32, bfloat16)")
-    return resolved
 
 
 def checked_step(workload: Workload, what: str) -> None:
@@ -295,34 +286,21 @@ def counting_backend(graph: torch.fx.GraphModule, example_inputs) -> object:
         )
 
 
-def count_step_flops(
-    model_file: str | os.PathLike,
-    *,
-    batch: int,
-    seq: int,
-    dtype: str | torch.dtype = "float32",
-    device: str = "cpu",
-    layers: ModelPatch | None = None,
-    compile: Compile | None = None,
-    fake: bool = False,
-) -> StepFlops:
-    """FLOPs of one training step of `model_file` (after a warm-up step), eager or compiled as `compile`
-    says. With `fake`, built and stepped under fake tensors, so any size fits and nothing is computed."""
-    # 1. The options checked and the model file imported (outside fake tensors: import-time tensors are real).
-    torch_dtype = step_dtype(dtype)
-    require_device(device, fake)
-    build = import_model_file(model_file)
-    with recording_session(device, fake=True) if fake else contextlib.nullcontext():
+def count_step_flops(step: StepSpec) -> StepFlops:
+    """FLOPs of one training step (after a warm-up step), eager or compiled as the step says. On fake tensors the
+    step is built and run under fake tensors, so any size fits and nothing is computed."""
+    # 1. The device checked and the model file imported (outside fake tensors: import-time tensors are real).
+    require_device(step.device, step.fake)
+    build = import_model_file(step.model_file)
+    with recording_session(step.device, fake=True) if step.fake else contextlib.nullcontext():
         # 2. The workload, with its layer mode, compiled with the counting backend if asked.
-        workload = build_workload(
-            model_file, build, batch=batch, seq=seq, dtype=torch_dtype, device=device, layers=layers, fake=fake
-        )
-        if compile is not None:
-            compile_model(workload.model, dataclasses.replace(compile, backend=counting_backend))
+        workload = build_workload(step, build)
+        if step.compile is not None:
+            compile_model(workload.model, Compile(step.compile, backend=counting_backend))
         # 3. A warm-up step: it creates the optimizer state and compiles.
         checked_step(workload, "warm-up step")
         # 4. The counted step, with its modules tracked when they run as modules.
-        paths = _ModulePaths(workload.model) if compile is None else None
+        paths = _ModulePaths(workload.model) if step.compile is None else None
         with paths or contextlib.nullcontext(), _FlopCounting(paths) as counting:
             checked_step(workload, "counted step")
     by_module = counting.by_module(workload.model) if paths is not None else {}

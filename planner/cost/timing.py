@@ -10,7 +10,6 @@ damps the machine's noise.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Mapping
@@ -18,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from memplan.planner.cost.flops import CostError, checked_step, step_dtype
+from memplan.planner.cost.flops import CostError, checked_step
+from memplan.step import StepSpec
 from memplan.traces.compile import Compile, compile_model
-from memplan.traces.model_file import ModelPatch, load_workload
+from memplan.traces.model_file import load_workload
 from memplan.traces.workload import Workload
 
 
@@ -38,28 +38,19 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_step(
-    model_file: str | os.PathLike,
-    *,
-    batch: int,
-    seq: int,
-    dtype: str | torch.dtype,
-    device: str = "cpu",
-    layers: ModelPatch | None = None,
-    compile: Compile | None = None,
-    repeats: int = 5,
-    warmup: int = 2,
-) -> StepTime:
-    """Wall time of one training step of `model_file` in layer mode `layers` (compiled as `compile` says):
-    `warmup` untimed steps, then the median of `repeats` timed ones."""
+def time_step(step: StepSpec, *, repeats: int = 5, warmup: int = 2) -> StepTime:
+    """Wall time of one training step (on real tensors, compiled as the step says): `warmup` untimed steps, then
+    the median of `repeats` timed ones."""
     # 1. The options checked; the workload built on real tensors and compiled if asked.
     if repeats < 1 or warmup < 0:
         raise CostError(f"repeats {repeats}, warmup {warmup}: time at least 1 step after 0 or more warm-up steps")
-    workload = load_workload(model_file, batch=batch, seq=seq, dtype=step_dtype(dtype), device=device, layers=layers)
-    if compile is not None:
-        compile_model(workload.model, compile)
+    if step.fake:
+        raise CostError("a step is timed on real tensors: fake ones compute nothing")
+    workload = load_workload(step)
+    if step.compile is not None:
+        compile_model(workload.model, Compile(step.compile))
     # 2. Warm-up steps (the optimizer state created, the model compiled), then the timed ones.
-    return time_workloads({"step": workload}, device=device, repeats=repeats, warmup=warmup)["step"]
+    return time_workloads({"step": workload}, device=step.device, repeats=repeats, warmup=warmup)["step"]
 
 
 def time_workloads(

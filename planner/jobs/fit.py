@@ -17,11 +17,11 @@ import numpy as np
 
 from memplan.errors import MemplanError
 from memplan.modes import MODES
-from memplan.planner.layers import LayerMode
 from memplan.planner.problem import problem_from_trace
 from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.solvers import CapacityError, solve
+from memplan.step import StepSpec
 from memplan.traces.compile import Compile, CompileError, describe_compile, require_real_tensors
 from memplan.traces.summary import describe_patch, no_change_mark
 from memplan.traces.trace_model import (
@@ -29,7 +29,7 @@ from memplan.traces.trace_model import (
     CaptureChoice,
     choose_capture,
     host_memory_available,
-    trace_model_file,
+    trace_step,
 )
 from memplan.units import GiB, human_bytes
 
@@ -129,23 +129,25 @@ class ModeFit:
 class FitResult:
     """Every mode's fit for one model file, memory size and shape."""
 
-    model_file: str
+    step: StepSpec  # the step fitted: its model file, sequence, dtype and compilation (batch and mode vary)
     memory: int
-    seq: int
-    dtype: str
     alloc_conf: str
     modes: list[ModeFit]
     capture: CaptureChoice
     tie_break: str = "lowest_address"
-    compile: Compile | None = None  # how the traced steps were compiled; None: eager
+
+    @property
+    def compile(self) -> Compile | None:
+        """How the traced steps were compiled; None: eager."""
+        return None if self.step.compile is None else Compile(self.step.compile)
 
     def summary(self) -> dict:
         """The JSON document of `memplan fit --json`."""
         return {
-            "model_file": self.model_file,
+            "model_file": self.step.model_file,
             "memory": self.memory,
-            "seq": self.seq,
-            "dtype": self.dtype,
+            "seq": self.step.seq,
+            "dtype": self.step.dtype,
             "alloc_conf": self.alloc_conf,
             "tie_break": self.tie_break,
             "capture": self.capture.name,
@@ -158,7 +160,7 @@ class FitResult:
         """The human table: per mode, the batch under each allocator model and the figures at b and b+1."""
         head = (
             f"largest batch fitting {format_size(self.memory)} ({self.memory} bytes), "
-            f"{self.model_file}, seq {self.seq}, {self.dtype}; {self.capture.name} traces "
+            f"{self.step.model_file}, seq {self.step.seq}, {self.step.dtype}; {self.capture.name} traces "
             f"({self.capture.reason})"
             + ("" if self.compile is None else f"; compiled: {describe_compile(self.compile.meta())}")
         )
@@ -212,22 +214,16 @@ class BatchProbe:
 
     def __init__(
         self,
-        model_file: str,
-        mode: str,
+        step: StepSpec,
         memory: int,
         *,
-        seq: int,
-        dtype: str,
         alloc_conf: str,
         time_limit: float,
         progress: Callable[[str], None],
         tie_break: str = "lowest_address",
-        fake: bool = False,
-        compile: Compile | None = None,
     ):
-
-        self.model_file, self.mode, self.memory, self.fake, self.compile = model_file, mode, memory, fake, compile
-        self.seq, self.dtype, self.time_limit, self.progress = seq, dtype, time_limit, progress
+        self.step, self.mode, self.memory, self.fake = step, step.mode_name, memory, step.fake
+        self.time_limit, self.progress = time_limit, progress
         self.conf = parse_alloc_conf(alloc_conf, tie_break)
         self.points: dict[int, Point] = {}
         self.patch: dict = {}  # the traces' meta "patch", once one is traced
@@ -257,15 +253,7 @@ class BatchProbe:
 
     def _measure(self, batch: int) -> Point:
 
-        trace = trace_model_file(
-            self.model_file,
-            batch=batch,
-            seq=self.seq,
-            dtype=self.dtype,
-            layers=LayerMode(self.mode),
-            fake=self.fake,
-            compile=self.compile,
-        )
+        trace = trace_step(self.step.replace(batch=batch))
         self.patch = trace.meta["patch"]
         reserved = simulate_caching(trace, self.conf).peak_reserved
         # with a capacity the allocator frees its cache and retries before failing: only that decides a miss
@@ -371,48 +359,38 @@ def fit_mode(probe: BatchProbe) -> ModeFit:
 
 
 def fit_model(
-    model_file: str,
+    step: StepSpec,
     memory: int,
     *,
-    modes: tuple[str, ...],
-    seq: int = 128,
-    dtype: str = "float32",
+    modes: tuple[str, ...] = MODES,
     alloc_conf: str = "",
     time_limit: float = 5.0,
     tie_break: str = "lowest_address",
     capture: str = "auto",
     progress: Callable[[str], None] = lambda _: None,
-    compile: float | None = None,
 ) -> FitResult:
-    """The largest batch of `model_file` fitting `memory` bytes for every mode, under both allocator models,
-    on real or fake traces as `capture` (auto, real, fake) chooses for steps near `memory` bytes; with
-    `compile` (an activation memory budget), of the step compiled by torch.compile (real traces only)."""
+    """The largest batch of `step` fitting `memory` bytes for every mode, under both allocator models, on real or
+    fake traces as `capture` (auto, real, fake) chooses for steps near `memory` bytes; compiled by torch.compile
+    when the step says so (real traces only). The step's own batch and mode are not used."""
 
     for mode in modes:
         if mode not in MODES:
             raise FitError(f"--layers {mode}: unknown mode (choose from {', '.join(MODES)})")
-    compiled = None if compile is None else Compile(compile)
-    if compiled is not None:
-        require_real_tensors(capture == "fake")
     choice = choose_capture(capture, memory)
-    if compiled is not None and choice.fake:
+    require_real_tensors(step.replace(fake=capture == "fake"))  # before anything is traced
+    if step.compile is not None and choice.fake:
         raise CompileError(f"--compile needs real tensors, and {choice.reason}: fit it eagerly, or a smaller --memory")
     progress(f"{choice.name} traces ({choice.reason})")
     fits = []
     for mode in dict.fromkeys(modes):
         progress(f"{mode}: tracing batch sizes {', '.join(map(str, MEASURE_BATCHES))} to predict the fit")
         probe = BatchProbe(
-            model_file,
-            mode,
+            step.replace(mode=mode, fake=choice.fake),
             memory,
-            seq=seq,
-            dtype=dtype,
             alloc_conf=alloc_conf,
             time_limit=time_limit,
             progress=progress,
             tie_break=tie_break,
-            fake=choice.fake,
-            compile=compiled,
         )
         fits.append(fit_mode(probe))
-    return FitResult(str(model_file), memory, seq, dtype, alloc_conf, fits, choice, tie_break, compiled)
+    return FitResult(step, memory, alloc_conf, fits, choice, tie_break)

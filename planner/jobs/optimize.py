@@ -15,20 +15,19 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-import torch
-
 from memplan.errors import MemplanError
 from memplan.modes import AS_BUILT, FULL, OPTIMIZE_MODES
 from memplan.planner.cost import count_step_flops
-from memplan.planner.layers import LayerModes, transformer_layers
+from memplan.planner.layers import transformer_layers
 from memplan.planner.optimize.choose import Assignment, Choice, Flops, choose_modes, recompute_of
 from memplan.planner.optimize.terms import MemoryTerms, assignments_to_trace, memory_terms
 from memplan.planner.problem import problem_from_trace
 from memplan.solvers import solve
+from memplan.step import StepSpec
 from memplan.traces.capture import recording_session
 from memplan.traces.format import Trace
 from memplan.traces.model_file import build_workload, import_model_file
-from memplan.traces.trace_model import CaptureChoice, sized_capture, trace_model_file
+from memplan.traces.trace_model import CaptureChoice, sized_capture, trace_step
 from memplan.units import human_bytes
 
 MEGATRON_RECIPE = FULL  # the mode Megatron's recipe checkpoints its first layers with
@@ -43,13 +42,12 @@ class OptimizeError(MemplanError):
 
 @dataclass(frozen=True)
 class OptimizeOptions:
-    """What to optimize: the model file and its shape, the memory size and the solvers' time."""
+    """What to optimize: the step (its model file and shape; the modes are chosen here), the memory size, whether
+    the batch is chosen too, and the solvers' time."""
 
-    model_file: str
+    step: StepSpec
     memory: int  # bytes the step's plan must fit in
-    batch: int | None = 2  # None: the largest batch that fits (--max-batch)
-    seq: int = 128
-    dtype: str = "float32"
+    max_batch: bool = False  # choose the largest batch that fits too (--max-batch); else the step's batch
     capture: str = "auto"  # real or fake traces: auto, real, fake
     time_limit: float = 10.0  # CP-SAT's per choice, and the plan solver's per trace
 
@@ -86,11 +84,11 @@ class OptimizeResult:
 
     def summary(self) -> dict:
         return {
-            "model_file": self.options.model_file,
+            "model_file": self.options.step.model_file,
             "memory": self.options.memory,
             "batch": self.batch,
-            "seq": self.options.seq,
-            "dtype": self.options.dtype,
+            "seq": self.options.step.seq,
+            "dtype": self.options.step.dtype,
             "capture": self.capture.name,
             "capture_reason": self.capture.reason,
             "layers": list(self.layers),
@@ -117,12 +115,10 @@ class Measured:
 
 def model_layers(opts: OptimizeOptions) -> tuple[str, ...]:
     """The model's Transformer layer paths, from a build under fake tensors (nothing allocated)."""
-    build = import_model_file(opts.model_file)
-    with recording_session("cpu", fake=True):
-        workload = build_workload(
-            opts.model_file, build, batch=1, seq=opts.seq, dtype=getattr(torch, opts.dtype), device="cpu", fake=True
-        )
-        return tuple(transformer_layers(workload.model))
+    step = opts.step.replace(batch=1, mode=AS_BUILT, device="cpu", fake=True)
+    build = import_model_file(step.model_file)
+    with recording_session(step.device, fake=True):
+        return tuple(transformer_layers(build_workload(step, build).model))
 
 
 def every_layer(layers: tuple[str, ...], mode: str) -> Assignment:
@@ -130,21 +126,17 @@ def every_layer(layers: tuple[str, ...], mode: str) -> Assignment:
     return tuple(mode for _ in layers)
 
 
-def patch_of(layers: tuple[str, ...], assignment: Assignment) -> LayerModes:
-    """The trace patch that applies `assignment` to the layers."""
-    return LayerModes(dict(zip(layers, assignment)))
+def step_of(opts: OptimizeOptions, layers: tuple[str, ...], assignment: Assignment, batch: int, fake: bool) -> StepSpec:
+    """The step at `batch` with `assignment`'s mode for each layer."""
+    return opts.step.replace(batch=batch, mode=dict(zip(layers, assignment)), fake=fake)
 
 
 def measure_batch(opts: OptimizeOptions, layers: tuple[str, ...], batch: int, fake: bool, progress) -> Measured:
     """The model at `batch`: the traces of terms.assignments_to_trace, and one FLOP count per mode."""
-    shape = {"batch": batch, "seq": opts.seq, "dtype": opts.dtype, "fake": fake}
     to_trace = assignments_to_trace(OPTIMIZE_MODES, len(layers))
     progress(f"[batch {batch}] tracing {len(to_trace)} assignments and counting the FLOPs of {len(OPTIMIZE_MODES)}")
-    traces = {a: trace_model_file(opts.model_file, layers=patch_of(layers, a), **shape) for a in to_trace}
-    flops = {
-        m: count_step_flops(opts.model_file, layers=patch_of(layers, every_layer(layers, m)), **shape)
-        for m in OPTIMIZE_MODES
-    }
+    traces = {a: trace_step(step_of(opts, layers, a, batch, fake)) for a in to_trace}
+    flops = {m: count_step_flops(step_of(opts, layers, every_layer(layers, m), batch, fake)) for m in OPTIMIZE_MODES}
     cost = {
         (j, mode): flops[mode].by_module[path] - flops[AS_BUILT].by_module[path]
         for j, path in enumerate(layers)
@@ -159,15 +151,9 @@ def trace_candidate(
     """Trace `candidate` at the measured batch (unless it is uniform, already traced) and solve its plan."""
     trace = measured.traces.get(candidate.assignment)
     if trace is None:
-        progress(f"[batch {measured.batch}] tracing {candidate.name}: {patch_of(layers, candidate.assignment).name}")
-        trace = trace_model_file(
-            opts.model_file,
-            batch=measured.batch,
-            seq=opts.seq,
-            dtype=opts.dtype,
-            layers=patch_of(layers, candidate.assignment),
-            fake=fake,
-        )
+        step = step_of(opts, layers, candidate.assignment, measured.batch, fake)
+        progress(f"[batch {measured.batch}] tracing {candidate.name}: {step.mode_name}")
+        trace = trace_step(step)
         measured.traces[candidate.assignment] = trace
     plan = solve(problem_from_trace(trace), time_limit=opts.time_limit, capacity=None)
     candidate.peak_live, candidate.plan_arena, candidate.plan_status = trace.peak()[0], plan.arena, plan.status
@@ -246,14 +232,14 @@ def optimize(opts: OptimizeOptions, progress: Callable[[str], None] = lambda m: 
     # 1. The layers, and real or fake traces (auto: sized on a fake trace at batch 1 or the batch asked).
     layers = model_layers(opts)
     if not layers:
-        raise OptimizeError(f"{opts.model_file}: no list of Transformer layers found to choose modes for")
-    capture = sized_capture(opts.capture, opts.model_file, batch=opts.batch or 1, seq=opts.seq, dtype=opts.dtype)
+        raise OptimizeError(f"{opts.step.model_file}: no list of Transformer layers found to choose modes for")
+    capture = sized_capture(opts.capture, opts.step.replace(batch=1) if opts.max_batch else opts.step)
     progress(f"{len(layers)} layers; {capture.name} traces ({capture.reason})")
     # 2. The model at the batch asked, or at the largest batch it fits.
-    if opts.batch is None:
+    if opts.max_batch:
         measured = largest_batch(opts, layers, capture.fake, progress)
     else:
-        measured = measure_batch(opts, layers, opts.batch, capture.fake, progress)
+        measured = measure_batch(opts, layers, opts.step.batch, capture.fake, progress)
     return answer(opts, layers, measured, capture, progress, start)
 
 

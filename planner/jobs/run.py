@@ -21,15 +21,15 @@ from memplan.errors import MemplanError
 from memplan.files import atomic_write
 from memplan.modes import AS_BUILT, MODES, REPLAYED_MODE
 from memplan.planner.jobs.solve_file import solve_file
-from memplan.planner.layers import LayerMode
 from memplan.planner.replay.model_replay import replay_model_file
 from memplan.planner.replay.report import ReplayReport
 from memplan.planner.report.memory_report import MemoryReport, build_report
 from memplan.planner.report.plots import plot_reports
+from memplan.step import StepSpec
 from memplan.traces.compile import Compile, CompileError, describe_compile, require_real_tensors
 from memplan.traces.format import Trace, save
 from memplan.traces.summary import describe_patch, no_change_mark
-from memplan.traces.trace_model import CaptureChoice, choose_capture, trace_model_file
+from memplan.traces.trace_model import CaptureChoice, choose_capture, trace_step
 from memplan.units import human_bytes
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "workloads" / "bert_large_slice.py"  # ships in the wheel
@@ -37,23 +37,20 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "workloads" / "bert_large_
 
 @dataclass(frozen=True)
 class RunOptions:
-    """What to run: the model file, its shape, the layer modes, the solver's time and the replay's steps."""
+    """What to run: the step (its model file, shape and compilation; every mode is run, so its own mode is not
+    used), the output folder, the layer modes, the solver's time and the replay's steps."""
 
-    model_file: str
+    step: StepSpec
     out_dir: str
-    batch: int = 2
-    seq: int = 128
-    dtype: str = "float32"
     modes: tuple[str, ...] = MODES
     time_limit: float = 10.0
     replay_mode: str = REPLAYED_MODE
     replay_steps: int = 2
     capture: str = "auto"  # real or fake traces: auto, real, fake
-    compile: float | None = None  # the activation memory budget of a step compiled by torch.compile; None: eager
 
     def compiled(self) -> Compile | None:
         """How the traced and replayed steps are compiled; None when they run eagerly."""
-        return None if self.compile is None else Compile(self.compile)
+        return None if self.step.compile is None else Compile(self.step.compile)
 
 
 @dataclass
@@ -94,13 +91,13 @@ class RunResult:
 
     def summary(self) -> dict:
         return {
-            "model_file": self.options.model_file,
-            "batch": self.options.batch,
-            "seq": self.options.seq,
-            "dtype": self.options.dtype,
+            "model_file": self.options.step.model_file,
+            "batch": self.options.step.batch,
+            "seq": self.options.step.seq,
+            "dtype": self.options.step.dtype,
             "capture": self.capture.name,
             "capture_reason": self.capture.reason,
-            "compile": None if self.options.compile is None else self.options.compiled().meta(),
+            "compile": None if self.options.step.compile is None else self.options.compiled().meta(),
             "rows": [asdict(r) for r in self.rows],
             "replay": None if self.replay is None else {**self.replay.summary(), "mode": self.options.replay_mode},
             "report": self.report_md,
@@ -110,28 +107,13 @@ class RunResult:
         }
 
 
-def reproduce_command(opts: RunOptions, mode: str, trace_file: str, plan_file: str, fake: bool) -> str:
+def reproduce_command(step: StepSpec, time_limit: float, trace_file: str, plan_file: str) -> str:
     """The memplan commands that rebuild one row of the report by hand."""
     q = shlex.quote
-    compiled = "" if opts.compile is None else f" --compile --memory-budget {opts.compile:g}"
     return (
-        f"memplan trace {q(opts.model_file)} --batch {opts.batch} --seq {opts.seq} --dtype {opts.dtype} "
-        f"--layers {mode}{' --fake' if fake else ''}{compiled} -o {q(trace_file)} && "
+        f"memplan trace {q(step.model_file)} {step.arguments()} -o {q(trace_file)} && "
         f"memplan solve {q(trace_file)} -o {q(plan_file)} "
-        f"--time-limit {opts.time_limit:g} && memplan simulate {q(trace_file)} --plan {q(plan_file)}"
-    )
-
-
-def trace_mode(opts: RunOptions, mode: str, fake: bool, compiled: Compile | None) -> Trace:
-    """Trace one training step of the model with `mode` layers, on real or fake tensors, compiled or eager."""
-    return trace_model_file(
-        opts.model_file,
-        batch=opts.batch,
-        seq=opts.seq,
-        dtype=opts.dtype,
-        layers=LayerMode(mode),
-        fake=fake,
-        compile=compiled,
+        f"--time-limit {time_limit:g} && memplan simulate {q(trace_file)} --plan {q(plan_file)}"
     )
 
 
@@ -142,9 +124,9 @@ def choose_run_capture(opts: RunOptions, progress: Callable[[str], None]) -> tup
     if opts.capture != "auto":
         return choose_capture(opts.capture, 0), {}
     progress(f"[{opts.modes[0]}] sizing the step on a fake trace")
-    sizing = trace_mode(opts, opts.modes[0], fake=True, compiled=None)
+    sizing = trace_step(opts.step.replace(mode=opts.modes[0], fake=True, compile=None))
     choice = choose_capture("auto", sizing.peak()[0])
-    if choice.fake and opts.compile is not None:
+    if choice.fake and opts.step.compile is not None:
         raise CompileError(
             f"--compile needs real tensors, and {choice.reason}: trace it eagerly, or on a larger machine"
         )
@@ -172,7 +154,8 @@ def run_mode(
     trace_file, plan_file = out / trace_rel, out / plan_rel
     if traced is None:
         progress(f"[{mode}] tracing one training step ({'fake' if fake else 'real'} tensors)")
-    trace = traced or trace_mode(opts, mode, fake, opts.compiled())
+    step = opts.step.replace(mode=mode, fake=fake)
+    trace = traced or trace_step(step)
     save(trace, work / trace_rel)
     progress(f"[{mode}] solving {len(trace):,} buffers")
     plan = solve_file(str(work / trace_rel), str(work / plan_rel), time_limit=opts.time_limit).plan
@@ -194,7 +177,7 @@ def run_mode(
         changed=bool(trace.meta["patch"]["changed"]),
         patch=describe_patch(trace.meta["patch"]),
         saving=None,
-        command=reproduce_command(opts, mode, str(trace_file), str(plan_file), fake),
+        command=reproduce_command(step, opts.time_limit, str(trace_file), str(plan_file)),
     )
     return report, row
 
@@ -202,12 +185,11 @@ def run_mode(
 def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> RunResult:
     """Run the main job and write report.md, timeline.png and address_space.png into opts.out_dir."""
 
-    if not Path(opts.model_file).is_file():
-        raise MemplanError(f"{opts.model_file}: no such model file")
+    if not Path(opts.step.model_file).is_file():
+        raise MemplanError(f"{opts.step.model_file}: no such model file")
     if opts.replay_mode not in opts.modes:
         raise MemplanError(f"the replayed mode {opts.replay_mode!r} is not among the modes run")
-    if opts.compiled() is not None:
-        require_real_tensors(opts.capture == "fake")
+    require_real_tensors(opts.step.replace(fake=opts.capture == "fake"))  # before any work
     start = time.monotonic()
     out = Path(opts.out_dir)
     if out.exists() and not out.is_dir():
@@ -256,14 +238,9 @@ def replay_plan(opts: RunOptions, work: Path, progress: Callable[[str], None]) -
     progress(f"[{opts.replay_mode}] replaying its plan for {opts.replay_steps} steps through the C++ plan allocator")
     return replay_model_file(
         str(work / plan_rel),
-        opts.model_file,
+        opts.step.replace(mode=opts.replay_mode, fake=False),
         trace_file=str(work / trace_rel),
         steps=opts.replay_steps,
-        batch=opts.batch,
-        seq=opts.seq,
-        dtype=opts.dtype,
-        layers=opts.replay_mode,
-        compile=opts.compile,
         progress=progress,
     )
 
@@ -345,9 +322,9 @@ def replay_sentence(result: RunResult) -> str:
 def step_sentence(result: RunResult) -> str:
     """report.md's first sentence: the step traced (naming its optimizer only when the trace did), its shape
     and how it was captured."""
-    o = result.options
+    o, compiled = result.options.step, result.options.compiled()
     step = "forward, backward" + (f", {result.optimizer}" if result.optimizer else "")
-    compiled = "" if o.compile is None else f", the forward compiled by {describe_compile(o.compiled().meta())}"
+    compiled = "" if compiled is None else f", the forward compiled by {describe_compile(compiled.meta())}"
     return (
         f"One training step ({step}) of `{o.model_file}` at batch {o.batch}, sequence {o.seq}, {o.dtype}{compiled}, "
         f"traced under each layer mode with {result.capture.name} tensors ({result.capture.reason})."
@@ -358,7 +335,7 @@ def render_markdown(result: RunResult) -> str:
     """report.md: the table, what each column means, the replay, and the command behind each row."""
     rows = table_rows(result)
     md = [
-        f"# memplan report: {Path(result.options.model_file).stem}",
+        f"# memplan report: {Path(result.options.step.model_file).stem}",
         "",
         step_sentence(result),
         "",

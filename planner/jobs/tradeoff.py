@@ -1,6 +1,6 @@
 """`memplan tradeoff`: memory against extra compute for every way memplan knows to trade one for the other.
 
-Every layer mode (planner.layers.MODES: as built, Megatron's baseline accounting, Tempo, selective and
+Every layer mode (memplan.modes: as built, Megatron's baseline accounting, Tempo, selective and
 full recomputation), torch.compile at each memory budget and each variant (another model file of the same model
 built another way, such as examples/gpt2_reversible.py, as built) is traced, planned (the solver's verified
 arena), simulated through PyTorch's caching allocator (its peak reserved), counted (planner.cost: the
@@ -18,15 +18,14 @@ from pathlib import Path
 
 from memplan.modes import AS_BUILT, MODES
 from memplan.planner.cost import count_step_flops, time_step
-from memplan.planner.layers import LayerMode
 from memplan.planner.report.compare import solve_plan
 from memplan.planner.report.memory_report import build_report
 from memplan.planner.report.plots import figure_format
 from memplan.planner.report.tradeoff_plot import plot_tradeoff
-from memplan.traces.compile import Compile
+from memplan.step import StepSpec, check_budget
 from memplan.traces.model_file import import_model_file
 from memplan.traces.summary import no_change_mark
-from memplan.traces.trace_model import CaptureChoice, sized_capture, trace_model_file
+from memplan.traces.trace_model import CaptureChoice, sized_capture, trace_step
 from memplan.units import human_bytes
 
 DEFAULT_BUDGETS = (1.0, 0.5, 0.2, 0.0)
@@ -34,12 +33,10 @@ DEFAULT_BUDGETS = (1.0, 0.5, 0.2, 0.0)
 
 @dataclass(frozen=True)
 class TradeoffOptions:
-    """What to measure: the model file and its shape, the compile budgets, the solver's time, the timing runs."""
+    """What to measure: the step (its model file and shape; every mode and budget is measured, so its own mode and
+    compilation are not used), the compile budgets, the solver's time, the timing runs."""
 
-    model_file: str
-    batch: int = 2
-    seq: int = 128
-    dtype: str = "float32"
+    step: StepSpec
     budgets: tuple[float, ...] = DEFAULT_BUDGETS  # torch.compile activation memory budgets (empty: no compile)
     time_limit: float = 5.0  # the plan solver's, per point
     repeats: int = 5  # timed steps per point (the median is kept)
@@ -89,10 +86,10 @@ class TradeoffResult:
 
     def summary(self) -> dict:
         return {
-            "model_file": self.options.model_file,
-            "batch": self.options.batch,
-            "seq": self.options.seq,
-            "dtype": self.options.dtype,
+            "model_file": self.options.step.model_file,
+            "batch": self.options.step.batch,
+            "seq": self.options.step.seq,
+            "dtype": self.options.step.dtype,
             "budgets": list(self.options.budgets),
             "variants": list(self.options.variants),
             "capture": self.capture.name,
@@ -125,16 +122,14 @@ def measure_point(
     """Trace, plan, simulate, count and time one configuration: `opts.model_file` in `mode` compiled at `budget`
     (None: eager), or the model file `variant` as built."""
     name = Path(variant).stem if variant else mode if budget is None else f"compile@{budget:g}"
-    model_file = variant or opts.model_file
-    compiled = None if budget is None else Compile(budget)
-    shape = {"batch": opts.batch, "seq": opts.seq, "dtype": opts.dtype, "layers": LayerMode(mode), "compile": compiled}
+    step = opts.step.replace(model_file=variant or opts.step.model_file, mode=mode, compile=budget, fake=fake)
     progress(f"[{name}] tracing one training step ({'fake' if fake else 'real'} tensors)")
-    trace = trace_model_file(model_file, fake=fake, **shape)
+    trace = trace_step(step)
     plan = solve_plan(trace, "auto", opts.time_limit)
     report = build_report(trace, name, plan=plan)
     progress(f"[{name}] counting FLOPs{'' if fake else ' and timing the step'}")
-    flops = count_step_flops(model_file, fake=fake, **shape)
-    seconds = None if fake else time_step(model_file, repeats=opts.repeats, **shape).median
+    flops = count_step_flops(step)
+    seconds = None if fake else time_step(step, repeats=opts.repeats).median
     return TradeoffPoint(
         name=name,
         layers=mode,
@@ -160,11 +155,11 @@ def tradeoff(opts: TradeoffOptions, progress: Callable[[str], None] = lambda m: 
     for variant in opts.variants:
         import_model_file(variant)  # a variant that is not a model file fails before the work
     for budget in opts.budgets:
-        Compile(budget)  # a budget outside [0, 1] fails before the work
+        check_budget(budget)  # a budget outside [0, 1] fails before the work
     if opts.output:
         figure_format(opts.output)  # a figure it cannot write fails before the work
     # 1. Real or fake traces; compiled steps need real ones.
-    capture = sized_capture(opts.capture, opts.model_file, batch=opts.batch, seq=opts.seq, dtype=opts.dtype)
+    capture = sized_capture(opts.capture, opts.step)
     budgets, notes = opts.budgets, []
     if capture.fake and budgets:
         budgets = ()

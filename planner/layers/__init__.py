@@ -5,8 +5,6 @@ them into a model, for the whole model or per Transformer layer, and reports wha
 from memplan.errors import PatchError
 from memplan.modes import MODES, PER_LAYER_MODES
 from memplan.planner.layers.patch import (
-    LayerMode,
-    LayerModes,
     LayerModesReport,
     PatchReport,
     Swap,
@@ -18,8 +16,6 @@ from memplan.planner.layers.patch import (
 __all__ = [
     "MODES",
     "PER_LAYER_MODES",
-    "LayerMode",
-    "LayerModes",
     "LayerModesReport",
     "PatchError",
     "PatchReport",

@@ -30,7 +30,6 @@ from memplan.modes import (
     SELECTIVE,
     Mode,
     check_layer_modes,
-    describe_assignment,
     mode,
     spans,
 )
@@ -345,41 +344,6 @@ def patch(model: nn.Module, modes: str | Mapping[str, str]) -> PatchReport:
     if isinstance(modes, str):
         return PatchReport(rest, swapped, left, notes)
     return LayerModesReport(PER_LAYER, swapped, left, notes, layers)
-
-
-@dataclass(frozen=True)
-class LayerMode:
-    """A layer mode, checked when named and applied by calling it on a model: what a trace of a model file
-    takes as its `layers` (a traces.model_file.ModelPatch), so a wrong name fails before build() runs.
-    Calling it returns the patch report as a dict, which the trace keeps in meta "patch"."""
-
-    name: str  # one of MODES
-
-    def __post_init__(self) -> None:
-        mode(self.name)
-
-    def __call__(self, model: nn.Module) -> dict:
-        return patch(model, self.name).to_dict()
-
-
-@dataclass(frozen=True)
-class LayerModes:
-    """Per-layer modes, {Transformer layer path: one of PER_LAYER_MODES}, as a traces.model_file.ModelPatch: the
-    mode names are checked when made, the paths when applied to the model; calling it returns the patch report as a
-    dict."""
-
-    modes: dict[str, str]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "modes", check_layer_modes(self.modes))
-
-    @property
-    def name(self) -> str:
-        """The modes in a line, a run of layers in one mode as a span: `per-layer: layers.0-1 full, layers.2 tempo`."""
-        return describe_assignment(self.modes)
-
-    def __call__(self, model: nn.Module) -> dict:
-        return patch(model, self.modes).to_dict()
 
 
 def unpatch(model: nn.Module) -> int:

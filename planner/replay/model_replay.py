@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
-from memplan.modes import AS_BUILT
-from memplan.planner.layers import LayerMode
 from memplan.planner.plan import load_plan
 from memplan.planner.replay.cpu_session import CPUPlanAllocator
 from memplan.planner.replay.report import ReplayReport
 from memplan.planner.replay.runner import replay
 from memplan.planner.replay.schedule import ReplayError, schedule_from
+from memplan.step import StepSpec
 from memplan.traces.capture import capture_step
 from memplan.traces.compile import Compile, compile_model
 from memplan.traces.format import load, trace_digest
@@ -21,21 +18,18 @@ from memplan.traces.model_file import load_workload
 
 def replay_model_file(
     plan_file: str,
-    model_file: str,
+    step: StepSpec,
     *,
     trace_file: str | None = None,
     steps: int = 3,
-    device: str = "cpu",
-    batch: int = 2,
-    seq: int = 128,
-    dtype: str = "float32",
-    layers: str = AS_BUILT,
     progress: Callable[[str], None] = lambda m: None,
-    compile: float | None = None,
 ) -> ReplayReport:
-    """Replay PLAN on MODEL's step. The plan's trace is `trace_file`, or (CPU) the model's step captured now.
-    With `compile` (the activation memory budget), the model is compiled as `memplan trace --compile` compiles
-    it, so the steps allocate the sequence the plan was made for (the warm-up step compiles it)."""
+    """Replay PLAN on the model file's `step` (real tensors). The plan's trace is `trace_file`, or (CPU) the step
+    captured now. A compiled step is compiled as `memplan trace --compile` compiles it, so the steps allocate the
+    sequence the plan was made for (the warm-up step compiles it)."""
+    device = step.device
+    if step.fake:
+        raise ReplayError("a replay runs the real step: it takes no fake tensors")
     if device == "cuda":
         from memplan.planner.replay.cuda_session import CUDAPlanAllocator, install_plugin
 
@@ -43,13 +37,11 @@ def replay_model_file(
     elif device != "cpu":
         raise ReplayError(f"--device {device}: replay supports cpu and cuda")
 
-    mode = LayerMode(layers)
-    compiled = None if compile is None else Compile(compile)
+    compiled = None if step.compile is None else Compile(step.compile)
     plan = load_plan(plan_file)
-    torch_dtype = getattr(torch, dtype)
 
     def make_workload():
-        workload = load_workload(model_file, batch=batch, seq=seq, dtype=torch_dtype, device=device, layers=mode)
+        workload = load_workload(step)
         if compiled is not None:
             compile_model(workload.model, compiled)
         return workload
@@ -63,13 +55,13 @@ def replay_model_file(
             "made through the plan plugin"
         )
     else:
-        progress(f"capturing one step of {model_file} to find the plan's allocation order")
+        progress(f"capturing one step of {step.model_file} to find the plan's allocation order")
         trace = capture_step(make_workload)
         if trace_digest(trace) != plan.digest:
             how = "" if compiled is None else f", compiled with memory budget {compiled.budget:g}"
             raise ReplayError(
-                f"{plan_file} was not made from this step of {model_file} (batch {batch}, seq {seq}, "
-                f"{dtype}, {layers}{how}): pass the plan's trace with --trace"
+                f"{plan_file} was not made from this step of {step.model_file} (batch {step.batch}, seq {step.seq}, "
+                f"{step.dtype}, {step.mode_name}{how}): pass the plan's trace with --trace"
             )
     schedule = schedule_from(plan, trace, device)
     if device == "cuda":

@@ -1,0 +1,102 @@
+"""StepSpec: the one description of a training step to trace, replay or cost, handed whole to every stage (as
+torchtitan hands its JobConfig), checked once when made."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from memplan.errors import CompileError, MemplanError
+from memplan.modes import AS_BUILT, Mode, check_layer_modes, describe_assignment, mode
+
+DTYPES = ("float32", "bfloat16")
+
+
+class StepError(MemplanError):
+    """A step described with a value it cannot take."""
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One training step of a model file: its shape, its layer mode, and how it is run and recorded."""
+
+    model_file: str  # the model file (README: Model files) whose build() makes the workload
+    batch: int = 2  # build()'s batch_size
+    seq: int = 128  # build()'s seq_len
+    dtype: str = "float32"  # one of DTYPES: the parameters' and inputs' dtype
+    device: str = "cpu"  # cpu or cuda[:n]
+    mode: str | tuple[tuple[str, str], ...] = AS_BUILT  # one of modes.MODES, or (layer path, mode) pairs per layer
+    fake: bool = False  # under fake tensors: nothing allocated or computed, any size
+    compile: float | None = None  # torch.compile's activation memory budget (0 to 1); None: eager (traced on real
+    #                               tensors only: traces.compile.require_real_tensors)
+    warmup: bool = True  # a warm-up step before the recorded one (the steady state; else the optimizer's first)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model_file", os.fspath(self.model_file))
+        for name in ("batch", "seq"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise StepError(f"--{name} {value!r}: a whole number of at least 1")
+        if self.dtype not in DTYPES:
+            raise StepError(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if isinstance(self.mode, Mapping):
+            object.__setattr__(self, "mode", tuple(check_layer_modes(self.mode).items()))
+        elif isinstance(self.mode, str):
+            mode(self.mode)
+        else:
+            object.__setattr__(self, "mode", tuple(check_layer_modes(dict(self.mode)).items()))
+        if self.compile is not None:
+            check_budget(self.compile)
+
+    def replace(self, **changes) -> StepSpec:
+        """This step with `changes` (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether each Transformer layer has its own mode."""
+        return not isinstance(self.mode, str)
+
+    @property
+    def layer_modes(self) -> dict[str, str]:
+        """{Transformer layer path: mode} of a per-layer step; {} for one mode for the whole model."""
+        return dict(self.mode) if self.per_layer else {}
+
+    @property
+    def assignment(self) -> str | dict[str, str]:
+        """The mode as planner.layers.patch takes it: a mode's name, or {Transformer layer path: mode}."""
+        return self.layer_modes if self.per_layer else self.mode
+
+    @property
+    def mode_name(self) -> str:
+        """The mode as traces' meta "layers" and the reports name it."""
+        return describe_assignment(self.layer_modes) if self.per_layer else self.mode
+
+    @property
+    def whole_mode(self) -> Mode | None:
+        """The registered mode of the whole model; None for per-layer modes."""
+        return None if self.per_layer else mode(self.mode)
+
+    def arguments(self) -> str:
+        """This step as `memplan trace` options (per-layer modes have no command-line form)."""
+        parts = [f"--batch {self.batch}", f"--seq {self.seq}", f"--dtype {self.dtype}"]
+        parts += [] if self.device == "cpu" else [f"--device {self.device}"]
+        parts += [f"--layers {shlex.quote(self.mode_name)}"] if not self.per_layer else []
+        parts += ["--fake"] if self.fake else []
+        parts += [] if self.compile is None else [f"--compile --memory-budget {self.compile:g}"]
+        return " ".join(parts)
+
+    def describe(self) -> str:
+        """The step in words, for progress lines: `batch 2, seq 128, float32, cpu, layers tempo, real tensors`."""
+        tensors = "fake tensors" if self.fake else "real tensors"
+        return f"batch {self.batch}, seq {self.seq}, {self.dtype}, {self.device}, layers {self.mode_name}, {tensors}"
+
+
+def check_budget(budget: float) -> float:
+    """`budget` if it is an activation memory budget (0 to 1); CompileError otherwise."""
+    if not 0.0 <= budget <= 1.0:
+        raise CompileError(f"--memory-budget {budget:g}: choose a value from 0 to 1")
+    return budget
