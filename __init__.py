@@ -10,7 +10,7 @@ __all__ = [
     "MODES",
     "CompareRow",
     "FitResult",
-    "MemoryReport",
+    "Measurement",
     "MemplanError",
     "OptimizeResult",
     "Plan",

@@ -29,8 +29,8 @@ from memplan.planner.plan import Plan, check_plan, load_plan, plan_problem
 from memplan.planner.plan import save_plan as save_checked_plan
 from memplan.planner.problem import problem_from_trace
 from memplan.planner.report.compare import CompareRow, compare_traces
-from memplan.planner.report.memory_report import MemoryReport, build_report
 from memplan.planner.report.plots import plot_reports
+from memplan.planner.simulate.measure import Measurement, measure, simulate_trace
 from memplan.planner.simulate.plan_footprint import match_plans
 from memplan.solvers import solve as solve_problem
 from memplan.step import StepSpec
@@ -100,10 +100,10 @@ def save_plan(plan: Plan, trace: Trace, path: PathLike) -> None:
 
 def simulate(
     trace: Trace, *, plan: Plan | None = None, alloc_conf: str = "", capacity: int | None = None
-) -> MemoryReport:
+) -> Measurement:
     """`trace` on PyTorch's caching allocator (with PYTORCH_CUDA_ALLOC_CONF `alloc_conf` and a device
     `capacity`) and, when given, on `plan`: bound, peaks, fragmentation, as `memplan simulate` prints."""
-    return build_report(trace, "trace", plan=plan, plan_name="plan" if plan else None, alloc_conf=alloc_conf,
+    return simulate_trace(trace, "trace", plan=plan, plan_name="plan" if plan else None, alloc_conf=alloc_conf,
                         capacity=capacity)  # fmt: skip
 
 
@@ -112,7 +112,7 @@ def plot(traces: Sequence[Trace], output: PathLike, *, plans: Sequence[Plan] = (
     named = [(f"trace {i}", t) for i, t in enumerate(traces)]
     given = match_plans(named, [(f"plan {i}", p) for i, p in enumerate(plans)])
     reports = [
-        build_report(trace, name, plan=match[1] if match else None, plan_name=match[0] if match else None)
+        simulate_trace(trace, name, plan=match[1] if match else None, plan_name=match[0] if match else None)
         for (name, trace), match in zip(named, given)
     ]
     plot_reports(reports, output, address_space=address_space)

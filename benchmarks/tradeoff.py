@@ -36,7 +36,7 @@ from memplan.planner.jobs.optimize import answer as optimize_answer
 from memplan.planner.jobs.optimize import render as render_optimize
 from memplan.planner.jobs.tradeoff import DEFAULT_BUDGETS, TradeoffOptions, tradeoff
 from memplan.planner.jobs.tradeoff import render as render_tradeoff
-from memplan.planner.report.compare import solve_plan
+from memplan.planner.simulate.measure import measure
 from memplan.step import StepSpec
 from memplan.traces.trace_model import sized_capture
 
@@ -103,7 +103,7 @@ def run_model(name: str, folder: Path, budgets: tuple[float, ...], repeats: int,
     measured = measure_batch(opts, layers, opts.step.batch, capture.fake, log)
     seconds = time.monotonic() - start
     print(f"\n## {name}: optimize's model, {SHAPE}: {len(measured.traces)} traces, {seconds:.0f} s")
-    arenas = {m: solve_plan(measured.traces[every_layer(layers, m)], "auto", 10).arena for m in OPTIMIZE_MODES}
+    arenas = {m: measure(measured.traces[every_layer(layers, m)], time_limit=10).plan.arena for m in OPTIMIZE_MODES}
     low, high = arenas["tempo+selective"], arenas["as-built"]
     for fraction in (0.25, 0.5, 0.75):
         start = time.monotonic()

@@ -13,11 +13,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from memplan.planner.report.trace_text import render_trace
 from memplan.planner.workloads import bert
 from memplan.step import StepSpec
 from memplan.traces.capture import capture_step
 from memplan.traces.model_file import load_workload
-from memplan.traces.summary import render, summarize
+from memplan.traces.summary import summarize
 from memplan.traces.workload import Workload
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -188,8 +189,8 @@ def test_the_kernels_own_buffers_are_marked_and_counted_in_the_summary(bert_trac
     assert trace.meta["internal_marked"] and internal
     assert all(trace.internal[i] for i in trace.recorded if trace.op[i] == "python scalar")  # never an op's output
     summary = summarize(trace)
-    assert summary["internal"] == len(internal) and 0 <= summary["internal_at_peak"] <= summary["peak_bytes"]
-    assert f"{len(internal):,} buffers are kernels' own" in render(summary)
+    assert summary.internal == len(internal) and 0 <= summary.internal_at_peak <= summary.peak_bytes
+    assert f"{len(internal):,} buffers are kernels' own" in render_trace(summary)
 
 
 @pytest.mark.parametrize("mode", ["tempo", "tempo+selective"])

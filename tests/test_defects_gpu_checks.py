@@ -18,11 +18,12 @@ from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from memplan.planner.replay.fingerprint import RunPrints
 from memplan.planner.replay.runner import run_steps
+from memplan.planner.report.trace_text import render_trace
 from memplan.planner.workloads import bert
 from memplan.traces.capture import capture_step
 from memplan.traces.fake import FOREACH_TYPES, FakeCapture
 from memplan.traces.recorder import recording
-from memplan.traces.summary import render, summarize
+from memplan.traces.summary import summarize
 from memplan.traces.workload import Workload
 
 
@@ -66,10 +67,10 @@ def test_a_trace_with_measured_cuda_peaks_shows_them_beside_its_own():
     trace = capture_step(lambda: bert.build_workload(2, 16))
     peak = trace.peak()[0]
     trace.meta["cuda_measured"] = {"peak_requested": peak - 512}
-    text = render(summarize(trace))
+    text = render_trace(summarize(trace))
     assert "PyTorch measured the same step's peak at" in text and "+512 bytes from it" in text
     del trace.meta["cuda_measured"]
-    assert "PyTorch measured" not in render(summarize(trace))
+    assert "PyTorch measured" not in render_trace(summarize(trace))
 
 
 def test_replay_step_times_leave_out_the_gradient_digests():

@@ -13,7 +13,6 @@ from test_simulate_cli import side_by_side_plan
 from memplan.cli import main
 from memplan.planner.plan import save_plan
 from memplan.planner.problem import problem_from_trace
-from memplan.planner.report.memory_report import build_report
 from memplan.planner.report.plots import (
     CATEGORY_COLORS,
     MAX_POINTS,
@@ -22,6 +21,7 @@ from memplan.planner.report.plots import (
     pool_max,
     pool_points,
 )
+from memplan.planner.simulate.measure import simulate_trace
 from memplan.traces import save
 
 
@@ -93,7 +93,7 @@ def test_pooling_keeps_every_peak():
 def test_large_trace_is_pooled_and_drawn(tmp_path):
     trace = step_trace(layers=6000, activation=1 << 14, param=1 << 12)
     assert trace.end > 2 * MAX_POINTS
-    report = build_report(trace, "big.json")
+    report = simulate_trace(trace, "big.json")
     plot_reports([report], tmp_path / "big.png")
     seen = colours(tmp_path / "big.png")
     assert rgb(CATEGORY_COLORS["activation"]) in seen and rgb(CATEGORY_COLORS["optimizer"]) in seen

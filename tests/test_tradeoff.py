@@ -32,7 +32,7 @@ def test_json_carries_every_point(summary):
     names = [p["name"] for p in summary["points"]]
     assert names == [*MODES, "compile@1", "compile@0"]
     for p in summary["points"]:
-        assert p["plan_arena"] >= p["peak_live"] > 0 and p["caching_reserved"] >= p["peak_live"]
+        assert p["plan_arena"] >= p["peak_live"] > 0 and p["caching_peak_reserved"] >= p["peak_live"]
         assert p["flops"] == p["matmul_flops"] + p["elementwise_flops"] > 0
         assert p["step_seconds"] > 0 and p["time_ratio"] > 0
     by_name = {p["name"]: p for p in summary["points"]}
@@ -68,7 +68,10 @@ def test_a_variant_model_file_is_measured_next_to_the_modes():
 
 
 def point(name, arena, extra, seconds=None):
-    return TradeoffPoint(name, name, None, True, arena, arena, "optimal", arena, 0, 0, 0, extra, seconds, None)
+    figures = dict(buffers=1, peak_live=arena, caching_peak_reserved=arena, caching_peak_allocated=arena,
+                   plan_arena=arena, bound=arena, status="optimal", gap=0.0, solver="greedy")  # fmt: skip
+    return TradeoffPoint(name, name, None, True, **figures, matmul_flops=0, elementwise_flops=0, flops=0,
+                         extra_flops=extra, step_seconds=seconds, time_ratio=None)  # fmt: skip
 
 
 def test_frontier_marks_exactly_the_undominated():

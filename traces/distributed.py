@@ -141,7 +141,7 @@ def _trace_rank(work: Path, step: StepSpec, top: int) -> dict:
     meta = {"rank": rank, "world_size": world, "backend": dist.get_backend()}
     trace = trace_step(step.replace(device=device), meta=meta)
     save(trace, work / f"rank{rank}.json.gz")
-    return summarize(trace, top=top)
+    return summarize(trace, top=top).to_dict()
 
 
 def _spawned_ranks(fn: Callable, args: tuple, nproc: int, device: str, work: Path) -> list[Any]:

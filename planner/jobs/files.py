@@ -9,8 +9,9 @@ from pathlib import Path
 from memplan.files import atomic_write
 from memplan.planner.plan import Plan, load_plan
 from memplan.planner.report.compare import compare_summary, compare_text, compare_traces
-from memplan.planner.report.memory_report import build_report, report_summary, report_text, timeline_csv
+from memplan.planner.report.memory_report import report_summary, report_text, timeline_csv
 from memplan.planner.report.plots import check_request, plot_reports
+from memplan.planner.simulate.measure import simulate_trace
 from memplan.planner.simulate.plan_footprint import match_plans
 from memplan.traces.format import Trace, load, save
 from memplan.traces.snapshot import import_snapshot, import_summary, render_import_summary
@@ -35,7 +36,7 @@ def simulate_file(trace_file: str, plan_file: str | None, *, alloc_conf: str, ti
     trace = load(trace_file)
     plan = load_plan(plan_file) if plan_file else None
     progress(f"simulating {trace_file} ({len(trace):,} buffers, {trace.end:,} events)")
-    report = build_report(trace, trace_file, plan=plan, plan_name=plan_file, alloc_conf=alloc_conf,
+    report = simulate_trace(trace, trace_file, plan=plan, plan_name=plan_file, alloc_conf=alloc_conf,
                           capacity=capacity, tie_break=tie_break)  # fmt: skip
     if timeline:
         atomic_write(timeline, timeline_csv(report))
@@ -60,7 +61,7 @@ def plot_files(trace_files: Sequence[str], plan_files: Sequence[str], output: st
     for (name, trace), given in zip(traces, match_plans(traces, plans)):
         progress(f"simulating {name} ({len(trace):,} buffers)")
         plan_name, plan = given if given else (None, None)
-        reports.append(build_report(trace, name, plan=plan, plan_name=plan_name, alloc_conf=alloc_conf,
+        reports.append(simulate_trace(trace, name, plan=plan, plan_name=plan_name, alloc_conf=alloc_conf,
                                     tie_break=tie_break))  # fmt: skip
     plot_reports(reports, output, address_space=address_space)
     progress(f"wrote {output}")

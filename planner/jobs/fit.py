@@ -18,12 +18,14 @@ import numpy as np
 from memplan.errors import MemplanError
 from memplan.modes import MODES
 from memplan.planner.problem import problem_from_trace
+from memplan.planner.report.tables import text_table
+from memplan.planner.report.trace_text import describe_patch, no_change_mark
 from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.caching_allocator import simulate_caching
+from memplan.planner.simulate.measure import measure
 from memplan.solvers import CapacityError, solve
 from memplan.step import StepSpec
 from memplan.traces.compile import Compile, CompileError, describe_compile, require_real_tensors
-from memplan.traces.summary import describe_patch, no_change_mark
 from memplan.traces.trace_model import (
     HOST_SHARE,
     CaptureChoice,
@@ -54,15 +56,15 @@ class Point:
     """One traced batch size: caching allocator and plan figures, and whether each fits the memory."""
 
     batch: int
-    caching_reserved: int  # simulated peak reserved without a capacity (what the step asks for)
+    caching_peak_reserved: int  # simulated peak reserved without a capacity (what the step asks for)
     caching_fits: bool  # no simulated OOM with capacity = memory (the OOM retry applied)
     plan_arena: int
-    plan_bound: int
+    bound: int  # the plan's best lower bound
     plan_fits: bool  # a plan with arena <= memory was found
     plan_miss_proven: bool = False  # no plan fits, proven (bound above memory, or the solver's proof)
 
     def figure(self, allocator: str) -> int:
-        return self.caching_reserved if allocator == "caching" else self.plan_arena
+        return self.caching_peak_reserved if allocator == "caching" else self.plan_arena
 
     def fits(self, allocator: str) -> bool:
         return self.caching_fits if allocator == "caching" else self.plan_fits
@@ -70,10 +72,10 @@ class Point:
     def as_dict(self) -> dict:
         return {
             "batch": self.batch,
-            "caching_reserved": self.caching_reserved,
+            "caching_peak_reserved": self.caching_peak_reserved,
             "caching_fits": self.caching_fits,
             "plan_arena": self.plan_arena,
-            "plan_bound": self.plan_bound,
+            "bound": self.bound,
             "plan_fits": self.plan_fits,
             "plan_miss_proven": self.plan_miss_proven,
         }
@@ -120,7 +122,7 @@ class ModeFit:
                 "at_next": above.figure(a),
             }
         above = self.boundary("plan")[1]
-        out["plan"]["next_bound"] = above.plan_bound
+        out["plan"]["next_bound"] = above.bound
         out["plan"]["next_proven"] = above.plan_miss_proven
         return out
 
@@ -173,15 +175,13 @@ class FitResult:
                 (
                     m.label,
                     str(m.batch["caching"]),
-                    f"{format_size(c0.caching_reserved) if c0 else '-'} / {format_size(c1.caching_reserved)}",
+                    f"{format_size(c0.caching_peak_reserved) if c0 else '-'} / {format_size(c1.caching_peak_reserved)}",
                     str(m.batch["plan"]),
                     f"{format_size(p0.plan_arena)} / {format_size(p1.plan_arena)}",
                     str(m.traces),
                 )
             )
-        widths = [max(len(r[i]) for r in rows + [cols]) for i in range(len(cols))]
-        lines = [head, "  ".join(c.ljust(w) for c, w in zip(cols, widths))]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+        lines = [head, *text_table([cols, *rows])]
         lines.append(
             "each batch b is checked by direct traces: b fits and b+1 does not (caching: simulated OOM "
             "at capacity; plan: no plan within the memory, proven by the lower bound or the solver)\n"
@@ -224,6 +224,7 @@ class BatchProbe:
     ):
         self.step, self.mode, self.memory, self.fake = step, step.mode_name, memory, step.fake
         self.time_limit, self.progress = time_limit, progress
+        self.alloc_conf, self.tie_break = alloc_conf, tie_break
         self.conf = parse_alloc_conf(alloc_conf, tie_break)
         self.points: dict[int, Point] = {}
         self.patch: dict = {}  # the traces' meta "patch", once one is traced
@@ -240,7 +241,7 @@ class BatchProbe:
         if self.fake or len(known) < 2:
             return
         b = np.array([p.batch for p in known], float)
-        live = np.array([p.plan_bound for p in known], float)  # bytes live at the peak: what the CPU step holds
+        live = np.array([p.bound for p in known], float)  # bytes live at the peak: what the CPU step holds
         slope, intercept = np.polyfit(b, live, 1)
         need = slope * batch + intercept
         available = host_memory_available()
@@ -255,12 +256,12 @@ class BatchProbe:
 
         trace = trace_step(self.step.replace(batch=batch))
         self.patch = trace.meta["patch"]
-        reserved = simulate_caching(trace, self.conf).peak_reserved
+        measured = measure(trace, self.mode, time_limit=self.time_limit, alloc_conf=self.alloc_conf,
+                           tie_break=self.tie_break)  # fmt: skip
+        reserved, arena, bound = (measured.figures()[key] for key in ("caching_peak_reserved", "plan_arena", "bound"))
         # with a capacity the allocator frees its cache and retries before failing: only that decides a miss
         caching_fits = reserved <= self.memory or simulate_caching(trace, self.conf, self.memory).oom is None
         problem = problem_from_trace(trace)
-        plan = solve(problem, time_limit=self.time_limit)
-        arena, bound = plan.arena, plan.bound
         proven = bound > self.memory
         if bound <= self.memory < arena:
             try:
@@ -337,7 +338,7 @@ def fit_mode(probe: BatchProbe) -> ModeFit:
     if not (first.caching_fits or first.plan_fits):
         raise FitError(
             f"{probe.mode}: batch 1 needs {format_size(first.plan_arena)} with a plan and "
-            f"{format_size(first.caching_reserved)} under the caching allocator; more than "
+            f"{format_size(first.caching_peak_reserved)} under the caching allocator; more than "
             f"--memory {format_size(probe.memory)}"
         )
     for b in MEASURE_BATCHES[1:]:

@@ -21,8 +21,7 @@ from memplan.planner.cost import count_step_flops
 from memplan.planner.layers import transformer_layers
 from memplan.planner.optimize.choose import Assignment, Choice, Flops, choose_modes, recompute_of
 from memplan.planner.optimize.terms import MemoryTerms, assignments_to_trace, memory_terms
-from memplan.planner.problem import problem_from_trace
-from memplan.solvers import solve
+from memplan.planner.simulate.measure import measure
 from memplan.step import StepSpec
 from memplan.traces.capture import recording_session
 from memplan.traces.format import Trace
@@ -60,9 +59,9 @@ class Candidate:
     assignment: Assignment
     recompute: Flops  # FLOPs over every layer as built
     predicted_peak: int  # the model's peak live bytes (aligned)
-    peak_live: int | None = None  # of its trace, when traced
+    peak_live: int | None = None  # of its trace, when traced (its Measurement's figures)
     plan_arena: int | None = None  # of its plan, when traced
-    plan_status: str | None = None
+    status: str | None = None  # its plan's proof, when traced
     fits: bool | None = None  # plan arena <= the memory size, when traced
 
 
@@ -155,9 +154,13 @@ def trace_candidate(
         progress(f"[batch {measured.batch}] tracing {candidate.name}: {step.mode_name}")
         trace = trace_step(step)
         measured.traces[candidate.assignment] = trace
-    plan = solve(problem_from_trace(trace), time_limit=opts.time_limit, capacity=None)
-    candidate.peak_live, candidate.plan_arena, candidate.plan_status = trace.peak()[0], plan.arena, plan.status
-    candidate.fits = plan.arena <= opts.memory
+    figures = measure(trace, candidate.name, time_limit=opts.time_limit).figures()
+    candidate.peak_live, candidate.plan_arena, candidate.status = (
+        figures["peak_live"],
+        figures["plan_arena"],
+        figures["status"],
+    )
+    candidate.fits = candidate.plan_arena <= opts.memory
     return candidate
 
 
@@ -299,18 +302,18 @@ PROOF = {
 
 def render(result: OptimizeResult) -> str:
     """The per-layer assignment, its measured plan against the memory, and the alternatives, as text."""
-    o = result.options
+    o, step = result.options, result.options.step
     flops = result.step_flops
     lines = [
-        f"{o.model_file}: batch {result.batch}{' (the largest that fits)' if o.batch is None else ''}, "
-        f"seq {o.seq}, {o.dtype}; memory {human_bytes(o.memory)}; {result.capture.name} traces",
+        f"{step.model_file}: batch {result.batch}{' (the largest that fits)' if o.max_batch else ''}, "
+        f"seq {step.seq}, {step.dtype}; memory {human_bytes(o.memory)}; {result.capture.name} traces",
     ]
     if result.chosen is not None:
         c = result.chosen
         lines += [f"  {path:<24}{mode}" for path, mode in zip(result.layers, c.assignment)]
         lines.append(
             f"chosen: peak live {human_bytes(c.peak_live)} (model {human_bytes(c.predicted_peak)}), plan arena "
-            f"{human_bytes(c.plan_arena)} <= {human_bytes(o.memory)} ({c.plan_status}), recompute "
+            f"{human_bytes(c.plan_arena)} <= {human_bytes(o.memory)} ({c.status}), recompute "
             f"{c.recompute:,} FLOPs (+{100 * c.recompute / flops:.1f}% of the step's {flops:,})"
         )
     lines.append(f"proof: {PROOF[result.choice.status]}")

@@ -20,15 +20,16 @@ from pathlib import Path
 from memplan.errors import MemplanError
 from memplan.files import atomic_write
 from memplan.modes import AS_BUILT, MODES, REPLAYED_MODE
-from memplan.planner.jobs.solve_file import solve_file
+from memplan.planner.plan import plan_problem, save_plan
 from memplan.planner.replay.model_replay import replay_model_file
 from memplan.planner.replay.report import ReplayReport
-from memplan.planner.report.memory_report import MemoryReport, build_report
 from memplan.planner.report.plots import plot_reports
+from memplan.planner.report.tables import markdown_table, text_table
+from memplan.planner.report.trace_text import describe_patch, no_change_mark
+from memplan.planner.simulate.measure import Measurement, measure
 from memplan.step import StepSpec
 from memplan.traces.compile import Compile, CompileError, describe_compile, require_real_tensors
 from memplan.traces.format import Trace, save
-from memplan.traces.summary import describe_patch, no_change_mark
 from memplan.traces.trace_model import CaptureChoice, choose_capture, trace_step
 from memplan.units import human_bytes
 
@@ -60,7 +61,7 @@ class ModeRow:
     mode: str
     trace_file: str
     plan_file: str
-    buffers: int
+    buffers: int  # the figures of its Measurement (planner.simulate.measure.FIGURES)
     peak_live: int
     caching_peak_reserved: int
     caching_peak_allocated: int
@@ -70,7 +71,7 @@ class ModeRow:
     gap: float
     solver: str
     changed: bool  # whether the mode changed the model at all (as-built: False)
-    patch: str  # what the mode swapped and left as built (traces.summary.describe_patch)
+    patch: str  # what the mode swapped and left as built (planner.report.trace_text.describe_patch)
     saving: float | None  # 1 - peak live / the reference row's peak live (as-built's when run); < 0 costs memory
     command: str
 
@@ -146,7 +147,7 @@ def run_mode(
     fake: bool,
     traced: Trace | None,
     progress: Callable[[str], None],
-) -> tuple[MemoryReport, ModeRow]:
+) -> tuple[Measurement, ModeRow]:
     """Trace (unless `traced` is this mode's trace already), solve and simulate one layer mode, writing
     into `work`; the row names the files in `out`."""
 
@@ -157,29 +158,20 @@ def run_mode(
     step = opts.step.replace(mode=mode, fake=fake)
     trace = traced or trace_step(step)
     save(trace, work / trace_rel)
-    progress(f"[{mode}] solving {len(trace):,} buffers")
-    plan = solve_file(str(work / trace_rel), str(work / plan_rel), time_limit=opts.time_limit).plan
-    progress(f"[{mode}] simulating the caching allocator")
-    report = build_report(trace, mode, plan=plan, plan_name=str(plan_file))
+    progress(f"[{mode}] solving {len(trace):,} buffers and simulating the caching allocator")
+    measured = measure(trace, mode, plan_name=str(plan_file), time_limit=opts.time_limit)
+    save_plan(measured.plan, plan_problem(measured.plan, trace), work / plan_rel)  # verified again as it is written
     row = ModeRow(
         mode=mode,
         trace_file=str(trace_file),
         plan_file=str(plan_file),
-        buffers=len(trace),
-        peak_live=trace.peak()[0],
-        caching_peak_reserved=int(report.caching.peak_reserved),
-        caching_peak_allocated=int(report.caching.peak_allocated),
-        plan_arena=plan.arena,
-        bound=plan.bound,
-        status=plan.status,
-        gap=plan.gap,
-        solver=plan.solver,
+        **measured.figures(),
         changed=bool(trace.meta["patch"]["changed"]),
         patch=describe_patch(trace.meta["patch"]),
         saving=None,
         command=reproduce_command(step, opts.time_limit, str(trace_file), str(plan_file)),
     )
-    return report, row
+    return measured, row
 
 
 def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> RunResult:
@@ -285,10 +277,7 @@ def table_rows(result: RunResult) -> list[list[str]]:
 def render_text(result: RunResult) -> str:
     """The table as aligned text, then the replay and the files, for the terminal."""
     rows = table_rows(result)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [
-        "  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))) for row in rows
-    ]
+    lines = text_table(rows, right=[False] + [True] * (len(rows[0]) - 1))
     lines += [
         "",
         f"traces: {result.capture.name} tensors ({result.capture.reason})",
@@ -339,11 +328,7 @@ def render_markdown(result: RunResult) -> str:
         "",
         step_sentence(result),
         "",
-        "| " + " | ".join(rows[0]) + " |",
-        "|" + "---|" * len(rows[0]),
-    ]
-    md += ["| " + " | ".join(row) + " |" for row in rows[1:]]
-    md += [
+        *markdown_table(rows),
         "",
         "- **peak live**: the most bytes held by live tensors at once (requested sizes).",
         "- **caching reserved**: peak bytes PyTorch's CUDA caching allocator would reserve (simulated).",

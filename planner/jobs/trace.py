@@ -7,11 +7,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from memplan.errors import CompileError
+from memplan.planner.report.trace_text import render_trace
 from memplan.step import StepSpec
 from memplan.traces.compile import Compile, describe_compile, require_real_tensors
 from memplan.traces.distributed import trace_ranks
 from memplan.traces.format import save
-from memplan.traces.summary import render, summarize
+from memplan.traces.summary import TraceSummary, summarize
 from memplan.traces.trace_model import trace_step
 
 
@@ -38,9 +39,10 @@ def trace_to_file(
     save(trace, output)
     progress(f"wrote {output}")
     meta = trace.meta.get("compile")
-    summary = {**summarize(trace, top=top), "compile": meta, "output": str(output)}
+    summary = summarize(trace, top=top)
     compiled_line = "" if meta is None else f"\ncompiled: {describe_compile(meta)}"
-    return summary, render(summary) + compiled_line + f"\nwritten to {output}"
+    text = render_trace(summary) + compiled_line + f"\nwritten to {output}"
+    return {**summary.to_dict(), "compile": meta, "output": str(output)}, text
 
 
 def trace_command_ranks(
@@ -59,5 +61,5 @@ def trace_command_ranks(
     for r, (path, summary) in enumerate(results):
         progress(f"wrote {path}")
         ranks.append({**summary, "rank": r, "output": str(path)})
-        texts.append(f"rank {r} of {nproc}:\n{render(summary)}\nwritten to {path}")
+        texts.append(f"rank {r} of {nproc}:\n{render_trace(TraceSummary.from_dict(summary))}\nwritten to {path}")
     return {"world_size": nproc, "ranks": ranks}, "\n\n".join(texts)

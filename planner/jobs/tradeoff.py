@@ -18,13 +18,12 @@ from pathlib import Path
 
 from memplan.modes import AS_BUILT, MODES
 from memplan.planner.cost import count_step_flops, time_step
-from memplan.planner.report.compare import solve_plan
-from memplan.planner.report.memory_report import build_report
 from memplan.planner.report.plots import figure_format
+from memplan.planner.report.trace_text import no_change_mark
 from memplan.planner.report.tradeoff_plot import plot_tradeoff
+from memplan.planner.simulate.measure import measure
 from memplan.step import StepSpec, check_budget
 from memplan.traces.model_file import import_model_file
-from memplan.traces.summary import no_change_mark
 from memplan.traces.trace_model import CaptureChoice, sized_capture, trace_step
 from memplan.units import human_bytes
 
@@ -53,10 +52,15 @@ class TradeoffPoint:
     layers: str  # the layer mode traced
     compile_budget: float | None  # torch.compile's activation memory budget; None when eager
     changed: bool  # whether the configuration differs from the model as built, eager
+    buffers: int  # the figures of its Measurement (planner.simulate.measure.FIGURES)
     peak_live: int
+    caching_peak_reserved: int
+    caching_peak_allocated: int
     plan_arena: int
-    plan_status: str
-    caching_reserved: int  # PyTorch's caching allocator, simulated: its peak reserved
+    bound: int
+    status: str
+    gap: float
+    solver: str
     matmul_flops: int
     elementwise_flops: int
     flops: int  # matmul + elementwise
@@ -119,14 +123,13 @@ def mark_frontiers(points: list[TradeoffPoint]) -> None:
 def measure_point(
     opts: TradeoffOptions, mode: str, budget: float | None, fake: bool, progress, variant: str | None = None
 ) -> TradeoffPoint:
-    """Trace, plan, simulate, count and time one configuration: `opts.model_file` in `mode` compiled at `budget`
+    """Trace, measure, count and time one configuration: the step's model file in `mode` compiled at `budget`
     (None: eager), or the model file `variant` as built."""
     name = Path(variant).stem if variant else mode if budget is None else f"compile@{budget:g}"
     step = opts.step.replace(model_file=variant or opts.step.model_file, mode=mode, compile=budget, fake=fake)
     progress(f"[{name}] tracing one training step ({'fake' if fake else 'real'} tensors)")
     trace = trace_step(step)
-    plan = solve_plan(trace, "auto", opts.time_limit)
-    report = build_report(trace, name, plan=plan)
+    measured = measure(trace, name, time_limit=opts.time_limit)
     progress(f"[{name}] counting FLOPs{'' if fake else ' and timing the step'}")
     flops = count_step_flops(step)
     seconds = None if fake else time_step(step, repeats=opts.repeats).median
@@ -135,10 +138,7 @@ def measure_point(
         layers=mode,
         compile_budget=budget,
         changed=bool(trace.meta["patch"]["changed"]) or budget is not None or variant is not None,
-        peak_live=trace.peak()[0],
-        plan_arena=plan.arena,
-        plan_status=plan.status,
-        caching_reserved=int(report.caching.peak_reserved),
+        **measured.figures(),
         matmul_flops=flops.matmul,
         elementwise_flops=flops.elementwise,
         flops=flops.total,
@@ -198,7 +198,7 @@ def render(result: TradeoffResult) -> str:
         frontier = " ".join(k for k, on in (("FLOPs", p.pareto_flops), ("time", p.pareto_time)) if on)
         lines.append(
             f"{p.label:<28}{human_bytes(p.peak_live):>12}{human_bytes(p.plan_arena):>12}"
-            f"{human_bytes(p.caching_reserved):>14}{percent:>+12.1f}%{ratio:>11}  {frontier}"
+            f"{human_bytes(p.caching_peak_reserved):>14}{percent:>+12.1f}%{ratio:>11}  {frontier}"
         )
     lines.append(f"traces: {result.capture.name} ({result.capture.reason})")
     lines += [f"note: {n}" for n in result.notes]

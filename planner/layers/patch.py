@@ -100,6 +100,13 @@ class PatchReport:
             "notes": list(self.notes),
         }
 
+    @classmethod
+    def from_dict(cls, data: dict) -> PatchReport:
+        """A report back from `to_dict`'s data (a trace's meta "patch"); a per-layer one as a LayerModesReport."""
+        swapped = [Swap(**swap) for swap in data["swapped"]]
+        common = (data["mode"], swapped, list(data["left_alone"]), list(data["notes"]))
+        return LayerModesReport(*common, dict(data["layers"])) if "layers" in data else cls(*common)
+
 
 @dataclass
 class LayerModesReport(PatchReport):

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from memplan.planner.plan import Plan
-from memplan.planner.problem import problem_from_trace
-from memplan.planner.report.memory_report import MemoryReport, build_report, phase_at, trace_title
+from memplan.planner.report.memory_report import phase_at, trace_title
+from memplan.planner.report.tables import text_table
+from memplan.planner.simulate.measure import FIGURES, Measurement, measure
 from memplan.planner.simulate.plan_footprint import match_plans
-from memplan.solvers.portfolio import solve
 from memplan.traces.format import CATEGORIES, Trace
 from memplan.traces.summary import bytes_by_category
 from memplan.units import human_bytes
@@ -34,39 +34,28 @@ class CompareRow:
     caching_peak_reserved: int
     plan_arena: int
     plan_outside: int  # bytes a step plan leaves outside its arena (0 for a plan of every buffer)
-    plan_status: str
-    plan_gap: float  # arena / the solver's bound - 1
+    status: str  # the plan's proof: optimal or feasible
+    gap: float  # arena / the solver's bound - 1
+    solver: str  # the method that found the plan
     plan_source: str  # the plan file, or "solved: METHOD" when solved here
     bound: int  # the best lower bound known: max-live, or the solver's if higher
 
 
-def solve_plan(trace: Trace, method: str, time_limit: float) -> Plan:
-    """A plan for `trace` from the solver portfolio (greedy or auto) under `time_limit` seconds."""
-
-    return solve(problem_from_trace(trace), method=method, time_limit=time_limit)
-
-
-def row_from_report(report: MemoryReport, categories: list[str], plan_source: str) -> CompareRow:
-    """The comparison row of one simulated trace (which must have a plan)."""
-    trace = report.trace
-    peak, peak_t = trace.peak()
+def row_from_measurement(measured: Measurement, categories: list[str], plan_source: str) -> CompareRow:
+    """The comparison row of one measured trace (which must have a plan)."""
+    trace, figures = measured.trace, measured.figures()
+    peak_t = trace.peak()[1]
     by_category = bytes_by_category(trace, peak_t)
     return CompareRow(
-        name=report.name,
-        title=trace_title(trace, report.name),
-        buffers=len(trace),
-        peak_live=peak,
+        **{key: figures[key] for key in FIGURES if key != "plan_arena"},
+        name=measured.name,
+        title=trace_title(trace, measured.name),
         peak_live_time=peak_t,
         peak_live_phase=phase_at(trace, peak_t),
         at_peak={c: by_category[c] for c in categories},
-        caching_peak_allocated=int(report.caching.peak_allocated),
-        caching_peak_reserved=int(report.caching.peak_reserved),
-        plan_arena=report.plan_memory.arena,
-        plan_outside=report.plan_memory.peak_outside,
-        plan_status=report.plan.status,
-        plan_gap=report.plan.gap,
+        plan_arena=measured.plan_memory.arena,  # a step plan's arena holds only the step's own buffers
+        plan_outside=measured.plan_memory.peak_outside,
         plan_source=plan_source,
-        bound=max(report.bound, report.plan.bound),
     )
 
 
@@ -84,15 +73,12 @@ def compare_traces(
     categories = [c for c in CATEGORIES if any(c in t.category for _, t in traces)]
     rows = []
     for (name, trace), given in zip(traces, matched):
-        if given is None:
-            progress(f"{name}: solving a plan ({method}, at most {time_limit:g} s)")
-            plan, plan_name, source = solve_plan(trace, method, time_limit), None, f"solved: {method}"
-        else:
-            plan_name, plan = given
-            source = plan_name
-        progress(f"{name}: simulating the caching allocator")
-        report = build_report(trace, name, plan=plan, plan_name=plan_name, alloc_conf=alloc_conf, tie_break=tie_break)
-        rows.append(row_from_report(report, categories, source))
+        plan_name, plan = given or (None, None)
+        how = "simulating the caching allocator" if given else f"solving a plan ({method}, at most {time_limit:g} s)"
+        progress(f"{name}: {how}")
+        measured = measure(trace, name, plan=plan, plan_name=plan_name, time_limit=time_limit, method=method,
+                           alloc_conf=alloc_conf, tie_break=tie_break)  # fmt: skip
+        rows.append(row_from_measurement(measured, categories, plan_name or f"solved: {method}"))
     return rows
 
 
@@ -106,8 +92,8 @@ def _change(value: int, first: int) -> str:
 
 
 def plan_cell(r: CompareRow) -> str:
-    gap = "" if r.plan_status == "optimal" else f" (gap {r.plan_gap:.2%})"
-    return f"{r.plan_status}{gap}, {r.plan_source}"
+    gap = "" if r.status == "optimal" else f" (gap {r.gap:.2%})"
+    return f"{r.status}{gap}, {r.plan_source}"
 
 
 def compare_text(rows: list[CompareRow]) -> str:
@@ -134,5 +120,4 @@ def compare_text(rows: list[CompareRow]) -> str:
     if any(r.plan_outside for r in rows):
         table += [bytes_row("  + outside the plan", lambda r: r.plan_outside)]
     table += [bytes_row("lower bound", lambda r: r.bound), ["plan"] + [plan_cell(r) for r in rows]]
-    widths = [max(len(row[k]) for row in table) for k in range(len(table[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table)
+    return "\n".join(text_table(table, strip=True))

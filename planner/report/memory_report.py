@@ -1,48 +1,20 @@
-"""What `memplan simulate` measures on one trace: max-live bound, plan footprint, caching allocator.
-
-One MemoryReport per trace feeds the simulate summary, the per-event timeline CSV, the plots and
-the compare table, so every view shows the same numbers.
-"""
+"""Views of one trace's Measurement (planner/simulate/measure.py): `memplan simulate`'s summary and text, the
+per-event timeline CSV, and the trace's title and phases that the plots and the compare table show too."""
 
 from __future__ import annotations
 
 import csv
 import io
 from dataclasses import asdict, dataclass
-from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 
-from memplan.planner.plan import Plan
-from memplan.planner.problem import problem_from_trace
-from memplan.planner.simulate.alloc_conf import parse_alloc_conf
-from memplan.planner.simulate.caching_allocator import OutOfMemory, SimResult, simulate_caching
-from memplan.planner.simulate.plan_footprint import PlanMemory, simulate_plan
+from memplan.planner.report.trace_text import no_change_mark
+from memplan.planner.simulate.caching_allocator import OutOfMemory
+from memplan.planner.simulate.measure import Measurement
 from memplan.traces.format import PHASES, Trace
-from memplan.traces.summary import no_change_mark
 from memplan.units import human_bytes
-
-
-@dataclass
-class MemoryReport:
-    """One trace simulated: its bound, the caching allocator's result and (optionally) its plan's footprint."""
-
-    name: str  # what the user called the trace (its path)
-    trace: Trace
-    bound: int  # max-live lower bound on any plan's arena (sizes aligned to 512 bytes)
-    caching: SimResult
-    alloc_conf: str
-    capacity: int | None
-    tie_break: str = "lowest_address"
-    plan: Plan | None = None
-    plan_name: str | None = None
-    plan_memory: PlanMemory | None = None
-
-    @cached_property
-    def live(self) -> np.ndarray:
-        """Requested bytes live at each logical time."""
-        return self.trace.live_bytes()
 
 
 def trace_title(trace: Trace, name: str) -> str:
@@ -54,33 +26,6 @@ def trace_title(trace: Trace, name: str) -> str:
     if meta.get("rank") is not None and meta.get("world_size") is not None:
         parts.append(f"rank {meta['rank']}/{meta['world_size']}")
     return " · ".join(parts) if parts else Path(name).name
-
-
-def build_report(
-    trace: Trace,
-    name: str,
-    plan=None,
-    plan_name: str | None = None,
-    alloc_conf: str = "",
-    capacity: int | None = None,
-    tie_break: str = "lowest_address",
-) -> MemoryReport:
-    """Simulate `trace` on the caching allocator and, when given, on `plan` (checked to belong to it)."""
-
-    conf = parse_alloc_conf(alloc_conf, tie_break)
-    plan_memory = simulate_plan(trace, plan, name, plan_name or "plan") if plan is not None else None
-    return MemoryReport(
-        name=name,
-        trace=trace,
-        bound=problem_from_trace(trace).max_live(),
-        caching=simulate_caching(trace, conf, capacity=capacity),
-        alloc_conf=alloc_conf,
-        capacity=capacity,
-        tie_break=tie_break,
-        plan=plan,
-        plan_name=plan_name,
-        plan_memory=plan_memory,
-    )
 
 
 def phase_at_times(trace: Trace) -> np.ndarray:
@@ -154,7 +99,7 @@ class SimulateSummary:
         return asdict(self)
 
 
-def report_summary(report: MemoryReport, timeline: str | None = None) -> SimulateSummary:
+def report_summary(report: Measurement, timeline: str | None = None) -> SimulateSummary:
     """The summary of `memplan simulate` for one report (and the timeline file written, if any)."""
     trace, sim = report.trace, report.caching
     peak, peak_t = trace.peak()
@@ -249,7 +194,7 @@ def oom_text(oom: OutOfMemory | None) -> str:
 TIMELINE_COLUMNS = ("time", "phase", "live", "allocated", "reserved", "plan_arena", "plan_in_use", "plan_outside")
 
 
-def timeline_csv(report: MemoryReport) -> str:
+def timeline_csv(report: Measurement) -> str:
     """Per-event series as CSV (TIMELINE_COLUMNS); the plan columns are empty without a plan."""
     end = report.trace.end
     columns = [

@@ -1,4 +1,4 @@
-"""Memory timeline figures (PNG or SVG) drawn from MemoryReports.
+"""Memory timeline figures (PNG or SVG) drawn from Measurements.
 
 One panel per trace, all on one y scale: live bytes stacked by category with the phases shaded and
 named, the caching allocator's reserved and allocated bytes and the plan's footprint as lines. With
@@ -23,7 +23,8 @@ from matplotlib.ticker import FuncFormatter
 
 from memplan.errors import MemplanError
 from memplan.files import atomic_write
-from memplan.planner.report.memory_report import MemoryReport, phase_at_times, trace_title
+from memplan.planner.report.memory_report import phase_at_times, trace_title
+from memplan.planner.simulate.measure import Measurement
 from memplan.traces.format import CATEGORIES, PHASES, Trace, live_bytes
 from memplan.units import byte_unit, human_bytes
 
@@ -96,7 +97,7 @@ def pool_max(values: np.ndarray, w: int) -> np.ndarray:
     return padded.reshape(-1, w).max(axis=1)
 
 
-def draw_timeline(ax, report: MemoryReport, scale: int) -> None:
+def draw_timeline(ax, report: Measurement, scale: int) -> None:
     """Stacked live bytes by category, shaded phases, caching allocator and plan lines on one axis."""
     trace = report.trace
     live = report.live
@@ -200,7 +201,7 @@ def label_phases(ax, codes: np.ndarray, end: int) -> None:
             )
 
 
-def draw_address_space(ax, report: MemoryReport, scale: int) -> None:
+def draw_address_space(ax, report: Measurement, scale: int) -> None:
     """The plan's buffers as rectangles (x: lifetime, y: offset) coloured by category, with the arena."""
     trace, pm = report.trace, report.plan_memory
     offsets = np.asarray(report.plan.offsets, dtype=np.int64)
@@ -229,7 +230,7 @@ def draw_address_space(ax, report: MemoryReport, scale: int) -> None:
     ax.set_xlabel("logical time (allocation and free events)")
 
 
-def plot_reports(reports: list[MemoryReport], path: str | os.PathLike, address_space: bool = False) -> None:
+def plot_reports(reports: list[Measurement], path: str | os.PathLike, address_space: bool = False) -> None:
     """Draw the timelines of `reports` side by side (and their plans' address space) into `path`."""
     fmt = check_request(path, address_space, any(r.plan is not None for r in reports))
     largest = max(
@@ -282,7 +283,7 @@ def write_figure(fig: Figure, path: str | os.PathLike, fmt: str, dpi: int) -> No
     atomic_write(path, buf.getvalue())
 
 
-def legend_handles(reports: list[MemoryReport]) -> list:
+def legend_handles(reports: list[Measurement]) -> list:
     """Legend entries: the categories present, the phases, and the lines drawn."""
     present = {c for r in reports for c in r.trace.category}
     handles = [Patch(color=CATEGORY_COLORS[c], label=c) for c in CATEGORIES if c in present]

@@ -87,8 +87,8 @@ def draw_panel(ax, points: list[dict], compute: str, frontier: str, xlabel: str,
     for p in points:
         color = point_color(p)
         x, y = p[compute], p["plan_arena"] / scale
-        ax.plot([x, x], [y, p["caching_reserved"] / scale], color=color, lw=0.8, alpha=0.5)
-        ax.scatter([x], [p["caching_reserved"] / scale], facecolors="none", edgecolors=color, s=28, zorder=3)
+        ax.plot([x, x], [y, p["caching_peak_reserved"] / scale], color=color, lw=0.8, alpha=0.5)
+        ax.scatter([x], [p["caching_peak_reserved"] / scale], facecolors="none", edgecolors=color, s=28, zorder=3)
         ax.scatter([x], [y], color=color, s=36, zorder=4)
         spots.append((x, y, p["name"]))
     xs, ys = frontier_line([(p[compute], p["plan_arena"] / scale) for p in points if p[frontier]])
@@ -109,7 +109,7 @@ def plot_tradeoff(summary: dict, path: str | os.PathLike) -> None:
     reference = points[0]
     flops_points = [p | {"extra_percent": 100 * p["extra_flops"] / reference["flops"]} for p in points]
     timed = [p for p in points if p["time_ratio"] is not None]
-    unit = byte_unit(max(max(p["caching_reserved"], p["plan_arena"]) for p in points), smallest="KiB")
+    unit = byte_unit(max(max(p["caching_peak_reserved"], p["plan_arena"]) for p in points), smallest="KiB")
     fig = Figure(figsize=(13 if timed else 7, 5.5))
     FigureCanvasAgg(fig)
     panels = fig.subplots(1, 2 if timed else 1, squeeze=False)[0]

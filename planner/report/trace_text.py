@@ -1,0 +1,69 @@
+"""Text views of one trace: `memplan trace`'s summary for the terminal, and what a layer mode did to a model."""
+
+from __future__ import annotations
+
+from memplan.modes import AS_BUILT
+from memplan.planner.layers.patch import PatchReport
+from memplan.traces.summary import TraceSummary
+from memplan.units import human_bytes
+
+
+def describe_patch(report: dict) -> str:
+    """What a layer mode did to the model, in one paragraph (a trace's meta "patch": PatchReport's data)."""
+    patch = PatchReport.from_dict(report)
+    if patch.mode == AS_BUILT:
+        text = "layers as-built: the model as its file builds it, nothing patched"
+    elif not patch.changed:
+        text = f"layers {patch.mode} changes nothing in this model: its trace is the model as built"
+    else:
+        swaps = ", ".join(f"{s.original} -> {s.replacement} x{s.count}" for s in patch.swapped)
+        text = f"layers {patch.mode}: {swaps}"
+    if patch.left_alone:
+        text += f"; left as built: {', '.join(patch.left_alone)}"
+    return "; ".join([text, *patch.notes])
+
+
+def no_change_mark(mode: str, changed: bool) -> str:
+    """' (changes nothing)' for a layer mode (not as-built) that left the model as built, else ''."""
+    return "" if changed or mode == AS_BUILT else " (changes nothing)"
+
+
+def render_trace(s: TraceSummary) -> str:
+    """The summary as a few lines of text for the terminal: what the step is, what it holds that a fake trace
+    cannot, what was taken by rule, what its mode changed, its peak, and what is live then."""
+    tensors = ", fake tensors" if s.fake else ""
+    lines = [
+        f"trace of {s.model} ({s.layers}, {s.device}, {s.dtype}{tensors}): {s.buffers} buffers, "
+        f"{s.recorded} allocated during the step, {s.end - 1} events"
+    ]
+    if s.internal:
+        lines.append(
+            f"{s.internal:,} buffers are kernels' own (internal: scratch, wrapped Python numbers; a --fake trace "
+            f"cannot hold them), {human_bytes(s.internal_at_peak, grouped=True)} live at the peak"
+        )
+    if s.data_dependent:
+        taken = ", ".join(f"{op} x{n}" for op, n in sorted(s.data_dependent.items()))
+        lines.append(f"data-dependent values taken by rule (a scalar reads 0, a selection selects nothing): {taken}")
+    if s.patch:
+        lines.append(describe_patch(s.patch))
+    lines.append(
+        f"peak live: {human_bytes(s.peak_bytes, grouped=True)} ({s.peak_bytes:,} bytes) at time {s.peak_time}, "
+        f"phase {s.peak_phase}, module {s.peak_module or '-'}, op {s.peak_op or '-'}"
+    )
+    if s.cuda_measured:
+        measured = s.cuda_measured["peak_requested"]
+        lines.append(
+            f"PyTorch measured the same step's peak at {human_bytes(measured, grouped=True)} ({measured:,} bytes "
+            f"requested; the trace's peak is {s.peak_bytes - measured:+,} bytes from it)"
+        )
+    lines.append("live at the peak by category:")
+    for category, size in sorted(s.at_peak_by_category.items(), key=lambda kv: -kv[1]):
+        share = 100.0 * size / s.peak_bytes if s.peak_bytes else 0.0
+        lines.append(f"  {category:<11} {human_bytes(size, grouped=True):>14}  {share:5.1f}%")
+    lines.append("largest buffers:")
+    for b in s.largest:
+        lines.append(
+            f"  {human_bytes(b.size, grouped=True):>14}  {b.category:<10} {b.phase:<9} "
+            f"[{b.alloc}, {b.free})  {b.module or '-'}  {b.op or '-'}"
+        )
+    return "\n".join(lines)
