@@ -66,7 +66,7 @@ def trace_model_file(
     fake: bool = False,
     compile: float | None = None,
 ) -> Trace:
-    """One training step of a model file (README: Model files) with memplan's `layers` mode (or a mode per
+    """One training step of a model file (docs/capture.md) with memplan's `layers` mode (or a mode per
     Transformer layer: {"layers.0": "full", ...}), as `memplan trace` records it; `fake` runs it under fake
     tensors (any size, nothing allocated); `compile` under torch.compile at that activation memory budget."""
     step = StepSpec(path, batch=batch, seq=seq, dtype=dtype, device=device, mode=layers, fake=fake, compile=compile)

@@ -213,7 +213,7 @@ capture_option = click.option(
     default="auto",
     show_default=True,
     help="Trace real or fake tensors; auto: fake where a real step would be slow on a CPU or would not fit "
-    "this machine (README: Choosing real or fake traces).",
+    "this machine (docs/capture.md: Choosing real or fake traces).",
 )
 tie_break_option = click.option(
     "--tie-break",
@@ -587,7 +587,7 @@ def optimize_command(model_file, memory, batch, max_batch, seq, dtype, time_limi
     """A mode per Transformer layer (as-built, tempo, selective, tempo+selective, full) so the step fits --memory
     with the least recompute, chosen by CP-SAT on a model measured from traces and checked by tracing it.
 
-    Example: memplan optimize examples/gpt2.py --memory 6MiB --batch 2 --seq 128
+    Example: memplan optimize examples/gpt2.py --memory 7MiB --batch 2 --seq 128
     """
     from memplan.planner.jobs.optimize import OptimizeOptions, optimize, render
     from memplan.step import StepSpec

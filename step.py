@@ -23,7 +23,7 @@ class StepError(MemplanError):
 class StepSpec:
     """One training step of a model file: its shape, its layer mode, and how it is run and recorded."""
 
-    model_file: str  # the model file (README: Model files) whose build() makes the workload
+    model_file: str  # the model file (docs/capture.md: The model file) whose build() makes the workload
     batch: int = 2  # build()'s batch_size
     seq: int = 128  # build()'s seq_len
     dtype: str = "float32"  # one of DTYPES: the parameters' and inputs' dtype

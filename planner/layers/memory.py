@@ -106,7 +106,7 @@ class LlamaLayerShape:
     dropout: bool = False  # attention dropout in training: on the CPU SDPA then takes its math path
 
     def formula(self, name: str) -> int:
-        """Activation bytes one layer holds for backward under the mode `name` (memplan's derivation, README
+        """Activation bytes one layer holds for backward under the mode `name` (memplan's derivation, docs/layers.md:
         "Formulas"); as built, the layer is HuggingFace's."""
         chosen = mode(name)
         s, b, h, p = self.s, self.b, self.h, self.p

@@ -95,7 +95,7 @@ class SimulateSummary:
     timeline: str | None  # the timeline CSV written, if any
 
     def to_dict(self) -> dict:
-        """The JSON document of `memplan simulate --json` (keys documented in the README)."""
+        """The JSON document of `memplan simulate --json` (keys documented in docs/cli.md)."""
         return asdict(self)
 
 
