@@ -463,13 +463,15 @@ def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps
     """
     import os
 
-    from memplan.planner.jobs.run import DEFAULT_MODEL, RunOptions, render_text, run
+    from memplan.planner.jobs.run import DEFAULT_MODEL, RunOptions, run
+    from memplan.planner.report.run_report import render_text
     from memplan.step import StepSpec
 
     step = StepSpec(model_file or os.path.relpath(DEFAULT_MODEL), batch, seq, dtype, compile=compile)
     opts = RunOptions(step, out_dir, time_limit=time_limit, replay_steps=replay_steps, capture=capture)
     result = run(opts, progress=progress)
-    emit(result.summary(), as_json, render_text(result))
+    summary = result.summary()
+    emit(summary, as_json, render_text(summary))
 
 
 @main.command("fit")
@@ -505,6 +507,7 @@ def fit_command(model_file, memory, modes, seq, dtype, alloc_conf, tie_break, ti
     """
     from memplan.modes import MODES
     from memplan.planner.jobs.fit import fit_model
+    from memplan.planner.report.fit_table import render_fit
     from memplan.step import StepSpec
 
     result = fit_model(
@@ -517,7 +520,8 @@ def fit_command(model_file, memory, modes, seq, dtype, alloc_conf, tie_break, ti
         capture=capture,
         progress=progress,
     )
-    emit(result.summary(), as_json, result.text())
+    summary = result.summary()
+    emit(summary, as_json, render_fit(summary))
 
 
 def budget_list(_ctx, _param, value: str) -> tuple[float, ...]:
@@ -559,13 +563,15 @@ def tradeoff_command(model_file, batch, seq, dtype, budgets, time_limit, repeats
 
     Example: memplan tradeoff examples/gpt2.py --budgets 1,0 --variant examples/gpt2_reversible.py -o tradeoff.png
     """
-    from memplan.planner.jobs.tradeoff import TradeoffOptions, render, tradeoff
+    from memplan.planner.jobs.tradeoff import TradeoffOptions, tradeoff
+    from memplan.planner.report.tradeoff_table import render_tradeoff
     from memplan.step import StepSpec
 
     step = StepSpec(model_file, batch, seq, dtype)
     opts = TradeoffOptions(step, budgets, time_limit, repeats, capture, output, variants)
     result = tradeoff(opts, progress=progress)
-    emit(result.summary(), as_json, render(result))
+    summary = result.summary()
+    emit(summary, as_json, render_tradeoff(summary))
 
 
 @main.command("optimize")
@@ -589,7 +595,8 @@ def optimize_command(model_file, memory, batch, max_batch, seq, dtype, time_limi
 
     Example: memplan optimize examples/gpt2.py --memory 7MiB --batch 2 --seq 128
     """
-    from memplan.planner.jobs.optimize import OptimizeOptions, optimize, render
+    from memplan.planner.jobs.optimize import OptimizeOptions, optimize
+    from memplan.planner.report.optimize_text import render_optimize
     from memplan.step import StepSpec
 
     if max_batch and batch is not None:
@@ -597,7 +604,8 @@ def optimize_command(model_file, memory, batch, max_batch, seq, dtype, time_limi
     step = StepSpec(model_file, 1 if max_batch else batch or 2, seq, dtype)
     opts = OptimizeOptions(step, memory, max_batch, capture, time_limit)
     result = optimize(opts, progress=progress)
-    emit(result.summary(), as_json, render(result))
+    summary = result.summary()
+    emit(summary, as_json, render_optimize(summary))
 
 
 if __name__ == "__main__":

@@ -54,3 +54,8 @@ def human_bytes(n: int | float, unit: str | None = None, digits: int = 2, groupe
     if unit == "B":
         return f"{int(n)} B"
     return f"{n / SCALES[unit]:{',' if grouped else ''}.{digits}f} {unit}"
+
+
+def format_size(n: int) -> str:
+    """Bytes as GiB with two decimals, or MiB with one below a GiB: a memory size in a sentence or a table."""
+    return human_bytes(n, unit="GiB") if n >= GiB else human_bytes(n, unit="MiB", digits=1)

@@ -33,9 +33,9 @@ from memplan.planner.jobs.optimize import (
     model_layers,
 )
 from memplan.planner.jobs.optimize import answer as optimize_answer
-from memplan.planner.jobs.optimize import render as render_optimize
 from memplan.planner.jobs.tradeoff import DEFAULT_BUDGETS, TradeoffOptions, tradeoff
-from memplan.planner.jobs.tradeoff import render as render_tradeoff
+from memplan.planner.report.optimize_text import render_optimize
+from memplan.planner.report.tradeoff_table import render_tradeoff
 from memplan.planner.simulate.measure import measure
 from memplan.step import StepSpec
 from memplan.traces.trace_model import sized_capture
@@ -94,7 +94,7 @@ def run_model(name: str, folder: Path, budgets: tuple[float, ...], repeats: int,
         options = {"budgets": budgets, "repeats": repeats, "output": str(figure), "variants": tuple(map(str, variants))}
         opts = TradeoffOptions(StepSpec(model_file, **SHAPE), **options)
         result = tradeoff(opts, log)
-        print(f"\n## {name}: trade-off, {SHAPE}\n{render_tradeoff(result)}", flush=True)
+        print(f"\n## {name}: trade-off, {SHAPE}\n{render_tradeoff(result.summary())}", flush=True)
     # 2. optimize at three sizes between every layer tempo+selective and every layer as built, on one measurement.
     opts = OptimizeOptions(StepSpec(model_file, **SHAPE), memory=0)
     layers = model_layers(opts)
@@ -110,7 +110,7 @@ def run_model(name: str, folder: Path, budgets: tuple[float, ...], repeats: int,
         opts = replace(opts, memory=int(low + fraction * (high - low)))
         answer = optimize_answer(opts, layers, measured, capture, log, start)
         print(f"\n## {name}: optimize at {fraction:.0%} of the way from tempo+selective to as-built, {SHAPE}")
-        print(render_optimize(answer), flush=True)
+        print(render_optimize(answer.summary()), flush=True)
         uniform = [c.recompute for c in answer.uniform if c.fits]
         beats = answer.chosen is not None and all(answer.chosen.recompute < r for r in uniform)
         print(

@@ -9,9 +9,10 @@ from click.testing import CliRunner
 from PIL import Image
 
 from memplan.cli import main
-from memplan.planner.jobs.run import RunOptions, RunResult, step_sentence
+from memplan.planner.jobs.run import RunOptions, RunResult
 from memplan.planner.layers import MODES
 from memplan.planner.plan import load_plan
+from memplan.planner.report.run_report import step_sentence
 from memplan.step import StepSpec
 from memplan.traces.format import load
 from memplan.traces.trace_model import CaptureChoice
@@ -121,12 +122,13 @@ def test_report_names_the_optimizer_the_trace_names_and_no_other():
                 capture=CaptureChoice(fake=True, reason="--capture fake"),
                 optimizer=optimizer,
                 rows=[],
+                reference="as-built",
                 replay=None,
                 report_md="out/report.md",
                 timeline_png="out/timeline.png",
                 address_space_png="out/address_space.png",
                 seconds=1.0,
-            )
+            ).summary()
         )
 
     assert sentence("SGD").startswith("One training step (forward, backward, SGD) of `m.py` at batch 2")

@@ -18,14 +18,13 @@ import numpy as np
 from memplan.errors import MemplanError
 from memplan.modes import MODES
 from memplan.planner.problem import problem_from_trace
-from memplan.planner.report.tables import text_table
-from memplan.planner.report.trace_text import describe_patch, no_change_mark
+from memplan.planner.report.trace_text import describe_patch
 from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.planner.simulate.measure import measure
 from memplan.solvers import CapacityError, solve
 from memplan.step import StepSpec
-from memplan.traces.compile import Compile, CompileError, describe_compile, require_real_tensors
+from memplan.traces.compile import Compile, CompileError, require_real_tensors
 from memplan.traces.trace_model import (
     HOST_SHARE,
     CaptureChoice,
@@ -33,7 +32,7 @@ from memplan.traces.trace_model import (
     host_memory_available,
     trace_step,
 )
-from memplan.units import GiB, human_bytes
+from memplan.units import format_size
 
 MEASURE_BATCHES = (1, 2, 4)
 MAX_BATCH = 4096  # the search stops here: larger batches take too long to trace
@@ -44,11 +43,6 @@ ALLOCATORS = ("caching", "plan")
 
 class FitError(MemplanError):
     """A fit request that cannot be answered: memory below what batch 1 needs, or a mode or batch it cannot trace."""
-
-
-def format_size(n: int) -> str:
-    """Bytes as GiB with two decimals, or MiB with one below a GiB, for the summary text."""
-    return human_bytes(n, unit="GiB") if n >= GiB else human_bytes(n, unit="MiB", digits=1)
 
 
 @dataclass
@@ -94,11 +88,6 @@ class ModeFit:
     @property
     def traces(self) -> int:
         return len(self.points)
-
-    @property
-    def label(self) -> str:
-        """The mode's name, marked when it changed nothing in this model."""
-        return self.mode + no_change_mark(self.mode, self.patch["changed"])
 
     def boundary(self, allocator: str) -> tuple[Point | None, Point]:
         """The traced points at the answer b (None when even batch 1 does not fit) and at b+1."""
@@ -157,44 +146,6 @@ class FitResult:
             "compile": None if self.compile is None else self.compile.meta(),
             "modes": [m.as_dict() for m in self.modes],
         }
-
-    def text(self) -> str:
-        """The human table: per mode, the batch under each allocator model and the figures at b and b+1."""
-        head = (
-            f"largest batch fitting {format_size(self.memory)} ({self.memory} bytes), "
-            f"{self.step.model_file}, seq {self.step.seq}, {self.step.dtype}; {self.capture.name} traces "
-            f"({self.capture.reason})"
-            + ("" if self.compile is None else f"; compiled: {describe_compile(self.compile.meta())}")
-        )
-        cols = ("mode", "caching batch", "reserved* b / b+1", "plan batch", "arena b / b+1", "traces")
-        rows = []
-        for m in self.modes:
-            c0, c1 = m.boundary("caching")
-            p0, p1 = m.boundary("plan")
-            rows.append(
-                (
-                    m.label,
-                    str(m.batch["caching"]),
-                    f"{format_size(c0.caching_peak_reserved) if c0 else '-'} / {format_size(c1.caching_peak_reserved)}",
-                    str(m.batch["plan"]),
-                    f"{format_size(p0.plan_arena)} / {format_size(p1.plan_arena)}",
-                    str(m.traces),
-                )
-            )
-        lines = [head, *text_table([cols, *rows])]
-        lines.append(
-            "each batch b is checked by direct traces: b fits and b+1 does not (caching: simulated OOM "
-            "at capacity; plan: no plan within the memory, proven by the lower bound or the solver)\n"
-            "* peak reserved without a capacity; at the capacity the allocator's OOM retry frees cached "
-            "blocks, so b may fit above it"
-        )
-        unproven = [m.mode for m in self.modes if not m.boundary("plan")[1].plan_miss_proven]
-        if unproven:
-            lines.append(
-                f"! {', '.join(unproven)}: at b+1 no plan within the memory was found in the time limit, "
-                "but none was proven impossible either (a longer --time-limit may raise b)"
-            )
-        return "\n".join(lines)
 
 
 def affine_prediction(points: list[Point], allocator: str, memory: int) -> int:

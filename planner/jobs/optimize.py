@@ -88,6 +88,7 @@ class OptimizeResult:
             "batch": self.batch,
             "seq": self.options.step.seq,
             "dtype": self.options.step.dtype,
+            "max_batch": self.options.max_batch,
             "capture": self.capture.name,
             "capture_reason": self.capture.reason,
             "layers": list(self.layers),
@@ -290,42 +291,3 @@ def answer(
         measured.step_flops,
         time.monotonic() - start,
     )
-
-
-PROOF = {
-    "optimal": "optimal within the model: CP-SAT proved no assignment of less recompute fits it",
-    "feasible": "feasible: CP-SAT found it within the time limit but did not prove it least",
-    "infeasible": "no assignment fits, within the model (CP-SAT proved it)",
-    "unknown": "no answer: CP-SAT found none in the time limit, or every choice's traced plan was too large",
-}
-
-
-def render(result: OptimizeResult) -> str:
-    """The per-layer assignment, its measured plan against the memory, and the alternatives, as text."""
-    o, step = result.options, result.options.step
-    flops = result.step_flops
-    lines = [
-        f"{step.model_file}: batch {result.batch}{' (the largest that fits)' if o.max_batch else ''}, "
-        f"seq {step.seq}, {step.dtype}; memory {human_bytes(o.memory)}; {result.capture.name} traces",
-    ]
-    if result.chosen is not None:
-        c = result.chosen
-        lines += [f"  {path:<24}{mode}" for path, mode in zip(result.layers, c.assignment)]
-        lines.append(
-            f"chosen: peak live {human_bytes(c.peak_live)} (model {human_bytes(c.predicted_peak)}), plan arena "
-            f"{human_bytes(c.plan_arena)} <= {human_bytes(o.memory)} ({c.status}), recompute "
-            f"{c.recompute:,} FLOPs (+{100 * c.recompute / flops:.1f}% of the step's {flops:,})"
-        )
-    lines.append(f"proof: {PROOF[result.choice.status]}")
-    lines.append(f"{'alternative':<30}{'plan arena':>12}{'fits':>6}{'recompute':>14}")
-    for c in [*result.uniform, *([result.megatron] if result.megatron else [])]:
-        lines.append(
-            f"{c.name:<30}{human_bytes(c.plan_arena):>12}{'yes' if c.fits else 'no':>6}"
-            f"{100 * c.recompute / flops:>+13.1f}%"
-        )
-    if result.megatron is None:
-        lines.append("Megatron: no number of layers checkpointed from the first fits, within the model")
-    for c in result.rejected:
-        lines.append(f"rejected by its trace: {', '.join(c.assignment)} (plan arena {human_bytes(c.plan_arena)})")
-    lines.append(f"wall time {result.seconds:.1f} s")
-    return "\n".join(lines)

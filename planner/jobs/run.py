@@ -24,14 +24,13 @@ from memplan.planner.plan import plan_problem, save_plan
 from memplan.planner.replay.model_replay import replay_model_file
 from memplan.planner.replay.report import ReplayReport
 from memplan.planner.report.plots import plot_reports
-from memplan.planner.report.tables import markdown_table, text_table
-from memplan.planner.report.trace_text import describe_patch, no_change_mark
+from memplan.planner.report.run_report import render_markdown
+from memplan.planner.report.trace_text import describe_patch
 from memplan.planner.simulate.measure import Measurement, measure
 from memplan.step import StepSpec
-from memplan.traces.compile import Compile, CompileError, describe_compile, require_real_tensors
+from memplan.traces.compile import Compile, CompileError, require_real_tensors
 from memplan.traces.format import Trace, save
 from memplan.traces.trace_model import CaptureChoice, choose_capture, trace_step
-from memplan.units import human_bytes
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "workloads" / "bert_large_slice.py"  # ships in the wheel
 
@@ -84,6 +83,7 @@ class RunResult:
     capture: CaptureChoice
     optimizer: str | None  # the traced step's optimizer class, from the trace's meta; None when it does not say
     rows: list[ModeRow]
+    reference: str  # the mode the savings are measured against: as-built when it was run, else the first
     replay: ReplayReport | None  # of the replay_mode's plan; None for fake traces (a replay runs the real step)
     report_md: str
     timeline_png: str
@@ -98,8 +98,10 @@ class RunResult:
             "dtype": self.options.step.dtype,
             "capture": self.capture.name,
             "capture_reason": self.capture.reason,
+            "optimizer": self.optimizer,
             "compile": None if self.options.step.compile is None else self.options.compiled().meta(),
             "rows": [asdict(r) for r in self.rows],
+            "reference": self.reference,
             "replay": None if self.replay is None else {**self.replay.summary(), "mode": self.options.replay_mode},
             "report": self.report_md,
             "timeline": self.timeline_png,
@@ -210,13 +212,14 @@ def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> R
             capture=capture,
             optimizer=reports[0].trace.meta.get("optimizer"),
             rows=rows,
+            reference=reference.mode,
             replay=None if capture.fake else replay_plan(opts, work, progress),
             report_md=str(out / "report.md"),
             timeline_png=str(out / "timeline.png"),
             address_space_png=str(out / "address_space.png"),
             seconds=time.monotonic() - start,
         )
-        atomic_write(work / "report.md", render_markdown(result))
+        atomic_write(work / "report.md", render_markdown(result.summary()))
         move_into(work, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -248,111 +251,3 @@ def move_into(work: Path, out: Path) -> None:
 def reference_row(rows: list[ModeRow]) -> ModeRow:
     """The row savings are measured against: the model as built when it was run, else the first."""
     return next((r for r in rows if r.mode == AS_BUILT), rows[0])
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def table_rows(result: RunResult) -> list[list[str]]:
-    """The report's table: header, then one row per mode."""
-    reference = reference_row(result.rows).mode
-    rows = [["layers", "peak live", "caching reserved", "plan arena", "bound", "proof", f"saving vs {reference}"]]
-    for r in result.rows:
-        proof = "optimal" if r.status == "optimal" else f"feasible, gap {100 * r.gap:.2g}%"
-        rows.append(
-            [
-                r.mode + no_change_mark(r.mode, r.changed),
-                human_bytes(r.peak_live),
-                human_bytes(r.caching_peak_reserved),
-                human_bytes(r.plan_arena),
-                human_bytes(r.bound),
-                proof,
-                _pct(r.saving) + (" (costs memory)" if r.saving is not None and r.saving < 0 else ""),
-            ]
-        )
-    return rows
-
-
-def render_text(result: RunResult) -> str:
-    """The table as aligned text, then the replay and the files, for the terminal."""
-    rows = table_rows(result)
-    lines = text_table(rows, right=[False] + [True] * (len(rows[0]) - 1))
-    lines += [
-        "",
-        f"traces: {result.capture.name} tensors ({result.capture.reason})",
-        replay_sentence(result),
-        "",
-        f"report         {result.report_md}",
-        f"timeline       {result.timeline_png}",
-        f"address space  {result.address_space_png}",
-        f"wall time      {result.seconds:.1f} s",
-    ]
-    return "\n".join(lines)
-
-
-def replay_sentence(result: RunResult) -> str:
-    r = result.replay
-    if r is None:
-        return (
-            "no replay: the traces are fake, and a replay runs the real step on this machine "
-            "(--capture real replays it)"
-        )
-    equal = "bitwise equal to" if r.bitwise_equal else f"DIFFERENT from ({r.first_difference})"
-    return (
-        f"replay of the {result.options.replay_mode} plan: {r.steps} steps; {r.adopted_count:,} of "
-        f"{r.reserved_count:,} resident storages adopted into the {human_bytes(r.arena_bytes)} arena "
-        f"({human_bytes(r.outside_bytes)} left outside), {r.planned_count:,} allocations from it, "
-        f"{r.fallback_count} fallbacks; measured peak {human_bytes(r.peak_bytes)}: arena top + fallback + "
-        f"outside; loss and gradients {equal} the default allocator's run"
-    )
-
-
-def step_sentence(result: RunResult) -> str:
-    """report.md's first sentence: the step traced (naming its optimizer only when the trace did), its shape
-    and how it was captured."""
-    o, compiled = result.options.step, result.options.compiled()
-    step = "forward, backward" + (f", {result.optimizer}" if result.optimizer else "")
-    compiled = "" if compiled is None else f", the forward compiled by {describe_compile(compiled.meta())}"
-    return (
-        f"One training step ({step}) of `{o.model_file}` at batch {o.batch}, sequence {o.seq}, {o.dtype}{compiled}, "
-        f"traced under each layer mode with {result.capture.name} tensors ({result.capture.reason})."
-    )
-
-
-def render_markdown(result: RunResult) -> str:
-    """report.md: the table, what each column means, the replay, and the command behind each row."""
-    rows = table_rows(result)
-    md = [
-        f"# memplan report: {Path(result.options.step.model_file).stem}",
-        "",
-        step_sentence(result),
-        "",
-        *markdown_table(rows),
-        "",
-        "- **peak live**: the most bytes held by live tensors at once (requested sizes).",
-        "- **caching reserved**: peak bytes PyTorch's CUDA caching allocator would reserve (simulated).",
-        "- **plan arena**: the arena of memplan's plan, checked by the independent verifier.",
-        "- **bound**: the max-live lower bound (sizes rounded to 512 B); **proof** says whether the arena equals it.",
-        f"- **saving vs {reference_row(result.rows).mode}**: 1 - peak live / its peak live, like with like "
-        "(negative: the mode costs memory).",
-        "",
-        "## What each mode changed",
-        "",
-        *[f"- **{r.mode}**: {r.patch}" for r in result.rows],
-        "",
-        "## Replay",
-        "",
-        replay_sentence(result) + ".",
-        "",
-        "![timeline](timeline.png)",
-        "",
-        "![address space](address_space.png)",
-        "",
-        "## Reproduce each row",
-        "",
-    ]
-    for r in result.rows:
-        md += [f"**{r.mode}**", "", "```", r.command, "```", ""]
-    md.append(f"Wall time of the whole run: {result.seconds:.1f} s.")
-    return "\n".join(md) + "\n"

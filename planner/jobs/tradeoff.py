@@ -19,13 +19,11 @@ from pathlib import Path
 from memplan.modes import AS_BUILT, MODES
 from memplan.planner.cost import count_step_flops, time_step
 from memplan.planner.report.plots import figure_format
-from memplan.planner.report.trace_text import no_change_mark
 from memplan.planner.report.tradeoff_plot import plot_tradeoff
 from memplan.planner.simulate.measure import measure
 from memplan.step import StepSpec, check_budget
 from memplan.traces.model_file import import_model_file
 from memplan.traces.trace_model import CaptureChoice, sized_capture, trace_step
-from memplan.units import human_bytes
 
 DEFAULT_BUDGETS = (1.0, 0.5, 0.2, 0.0)
 
@@ -70,11 +68,6 @@ class TradeoffPoint:
     pareto_flops: bool = False  # on the frontier of plan arena against extra FLOPs
     pareto_time: bool = False  # ... against step time (real traces only)
     variant: str | None = None  # the variant's model file; None for the model file's own points
-
-    @property
-    def label(self) -> str:
-        plain = self.compile_budget is None and self.variant is None
-        return self.name + no_change_mark(self.layers, self.changed) if plain else self.name
 
 
 @dataclass
@@ -184,25 +177,3 @@ def tradeoff(opts: TradeoffOptions, progress: Callable[[str], None] = lambda m: 
         result.figure = opts.output
     result.seconds = time.monotonic() - start
     return result
-
-
-def render(result: TradeoffResult) -> str:
-    """The trade-off table for the terminal, frontier points starred."""
-    lines = [
-        f"{'configuration':<28}{'peak live':>12}{'plan arena':>12}{'caching res.':>14}"
-        f"{'extra FLOPs':>13}{'step time':>11}  frontier",
-    ]
-    for p in result.points:
-        percent = 100 * p.extra_flops / result.points[0].flops
-        ratio = "-" if p.time_ratio is None else f"{p.time_ratio:.2f}x"
-        frontier = " ".join(k for k, on in (("FLOPs", p.pareto_flops), ("time", p.pareto_time)) if on)
-        lines.append(
-            f"{p.label:<28}{human_bytes(p.peak_live):>12}{human_bytes(p.plan_arena):>12}"
-            f"{human_bytes(p.caching_peak_reserved):>14}{percent:>+12.1f}%{ratio:>11}  {frontier}"
-        )
-    lines.append(f"traces: {result.capture.name} ({result.capture.reason})")
-    lines += [f"note: {n}" for n in result.notes]
-    if result.figure:
-        lines.append(f"figure: {result.figure}")
-    lines.append(f"wall time {result.seconds:.1f} s")
-    return "\n".join(lines)

@@ -1,0 +1,48 @@
+"""View of `memplan fit`: its table for the terminal, a function of the job's summary (its --json)."""
+
+from __future__ import annotations
+
+from memplan.planner.report.tables import text_table
+from memplan.planner.report.trace_text import no_change_mark
+from memplan.traces.compile import describe_compile
+from memplan.units import format_size
+
+
+def render_fit(summary: dict) -> str:
+    """Per mode, the batch under each allocator model and the figures at b and b+1; what b means."""
+    s = summary
+    head = (
+        f"largest batch fitting {format_size(s['memory'])} ({s['memory']} bytes), "
+        f"{s['model_file']}, seq {s['seq']}, {s['dtype']}; {s['capture']} traces ({s['capture_reason']})"
+        + ("" if s["compile"] is None else f"; compiled: {describe_compile(s['compile'])}")
+    )
+    cols = ("mode", "caching batch", "reserved* b / b+1", "plan batch", "arena b / b+1", "traces")
+    rows = []
+    for m in s["modes"]:
+        caching, plan = m["caching"], m["plan"]
+        at_caching = format_size(caching["at_batch"]) if caching["at_batch"] is not None else "-"
+        at_plan = format_size(plan["at_batch"]) if plan["at_batch"] is not None else "-"
+        rows.append(
+            (
+                m["mode"] + no_change_mark(m["mode"], m["changed"]),
+                str(caching["batch"]),
+                f"{at_caching} / {format_size(caching['at_next'])}",
+                str(plan["batch"]),
+                f"{at_plan} / {format_size(plan['at_next'])}",
+                str(m["traces"]),
+            )
+        )
+    lines = [head, *text_table([cols, *rows])]
+    lines.append(
+        "each batch b is checked by direct traces: b fits and b+1 does not (caching: simulated OOM "
+        "at capacity; plan: no plan within the memory, proven by the lower bound or the solver)\n"
+        "* peak reserved without a capacity; at the capacity the allocator's OOM retry frees cached "
+        "blocks, so b may fit above it"
+    )
+    unproven = [m["mode"] for m in s["modes"] if not m["plan"]["next_proven"]]
+    if unproven:
+        lines.append(
+            f"! {', '.join(unproven)}: at b+1 no plan within the memory was found in the time limit, "
+            "but none was proven impossible either (a longer --time-limit may raise b)"
+        )
+    return "\n".join(lines)

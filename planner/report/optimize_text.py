@@ -1,0 +1,42 @@
+"""View of `memplan optimize`: its answer as text, a function of the job's summary (its --json)."""
+
+from __future__ import annotations
+
+from memplan.units import human_bytes
+
+PROOF = {
+    "optimal": "optimal within the model: CP-SAT proved no assignment of less recompute fits it",
+    "feasible": "feasible: CP-SAT found it within the time limit but did not prove it least",
+    "infeasible": "no assignment fits, within the model (CP-SAT proved it)",
+    "unknown": "no answer: CP-SAT found none in the time limit, or every choice's traced plan was too large",
+}
+
+
+def render_optimize(summary: dict) -> str:
+    """The per-layer assignment, its measured plan against the memory, and the alternatives, as text."""
+    s, flops = summary, summary["step_flops"]
+    lines = [
+        f"{s['model_file']}: batch {s['batch']}{' (the largest that fits)' if s['max_batch'] else ''}, "
+        f"seq {s['seq']}, {s['dtype']}; memory {human_bytes(s['memory'])}; {s['capture']} traces",
+    ]
+    c = s["chosen"]
+    if c is not None:
+        lines += [f"  {path:<24}{mode}" for path, mode in zip(s["layers"], c["assignment"])]
+        lines.append(
+            f"chosen: peak live {human_bytes(c['peak_live'])} (model {human_bytes(c['predicted_peak'])}), plan arena "
+            f"{human_bytes(c['plan_arena'])} <= {human_bytes(s['memory'])} ({c['status']}), recompute "
+            f"{c['recompute']:,} FLOPs (+{100 * c['recompute'] / flops:.1f}% of the step's {flops:,})"
+        )
+    lines.append(f"proof: {PROOF[s['status']]}")
+    lines.append(f"{'alternative':<30}{'plan arena':>12}{'fits':>6}{'recompute':>14}")
+    for c in [*s["uniform"], *([s["megatron"]] if s["megatron"] else [])]:
+        lines.append(
+            f"{c['name']:<30}{human_bytes(c['plan_arena']):>12}{'yes' if c['fits'] else 'no':>6}"
+            f"{100 * c['recompute'] / flops:>+13.1f}%"
+        )
+    if s["megatron"] is None:
+        lines.append("Megatron: no number of layers checkpointed from the first fits, within the model")
+    for c in s["rejected"]:
+        lines.append(f"rejected by its trace: {', '.join(c['assignment'])} (plan arena {human_bytes(c['plan_arena'])})")
+    lines.append(f"wall time {s['seconds']:.1f} s")
+    return "\n".join(lines)
