@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from memplan.errors import CompileError, MemplanError
-from memplan.modes import AS_BUILT, Mode, check_layer_modes, describe_assignment, mode
+from memplan.modes import AS_BUILT, check_layer_modes, describe_assignment, mode
 
 DTYPES = ("float32", "bfloat16")
 
@@ -74,11 +74,6 @@ class StepSpec:
     def mode_name(self) -> str:
         """The mode as traces' meta "layers" and the reports name it."""
         return describe_assignment(self.layer_modes) if self.per_layer else self.mode
-
-    @property
-    def whole_mode(self) -> Mode | None:
-        """The registered mode of the whole model; None for per-layer modes."""
-        return None if self.per_layer else mode(self.mode)
 
     def arguments(self) -> str:
         """This step as `memplan trace` options (per-layer modes have no command-line form)."""
