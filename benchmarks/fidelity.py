@@ -1,16 +1,16 @@
 """Fidelity of memplan's traces against real GPUs: the shared snapshots whose program is known.
 
 Usage: .venv/bin/python benchmarks/fidelity.py [SHARED_DIR] [--contexts 128,512] [--no-real]
-For each CS336 snapshot (the program and how it was recorded: SHARED_DIR/clients/cs336/NOTICE.md, batch 4):
-the real peak allocated (requested bytes) and reserved, read from the snapshot; then for a real CPU trace,
-a --fake trace, a --fake --device cuda trace and, on a GPU, a real CUDA trace of the same step
-(examples/cs336_lm.py, which imports the client): peak live and its error against the real peak, the
-caching-allocator simulator's peak reserved against the real reserved, and how many of the snapshot's
-allocations the trace reproduces in order by size (the longest common subsequence of the two size
-sequences; for a real trace also counting only the buffers an op returned, not its kernels' own).
-Target: every error within 1%.
-A last row traces the step under CPU autocast (bfloat16): the context-512 snapshot's sizes are those of a
-bf16 autocast run, not the fp32 its NOTICE.md describes.
+For each CS336 GPT-2-medium snapshot (the program and how it was recorded:
+SHARED_DIR/traces/cuda-snapshots/PROGRAMS.md, sections 1 and 2; batch 4): the real peak allocated (requested
+bytes) and reserved, read from the snapshot; then for a real CPU trace, a --fake trace, a --fake --device cuda
+trace and, on a GPU, a real CUDA trace of the same step (examples/cs336_lm.py, memplan's rebuild of that
+program from PROGRAMS.md): peak live and its error against the real peak, the caching-allocator simulator's
+peak reserved against the real reserved, and how many of the snapshot's allocations the trace reproduces in
+order by size (the longest common subsequence of the two size sequences; for a real trace also counting only
+the buffers an op returned, not its kernels' own). Target: every error within 1%.
+A last row traces the step under CPU autocast (bfloat16, CS336_AUTOCAST=bf16): the context-512 snapshot was
+recorded with forward and loss under CUDA autocast (bf16), context 128 in fp32.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     shared = Path(args.shared)
-    os.environ["CS336_DIR"] = str(shared / "clients" / "cs336")
+    os.environ.pop("MEMPLAN_PRESET", None)  # the snapshots' shape: the model file's default, medium
     for context in (int(c) for c in args.contexts.split(",")):
         path = shared / SNAPSHOT.format(context)
         snapshot = read_snapshot(path)

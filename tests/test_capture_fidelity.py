@@ -1,6 +1,6 @@
-"""The step recorder against what a step really does: a real GPU snapshot of a program no one here wrote,
-storages a program rebinds, an unrecorded step's allocations (replayed from the plan), fake tensors
-against real ones, and a model far larger than this machine."""
+"""The step recorder against what a step really does: a real GPU snapshot of a program no one here wrote (rebuilt
+from the facts ../shared gives of it), storages a program rebinds, an unrecorded step's allocations (replayed
+from the plan), fake tensors against real ones, and a model far larger than this machine."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ from memplan.traces.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-GPU_PEAK_CTX128 = 7_013_335_044  # ../shared/clients/cs336/NOTICE.md: the snapshot's peak allocated
+SNAPSHOTS = Path("traces") / "cuda-snapshots"
+GPU_PEAK_CTX128 = 7_013_335_044  # ../shared/traces/cuda-snapshots/PROGRAMS.md: the ctx128 snapshot's peak allocated
 
 
 # --- a real program's GPU snapshot --------------------------------------------------------------
@@ -36,16 +37,19 @@ GPU_PEAK_CTX128 = 7_013_335_044  # ../shared/clients/cs336/NOTICE.md: the snapsh
 
 @functools.cache
 def cs336_step(fake: bool):
-    """The CS336 client's step at context 128, batch 4, as the snapshot's (CS336_DIR set by the caller), traced
-    once per process."""
+    """The CS336 step (examples/cs336_lm.py, our rebuild of the program behind the snapshot) at context 128,
+    batch 4, fp32, as the snapshot's, traced once per process."""
     return trace_step(StepSpec(EXAMPLES / "cs336_lm.py", batch=4, seq=128, fake=fake))
 
 
 @pytest.fixture
 def cs336(shared, monkeypatch):
-    for module in ("einops", "einx", "jaxtyping"):
-        pytest.importorskip(module)
-    monkeypatch.setenv("CS336_DIR", str(shared / "clients" / "cs336"))
+    """The step whose real GPU snapshot is ../shared's gpt2_medium_ctx128_training.pickle; skipped without it."""
+    snapshot = shared / SNAPSHOTS / "gpt2_medium_ctx128_training.pickle"
+    if not snapshot.is_file():
+        pytest.skip(f"needs the CS336 GPU snapshot {snapshot} (the shared folder holds no CUDA snapshots)")
+    for name in ("MEMPLAN_PRESET", "CS336_AUTOCAST"):  # the snapshot's shape and precision
+        monkeypatch.delenv(name, raising=False)
     return cs336_step
 
 
@@ -55,17 +59,18 @@ def test_cs336_step_peak_is_within_one_percent_of_the_gpu_snapshot(cs336, fake):
     trace = cs336(fake)
     peak, _ = trace.peak()
     assert abs(peak - GPU_PEAK_CTX128) <= 0.01 * GPU_PEAK_CTX128, (peak, GPU_PEAK_CTX128)
-    # the client's AdamW replaces m and v every step: the old ones die inside the recorded step
+    # the course's AdamW replaces m and v every step: the old ones die inside the recorded step
     old_state = [i for i in range(len(trace)) if trace.alloc[i] == 0 and trace.category[i] == "optimizer"]
     assert old_state and all(trace.free[i] < trace.end for i in old_state)
 
 
 @pytest.mark.slow
 def test_cs336_fake_and_real_steps_allocate_the_same_sizes_in_the_same_order(cs336):
-    """A program no one here wrote, whose backward formulas take other paths for tensor subclasses (gather's, max's
-    and indexing's write into zeros in place only for real tensors) and which reads scalars (`.item()`) that
-    fake tensors answer by rule: its kernels' own buffers aside, the same sizes in the same order (labels may
-    differ where a formula makes its zeros another way for subclasses)."""
+    """A program no one here wrote (rebuilt op by op), whose backward formulas take other paths for tensor
+    subclasses (gather's, max's and indexing's write into zeros in place only for real tensors) and whose
+    initialisation reads scalars (trunc_normal_'s `.item()`) that fake tensors answer by rule: its kernels' own
+    buffers aside, the same sizes in the same order (labels may differ where a formula makes its zeros another
+    way for subclasses)."""
     real, fake = cs336(False), cs336(True)
     assert fake.meta["data_dependent"]
     assert [event[0] for event in buffer_events(fake)] == [event[0] for event in buffer_events(real)]
