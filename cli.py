@@ -170,11 +170,12 @@ def trace_command(model_file, output, batch, seq, dtype, layers, device, fake, t
     memplan trace examples/llama.py --compile --memory-budget 0 -o llama.compiled.json.gz
     """
     from memplan.planner.jobs.trace import trace_to_file
+    from memplan.planner.report.trace_text import render_trace_file
     from memplan.step import StepSpec
 
     step = StepSpec(model_file, batch, seq, dtype, device, layers, fake, compile)
-    summary, text = trace_to_file(step, output, top=top, nproc=nproc, progress=progress)
-    emit(summary, as_json, text)
+    summary = trace_to_file(step, output, top=top, nproc=nproc, progress=progress)
+    emit(summary, as_json, render_trace_file(summary))
 
 
 @main.command("import")
@@ -198,9 +199,10 @@ def import_command(snapshot, output, cuda_device, as_json):
     Example: memplan import snapshot.pickle -o step.trace.json.gz
     """
     from memplan.planner.jobs.files import import_file
+    from memplan.planner.report.trace_text import render_import
 
-    summary, text = import_file(snapshot, output, cuda_device, progress)
-    emit(summary, as_json, text)
+    summary = import_file(snapshot, output, cuda_device, progress)
+    emit(summary, as_json, render_import(summary))
 
 
 ALLOC_CONF_HELP = (
@@ -254,10 +256,11 @@ def simulate_command(trace_file, plan_file, alloc_conf, tie_break, capacity, tim
     Example: memplan simulate bert.trace.json.gz --plan bert.plan.json --timeline bert.csv
     """
     from memplan.planner.jobs.files import simulate_file
+    from memplan.planner.report.memory_report import report_text
 
-    summary, text = simulate_file(trace_file, plan_file, alloc_conf=alloc_conf, tie_break=tie_break,
-                                  capacity=capacity, timeline=timeline, progress=progress)  # fmt: skip
-    emit(summary, as_json, text)
+    summary = simulate_file(trace_file, plan_file, alloc_conf=alloc_conf, tie_break=tie_break,
+                            capacity=capacity, timeline=timeline, progress=progress)  # fmt: skip
+    emit(summary.to_dict(), as_json, report_text(summary))
 
 
 @main.command("plot")
@@ -282,9 +285,9 @@ def plot_command(trace_files, plan_files, output, address_space, alloc_conf, tie
     """
     from memplan.planner.jobs.files import plot_files
 
-    summary, text = plot_files(trace_files, plan_files, output, address_space=address_space, alloc_conf=alloc_conf,
-                               tie_break=tie_break, progress=progress)  # fmt: skip
-    emit(summary, as_json, text)
+    summary = plot_files(trace_files, plan_files, output, address_space=address_space, alloc_conf=alloc_conf,
+                         tie_break=tie_break, progress=progress)  # fmt: skip
+    emit(summary, as_json, f"wrote {summary['output']}")
 
 
 @main.command("compare")
@@ -320,10 +323,11 @@ def compare_command(trace_files, plan_files, method, time_limit, alloc_conf, tie
     Example: memplan compare bert.baseline.trace.json.gz bert.tempo.trace.json.gz --method greedy
     """
     from memplan.planner.jobs.files import compare_files
+    from memplan.planner.report.compare import compare_summary, compare_text
 
-    summary, text = compare_files(trace_files, plan_files, method=method, time_limit=time_limit,
-                                  alloc_conf=alloc_conf, tie_break=tie_break, progress=progress)  # fmt: skip
-    emit(summary, as_json, text)
+    rows = compare_files(trace_files, plan_files, method=method, time_limit=time_limit,
+                         alloc_conf=alloc_conf, tie_break=tie_break, progress=progress)  # fmt: skip
+    emit(compare_summary(rows), as_json, compare_text(rows))
 
 
 @main.command("replay")
@@ -352,11 +356,13 @@ def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq,
     Example: memplan replay bert.plan.json examples/bert.py --batch 2 --seq 128 --steps 3
     """
     from memplan.planner.replay.model_replay import replay_model_file
+    from memplan.planner.report.replay_text import render_replay
     from memplan.step import StepSpec
 
     step = StepSpec(model_file, batch, seq, dtype, device, layers, compile=compile)
     report = replay_model_file(plan_file, step, trace_file=trace_file, steps=steps, progress=progress)
-    emit(report.summary(), as_json, report.text())
+    summary = report.summary()
+    emit(summary, as_json, render_replay(summary))
 
 
 @main.command("solve")
@@ -409,6 +415,7 @@ def solve_command(source, output, time_limit, capacity, method, alignment, scope
     Example: memplan solve bert.trace.json.gz -o bert.plan.json --time-limit 5
     """
     from memplan.planner.jobs.solve_file import solve_file
+    from memplan.planner.report.solve_text import render_solve
 
     report = solve_file(
         source,
@@ -420,7 +427,8 @@ def solve_command(source, output, time_limit, capacity, method, alignment, scope
         scope=scope,
         progress=progress,
     )
-    emit(report.summary(), as_json, report.text())
+    summary = report.summary()
+    emit(summary, as_json, render_solve(summary))
 
 
 @main.command("run")

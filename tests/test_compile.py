@@ -19,6 +19,7 @@ from memplan.cli import main
 from memplan.modes import AS_BUILT
 from memplan.planner.replay.model_replay import replay_model_file
 from memplan.planner.replay.schedule import ReplayError
+from memplan.planner.report.replay_text import render_replay
 from memplan.step import StepSpec
 from memplan.traces.compile import Compile, compile_model
 from memplan.traces.format import Trace, save, trace_digest
@@ -131,7 +132,7 @@ def test_compiled_trace_replays_with_no_fallback(traces, tmp_path):
         trace_file=str(tmp_path / "t.json.gz"),
         steps=2,
     )
-    assert report.fallback_count == 0 and report.bitwise_equal, report.text()
+    assert report.fallback_count == 0 and report.bitwise_equal, render_replay(report.summary())
     for compile in (None, 1.0):  # the trace's budget is 0: eager or another budget would allocate otherwise
         with pytest.raises(ReplayError, match="replay its plan with --compile --memory-budget 0"):
             replay_model_file(

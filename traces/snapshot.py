@@ -17,7 +17,7 @@ from typing import Any
 
 from memplan.errors import SnapshotError
 from memplan.traces.format import Trace, make_trace
-from memplan.units import MiB, human_bytes
+from memplan.units import MiB
 
 PLAIN_TYPES = (dict, list, tuple, str, int, float, bool, type(None))
 KEYS = ("segments", "device_traces")
@@ -348,14 +348,3 @@ def import_summary(trace: Trace) -> dict:
         "cuda_device": trace.meta.get("cuda_device"),
         "alloc_conf": trace.meta.get("alloc_conf", ""),
     }
-
-
-def render_import_summary(s: dict) -> str:
-    """The import summary as a few human-readable lines."""
-    return (
-        f"buffers: {s['buffers']} ({s['allocated_in_trace']} allocated while recording, "
-        f"{s['before_recording']} alive before, {s['never_freed']} never freed)\n"
-        f"device cuda:{s['cuda_device']}, streams {s['streams']}, {s['events_end'] - 1} events\n"
-        f"peak live: {s['peak_live_bytes']} bytes ({human_bytes(s['peak_live_bytes'], unit='GiB')}) "
-        f"at time {s['peak_time']}"
-    )

@@ -1,5 +1,5 @@
 """The commands that read and write files only: `memplan import`, `simulate`, `plot` and `compare`. Each
-returns its summary (the command's JSON) and text, so cli.py only parses and prints."""
+returns its data (the command's JSON, or the typed summary or rows behind it); planner/report/ renders it."""
 
 from __future__ import annotations
 
@@ -8,30 +8,29 @@ from pathlib import Path
 
 from memplan.files import atomic_write
 from memplan.planner.plan import Plan, load_plan
-from memplan.planner.report.compare import compare_summary, compare_text, compare_traces
-from memplan.planner.report.memory_report import report_summary, report_text, timeline_csv
+from memplan.planner.report.compare import CompareRow, compare_traces
+from memplan.planner.report.memory_report import SimulateSummary, report_summary, timeline_csv
 from memplan.planner.report.plots import check_request, plot_reports
 from memplan.planner.simulate.measure import simulate_trace
 from memplan.planner.simulate.plan_footprint import match_plans
 from memplan.traces.format import Trace, load, save
-from memplan.traces.snapshot import import_snapshot, import_summary, render_import_summary
+from memplan.traces.snapshot import import_snapshot, import_summary
 
 Progress = Callable[[str], None]
 
 
-def import_file(snapshot: str, output: str | None, cuda_device: int | None, progress: Progress) -> tuple[dict, str]:
+def import_file(snapshot: str, output: str | None, cuda_device: int | None, progress: Progress) -> dict:
     """`memplan import`: a CUDA memory snapshot as a trace, written to `output` (default <snapshot>.trace.json.gz)."""
     output = output or f"{Path(snapshot).stem}.trace.json.gz"
     progress(f"reading {snapshot}")
     trace = import_snapshot(snapshot, cuda_device)
     save(trace, output)
     progress(f"wrote {output}")
-    summary = {**import_summary(trace), "output": str(output)}
-    return summary, render_import_summary(summary) + f"\nwritten to {output}"
+    return {**import_summary(trace), "output": str(output)}
 
 
 def simulate_file(trace_file: str, plan_file: str | None, *, alloc_conf: str, tie_break: str, capacity: int | None,
-                  timeline: str | None, progress: Progress) -> tuple[dict, str]:  # fmt: skip
+                  timeline: str | None, progress: Progress) -> SimulateSummary:  # fmt: skip
     """`memplan simulate`: the trace on the caching allocator (and its plan), with the timeline CSV if asked."""
     trace = load(trace_file)
     plan = load_plan(plan_file) if plan_file else None
@@ -41,8 +40,7 @@ def simulate_file(trace_file: str, plan_file: str | None, *, alloc_conf: str, ti
     if timeline:
         atomic_write(timeline, timeline_csv(report))
         progress(f"wrote {timeline}")
-    summary = report_summary(report, timeline=timeline)
-    return summary.to_dict(), report_text(summary)
+    return report_summary(report, timeline=timeline)
 
 
 def load_files(
@@ -53,7 +51,7 @@ def load_files(
 
 
 def plot_files(trace_files: Sequence[str], plan_files: Sequence[str], output: str, *, address_space: bool,
-               alloc_conf: str, tie_break: str, progress: Progress) -> tuple[dict, str]:  # fmt: skip
+               alloc_conf: str, tie_break: str, progress: Progress) -> dict:  # fmt: skip
     """`memplan plot`: the traces side by side (each with the plan made for it) in one figure."""
     check_request(output, address_space, bool(plan_files))
     traces, plans = load_files(trace_files, plan_files)
@@ -65,14 +63,12 @@ def plot_files(trace_files: Sequence[str], plan_files: Sequence[str], output: st
                                     tie_break=tie_break))  # fmt: skip
     plot_reports(reports, output, address_space=address_space)
     progress(f"wrote {output}")
-    summary = {"output": output, "traces": list(trace_files), "plans": list(plan_files), "address_space": address_space}
-    return summary, f"wrote {output}"
+    return {"output": output, "traces": list(trace_files), "plans": list(plan_files), "address_space": address_space}
 
 
 def compare_files(trace_files: Sequence[str], plan_files: Sequence[str], *, method: str, time_limit: float,
-                  alloc_conf: str, tie_break: str, progress: Progress) -> tuple[dict, str]:  # fmt: skip
+                  alloc_conf: str, tie_break: str, progress: Progress) -> list[CompareRow]:  # fmt: skip
     """`memplan compare`: one row per trace (a plan solved here for a trace without one)."""
     traces, plans = load_files(trace_files, plan_files)
-    rows = compare_traces(traces, plans, alloc_conf=alloc_conf, method=method, time_limit=time_limit,
+    return compare_traces(traces, plans, alloc_conf=alloc_conf, method=method, time_limit=time_limit,
                           progress=progress, tie_break=tie_break)  # fmt: skip
-    return compare_summary(rows), compare_text(rows)

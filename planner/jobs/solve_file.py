@@ -44,22 +44,6 @@ class SolveReport:
             "alignment": p.alignment,
         }
 
-    def text(self) -> str:
-        s = self.summary()
-        status = "optimal" if s["status"] == "optimal" else f"feasible (gap {100 * s['gap']:.3g}%)"
-        outside = f" ({s['outside']} outside the step plan)" if s["scope"] != "all" else ""
-        lines = [
-            f"buffers      {s['buffers']}{outside}",
-            f"bound        {s['bound']:,} B ({s['bound_source']})",
-            f"arena        {s['arena']:,} B",
-            f"arena/bound  {s['ratio']:.4f}",
-            f"status       {status}",
-            f"seconds      {s['seconds']:.2f} ({s['solver']})",
-        ]
-        if self.output:
-            lines.append(f"plan         {self.output}")
-        return "\n".join(lines)
-
 
 def load_problem(path: str, alignment: int | None = None, scope: str = "all") -> Problem:
     """A Problem from a MiniMalloc CSV (alignment 1 by default) or a memplan trace (alignment 512)."""

@@ -7,27 +7,25 @@ from collections.abc import Callable
 from pathlib import Path
 
 from memplan.errors import CompileError
-from memplan.planner.report.trace_text import render_trace
 from memplan.step import StepSpec
 from memplan.traces.compile import Compile, describe_compile, require_real_tensors
 from memplan.traces.distributed import trace_ranks
 from memplan.traces.format import save
-from memplan.traces.summary import TraceSummary, summarize
+from memplan.traces.summary import summarize
 from memplan.traces.trace_model import trace_step
 
 
 def trace_to_file(
     step: StepSpec, output: str | None, *, top: int, nproc: int | None, progress: Callable[[str], None]
-) -> tuple[dict, str]:
+) -> dict:
     """Trace `step` and write it to `output` (default: <model>.<layers>.trace.json.gz,
     <model>.<layers>.compiled-<budget>.trace.json.gz for a compiled step); returns the summary (the JSON of
-    `memplan trace --json`) and its text."""
+    `memplan trace --json`; planner.report.trace_text.render_trace_file is its text)."""
     require_real_tensors(step)  # before anything is said or built
     if nproc is not None:
         if step.compile is not None:
             raise CompileError("--compile traces one process: it does not take --nproc")
-        summary, text = trace_command_ranks(step, output, nproc, top=top, progress=progress)
-        return {**summary, "compile": None}, text
+        return {**trace_command_ranks(step, output, nproc, top=top, progress=progress), "compile": None}
     variant = "" if step.compile is None else f".compiled-{step.compile:g}"
     output = output or f"{Path(step.model_file).stem}.{step.mode_name}{variant}.trace.json.gz"
     how = "" if step.compile is None else f", compiled: {describe_compile(Compile(step.compile).meta())}"
@@ -39,17 +37,14 @@ def trace_to_file(
     save(trace, output)
     progress(f"wrote {output}")
     meta = trace.meta.get("compile")
-    summary = summarize(trace, top=top)
-    compiled_line = "" if meta is None else f"\ncompiled: {describe_compile(meta)}"
-    text = render_trace(summary) + compiled_line + f"\nwritten to {output}"
-    return {**summary.to_dict(), "compile": meta, "output": str(output)}, text
+    return {**summarize(trace, top=top).to_dict(), "compile": meta, "output": str(output)}
 
 
 def trace_command_ranks(
     step: StepSpec, output: str | None, nproc: int, *, top: int, progress: Callable[[str], None]
-) -> tuple[dict, str]:
+) -> dict:
     """`memplan trace --nproc N`: trace every rank and return the summary (JSON keys: world_size, ranks,
-    each rank's summary with rank and output) and its text."""
+    each rank's summary with rank and output)."""
     output = output or f"{Path(step.model_file).stem}.{step.mode_name}.trace.json.gz"
     backend = "fake process group, fake tensors" if step.fake else "nccl" if step.device == "cuda" else "gloo"
     progress(
@@ -57,9 +52,8 @@ def trace_command_ranks(
         f"seq {step.seq}, {step.dtype}, layers {step.mode_name}), one training step each after a warm-up step"
     )
     results = trace_ranks(step, output, nproc, top=top)
-    ranks, texts = [], []
+    ranks = []
     for r, (path, summary) in enumerate(results):
         progress(f"wrote {path}")
         ranks.append({**summary, "rank": r, "output": str(path)})
-        texts.append(f"rank {r} of {nproc}:\n{render_trace(TraceSummary.from_dict(summary))}\nwritten to {path}")
-    return {"world_size": nproc, "ranks": ranks}, "\n\n".join(texts)
+    return {"world_size": nproc, "ranks": ranks}

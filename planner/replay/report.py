@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from memplan.units import human_bytes
-
 
 @dataclass
 class ReplayReport:
@@ -48,25 +46,3 @@ class ReplayReport:
     def summary(self) -> dict:
         """The JSON-ready summary (every field plus bitwise_equal)."""
         return {**asdict(self), "bitwise_equal": self.bitwise_equal}
-
-    def text(self) -> str:
-        lines = [
-            f"replayed {self.steps} step(s) of {self.workload} on {self.device}",
-            f"  arena            {human_bytes(self.arena_bytes, unit='MiB')} ({self.arena_bytes} B; "
-            f"plan bound {self.bound} B)",
-            f"  adopted          {self.adopted_count} of {self.reserved_count} reserved slot(s), "
-            f"{self.adopted_bytes} of {self.reserved_bytes} B (storages that exist for the whole step, moved "
-            f"into the arena before the steps)",
-            f"  outside          {self.outside_bytes} B (resident storages still held outside the arena)",
-            f"  planned          {self.planned_count} allocation(s) ({self.planned_per_step} per step)",
-            f"  fallbacks        {self.fallback_count} allocation(s), {self.fallback_bytes} B, at most "
-            f"{self.fallback_peak} B live at once (in use {self.refused_in_use}, size {self.size_mismatch}, "
-            f"extra {self.extra}, no slot to adopt {self.no_slot}; planned but missing {self.missing})",
-            f"  arena top        {human_bytes(self.arena_top_peak, unit='MiB')} ({self.arena_top_peak} B: "
-            f"highest arena byte held by a live block, adopted or planned)",
-            f"  peak             {human_bytes(self.peak_bytes, unit='MiB')} ({self.peak_bytes} B: "
-            f"most of arena top + fallback live at once, plus outside)",
-            f"  bitwise equal    {'yes' if self.bitwise_equal else f'NO: first difference at {self.first_difference}'}"
-            f" (loss, every gradient, parameters after {self.steps} step(s); reference: {self.reference})",
-        ]
-        return "\n".join(lines)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from memplan.modes import AS_BUILT
 from memplan.planner.layers.patch import PatchReport
+from memplan.traces.compile import describe_compile
 from memplan.traces.summary import TraceSummary
 from memplan.units import human_bytes
 
@@ -67,3 +68,27 @@ def render_trace(s: TraceSummary) -> str:
             f"[{b.alloc}, {b.free})  {b.module or '-'}  {b.op or '-'}"
         )
     return "\n".join(lines)
+
+
+def render_trace_file(summary: dict) -> str:
+    """`memplan trace`'s text from its summary (its --json): each rank's trace, or the one trace, with how it was
+    compiled and where it was written."""
+    if "ranks" in summary:
+        n = summary["world_size"]
+        return "\n\n".join(
+            f"rank {r['rank']} of {n}:\n{render_trace(TraceSummary.from_dict(r))}\nwritten to {r['output']}"
+            for r in summary["ranks"]
+        )
+    compiled = "" if summary["compile"] is None else f"\ncompiled: {describe_compile(summary['compile'])}"
+    return f"{render_trace(TraceSummary.from_dict(summary))}{compiled}\nwritten to {summary['output']}"
+
+
+def render_import(s: dict) -> str:
+    """`memplan import`'s text from its summary (its --json): counts, device, streams, the peak, the file."""
+    return (
+        f"buffers: {s['buffers']} ({s['allocated_in_trace']} allocated while recording, "
+        f"{s['before_recording']} alive before, {s['never_freed']} never freed)\n"
+        f"device cuda:{s['cuda_device']}, streams {s['streams']}, {s['events_end'] - 1} events\n"
+        f"peak live: {s['peak_live_bytes']} bytes ({human_bytes(s['peak_live_bytes'], unit='GiB')}) "
+        f"at time {s['peak_time']}\nwritten to {s['output']}"
+    )
