@@ -250,6 +250,36 @@ def test_fake_dropout_on_the_cpu_allocates_its_outputs_as_the_cpu_kernel_does(p,
     assert outputs(fake=True) == outputs(fake=False) == [8 * 128, 8 * 128 * 4]  # bool mask, then the output
 
 
+def test_fake_cuda_tensors_get_the_optimizers_foreach_kernels_only_inside_the_capture():
+    """`--fake --device cuda` runs torch's AdamW through its foreach kernels, as CUDA does (a fake tensor is not
+    a type torch.optim trusts with them), and only inside the capture."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    from memplan.traces.fake import FOREACH_TYPES, FakeCapture
+    from memplan.traces.recorder import recording
+
+    with recording(torch.device("cuda"), fake=True) as recorder, FakeCapture(recorder, "cuda"):
+        on_cuda, on_cpu = torch.empty(4, device="cuda"), torch.empty(4)
+        assert _default_to_fused_or_foreach([on_cuda], False) == (False, True)
+        assert _default_to_fused_or_foreach([on_cpu], False) == (False, False)  # the CPU has no foreach kernels
+    assert all(t.__name__ != "FakeTensor" for t in FOREACH_TYPES)
+
+
+def test_fake_cuda_dropout_allocates_the_mask_first_and_claims_only_cuda_storages():
+    """CUDA's dropout allocates the mask before the output (the CPU kernel the other way round)."""
+    from memplan.traces.fake import FakeCapture
+    from memplan.traces.recorder import recording
+
+    with recording(torch.device("cuda"), fake=True) as recorder, FakeCapture(recorder, "cuda"):
+        x = torch.empty(8, 128, device="cuda")
+        recorder.begin_step()
+        output, mask = torch.ops.aten.native_dropout(x, 0.1, True)
+        torch.ones(3, device="cpu")  # not the CUDA trace's
+        events = recorder.end_step()
+    assert events.size.tolist() == [8 * 128, 8 * 128 * 4]  # bool mask, then the fp32 output
+    assert (output.shape, output.dtype, mask.dtype) == (x.shape, torch.float32, torch.bool)
+
+
 def test_moving_a_fake_model_keeps_what_the_program_attached_to_its_parameters():
     """module_to rebinds fake parameters to converted copies: their attributes and gradient hooks (a
     sequence-parallel layer's flag and gradient all-reduce) come along, as with Module.to."""

@@ -21,6 +21,7 @@ from memplan.planner.replay.cpu_session import CPUPlanAllocator
 from memplan.planner.replay.fingerprint import RunPrints, first_difference, tensor_digest
 from memplan.planner.replay.runner import replay, run_steps, warm_up
 from memplan.planner.replay.schedule import ReplayError, Schedule, schedule_from
+from memplan.planner.workloads import bert
 from memplan.solvers import solve
 from memplan.traces.capture import capture_step
 from memplan.traces.format import save
@@ -137,6 +138,17 @@ def test_fingerprints_tell_different_runs_apart():
         runs.append(prints)
     assert first_difference(runs[0], runs[0]) is None
     assert first_difference(runs[0], runs[1]) == "step 1 loss"
+
+
+def test_replay_step_times_leave_out_the_gradient_digests():
+    """run_steps times each step and counts the time of its gradient digests (for the bitwise comparison)
+    apart, in prints.seconds: the first GPU run's step times included the digests."""
+    workload = bert.build_workload(2, 16)
+    workload.step()
+    prints = RunPrints()
+    seconds = run_steps(workload, 2, nullcontext, prints)
+    assert len(prints.grads) == 2 and prints.seconds > 0
+    assert all(s > 0 for s in seconds)
 
 
 def test_tensors_made_in_a_step_outlive_the_plan_and_the_allocator_is_restored():
