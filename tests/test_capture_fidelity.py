@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lanes import diagonal, named
 from step_traces import buffer_events, bytes_by_category
 from torch import nn
 
@@ -178,8 +179,10 @@ def model_files(tmp_path_factory) -> dict[str, Path]:
     return files
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "hf_llama", "hf_gpt2", "hf_mistral", "hf_qwen2"])
+SERVED = ["bert", "gpt2", "llama", "hf_llama", "hf_gpt2", "hf_mistral", "hf_qwen2"]
+
+
+@pytest.mark.parametrize("name, mode", diagonal(named(SERVED), named(MODES)))  # fast lane: each model and mode once
 def test_the_plan_of_a_traced_step_serves_untraced_steps_exactly(model_files, name, mode):
     def make():
         return load_workload(
@@ -203,11 +206,10 @@ def test_the_plan_of_a_traced_step_serves_untraced_steps_exactly(model_files, na
 # mask code skips the mask for a real all-ones one (`.all()`) but builds it when its tensors are fake
 BRANCHING = {(name, "full") for name in ("hf_llama", "hf_gpt2", "hf_mistral", "hf_qwen2")}
 # every mode on memplan's own models; on HuggingFace's, one of each kind of change
-FAKE_CASES = [(name, mode) for name in ("bert", "gpt2", "llama") for mode in MODES] + [
-    (name, mode)
-    for name in ("hf_llama", "hf_gpt2", "hf_bert", "hf_mistral", "hf_qwen2")
-    for mode in ("as-built", "tempo+selective", "full")
-]
+# (the fast lane: a diagonal of each, every model and every mode once)
+FAKE_CASES = diagonal(named(("bert", "gpt2", "llama")), named(MODES)) + diagonal(
+    named(("hf_llama", "hf_gpt2", "hf_bert", "hf_mistral", "hf_qwen2")), named(("as-built", "tempo+selective", "full"))
+)
 
 
 @pytest.mark.parametrize("name, mode", FAKE_CASES)
@@ -300,6 +302,7 @@ def test_moving_a_fake_model_keeps_what_the_program_attached_to_its_parameters()
     assert seen == [(4, 4)]
 
 
+@pytest.mark.slow
 def test_fake_trace_of_a_7b_llama_has_the_models_own_state_bytes(monkeypatch):
     """HF Llama at the 7B shape, bf16, batch 1, sequence 2048: ~54 GB of training state, none allocated."""
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -48,6 +48,7 @@ def plan_fits(trace, memory):
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["baseline", "tempo+selective"])
 def test_fit_agrees_with_direct_traces(mode):
     result = fit_model(MODEL, MEMORY, modes=(mode,), seq=SEQ, time_limit=2.0)
@@ -67,6 +68,7 @@ def test_fit_agrees_with_direct_traces(mode):
     assert summary["plan"]["next_proven"] is True
 
 
+@pytest.mark.slow
 def test_memory_beyond_the_largest_batch_is_one_line():
     with pytest.raises(FitError, match="batch 4096 still fits under the caching model"):
         fit_model(MODEL, 1 << 40, modes=("baseline",), seq=2, time_limit=1.0)
@@ -91,6 +93,7 @@ def test_auto_capture_is_fake_where_a_real_step_is_slow_or_does_not_fit(monkeypa
     assert not choose_capture("real", 1 << 40).fake and choose_capture("fake", 1).fake
 
 
+@pytest.mark.slow
 def test_fake_traces_give_the_real_traces_answer():
     """Fake tensors hold what real ones do: the same batch under both allocator models, and JSON says fake."""
     real = fit_model(MODEL, MEMORY, modes=("tempo",), seq=SEQ, time_limit=2.0, capture="real")
@@ -208,6 +211,7 @@ def test_fit_bisects_between_a_fitting_and_a_failing_batch(monkeypatch, caching_
         assert mode.points[b].fits(allocator) and not mode.points[b + 1].fits(allocator)
 
 
+@pytest.mark.slow
 def test_fit_of_gpt2_gives_the_answer_of_stepping_batch_by_batch(monkeypatch):
     monkeypatch.delenv("MEMPLAN_PRESET", raising=False)  # tiny
     traced: list[int] = []

@@ -101,6 +101,7 @@ def least_recompute(brute, cost, memory, choices=None):
     return min(fitting) if fitting else None
 
 
+@pytest.mark.slow
 def test_optimize_agrees_with_brute_force(model_file, brute, layer_costs):
     cost, _ = layer_costs
     uniform = [(m,) * len(LAYERS) for m in OPTIMIZE_MODES]
@@ -122,6 +123,7 @@ def test_optimize_agrees_with_brute_force(model_file, brute, layer_costs):
             assert candidate.plan_arena == brute[candidate.assignment]
 
 
+@pytest.mark.slow
 def test_nothing_fits_is_an_error(model_file, brute):
     least = min(brute.values())
     result = CliRunner().invoke(
@@ -131,6 +133,7 @@ def test_nothing_fits_is_an_error(model_file, brute):
     assert result.stderr.splitlines()[-1].startswith("Error: no assignment of modes fits batch 1")
 
 
+@pytest.mark.slow
 def test_max_batch_json(model_file):
     # 4.4 MiB: batch 5, found by doubling (1, 2, 4, 8) and bisection (6, 5); 8 MiB took ten batches' traces
     memory = int(4.4 * (1 << 20))
