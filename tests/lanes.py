@@ -27,3 +27,8 @@ def diagonal(*axes: dict) -> list:
 def named(values) -> dict:
     """An axis whose ids are its values (strings)."""
     return {str(v): v for v in values}
+
+
+def some(values, fast) -> list:
+    """`values` as pytest params, those not in `fast` marked slow: the fast lane runs `fast`, the full suite all."""
+    return [pytest.param(v, marks=() if v in fast else (pytest.mark.slow,)) for v in values]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from lanes import some
 
 from memplan.cli import main
 from memplan.planner.plan import save_plan
@@ -36,7 +37,7 @@ def maker(model: str, batch: int):
     return lambda: load_workload(MODELS[model], batch=batch, seq=SEQ, dtype=torch.float32, device="cpu")
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+@pytest.fixture(scope="module", params=some(sorted(MODELS), fast=("bert",)))  # gpt2: the full suite only
 def planned(request):
     """(model name, trace, problem, plan) for the model's step at batch 2, solved by the portfolio."""
     trace = capture_step(maker(request.param, 2))
