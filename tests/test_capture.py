@@ -3,6 +3,7 @@ determinism of the allocation sequence, and labels (phase, category, module, op)
 
 from __future__ import annotations
 
+import textwrap
 from collections import Counter
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from memplan.step import StepSpec
 from memplan.traces.capture import capture_step
 from memplan.traces.model_file import load_workload
 from memplan.traces.summary import summarize
+from memplan.traces.trace_model import trace_step
 from memplan.traces.workload import Workload
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -193,6 +195,19 @@ def test_the_kernels_own_buffers_are_marked_and_counted_in_the_summary(bert_trac
     assert f"{len(internal):,} buffers are kernels' own" in render_trace(summary)
 
 
+def test_a_trace_with_measured_cuda_peaks_shows_them_beside_its_own(bert_trace):
+    """A trace carrying PyTorch's measured CUDA peak (a GPU capture's) shows it in the summary next to its own."""
+    _, trace = bert_trace
+    peak = trace.peak()[0]
+    trace.meta["cuda_measured"] = {"peak_requested": peak - 512}
+    try:
+        text = render_trace(summarize(trace))
+    finally:
+        del trace.meta["cuda_measured"]  # the module's trace, shared
+    assert "PyTorch measured the same step's peak at" in text and "+512 bytes from it" in text
+    assert "PyTorch measured" not in render_trace(summarize(trace))
+
+
 @pytest.mark.parametrize("mode", ["tempo", "tempo+selective"])
 def test_backward_buffers_of_custom_autograd_functions_name_their_module(mode):
     from memplan.planner.layers import patch
@@ -217,6 +232,23 @@ def test_untrained_optimizer_state_is_labelled_when_created_during_the_step():
     created = [i for i in trace.recorded if trace.category[i] == "optimizer"]
     assert sum(int(trace.size[i]) for i in created) == 2 * param_bytes + 4 * n_params
     assert all(trace.phase[i] == "optimizer" and trace.free[i] == trace.end for i in created)
+
+
+def test_optimizer_state_on_another_device_is_not_the_captured_devices():
+    """A tensor the optimizer keeps on another device (here `meta`, as a CUDA AdamW keeps `step` on the CPU)
+    is neither an error nor a buffer of the trace (the first GPU run refused every model for it)."""
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Linear(16, 16)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        optimizer.state[model.weight]["elsewhere"] = torch.empty(1000, device="meta")
+        return Workload(model, torch.randn(4, 16), optimizer, name="elsewhere")
+
+    trace = capture_step(build)
+    assert 4000 not in trace.size.tolist()
+    parameter_bytes = sorted(int(s) for s, c in zip(trace.size, trace.category) if c == "parameter")
+    assert parameter_bytes == [16 * 4, 16 * 16 * 4]
 
 
 @pytest.mark.parametrize("name", ["bert", "gpt2", "hf_bert", "hf_gpt2"])
@@ -267,3 +299,44 @@ def test_a_plain_step_allocates_exactly_the_recorded_sequence():
         stats = allocator.stats()
     assert stats["planned_count"] == 2 * len(sizes)
     assert stats["size_mismatch"] == stats["extra"] == stats["missing"] == stats["fallback_count"] == 0
+
+
+TIED = """
+import torch
+from torch import nn
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.body = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 64, bias=False)
+        self.head.weight = self.emb.weight  # tied: one Parameter, two modules
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.body(self.emb(ids))))
+
+
+def build(batch_size, seq_len, dtype, device):
+    ids = torch.randint(0, 64, (batch_size, seq_len), device=device)
+    return {"model": Tied(), "inputs": ids}  # default optimizer: AdamW
+"""
+EMB = 64 * 16 * 4  # bytes of the tied fp32 weight
+
+
+@pytest.mark.parametrize("fake", [False, True])
+def test_a_tied_parameter_and_its_optimizer_state_share_one_module_label(tmp_path, fake):
+    """A parameter held by two modules (a tied embedding and output head) has one module label in the trace:
+    the first name `named_parameters()` gives it, for the parameter and for its optimizer state alike."""
+    path = tmp_path / "tied.py"
+    path.write_text(textwrap.dedent(TIED))
+    trace = trace_step(StepSpec(path, batch=2, seq=4, fake=fake))
+    resident = [(c, m, int(s)) for c, m, s, a in zip(trace.category, trace.module, trace.size, trace.alloc) if a == 0]
+    tied = {(c, m) for c, m, s in resident if s == EMB and c in ("parameter", "optimizer")}
+    # the weight once, and AdamW's exp_avg and exp_avg_sq for it: all under model.emb, its named_parameters() name
+    assert tied == {("parameter", "model.emb"), ("optimizer", "model.emb")}
+    assert sum(1 for c, m, s in resident if s == EMB and c == "optimizer") == 2
+    params = {m for c, m, _ in resident if c == "parameter"}
+    state = {m for c, m, _ in resident if c == "optimizer"}
+    assert params == state == {"model.emb", "model.body"}  # model.head holds nothing of its own

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lanes import diagonal, named
 from step_traces import buffer_events, bytes_by_category
 from torch import nn
 
@@ -184,8 +185,10 @@ def model_files(tmp_path_factory) -> dict[str, Path]:
     return files
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "hf_llama", "hf_gpt2", "hf_mistral", "hf_qwen2"])
+SERVED = ["bert", "gpt2", "llama", "hf_llama", "hf_gpt2", "hf_mistral", "hf_qwen2"]
+
+
+@pytest.mark.parametrize("name, mode", diagonal(named(SERVED), named(MODES)))  # fast lane: each model and mode once
 def test_the_plan_of_a_traced_step_serves_untraced_steps_exactly(model_files, name, mode):
     def make():
         return load_workload(StepSpec(model_files[name], batch=2, seq=16, mode=mode))
@@ -207,11 +210,10 @@ def test_the_plan_of_a_traced_step_serves_untraced_steps_exactly(model_files, na
 # mask code skips the mask for a real all-ones one (`.all()`) but builds it when its tensors are fake
 BRANCHING = {(name, "full") for name in ("hf_llama", "hf_gpt2", "hf_mistral", "hf_qwen2")}
 # every mode on memplan's own models; on HuggingFace's, one of each kind of change
-FAKE_CASES = [(name, mode) for name in ("bert", "gpt2", "llama") for mode in MODES] + [
-    (name, mode)
-    for name in ("hf_llama", "hf_gpt2", "hf_bert", "hf_mistral", "hf_qwen2")
-    for mode in ("as-built", "tempo+selective", "full")
-]
+# (the fast lane: a diagonal of each, every model and every mode once)
+FAKE_CASES = diagonal(named(("bert", "gpt2", "llama")), named(MODES)) + diagonal(
+    named(("hf_llama", "hf_gpt2", "hf_bert", "hf_mistral", "hf_qwen2")), named(("as-built", "tempo+selective", "full"))
+)
 
 
 @pytest.mark.parametrize("name, mode", FAKE_CASES)
@@ -254,6 +256,36 @@ def test_fake_dropout_on_the_cpu_allocates_its_outputs_as_the_cpu_kernel_does(p,
     assert outputs(fake=True) == outputs(fake=False) == [8 * 128, 8 * 128 * 4]  # bool mask, then the output
 
 
+def test_fake_cuda_tensors_get_the_optimizers_foreach_kernels_only_inside_the_capture():
+    """`--fake --device cuda` runs torch's AdamW through its foreach kernels, as CUDA does (a fake tensor is not
+    a type torch.optim trusts with them), and only inside the capture."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    from memplan.traces.fake import FOREACH_TYPES, FakeCapture
+    from memplan.traces.recorder import recording
+
+    with recording(torch.device("cuda"), fake=True) as recorder, FakeCapture(recorder, "cuda"):
+        on_cuda, on_cpu = torch.empty(4, device="cuda"), torch.empty(4)
+        assert _default_to_fused_or_foreach([on_cuda], False) == (False, True)
+        assert _default_to_fused_or_foreach([on_cpu], False) == (False, False)  # the CPU has no foreach kernels
+    assert all(t.__name__ != "FakeTensor" for t in FOREACH_TYPES)
+
+
+def test_fake_cuda_dropout_allocates_the_mask_first_and_claims_only_cuda_storages():
+    """CUDA's dropout allocates the mask before the output (the CPU kernel the other way round)."""
+    from memplan.traces.fake import FakeCapture
+    from memplan.traces.recorder import recording
+
+    with recording(torch.device("cuda"), fake=True) as recorder, FakeCapture(recorder, "cuda"):
+        x = torch.empty(8, 128, device="cuda")
+        recorder.begin_step()
+        output, mask = torch.ops.aten.native_dropout(x, 0.1, True)
+        torch.ones(3, device="cpu")  # not the CUDA trace's
+        events = recorder.end_step()
+    assert events.size.tolist() == [8 * 128, 8 * 128 * 4]  # bool mask, then the fp32 output
+    assert (output.shape, output.dtype, mask.dtype) == (x.shape, torch.float32, torch.bool)
+
+
 def test_moving_a_fake_model_keeps_what_the_program_attached_to_its_parameters():
     """module_to rebinds fake parameters to converted copies: their attributes and gradient hooks (a
     sequence-parallel layer's flag and gradient all-reduce) come along, as with Module.to."""
@@ -274,6 +306,7 @@ def test_moving_a_fake_model_keeps_what_the_program_attached_to_its_parameters()
     assert seen == [(4, 4)]
 
 
+@pytest.mark.slow
 def test_fake_trace_of_a_7b_llama_has_the_models_own_state_bytes(monkeypatch):
     """HF Llama at the 7B shape, bf16, batch 1, sequence 2048: ~54 GB of training state, none allocated."""
     from torch._subclasses.fake_tensor import FakeTensorMode

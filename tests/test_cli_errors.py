@@ -1,13 +1,15 @@
 """Every command: --help shows an example, and a list of bad inputs each gives one `Error:` line,
-a non-zero exit and no file left behind."""
+a non-zero exit and no file left behind; every --seq option has the same default, shown in --help."""
 
 from __future__ import annotations
 
 import gzip
 import json
 import pickle
+import re
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -143,3 +145,33 @@ def test_every_command_is_covered_and_has_an_example():
         assert name in BAD, f"no bad inputs listed for memplan {name}"
         r = CliRunner().invoke(main, [name, "--help"])
         assert r.exit_code == 0 and "Example" in r.output, name
+
+
+DEFAULT_SEQ = 128
+
+
+def _commands(group: click.Group, prefix: str = ""):
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            yield from _commands(command, f"{prefix}{name} ")
+        else:
+            yield f"{prefix}{name}", command
+
+
+def test_every_seq_option_has_the_same_default_and_shows_it():
+    """Every command that takes --seq has the same default sequence length, and its --help says so."""
+    seq = {
+        name: next(p for p in command.params if p.name == "seq")
+        for name, command in _commands(main)
+        if any(p.name == "seq" for p in command.params)
+    }
+    assert {"trace", "replay", "run", "fit"} <= set(seq)
+    assert {name: option.default for name, option in seq.items()} == dict.fromkeys(seq, DEFAULT_SEQ)
+    for name, option in seq.items():
+        command = dict(_commands(main))[name]
+        opts, text = option.get_help_record(click.Context(command, info_name=name))
+        assert re.search(rf"\[default: {DEFAULT_SEQ}\b", text), (name, text)
+        result = CliRunner().invoke(main, [*name.split(), "--help"])
+        assert result.exit_code == 0, result.output
+        help_text = " ".join(result.output.split())  # the same text however --help wraps it
+        assert f"{opts} {' '.join(text.split())}" in help_text, (name, help_text)

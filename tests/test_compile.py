@@ -114,7 +114,7 @@ def test_meta_and_labels_say_compiled(traces):
 
 def test_graph_breaking_mode_compiles_only_in_the_warm_up_and_traces_alike_twice():
     # tempo's in-place layers break the graph, so eager code (and the recorder's module hooks) runs between
-    # compiled pieces: the recorded step must compile nothing more (trace_model_file checks it), and the cyclic
+    # compiled pieces: the recorded step must compile nothing more (trace_step checks it), and the cyclic
     # garbage the compiler leaves must be gone before the step, or the second trace of a process holds it.
     first, second = trace(1.0, "tempo"), trace(1.0, "tempo")
     assert trace_digest(first) == trace_digest(second)

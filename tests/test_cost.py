@@ -90,12 +90,14 @@ def test_tempo_recomputes_elementwise_work_only(counts):
     assert all(g > 0 for g in layer_growth(counts, "tempo"))
 
 
+@pytest.mark.slow
 def test_fake_tensors_count_what_real_ones_do(gpt2, counts):
     for mode in ("tempo", "full"):
         fake = count_step_flops(StepSpec(gpt2, batch=BATCH, seq=SEQ, mode=mode, fake=True))
         assert fake == counts[mode]
 
 
+@pytest.mark.slow
 def test_compile_budget_zero_recomputes_more_than_budget_one():
     step = StepSpec(TINY_GPT2, batch=2, seq=16)
     eager = count_step_flops(step)

@@ -1,4 +1,5 @@
-"""memplan fit: its batch fits and one more does not, checked here by direct traces; sizes; bad inputs."""
+"""memplan fit: its batch fits and one more does not, checked here by direct traces; the boundary search
+takes a logarithmic number of traces and gives the answer of stepping batch by batch; sizes; bad inputs."""
 
 import json
 from pathlib import Path
@@ -6,8 +7,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import memplan.planner.jobs.fit as fit_job
 from memplan.cli import main
-from memplan.planner.jobs.fit import FitError, fit_model
+from memplan.planner.jobs.fit import MAX_BATCH, FitError, Point, fit_model
 from memplan.planner.problem import problem_from_trace
 from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.solvers import CapacityError, solve
@@ -17,6 +19,7 @@ from memplan.traces.capture import capture_step
 from memplan.traces.model_file import load_workload
 
 MODEL = str(Path(__file__).resolve().parents[1] / "examples" / "bert.py")
+GPT2 = str(Path(__file__).resolve().parents[1] / "examples" / "gpt2.py")
 SEQ = 32
 MEMORY = 24 << 20
 
@@ -42,6 +45,7 @@ def plan_fits(trace, memory):
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["baseline", "tempo+selective"])
 def test_fit_agrees_with_direct_traces(mode):
     result = fit_model(StepSpec(MODEL, seq=SEQ), MEMORY, modes=(mode,), time_limit=2.0)
@@ -61,6 +65,7 @@ def test_fit_agrees_with_direct_traces(mode):
     assert summary["plan"]["next_proven"] is True
 
 
+@pytest.mark.slow
 def test_memory_beyond_the_largest_batch_is_one_line():
     with pytest.raises(FitError, match="batch 4096 still fits under the caching model"):
         fit_model(StepSpec(MODEL, seq=2), 1 << 40, modes=("baseline",), time_limit=1.0)
@@ -85,6 +90,7 @@ def test_auto_capture_is_fake_where_a_real_step_is_slow_or_does_not_fit(monkeypa
     assert not choose_capture("real", 1 << 40).fake and choose_capture("fake", 1).fake
 
 
+@pytest.mark.slow
 def test_fake_traces_give_the_real_traces_answer():
     """Fake tensors hold what real ones do: the same batch under both allocator models, and JSON says fake."""
     real = fit_model(StepSpec(MODEL, seq=SEQ), MEMORY, modes=("tempo",), time_limit=2.0, capture="real")
@@ -146,3 +152,78 @@ def test_cli_missing_model_file(tmp_path):
     res = CliRunner().invoke(main, ["fit", str(tmp_path / "nope.py"), "--memory", "1GiB", "--layers", "baseline"])
     assert res.exit_code != 0
     assert res.output.strip().splitlines()[-1].startswith("Error:") and "no such model file" in res.output
+
+
+# --- the boundary search: secant guesses and bisection between a batch that fits and one that does not ---
+
+BISECT_MEMORY = 1 << 20
+
+
+def synthetic(caching_limit: int, quadratic_plan: bool):
+    """A step whose caching reserved peak grows linearly, predicting about 29, while the OOM retry lets
+    batches up to `caching_limit` fit; and whose plan arena is affine (predicted right, 180) or quadratic
+    (predicted 143 where 50 fit): predictions off by tens or hundreds of batches."""
+
+    memory = BISECT_MEMORY
+
+    def point(batch: int) -> Point:
+        reserved = memory // 10 + batch * (memory // 33)
+        arena = memory // 10 + batch * (memory // 200) + quadratic_plan * batch * batch * (memory // 4000)
+        return Point(batch, reserved, batch <= caching_limit, arena, arena, arena <= memory, arena > memory)
+
+    return point
+
+
+def stepping(point, allocator: str) -> int:
+    """The answer by exhaustive stepping: the last batch before the first that does not fit."""
+    b = 1
+    while b < MAX_BATCH and point(b + 1).fits(allocator):
+        b += 1
+    return b
+
+
+# (caching answer, plan quadratic, most traces allowed); the search stepping batch by batch took 27, 35, 176, 976
+BISECT_CASES = [(8, False, 12), (57, False, 20), (200, True, 32), (1000, False, 40)]
+
+
+@pytest.mark.parametrize("caching_limit,quadratic_plan,most", BISECT_CASES)
+def test_fit_bisects_between_a_fitting_and_a_failing_batch(monkeypatch, caching_limit, quadratic_plan, most):
+    """`memplan fit` narrows the bracket by secant guesses and bisection: the traces it takes grow as the
+    logarithm of the answer, not linearly, when the affine prediction is off by many batches, and the answer
+    is the one stepping batch by batch gives."""
+    point = synthetic(caching_limit, quadratic_plan)
+    traced: list[int] = []
+
+    def measure(self, batch):
+        traced.append(batch)
+        return point(batch)
+
+    monkeypatch.setattr(fit_job.BatchProbe, "_measure", measure)
+    (mode,) = fit_model(StepSpec("unused.py"), BISECT_MEMORY, modes=("baseline",), capture="real").modes
+    assert mode.batch == {"caching": stepping(point, "caching"), "plan": stepping(point, "plan")}
+    assert abs(mode.predicted["caching"] - caching_limit) >= 20  # the prediction is off by many batches
+    assert len(traced) == len(set(traced)) == mode.traces <= most, traced
+    for allocator in ("caching", "plan"):  # b fits and b+1 does not, each by its own trace
+        b = mode.batch[allocator]
+        assert mode.points[b].fits(allocator) and not mode.points[b + 1].fits(allocator)
+
+
+@pytest.mark.slow
+def test_fit_of_gpt2_gives_the_answer_of_stepping_batch_by_batch(monkeypatch):
+    monkeypatch.delenv("MEMPLAN_PRESET", raising=False)  # tiny
+    traced: list[int] = []
+    trace = fit_job.trace_step
+
+    def counted(step):
+        traced.append(step.batch)
+        return trace(step)
+
+    monkeypatch.setattr(fit_job, "trace_step", counted)
+    memory, seq = 8 << 20, 16
+    (mode,) = fit_model(StepSpec(GPT2, seq=seq), memory, modes=("baseline",), time_limit=2.0).modes
+    assert len(traced) == mode.traces <= 14, traced
+    every = fit_job.BatchProbe(
+        StepSpec(GPT2, seq=seq, mode="baseline"), memory, alloc_conf="", time_limit=2.0, progress=lambda _: None
+    )
+    for allocator in ("caching", "plan"):
+        assert mode.batch[allocator] == stepping(every, allocator) >= 4

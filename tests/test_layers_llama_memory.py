@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lanes import diagonal, named
 
 from memplan.planner.layers import MODES, patch
 from memplan.planner.layers.memory import LlamaLayerShape, held_for_backward
@@ -43,9 +44,10 @@ def held(
     return held_for_backward(capture_step(build))
 
 
-@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("mode", MODES)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@pytest.mark.parametrize("mode, dtype, kv_heads", diagonal(named(MODES), DTYPES, {"gqa": 2, "mha": 4}))
 def test_llama_layer_bytes_within_2_percent_of_formula(mode, dtype, kv_heads):
     shape = LlamaLayerShape(s=S, b=B, h=H, a=A, k=kv_heads, f=F, p=torch.finfo(dtype).bits // 8)
     measured = held(mode, 2, kv_heads, dtype) - held(mode, 1, kv_heads, dtype)
@@ -55,9 +57,10 @@ def test_llama_layer_bytes_within_2_percent_of_formula(mode, dtype, kv_heads):
 SQUARE = [("eager", 0.0), ("eager", 0.1), ("sdpa", 0.1)]
 
 
-@pytest.mark.parametrize("attention, dropout", SQUARE, ids=["eager", "eager-dropout", "sdpa-dropout"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "mode, dtype, attention, dropout",
+    diagonal(named(MODES), DTYPES, dict(zip(["eager", "eager-dropout", "sdpa-dropout"], SQUARE))),
+)
 def test_llama_layer_bytes_with_a_square_tensor_within_2_percent_of_formula(mode, dtype, attention, dropout):
     """Eager attention, and SDPA with dropout on the CPU (its math path), keep s x s tensors; grouped-query."""
     shape = LlamaLayerShape(

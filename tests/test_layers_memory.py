@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from lanes import diagonal, named
 
 from memplan.planner.layers import patch
 from memplan.planner.layers.memory import LayerShape, held_for_backward
@@ -30,9 +31,14 @@ def held_per_layer(mode: str, dtype: torch.dtype, seq: int, batch: int) -> int:
     return held[1] - held[0]
 
 
-@pytest.mark.parametrize("as_over_h", [1, 4])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("mode", ["baseline", "tempo", "selective", "tempo+selective"])
+@pytest.mark.parametrize(
+    "mode, dtype, as_over_h",
+    diagonal(
+        named(["baseline", "tempo", "selective", "tempo+selective"]),
+        {"fp32": torch.float32, "bf16": torch.bfloat16},
+        named([1, 4]),
+    ),
+)
 def test_layer_bytes_within_2_percent_of_formula(mode, dtype, as_over_h):
     seq, batch = SHAPES[as_over_h]
     assert A * seq // H == as_over_h

@@ -19,11 +19,15 @@ from memplan.traces.workload import Workload
 pytest.importorskip("transformers")
 
 from hf_models import MODELS, workload  # noqa: E402  (needs transformers)
+from lanes import some  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-@pytest.mark.parametrize("file", ["bert.py", "gpt2.py", "llama.py", "hf_bert.py", "hf_gpt2.py", "hf_llama.py"])
+BUNDLED = ["bert.py", "gpt2.py", "llama.py", "hf_bert.py", "hf_gpt2.py", "hf_llama.py"]
+
+
+@pytest.mark.parametrize("file", some(BUNDLED, fast=("gpt2.py", "hf_llama.py")))  # fast lane: one own, one HF
 def test_tempo_peak_at_most_baselines_on_the_bundled_model_files(file):
     peaks = {
         mode: trace_step(StepSpec(EXAMPLES / file, batch=2, seq=32, mode=mode)).peak()[0]
@@ -32,7 +36,7 @@ def test_tempo_peak_at_most_baselines_on_the_bundled_model_files(file):
     assert peaks["tempo"] <= peaks["baseline"], peaks
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", some(MODELS, fast=("t5", "vit")))  # fast lane: those the bundled files lack
 def test_tempo_peak_at_most_baselines_on_huggingface_models(name):
     peaks = {mode: capture_step(lambda mode=mode: workload(name, mode)).peak()[0] for mode in ("baseline", "tempo")}
     assert peaks["tempo"] <= peaks["baseline"], peaks

@@ -23,7 +23,13 @@ def losses(model: str, mode: str, steps: int = 100) -> tuple[float, ...]:
 
 
 @pytest.mark.parametrize(
-    "model, mode", [("bert", "tempo"), ("bert", "tempo+selective"), ("llama", "tempo"), ("llama", "tempo+full")]
+    "model, mode",
+    [
+        ("bert", "tempo"),
+        pytest.param("bert", "tempo+selective", marks=pytest.mark.slow),  # the fast lane: one mode per model
+        pytest.param("llama", "tempo", marks=pytest.mark.slow),
+        ("llama", "tempo+full"),
+    ],
 )
 def test_losses_track_baseline_for_100_steps(model, mode):
     base, other = losses(model, "baseline"), losses(model, mode)

@@ -106,6 +106,7 @@ def test_imports_run_one_way_with_no_cycle():
             visit(name, [])
 
 
+@pytest.mark.slow
 def test_every_module_imports_alone():
     """Each module imports in a fresh interpreter by itself (an order-dependent cycle would fail here)."""
     names = sorted(module_files())

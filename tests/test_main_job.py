@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from click.testing import CliRunner
 from PIL import Image
 
@@ -62,6 +63,7 @@ def test_run_writes_report_pictures_and_one_row_per_mode(tmp_path):
         assert img.size[0] > 400 and len(np.unique(np.asarray(img))) > 20
 
 
+@pytest.mark.slow
 def test_run_on_fake_traces_says_so_and_replays_nothing(tmp_path):
     out = tmp_path / "out"
     r = CliRunner().invoke(

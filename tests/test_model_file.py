@@ -1,8 +1,13 @@
-"""The model-file protocol and the `memplan trace` command: good files trace, bad ones give one line."""
+"""The model-file protocol and the `memplan trace` command: good files trace, bad ones give one line; the model's
+name is the trace's; a model file imports its siblings and files named like memplan's modules never shadow them."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -14,8 +19,11 @@ from memplan.errors import MemplanError, ModelFileError
 from memplan.step import StepSpec
 from memplan.traces.format import load
 from memplan.traces.model_file import DeviceError, load_workload
+from memplan.traces.trace_model import trace_step
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+MEMPLAN = ROOT / ".venv" / "bin" / "memplan"
 
 GOOD = """
 import torch
@@ -189,3 +197,124 @@ def test_cli_text_summary_of_the_bundled_bert(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert "peak live:" in result.stdout and "largest buffers:" in result.stdout
     assert load(out).meta["model"] == "bert-2x64"  # the name the model file's Workload gives, not the file's
+
+
+# --- the model's name: the "name" key of build()'s dict, or Workload.name; without one, the file's name ---
+
+NAMING_MODEL = """
+import torch
+from torch import nn
+{extra}
+
+def build(batch_size, seq_len, dtype, device):
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16)).to(device=device, dtype=dtype)
+    ids = torch.randint(0, 16, (batch_size, seq_len), device=device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return {returns}
+"""
+NAMED = NAMING_MODEL.format(extra="", returns='{"model": model, "inputs": ids, "name": "mynet"}')
+UNNAMED = NAMING_MODEL.format(extra="", returns='{"model": model, "inputs": ids}')
+WORKLOAD = "from memplan.traces.workload import Workload"
+NAMED_WORKLOAD = NAMING_MODEL.format(extra=WORKLOAD, returns='Workload(model, ids, optimizer, name="mynet")')
+UNNAMED_WORKLOAD = NAMING_MODEL.format(extra=WORKLOAD, returns="Workload(model, ids, optimizer)")
+
+
+def test_the_model_files_name_is_the_traces_model(tmp_path):
+    """The model's name is the trace's meta "model" for every command that traces it (trace, run, fit and
+    replay all go through trace_step), real or fake."""
+    cases = {"named": NAMED, "unnamed": UNNAMED, "named_workload": NAMED_WORKLOAD, "unnamed_workload": UNNAMED_WORKLOAD}
+    expected = {
+        "named": "mynet",
+        "unnamed": "unnamed",
+        "named_workload": "mynet",
+        "unnamed_workload": "unnamed_workload",
+    }
+    for stem, text in cases.items():
+        path = write(tmp_path, stem, text)
+        workload = load_workload(StepSpec(path, batch=2, seq=4))
+        assert workload.name == expected[stem]  # what replay reports
+        assert trace_step(StepSpec(path, batch=2, seq=4)).meta["model"] == expected[stem], stem  # trace, run, fit
+        assert trace_step(StepSpec(path, batch=2, seq=4, fake=True)).meta["model"] == expected[stem], stem
+
+
+def test_cli_trace_records_the_model_files_name(tmp_path):
+    path = write(tmp_path, "netfile", NAMED)
+    out = tmp_path / "t.json.gz"
+    result = CliRunner().invoke(main, ["trace", str(path), "--batch", "2", "--seq", "4", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    trace = load(out)
+    assert trace.meta["model"] == "mynet" and trace.meta["model_file"] == str(path)
+
+
+# --- imports: a model file imports its sibling modules (its folder is first on sys.path while memplan imports
+# it, and stays there for build()'s lazy imports), and files beside it named like memplan's modules (cli.py,
+# traces.py, planner.py) never shadow memplan's own, which are all under the `memplan.` namespace ---
+
+SIBLINGS_MODEL = """
+import torch
+
+from {sibling} import Net  # a sibling module of this file
+
+
+def build(batch_size, seq_len, dtype, device):
+    from {lazy} import VOCAB  # imported when build() runs, after memplan imported this file
+    ids = torch.randint(0, VOCAB, (batch_size, seq_len), device=device)
+    return {{"model": Net(VOCAB), "inputs": ids, "name": "siblings"}}
+"""
+SIBLING_NET = """
+from torch import nn
+
+
+class Net(nn.Sequential):
+    def __init__(self, vocab):
+        super().__init__(nn.Embedding(vocab, 8), nn.Linear(8, vocab))
+"""
+DECOY = "raise ImportError('a user file named like a memplan module was imported: {name}')\n"
+
+
+def siblings_folder(tmp_path: Path, tag: str) -> Path:
+    """A model folder: model.py importing its siblings, and decoys named like memplan's modules."""
+    sibling, lazy = f"mynet_{tag}", f"vocab_{tag}"  # names of this test's own: sys.modules caches them
+    (tmp_path / "model.py").write_text(textwrap.dedent(SIBLINGS_MODEL.format(sibling=sibling, lazy=lazy)))
+    (tmp_path / f"{sibling}.py").write_text(textwrap.dedent(SIBLING_NET))
+    (tmp_path / f"{lazy}.py").write_text("VOCAB = 16\n")
+    for name in ("cli", "traces", "planner", "solvers", "api"):
+        (tmp_path / f"{name}.py").write_text(DECOY.format(name=name))
+    return tmp_path
+
+
+@pytest.fixture
+def clean_imports(monkeypatch):
+    """Leave sys.path and sys.modules as they were (the model file's folder stays for the process)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name.startswith(("mynet_", "vocab_", "memplan_model_")):
+            del sys.modules[name]
+
+
+def test_cli_trace_of_a_model_file_that_imports_its_siblings(tmp_path, monkeypatch, clean_imports):
+    work = siblings_folder(tmp_path, "cli")
+    monkeypatch.chdir(work)
+    result = CliRunner().invoke(main, ["trace", "model.py", "--batch", "2", "--seq", "4", "-o", "t.json.gz"])
+    assert result.exit_code == 0, result.output
+    assert load(work / "t.json.gz").meta["model"] == "siblings"
+    assert sys.path.count(str(work.resolve())) == 1
+    assert "traces" not in sys.modules and "cli" not in sys.modules  # the decoys were never imported
+
+
+@pytest.mark.skipif(not MEMPLAN.exists(), reason="needs the virtualenv's memplan script")
+def test_memplan_trace_run_from_the_model_files_folder(tmp_path):
+    work = siblings_folder(tmp_path, "proc")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [str(MEMPLAN), "trace", "model.py", "--batch", "2", "--seq", "4", "-o", "t.json.gz"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert load(work / "t.json.gz").meta["model"] == "siblings"

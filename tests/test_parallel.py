@@ -50,6 +50,7 @@ def _results(ranks, check):
     return [(case, result) for per_rank in ranks for case, result in per_rank if case["check"] == check]
 
 
+@pytest.mark.slow
 def test_parallel_layer_equals_single_process_layer(ranks):
     checked = _results(ranks, "errors")
     assert len(checked) == 2 * len(MODES) * 2
@@ -61,6 +62,7 @@ def test_parallel_layer_equals_single_process_layer(ranks):
         assert result["errors"][worst] < tolerance, (case, worst, result["errors"][worst])
 
 
+@pytest.mark.slow
 def test_parallel_model_equals_single_process_model(ranks):
     for case, result in _results(ranks, "model"):
         assert result["loss"] < 1e-6 and result["wte"] < 1e-5 and result["wpe"] < 1e-5 and result["ln_f"] < 1e-5, (
@@ -69,6 +71,7 @@ def test_parallel_model_equals_single_process_model(ranks):
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("check", ["bytes", "traced"])
 def test_per_rank_layer_bytes_within_3_percent_of_formulas(ranks, check):
     measured = _results(ranks, check)
@@ -78,6 +81,7 @@ def test_per_rank_layer_bytes_within_3_percent_of_formulas(ranks, check):
         assert result["formula"] <= result["measured"] <= 1.03 * result["formula"], (case, result)
 
 
+@pytest.mark.slow
 def test_collectives_free_their_tensors_on_the_traced_thread(ranks):
     # gloo's worker threads must never drop the last reference: the profiler would miss that free.
     counted = _results(ranks, "frees")
@@ -122,6 +126,7 @@ def build(batch_size, seq_len, dtype, device):
 """
 
 
+@pytest.mark.slow
 def test_trace_nproc_writes_one_trace_per_rank(tmp_path):
     model = tmp_path / "tp_sp.py"
     model.write_text(textwrap.dedent(MODEL_FILE))
@@ -161,6 +166,7 @@ def test_a_failing_rank_fails_the_command_and_leaves_no_files(tmp_path, monkeypa
     assert list(out.parent.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_fake_ranks_hold_what_the_gloo_ranks_hold(tmp_path):
     """--nproc --fake: every rank in this process on the fake process group, under fake tensors; each
     rank holds the gloo rank's buffers in the same order with the same sizes and labels but for the op

@@ -13,6 +13,7 @@ from memplan.traces.capture import capture_step
 pytest.importorskip("transformers")
 
 from hf_models import MODELS, build, loss, workload  # noqa: E402  (needs transformers)
+from lanes import some  # noqa: E402
 
 SWAPS = {  # tempo's swaps per model: (original type, replacement, count)
     "llama": {("LlamaRMSNorm", "InplaceRMSNorm", 5), ("LlamaMLP", "GatedMLP", 2)},
@@ -68,7 +69,7 @@ def held(name: str, mode: str, layers: int) -> int:
     return held_for_backward(capture_step(lambda: workload(name, mode, layers)))
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", some(MODELS, fast=("llama", "t5")))  # fast lane: a decoder, an encoder-decoder
 def test_tempo_and_selective_hold_less_per_layer_than_baseline(name):
     per_layer = {mode: held(name, mode, 2) - held(name, mode, 1) for mode in ("baseline", "tempo", "selective")}
     assert per_layer["tempo"] < per_layer["baseline"]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from lanes import some
 
 from memplan.cli import main
 from memplan.planner.plan import save_plan
@@ -21,6 +22,7 @@ from memplan.planner.replay.cpu_session import CPUPlanAllocator
 from memplan.planner.replay.fingerprint import RunPrints, first_difference, tensor_digest
 from memplan.planner.replay.runner import replay, run_steps, warm_up
 from memplan.planner.replay.schedule import ReplayError, Schedule, schedule_from
+from memplan.planner.workloads import bert
 from memplan.solvers import solve
 from memplan.step import StepSpec
 from memplan.traces.capture import capture_step
@@ -36,7 +38,7 @@ def maker(model: str, batch: int):
     return lambda: load_workload(StepSpec(MODELS[model], batch=batch, seq=SEQ))
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+@pytest.fixture(scope="module", params=some(sorted(MODELS), fast=("bert",)))  # gpt2: the full suite only
 def planned(request):
     """(model name, trace, problem, plan) for the model's step at batch 2, solved by the portfolio."""
     trace = capture_step(maker(request.param, 2))
@@ -138,6 +140,17 @@ def test_fingerprints_tell_different_runs_apart():
         runs.append(prints)
     assert first_difference(runs[0], runs[0]) is None
     assert first_difference(runs[0], runs[1]) == "step 1 loss"
+
+
+def test_replay_step_times_leave_out_the_gradient_digests():
+    """run_steps times each step and counts the time of its gradient digests (for the bitwise comparison)
+    apart, in prints.seconds: the first GPU run's step times included the digests."""
+    workload = bert.build_workload(2, 16)
+    workload.step()
+    prints = RunPrints()
+    seconds = run_steps(workload, 2, nullcontext, prints)
+    assert len(prints.grads) == 2 and prints.seconds > 0
+    assert all(s > 0 for s in seconds)
 
 
 def test_tensors_made_in_a_step_outlive_the_plan_and_the_allocator_is_restored():

@@ -108,6 +108,7 @@ def brute_optimum(p) -> int:
     return best
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_tiny_instances_reach_the_brute_force_optimum(data):
@@ -126,6 +127,7 @@ def test_tiny_instances_reach_the_brute_force_optimum(data):
     assert cpsat_place(p, lower_bound(p), 5.0, capacity=optimum - 1).status == "infeasible"
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(instances(max_n=7))
 def test_exact_search_decides_like_brute_force(p):
@@ -177,6 +179,7 @@ def hard_instance():
     return build_problem([2, 2, 3, 2, 4, 4, 2], [4, 3, 0, 0, 5, 1, 6], [8, 7, 5, 4, 6, 3, 10], alignment=1)
 
 
+@pytest.mark.slow
 def test_exact_methods_reach_what_greedy_misses():
     p = hard_instance()
     assert greedy(p).arena == 11 and lower_bound(p) == 9 == brute_optimum(p)

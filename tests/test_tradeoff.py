@@ -28,6 +28,7 @@ def summary(tmp_path_factory):
     return json.loads(result.stdout)
 
 
+@pytest.mark.slow
 def test_json_carries_every_point(summary):
     names = [p["name"] for p in summary["points"]]
     assert names == [*MODES, "compile@1", "compile@0"]
@@ -44,6 +45,7 @@ def test_json_carries_every_point(summary):
     assert any(p["pareto_flops"] for p in summary["points"]) and any(p["pareto_time"] for p in summary["points"])
 
 
+@pytest.mark.slow
 def test_figure_is_written_readable_and_not_blank(summary):
     image = imread(summary["figure"])
     assert image.shape[0] > 300 and image.shape[1] > 600
@@ -52,6 +54,7 @@ def test_figure_is_written_readable_and_not_blank(summary):
     assert len(np.unique(image[..., :3].reshape(-1, 3), axis=0)) > 20  # points, lines and text, not one colour
 
 
+@pytest.mark.slow
 def test_a_variant_model_file_is_measured_next_to_the_modes():
     """The reversible GPT-2 as a variant of GPT-2: its point is named by its file, counts its rebuild as extra
     compute and needs less memory than GPT-2 as built."""
