@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
 # Sets everything up (scripts/setup.sh), checks lint and format (ruff), then runs the whole test suite.
+# setup.sh (pip, about a minute) runs again only when pyproject.toml or setup.sh changed since it last succeeded:
+# the install is editable, so source changes need no reinstall (C++ parts rebuild on first use).
+# The fast lane: scripts/test.sh -m "not slow".
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+stamp=.venv/.setup-done
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ]; then
+  bash scripts/setup.sh
+  touch "$stamp"
+fi
 .venv/bin/ruff check --quiet .
 .venv/bin/ruff format --check --quiet .
 exec .venv/bin/python -m pytest -q "$@"
