@@ -11,6 +11,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -91,11 +92,14 @@ def torch_extension(name: str, sources: list[Path], what: str, headers: Iterable
     import torch
     from torch.utils import cpp_extension
 
-    build_dir = cache_dir() / f"{name}-torch{torch.__version__}-{digest([*sources, *headers])}"
+    # ninja's build file records absolute paths (the sources, this Python's headers): a folder per checkout and
+    # environment, or two of them sharing the cache rebuild each other's module on every first use.
+    includes = sorted({str(p.parent.resolve()) for p in sources})
+    where = hashlib.sha256("\n".join([sys.prefix, *includes]).encode()).hexdigest()[:8]
+    build_dir = cache_dir() / f"{name}-torch{torch.__version__}-{digest([*sources, *headers])}-{where}"
     build_dir.mkdir(parents=True, exist_ok=True)
     if not shutil.which("ninja"):
         raise BuildError(f"building {what} needs ninja: `pip install ninja`")
-    includes = sorted({str(p.parent) for p in sources})
     try:
         return cpp_extension.load(
             name=name,
