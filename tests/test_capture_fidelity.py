@@ -353,6 +353,7 @@ def test_fake_cuda_on_a_build_without_cuda_is_one_line():
     assert result.output.strip().splitlines()[-1].startswith("Error: --fake --device cuda: this torch")
 
 
+@pytest.mark.slow  # 3-10 s: out of the fast lane, which stays under 3 minutes
 def test_a_fake_trace_leaves_memplans_own_tables_real():
     """A fresh process whose first trace is fake imports the model file and memplan's layers outside fake
     tensors: the GELU tables stay real, and a real trace after it counts no storage it cannot name."""

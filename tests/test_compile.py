@@ -71,6 +71,7 @@ def gradients_of_one_step(budget: float | None) -> tuple[torch.Tensor, dict[str,
     return loss.detach(), {name: p.grad for name, p in workload.model.named_parameters()}
 
 
+@pytest.mark.slow  # 3-10 s: out of the fast lane, which stays under 3 minutes
 @pytest.mark.parametrize("budget", [1.0, 0.0])
 def test_compiled_loss_and_gradients_equal_eager(budget):
     # Inductor fuses and reorders float32 reductions (RMSNorm's mean, softmax, gradient sums over the 128
@@ -112,6 +113,7 @@ def test_meta_and_labels_say_compiled(traces):
     assert not traces[1.0].meta["internal_marked"] and not traces[1.0].internal.any()
 
 
+@pytest.mark.slow  # 3-10 s: out of the fast lane, which stays under 3 minutes
 def test_graph_breaking_mode_compiles_only_in_the_warm_up_and_traces_alike_twice():
     # tempo's in-place layers break the graph, so eager code (and the recorder's module hooks) runs between
     # compiled pieces: the recorded step must compile nothing more (trace_step checks it), and the cyclic
@@ -121,6 +123,7 @@ def test_graph_breaking_mode_compiles_only_in_the_warm_up_and_traces_alike_twice
     assert "unknown" not in first.category
 
 
+@pytest.mark.slow  # 3-10 s: out of the fast lane, which stays under 3 minutes
 def test_compiled_trace_replays_with_no_fallback(traces, tmp_path):
     save(traces[0.0], tmp_path / "t.json.gz")
     assert (

@@ -119,6 +119,7 @@ def test_fake_traces_give_the_real_traces_answer():
     assert doc["modes"][0]["plan"]["batch"] == real.modes[0].batch["plan"]
 
 
+@pytest.mark.slow  # 3-10 s: out of the fast lane, which stays under 3 minutes
 def test_cli_json():
     res = CliRunner().invoke(
         main, ["fit", MODEL, "--memory", "16MiB", "--seq", str(SEQ), "--layers", "tempo", "--time-limit", "1", "--json"]

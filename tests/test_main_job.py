@@ -19,6 +19,7 @@ from memplan.traces.format import load
 from memplan.traces.trace_model import CaptureChoice
 
 
+@pytest.mark.slow  # 3-10 s: out of the fast lane, which stays under 3 minutes
 def test_run_writes_report_pictures_and_one_row_per_mode(tmp_path):
     out = tmp_path / "out"
     r = CliRunner().invoke(

@@ -219,6 +219,7 @@ NAMED_WORKLOAD = NAMING_MODEL.format(extra=WORKLOAD, returns='Workload(model, id
 UNNAMED_WORKLOAD = NAMING_MODEL.format(extra=WORKLOAD, returns="Workload(model, ids, optimizer)")
 
 
+@pytest.mark.slow  # 3-10 s: out of the fast lane, which stays under 3 minutes
 def test_the_model_files_name_is_the_traces_model(tmp_path):
     """The model's name is the trace's meta "model" for every command that traces it (trace, run, fit and
     replay all go through trace_step), real or fake."""
@@ -304,6 +305,7 @@ def test_cli_trace_of_a_model_file_that_imports_its_siblings(tmp_path, monkeypat
     assert "traces" not in sys.modules and "cli" not in sys.modules  # the decoys were never imported
 
 
+@pytest.mark.slow  # 3-10 s: out of the fast lane, which stays under 3 minutes
 @pytest.mark.skipif(not MEMPLAN.exists(), reason="needs the virtualenv's memplan script")
 def test_memplan_trace_run_from_the_model_files_folder(tmp_path):
     work = siblings_folder(tmp_path, "proc")

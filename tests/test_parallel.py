@@ -152,6 +152,7 @@ def test_trace_nproc_writes_one_trace_per_rank(tmp_path):
     assert (tmp_path / "ranks.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow  # 3-10 s: out of the fast lane, which stays under 3 minutes
 def test_a_failing_rank_fails_the_command_and_leaves_no_files(tmp_path, monkeypatch):
     model = tmp_path / "tp_sp.py"
     model.write_text(textwrap.dedent(MODEL_FILE))

@@ -78,6 +78,7 @@ def test_an_existing_loop_with_accumulation_autocast_clipping_and_a_scheduler(tm
     memplan.verify(plan, trace)
 
 
+@pytest.mark.slow  # 3-10 s: out of the fast lane, which stays under 3 minutes
 def test_a_fake_step_is_built_inside_and_marked():
     expected = capture_step(build, fake=True)
     with memplan.record(fake=True) as recording:

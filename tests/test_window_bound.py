@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+import pytest
 
 from memplan.planner.problem import build_problem
 from memplan.solvers import solve
@@ -47,6 +48,7 @@ def optimum(p) -> int | None:
     return capacity
 
 
+@pytest.mark.slow  # 3-10 s: out of the fast lane, which stays under 3 minutes
 def test_never_above_the_optimum_and_above_max_live_where_max_live_is_not_enough():
     rng = np.random.default_rng(7)
     gaps = proven = 0
