@@ -15,7 +15,7 @@ from memplan.planner.report.solve_text import render_solve
 from memplan.solvers import solve
 from memplan.solvers.search import TIMEOUT, search_fit
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # they time solves against an idle machine: run alone
 
 
 def test_capacity_mode_leaves_cpsat_its_share(shared):
