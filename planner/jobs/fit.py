@@ -17,7 +17,6 @@ import numpy as np
 
 from memplan.errors import MemplanError
 from memplan.modes import MODES
-from memplan.planner.problem import problem_from_trace
 from memplan.planner.report.trace_text import describe_patch
 from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.caching_allocator import simulate_caching
@@ -173,12 +172,16 @@ class BatchProbe:
         progress: Callable[[str], None],
         tie_break: str = "lowest_address",
     ):
-        self.step, self.mode, self.memory, self.fake = step, step.mode_name, memory, step.fake
-        self.time_limit, self.progress = time_limit, progress
+        self.step, self.memory, self.time_limit, self.progress = step, memory, time_limit, progress
         self.alloc_conf, self.tie_break = alloc_conf, tie_break
         self.conf = parse_alloc_conf(alloc_conf, tie_break)
         self.points: dict[int, Point] = {}
         self.patch: dict = {}  # the traces' meta "patch", once one is traced
+
+    @property
+    def mode(self) -> str:
+        """The layer mode probed."""
+        return self.step.mode_name
 
     def __call__(self, batch: int) -> Point:
         if batch not in self.points:
@@ -189,7 +192,7 @@ class BatchProbe:
     def _check_host_memory(self, batch: int) -> None:
         """Refuse a trace whose step, extrapolated from the traced batches, would not fit this machine's RAM."""
         known = list(self.points.values())
-        if self.fake or len(known) < 2:
+        if self.step.fake or len(known) < 2:
             return
         b = np.array([p.batch for p in known], float)
         live = np.array([p.bound for p in known], float)  # bytes live at the peak: what the CPU step holds
@@ -209,10 +212,10 @@ class BatchProbe:
         self.patch = trace.meta["patch"]
         measured = measure(trace, self.mode, time_limit=self.time_limit, alloc_conf=self.alloc_conf,
                            tie_break=self.tie_break)  # fmt: skip
-        reserved, arena, bound = (measured.figures()[key] for key in ("caching_peak_reserved", "plan_arena", "bound"))
+        figures, problem = measured.figures(), measured.problem
+        reserved, arena, bound = figures["caching_peak_reserved"], figures["plan_arena"], figures["bound"]
         # with a capacity the allocator frees its cache and retries before failing: only that decides a miss
         caching_fits = reserved <= self.memory or simulate_caching(trace, self.conf, self.memory).oom is None
-        problem = problem_from_trace(trace)
         proven = bound > self.memory
         if bound <= self.memory < arena:
             try:

@@ -20,7 +20,7 @@ from pathlib import Path
 from memplan.errors import MemplanError
 from memplan.files import atomic_write
 from memplan.modes import AS_BUILT, MODES, REPLAYED_MODE
-from memplan.planner.plan import plan_problem, save_plan
+from memplan.planner.plan import save_plan
 from memplan.planner.replay.model_replay import replay_model_file
 from memplan.planner.replay.report import ReplayReport
 from memplan.planner.report.plots import plot_reports
@@ -162,7 +162,7 @@ def run_mode(
     save(trace, work / trace_rel)
     progress(f"[{mode}] solving {len(trace):,} buffers and simulating the caching allocator")
     measured = measure(trace, mode, plan_name=str(plan_file), time_limit=opts.time_limit)
-    save_plan(measured.plan, plan_problem(measured.plan, trace), work / plan_rel)  # verified again as it is written
+    save_plan(measured.plan, measured.problem, work / plan_rel)  # verified again as it is written
     row = ModeRow(
         mode=mode,
         trace_file=str(trace_file),

@@ -9,7 +9,7 @@ from functools import cached_property
 import numpy as np
 
 from memplan.planner.plan import Plan
-from memplan.planner.problem import problem_from_trace
+from memplan.planner.problem import Problem, problem_from_trace
 from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.caching_allocator import SimResult, simulate_caching
 from memplan.planner.simulate.plan_footprint import PlanMemory, simulate_plan
@@ -37,7 +37,8 @@ class Measurement:
 
     name: str  # what the user called the trace (its path, or the mode it was traced under)
     trace: Trace
-    bound: int  # max-live lower bound on any plan's arena (sizes aligned to 512 bytes)
+    problem: Problem  # the trace's allocation problem (every buffer, sizes aligned to 512 bytes)
+    bound: int  # its max-live lower bound on any plan's arena
     caching: SimResult  # the caching allocator simulated: peaks, series, out-of-memory
     alloc_conf: str  # the PYTORCH_CUDA_ALLOC_CONF string simulated ("" for the defaults)
     capacity: int | None  # the device capacity simulated, None for unlimited
@@ -82,14 +83,18 @@ def simulate_trace(
     alloc_conf: str = "",
     capacity: int | None = None,
     tie_break: str = "lowest_address",
+    problem: Problem | None = None,
 ) -> Measurement:
-    """Simulate `trace` on the caching allocator and, when given, on `plan` (checked to belong to it)."""
+    """Simulate `trace` on the caching allocator and, when given, on `plan` (checked to belong to it); `problem`
+    is the trace's allocation problem when the caller has built it already."""
     conf = parse_alloc_conf(alloc_conf, tie_break)
+    problem = problem or problem_from_trace(trace)
     plan_memory = simulate_plan(trace, plan, name, plan_name or "plan") if plan is not None else None
     return Measurement(
         name=name,
         trace=trace,
-        bound=problem_from_trace(trace).max_live(),
+        problem=problem,
+        bound=problem.max_live(),
         caching=simulate_caching(trace, conf, capacity=capacity),
         alloc_conf=alloc_conf,
         capacity=capacity,
@@ -114,6 +119,7 @@ def measure(
 ) -> Measurement:
     """`trace` measured with a plan: `plan` (checked to be the trace's), or one solved here by the solver portfolio
     (`method`, `time_limit` seconds; verified before it is returned)."""
+    problem = problem_from_trace(trace)
     if plan is None:
-        plan = solve(problem_from_trace(trace), method=method, time_limit=time_limit)
-    return simulate_trace(trace, name, plan, plan_name, alloc_conf, capacity, tie_break)
+        plan = solve(problem, method=method, time_limit=time_limit)
+    return simulate_trace(trace, name, plan, plan_name, alloc_conf, capacity, tie_break, problem)
