@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import sys
@@ -9,8 +10,9 @@ import sys
 import click
 
 from memplan.errors import MemplanError
-from memplan.modes import AS_BUILT, modes_help
+from memplan.modes import modes_help
 from memplan.planner.simulate.alloc_conf import TIE_BREAKS
+from memplan.step import DTYPES, StepSpec
 from memplan.units import SizeError, parse_size
 
 
@@ -58,21 +60,23 @@ SIZE = Size()
 LAYERS_HELP = f"Layer mode (memplan.modes). {modes_help()} The trace says what was swapped and what was left as built."
 
 
-def shape_option(name: str, default: int, what: str):
-    """A whole-number option of the step's shape that build() takes (--batch, --seq)."""
-    help_text = f"{what} passed to build()."
+STEP_DEFAULTS = {field.name: field.default for field in dataclasses.fields(StepSpec)}  # the one set of defaults
+
+
+def shape_option(name: str, what: str):
+    """A whole-number option of the step's shape that build() takes (--batch, --seq), StepSpec's default."""
+    default, help_text = STEP_DEFAULTS[name.removeprefix("--")], f"{what} passed to build()."
     return click.option(name, type=click.IntRange(min=1), default=default, show_default=True, help=help_text)
 
 
 def step_options(*, batch: bool = False, layers: bool = False):
     """The options that shape a model file's step, declared once for every command that builds one: --seq and
-    --dtype, and --batch and --layers where the command takes them."""
-    options = [shape_option("--batch", 2, "Batch size")] if batch else []
-    options += [shape_option("--seq", 128, "Sequence length")]
-    options += [
-        click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
-    ]
-    options += [click.option("--layers", default=AS_BUILT, show_default=True, help=LAYERS_HELP)] if layers else []
+    --dtype, and --batch and --layers where the command takes them; choices and defaults are StepSpec's."""
+    options = [shape_option("--batch", "Batch size")] if batch else []
+    options += [shape_option("--seq", "Sequence length")]
+    options += [click.option("--dtype", type=click.Choice(DTYPES), default=STEP_DEFAULTS["dtype"], show_default=True)]
+    layers_option = click.option("--layers", default=STEP_DEFAULTS["mode"], show_default=True, help=LAYERS_HELP)
+    options += [layers_option] if layers else []
 
     def decorate(command):
         for option in reversed(options):
@@ -171,7 +175,6 @@ def trace_command(model_file, output, batch, seq, dtype, layers, device, fake, t
     """
     from memplan.planner.jobs.trace import trace_to_file
     from memplan.planner.report.trace_text import render_trace_file
-    from memplan.step import StepSpec
 
     step = StepSpec(model_file, batch, seq, dtype, device, layers, fake, compile)
     summary = trace_to_file(step, output, top=top, nproc=nproc, progress=progress)
@@ -357,7 +360,6 @@ def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq,
     """
     from memplan.planner.replay.model_replay import replay_model_file
     from memplan.planner.report.replay_text import render_replay
-    from memplan.step import StepSpec
 
     step = StepSpec(model_file, batch, seq, dtype, device, layers, compile=compile)
     report = replay_model_file(plan_file, step, trace_file=trace_file, steps=steps, progress=progress)
@@ -473,7 +475,6 @@ def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps
 
     from memplan.planner.jobs.run import DEFAULT_MODEL, RunOptions, run
     from memplan.planner.report.run_report import render_text
-    from memplan.step import StepSpec
 
     step = StepSpec(model_file or os.path.relpath(DEFAULT_MODEL), batch, seq, dtype, compile=compile)
     opts = RunOptions(step, out_dir, time_limit=time_limit, replay_steps=replay_steps, capture=capture)
@@ -516,7 +517,6 @@ def fit_command(model_file, memory, modes, seq, dtype, alloc_conf, tie_break, ti
     from memplan.modes import MODES
     from memplan.planner.jobs.fit import fit_model
     from memplan.planner.report.fit_table import render_fit
-    from memplan.step import StepSpec
 
     result = fit_model(
         StepSpec(model_file, seq=seq, dtype=dtype, compile=compile),
@@ -573,7 +573,6 @@ def tradeoff_command(model_file, batch, seq, dtype, budgets, time_limit, repeats
     """
     from memplan.planner.jobs.tradeoff import TradeoffOptions, tradeoff
     from memplan.planner.report.tradeoff_table import render_tradeoff
-    from memplan.step import StepSpec
 
     step = StepSpec(model_file, batch, seq, dtype)
     opts = TradeoffOptions(step, budgets, time_limit, repeats, capture, output, variants)
@@ -605,7 +604,6 @@ def optimize_command(model_file, memory, batch, max_batch, seq, dtype, time_limi
     """
     from memplan.planner.jobs.optimize import OptimizeOptions, optimize
     from memplan.planner.report.optimize_text import render_optimize
-    from memplan.step import StepSpec
 
     if max_batch and batch is not None:
         raise click.UsageError("--batch and --max-batch exclude each other", ctx=click.get_current_context())
