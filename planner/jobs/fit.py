@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from memplan.errors import MemplanError
+from memplan.gpus import GPU
 from memplan.modes import MODES
 from memplan.planner.report.trace_text import describe_patch
 from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.planner.simulate.measure import measure
+from memplan.planner.simulate.verdict import Budget, device_memory
 from memplan.solvers import CapacityError, solve
 from memplan.step import StepSpec
 from memplan.traces.compile import Compile, CompileError, require_real_tensors
@@ -125,6 +127,7 @@ class FitResult:
     modes: list[ModeFit]
     capture: CaptureChoice
     tie_break: str = "lowest_address"
+    budget: Budget | None = None  # with a GPU: its memory, less what it holds outside the allocator, is `memory`
 
     @property
     def compile(self) -> Compile | None:
@@ -136,6 +139,7 @@ class FitResult:
         return {
             "model_file": self.step.model_file,
             "memory": self.memory,
+            "gpu": None if self.budget is None else self.budget.as_dict(),
             "seq": self.step.seq,
             "dtype": self.step.dtype,
             "alloc_conf": self.alloc_conf,
@@ -315,8 +319,9 @@ def fit_mode(probe: BatchProbe) -> ModeFit:
 
 def fit_model(
     step: StepSpec,
-    memory: int,
+    memory: int | None = None,
     *,
+    gpu: GPU | None = None,
     modes: tuple[str, ...] = MODES,
     alloc_conf: str = "",
     time_limit: float = 5.0,
@@ -324,9 +329,11 @@ def fit_model(
     capture: str = "auto",
     progress: Callable[[str], None] = lambda _: None,
 ) -> FitResult:
-    """The largest batch of `step` fitting `memory` bytes for every mode, under both allocator models, on real or
-    fake traces as `capture` (auto, real, fake) chooses for steps near `memory` bytes; compiled by torch.compile
-    when the step says so (real traces only). The step's own batch and mode are not used."""
+    """The largest batch of `step` fitting `memory` bytes (or `gpu`: its memory less what it holds outside the
+    caching allocator) for every mode, under both allocator models, on real or fake traces as `capture` (auto,
+    real, fake) chooses for steps near that size; compiled by torch.compile when the step says so (real traces
+    only). The step's own batch and mode are not used."""
+    memory, budget = device_memory(memory, gpu, step)
 
     for mode in modes:
         if mode not in MODES:
@@ -348,4 +355,4 @@ def fit_model(
             tie_break=tie_break,
         )
         fits.append(fit_mode(probe))
-    return FitResult(step, memory, alloc_conf, fits, choice, tie_break)
+    return FitResult(step, memory, alloc_conf, fits, choice, tie_break, budget)
