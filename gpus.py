@@ -28,13 +28,15 @@ NVLINK_C2C = 450_000_000_000  # 900 GB/s both ways
 # CUBLAS_WORKSPACE_CONFIG is unset): 32 MiB (4096 KiB x 8) on compute capability 9.x, 10.x and 12.x (Hopper and
 # Blackwell; older releases gave it to sm_90 alone), else ":4096:2:16:8" = 2 x 4096 KiB + 8 x 16 KiB.
 # One is allocated through the caching allocator per (cuBLAS handle, stream); handles are per thread, so a
-# training step holds two: its own thread's and the autograd engine's backward thread's. cuBLASLt shares that
-# workspace (TORCH_CUBLASLT_UNIFIED_WORKSPACE, on by default in the sources whose (handle, stream) workspace map
-# torch 2.13's headers declare); set to 0, cuBLASLt takes its own CUBLASLT_WORKSPACE_SIZE (default 1024 KiB) per
-# handle and stream, which the catalogue does not model.
+# training step holds two: its own thread's and the autograd engine's backward thread's. cuBLASLt (addmm's fused
+# bias, for one) takes its own CUBLASLT_WORKSPACE_SIZE, default 1024 KiB, per handle and stream, unless
+# TORCH_CUBLASLT_UNIFIED_WORKSPACE makes it share cuBLAS's. Measured on an H100 with torch 2.11
+# (docs/gpu-validation.md): every real step held 2 x 32 MiB + 1 MiB of workspaces (68,157,440 B), and the
+# models without biases (Llama) 2 x 32 MiB.
 CUBLAS_WORKSPACE_LARGE = 4096 * 8 * 1024  # 33,554,432 B: one real set of Hopper snapshots measured this
 CUBLAS_WORKSPACE_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8  # 8,519,680 B: another real set measured this
 CUBLAS_LARGE_MAJORS = (9, 10, 11, 12)
+CUBLASLT_WORKSPACE = 1024 * 1024  # 1,048,576 B
 
 # An ESTIMATE of the CUDA context during a training step: driver state, the kernels loaded so far, the
 # device-side stack. With lazy module loading (CUDA 11.7+, PyTorch's default) PyTorch's maintainers put the
@@ -85,8 +87,8 @@ class GPU:
 
     @property
     def cublaslt_workspace_bytes(self) -> int:
-        """Bytes cuBLASLt takes beyond the cuBLAS workspace: 0, as it shares that one by default."""
-        return 0
+        """Bytes of cuBLASLt's own workspace (per handle and stream), beside cuBLAS's: PyTorch's default."""
+        return CUBLASLT_WORKSPACE
 
     def as_dict(self) -> dict:
         """The GPU's figures as the commands' --json gives them."""

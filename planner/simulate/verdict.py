@@ -16,6 +16,7 @@ from memplan.step import StepSpec
 from memplan.traces.format import Trace
 
 STEP_HANDLES = 2  # cuBLAS handles of a training step: its own thread's and the autograd engine's backward thread's
+LT_OPS = ("aten::addmm",)  # ops that run through cuBLASLt (a fused bias), so take its workspace too
 
 
 @dataclass(frozen=True)
@@ -34,19 +35,21 @@ def holds_library_workspaces(meta: Mapping) -> bool:
     return meta.get("device") == "cuda" and (not meta.get("fake") or "cublas_workspace_bytes" in meta)
 
 
-def outside_terms(gpu: GPU, meta: Mapping, handles: int = STEP_HANDLES) -> tuple[OutsideTerm, ...]:
-    """What `gpu` holds outside the caching allocator for a step whose trace has `meta`: the CUDA context; the
-    cuBLAS workspaces of `handles` handles unless the trace holds them; NCCL's buffers for each process group
-    when the trace is a rank's (meta `world_size`; `process_groups`, 1 unless it says)."""
+def outside_terms(gpu: GPU, meta: Mapping, handles: int = STEP_HANDLES, lt: bool = True) -> tuple[OutsideTerm, ...]:
+    """What `gpu` holds outside the caching allocator for a step whose trace has `meta`: the CUDA context; unless
+    the trace holds them, the cuBLAS workspaces of `handles` handles and (`lt`: the step runs cuBLASLt) one
+    cuBLASLt workspace; NCCL's buffers for each process group when the trace is a rank's (meta `world_size`;
+    `process_groups`, 1 unless it says)."""
     terms = [OutsideTerm("CUDA context", gpu.cuda_context, CUDA_CONTEXT_SOURCE)]
     if not holds_library_workspaces(meta):
-        each = gpu.cublas_workspace_bytes + gpu.cublaslt_workspace_bytes
+        lt_bytes = gpu.cublaslt_workspace_bytes if lt else 0
+        lt_text = f" + cuBLASLt's {lt_bytes:,} B" if lt else ""
         terms.append(
             OutsideTerm(
                 "cuBLAS workspaces",
-                handles * each,
-                f"PyTorch's default for compute capability {gpu.capability[0]}.{gpu.capability[1]}: "
-                f"{handles} handles x {each:,} B, absent from the trace",
+                handles * gpu.cublas_workspace_bytes + lt_bytes,
+                f"PyTorch's defaults for compute capability {gpu.capability[0]}.{gpu.capability[1]}, absent from "
+                f"the trace: {handles} handles x {gpu.cublas_workspace_bytes:,} B{lt_text}",
             )
         )
     if meta.get("world_size") is not None:
@@ -84,9 +87,11 @@ class Budget:
 
 
 def trace_budget(gpu: GPU, trace: Trace) -> Budget:
-    """`gpu`'s budget for the step of `trace` (one cuBLAS handle when it has no backward pass)."""
+    """`gpu`'s budget for the step of `trace` (one cuBLAS handle when it has no backward pass; a cuBLASLt workspace
+    when it runs an op of LT_OPS)."""
     handles = STEP_HANDLES if "backward" in trace.phase else 1
-    return Budget(gpu, outside_terms(gpu, trace.meta, handles))
+    lt = not set(LT_OPS).isdisjoint(trace.op)
+    return Budget(gpu, outside_terms(gpu, trace.meta, handles, lt))
 
 
 def device_memory(memory: int | None, gpu: GPU | None, step: StepSpec) -> tuple[int, Budget | None]:
