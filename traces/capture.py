@@ -33,6 +33,7 @@ from torch import nn
 from memplan.errors import MemplanError
 from memplan.modes import AS_BUILT
 from memplan.traces.fake import DATA_RULE, FakeCapture
+from memplan.traces.fake_cuda import fake_cuda_runtime
 from memplan.traces.format import PHASES, Trace, make_trace, save
 from memplan.traces.recorder import Events, Recorder, recording
 from memplan.traces.resident import resident_storages, resident_tensors
@@ -330,7 +331,8 @@ def recording_session(
     """Install the step recorder on `device` (and, with `fake`, fake tensors) for the block; what is built
     inside is seen from its first allocation, and `Recording.step` marks the step to record."""
     device = torch.device(device)
-    with one_cpu_thread(device), recording(device, fake=fake) as recorder:
+    runtime = fake_cuda_runtime() if fake and device.type == "cuda" else contextlib.nullcontext()
+    with one_cpu_thread(device), runtime, recording(device, fake=fake) as recorder:
         fake_mode = FakeCapture(recorder, device.type) if fake else None
         with fake_mode or contextlib.nullcontext():
             yield Recording(recorder, device, fake_mode, dict(meta or {}))

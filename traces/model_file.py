@@ -59,17 +59,11 @@ def _describe(exc: BaseException) -> str:
 
 def require_device(device: str, fake: bool = False) -> torch.device:
     """Check that `device` ('cpu' or 'cuda[:n]') is usable here; DeviceError otherwise. Fake tensors need
-    no GPU, but a fake CUDA step needs a torch built with CUDA (its autograd engine asks for CUDA streams)."""
+    no GPU: on a torch built without CUDA, traces/fake_cuda.py gives them a CUDA device."""
     try:
         dev = torch.device(device)
     except RuntimeError:
         raise DeviceError(f"--device {device}: not a device name (use cpu or cuda)") from None
-    if dev.type == "cuda" and fake and not torch.backends.cuda.is_built():
-        raise DeviceError(
-            f"--fake --device {device}: this torch ({torch.__version__}) is built without CUDA, and "
-            "a fake CUDA step's backward needs CUDA's streams: use a CUDA build of torch, or "
-            "trace --fake on cpu"
-        )
     if dev.type == "cuda" and not fake and not torch.cuda.is_available():
         raise DeviceError(f"--device {device}: CUDA is not available on this machine (torch {torch.__version__})")
     if dev.type not in ("cpu", "cuda"):
