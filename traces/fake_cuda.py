@@ -16,6 +16,7 @@ On a CUDA build nothing is replaced: fake CUDA tensors run on torch's own CUDA r
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,8 +127,12 @@ def _replacements(device: FakeDevice) -> dict[str, object]:
     """torch.cuda's functions as the fake device answers them."""
     properties = type("FakeCudaDeviceProperties", (), {**device.__dict__, "is_integrated": False})()
     default = _Stream()
-    zero = lambda *args, **kwargs: 0  # noqa: E731  memory statistics: a fake step allocates nothing
-    nothing = lambda *args, **kwargs: None  # noqa: E731
+
+    def zero(*args, **kwargs) -> int:  # memory statistics: a fake step allocates nothing
+        return 0
+
+    def nothing(*args, **kwargs) -> None:
+        return None
     return {
         "is_available": lambda: True,
         "is_initialized": lambda: True,
@@ -173,6 +178,13 @@ def _replacements(device: FakeDevice) -> dict[str, object]:
     }
 
 
+def _own_function(replacement):
+    """A function object of its own for each name (torch._dynamo maps torch.cuda's functions by identity)."""
+    if isinstance(replacement, type) or not callable(replacement):
+        return replacement
+    return functools.wraps(replacement)(lambda *args, **kwargs: replacement(*args, **kwargs))
+
+
 @contextlib.contextmanager
 def fake_cuda_runtime(device: FakeDevice = FakeDevice()) -> Iterator[None]:
     """While the block runs, a CPU-only torch has a CUDA device for fake tensors (`device`); nothing changes on
@@ -180,13 +192,15 @@ def fake_cuda_runtime(device: FakeDevice = FakeDevice()) -> Iterator[None]:
     if not needs_runtime():
         yield
         return
+    import torch._dynamo  # noqa: F401  fake tensor mode needs it: imported before torch.cuda changes, it maps the real one
+
     module = extension()
     module.install()
     originals = {name: getattr(torch.cuda, name) for name in _replacements(device) if hasattr(torch.cuda, name)}
     module.enable(True)
     try:
         for name, replacement in _replacements(device).items():
-            setattr(torch.cuda, name, replacement)
+            setattr(torch.cuda, name, _own_function(replacement))
         yield
     finally:
         for name in _replacements(device):
