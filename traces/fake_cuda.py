@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +43,17 @@ class FakeDevice:
     @property
     def capability(self) -> tuple[int, int]:
         return (self.major, self.minor)
+
+    @property
+    def cublas_workspace(self) -> int:
+        """Bytes of the workspace each cuBLAS handle takes from the caching allocator (one handle per thread that
+        runs a matmul): CUBLAS_WORKSPACE_CONFIG's ":SIZE:COUNT" pairs (KiB x count) when set, else ATen's default
+        (CublasHandlePool.cpp: 4096 KiB x 8 on sm90, 4096 KiB x 2 + 16 KiB x 8 elsewhere)."""
+        config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+        pairs = re.findall(r":([0-9]+):([0-9]+)", config or "")
+        if pairs:
+            return sum(int(size) * 1024 * int(count) for size, count in pairs)
+        return 4096 * 1024 * 8 if self.capability == (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
 def needs_runtime() -> bool:
@@ -133,6 +146,7 @@ def _replacements(device: FakeDevice) -> dict[str, object]:
 
     def nothing(*args, **kwargs) -> None:
         return None
+
     return {
         "is_available": lambda: True,
         "is_initialized": lambda: True,
