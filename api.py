@@ -65,11 +65,13 @@ def trace_model_file(
     device: str = "cpu",
     fake: bool = False,
     compile: float | None = None,
+    warmup: bool = True,
 ) -> Trace:
     """One training step of a model file (docs/capture.md) with memplan's `layers` mode (or a mode per
     Transformer layer: {"layers.0": "full", ...}), as `memplan trace` records it; `fake` runs it under fake
-    tensors (any size, nothing allocated); `compile` under torch.compile at that activation memory budget."""
-    step = StepSpec(path, batch=batch, seq=seq, dtype=dtype, device=device, mode=layers, fake=fake, compile=compile)
+    tensors (any size, nothing allocated); `compile` under torch.compile at that activation memory budget;
+    `warmup=False` records the first step (the optimizer creates its state inside it), not the steady one."""
+    step = StepSpec(path, batch, seq, dtype, device, layers, fake, compile, warmup)
     return trace_step(step)
 
 

@@ -147,6 +147,14 @@ def main() -> None:
 )
 @click.option("--top", type=click.IntRange(min=0), default=5, show_default=True, help="Largest buffers to list.")
 @click.option(
+    "--warmup",
+    type=click.IntRange(0, 1),
+    default=1,
+    show_default=True,
+    help="Steps before the recorded one: 1 records the steady state (the optimizer's state made before it), 0 the "
+    "first step (the optimizer creates its state inside the window).",
+)
+@click.option(
     "--nproc",
     type=click.IntRange(min=1),
     default=None,
@@ -156,7 +164,7 @@ def main() -> None:
 )
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def trace_command(model_file, output, batch, seq, dtype, layers, device, fake, top, nproc, compile, as_json):
+def trace_command(model_file, output, batch, seq, dtype, layers, device, fake, top, warmup, nproc, compile, as_json):
     """Record one training step of MODEL_FILE and write its trace.
 
     Example: memplan trace examples/bert.py --batch 2 --seq 128 -o bert.trace.json.gz
@@ -176,7 +184,7 @@ def trace_command(model_file, output, batch, seq, dtype, layers, device, fake, t
     from memplan.planner.jobs.trace import trace_to_file
     from memplan.planner.report.trace_text import render_trace_file
 
-    step = StepSpec(model_file, batch, seq, dtype, device, layers, fake, compile)
+    step = StepSpec(model_file, batch, seq, dtype, device, layers, fake, compile, bool(warmup))
     summary = trace_to_file(step, output, top=top, nproc=nproc, progress=progress)
     emit(summary, as_json, render_trace_file(summary))
 

@@ -143,9 +143,10 @@ def _tensor_to(original):
             return original(self, *args, **kwargs)
         if args and isinstance(args[0], torch.Tensor):  # to(other): its device and dtype
             args = (args[0].device, args[0].dtype, *args[1:])
+        copy = kwargs.pop("copy", False)  # to(..., copy=True): _parse_to takes every argument but this one
         device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
         device, dtype = device or self.device, dtype or self.dtype
-        if device == self.device and dtype == self.dtype and not kwargs.get("copy"):
+        if device == self.device and dtype == self.dtype and not copy:
             return self
         return torch.ops.aten._to_copy(
             self, dtype=dtype, device=device, memory_format=memory_format or torch.preserve_format
