@@ -25,9 +25,9 @@ from memplan.cli import main
 from memplan.errors import MemplanError, PlanError
 from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.caching_allocator import event_order, simulate_caching
-from memplan.planner.simulate.snapshot_export import LABELS, make_snapshot
+from memplan.planner.simulate.snapshot_export import make_snapshot
 from memplan.traces.format import load, make_trace
-from memplan.traces.snapshot import import_snapshot
+from memplan.traces.snapshot import LABEL_FRAMES, import_snapshot
 
 DATA = Path(__file__).resolve().parents[1] / "traces" / "data"
 GPT2 = DATA / "gpt2_small.b2s128.baseline.trace.json.gz"
@@ -144,7 +144,7 @@ def check_against_trace(snapshot: dict, trace) -> dict:
         assert (e["size"], e["stream"], e["category"]) == (trace.size[i], trace.stream[i], trace.category[i])
         assert e["time_us"] == trace.alloc[i]
         labels = {f["filename"]: f["name"] for f in e["frames"][1:]}
-        assert labels == {label: getattr(trace, label)[i] for label in LABELS if getattr(trace, label)[i]}
+        assert labels == {label: getattr(trace, label)[i] for label in LABEL_FRAMES if getattr(trace, label)[i]}
     assert all(e["time_us"] == trace.free[i] for i, e in replayed["frees"])
     assert replayed["peak"] == trace.peak()[0]
     return replayed
@@ -207,13 +207,15 @@ def test_the_command_in_the_docs_draws_the_timeline(exported, tmp_path):
     assert "MemoryViz.js" in out.read_text()
 
 
-def test_import_of_the_export_gives_the_same_buffers_back(gpt2, exported):
+def test_import_of_the_export_gives_the_same_buffers_back_with_their_labels(gpt2, exported):
     path, _, _ = exported
     back = import_snapshot(path)
     order = [i for _, i, a in zip(*event_order(gpt2)) if a]  # the allocation order: alloc entries
     assert len(back) == len(gpt2)
     assert back.size.tolist() == gpt2.size[order].tolist()
     assert back.stream.tolist() == gpt2.stream[order].tolist()
+    for label in LABEL_FRAMES:
+        assert getattr(back, label) == [getattr(gpt2, label)[i] for i in order]
     before = int((gpt2.alloc == 0).sum())  # allocated one by one at the start of the file
     assert back.alloc.tolist() == [k + 1 for k in range(before)] + (gpt2.alloc[order[before:]] + before).tolist()
     assert back.free.tolist() == (gpt2.free[order] + before).tolist()
@@ -305,3 +307,13 @@ def test_the_api_returns_the_snapshot_it_writes(tmp_path):
     assert pickle.loads((tmp_path / "small.pickle").read_bytes()) == snapshot
     assert snapshot["allocator_settings"]["max_split_size"] == 20 << 20
     assert np.array_equal(import_snapshot(tmp_path / "small.pickle").size, [4096, 3 << 20, 1000, 25 << 20, 700, 512])
+
+
+def test_import_keeps_only_the_labels_a_trace_can_hold(tmp_path):
+    snapshot = make_snapshot(small_trace())
+    frames = next(e for e in snapshot["device_traces"][0] if e["action"] == "alloc")["frames"]
+    frames[1:] = [{"filename": "category", "line": 0, "name": "nonsense"}, {"filename": "phase", "line": 0, "name": 3}]
+    (tmp_path / "edited.pickle").write_bytes(pickle.dumps(snapshot))
+    back = import_snapshot(tmp_path / "edited.pickle")
+    assert (back.category[0], back.phase[0], back.op[0], back.module[0]) == ("unknown", "other", "", "")
+    assert back.category[1:] == ["activation", "temporary", "activation", "gradient", "unknown"]
