@@ -289,8 +289,8 @@ def export_command(trace_file, output, plan_file, alloc_conf, tie_break, as_json
     \b
     Example: memplan export gpt2.trace.json.gz -o gpt2.pickle
     """
-    from memplan.planner.jobs.files import export_file
-    from memplan.planner.report.trace_text import render_export
+    from memplan.planner.jobs.export import export_file
+    from memplan.planner.report.export_text import render_export
 
     if plan_file and (alloc_conf or tie_break != TIE_BREAKS[0]):
         raise click.UsageError("--alloc-conf and --tie-break set the simulated caching allocator, not a --plan")

@@ -1,4 +1,4 @@
-"""The commands that read and write files only: `memplan import`, `export`, `simulate`, `plot` and `compare`. Each
+"""The commands that read and write files only: `memplan import`, `simulate`, `plot` and `compare`. Each
 returns its data (the command's JSON, or the typed summary or rows behind it); planner/report/ renders it."""
 
 from __future__ import annotations
@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from memplan.errors import PlanError
 from memplan.files import atomic_write
 from memplan.planner.plan import Plan, load_plan
 from memplan.planner.report.compare import CompareRow, compare_traces
@@ -14,12 +13,6 @@ from memplan.planner.report.memory_report import SimulateSummary, report_summary
 from memplan.planner.report.plots import check_request, plot_reports
 from memplan.planner.simulate.measure import simulate_trace
 from memplan.planner.simulate.plan_footprint import match_plans
-from memplan.planner.simulate.snapshot_export import (
-    check_snapshot_path,
-    make_snapshot,
-    snapshot_summary,
-    write_snapshot,
-)
 from memplan.traces.format import Trace, load, save
 from memplan.traces.snapshot import import_snapshot, import_summary
 
@@ -34,25 +27,6 @@ def import_file(snapshot: str, output: str | None, cuda_device: int | None, prog
     save(trace, output)
     progress(f"wrote {output}")
     return {**import_summary(trace), "output": str(output)}
-
-
-def export_file(trace_file: str, output: str | None, plan_file: str | None, *, alloc_conf: str, tie_break: str,
-                progress: Progress) -> dict:  # fmt: skip
-    """`memplan export`: the trace as a PyTorch memory snapshot (default <trace>.pickle), its addresses from the
-    simulated caching allocator or from the plan (checked against the trace first); returns the snapshot's summary."""
-    name = Path(trace_file).name
-    output = output or f"{name.removesuffix('.gz').removesuffix('.json').removesuffix('.trace')}.pickle"
-    check_snapshot_path(output)  # before any work
-    trace = load(trace_file)
-    plan = load_plan(plan_file) if plan_file else None
-    progress(f"exporting {trace_file} ({len(trace):,} buffers) on {'the plan' if plan else 'the caching allocator'}")
-    try:
-        snapshot = make_snapshot(trace, plan, alloc_conf=alloc_conf, tie_break=tie_break, name=name)
-    except PlanError as e:
-        raise PlanError(f"{plan_file}: invalid for {trace_file}: {e}") from None
-    write_snapshot(snapshot, output)
-    progress(f"wrote {output}")
-    return {**snapshot_summary(snapshot), "output": str(output)}
 
 
 def simulate_file(trace_file: str, plan_file: str | None, *, alloc_conf: str, tie_break: str, capacity: int | None,
