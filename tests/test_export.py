@@ -27,7 +27,7 @@ from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.caching_allocator import event_order, simulate_caching
 from memplan.planner.simulate.snapshot_export import make_snapshot
 from memplan.traces.format import load, make_trace
-from memplan.traces.snapshot import LABEL_FRAMES, import_snapshot
+from memplan.traces.snapshot import LABEL_FRAMES, import_snapshot, load_plain_pickle
 
 DATA = Path(__file__).resolve().parents[1] / "traces" / "data"
 GPT2 = DATA / "gpt2_small.b2s128.baseline.trace.json.gz"
@@ -161,7 +161,7 @@ def exported(gpt2, tmp_path_factory):
     path = tmp_path_factory.mktemp("export") / "gpt2.pickle"
     r = CliRunner().invoke(main, ["export", str(GPT2), "-o", str(path), "--json"])
     assert r.exit_code == 0, r.output
-    return path, json.loads(r.stdout), pickle.loads(path.read_bytes())
+    return path, json.loads(r.stdout), load_plain_pickle(path.read_bytes())  # plain data only
 
 
 def test_every_allocation_and_free_of_the_trace_replays_at_the_simulated_addresses(gpt2, exported):
@@ -317,3 +317,17 @@ def test_import_keeps_only_the_labels_a_trace_can_hold(tmp_path):
     back = import_snapshot(tmp_path / "edited.pickle")
     assert (back.category[0], back.phase[0], back.op[0], back.module[0]) == ("unknown", "other", "", "")
     assert back.category[1:] == ["activation", "temporary", "activation", "gradient", "unknown"]
+
+
+def test_the_file_has_every_field_of_a_real_gpu_snapshot(shared, exported):
+    """Segments, blocks and entries carry the keys torch.cuda.memory._snapshot() gives them on a GPU (newer
+    PyTorch adds `compile_context` and `user_metadata` to entries; older ones, as the viewers, do without)."""
+    _, _, snapshot = exported
+    ours = {e["action"]: set(e) for e in snapshot["device_traces"][0]}
+    for name in ("gpt_ctx128_fullstep", "gpt2_medium_ctx128_training"):  # with segment_alloc; a newer PyTorch's
+        path = shared / "traces" / "cuda-snapshots" / f"{name}.pickle"
+        real = load_plain_pickle(path.read_bytes())
+        assert set(real["segments"][0]) <= set(snapshot["segments"][0]), path.name
+        assert set(real["segments"][0]["blocks"][0]) <= set(snapshot["segments"][0]["blocks"][0]), path.name
+        for e in real["device_traces"][0]:
+            assert set(e) - {"compile_context", "user_metadata"} <= ours[e["action"]], (path.name, e["action"])
