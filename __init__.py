@@ -19,6 +19,7 @@ __all__ = [
     "Trace",
     "TradeoffResult",
     "compare",
+    "export_snapshot",
     "fit",
     "import_snapshot",
     "load_plan",

@@ -32,6 +32,7 @@ from memplan.planner.report.compare import CompareRow, compare_traces
 from memplan.planner.report.plots import plot_reports
 from memplan.planner.simulate.measure import Measurement, measure, simulate_trace
 from memplan.planner.simulate.plan_footprint import match_plans
+from memplan.planner.simulate.snapshot_export import make_snapshot, write_snapshot
 from memplan.solvers import solve as solve_problem
 from memplan.step import StepSpec
 from memplan.traces.capture import Recording, record
@@ -107,6 +108,18 @@ def simulate(
     `capacity`) and, when given, on `plan`: bound, peaks, fragmentation, as `memplan simulate` prints."""
     return simulate_trace(trace, "trace", plan=plan, plan_name="plan" if plan else None, alloc_conf=alloc_conf,
                         capacity=capacity)  # fmt: skip
+
+
+def export_snapshot(
+    trace: Trace, path: PathLike | None = None, *, plan: Plan | None = None, alloc_conf: str = ""
+) -> dict:
+    """`trace` as a PyTorch memory snapshot (`memplan export`): the dict torch.cuda._memory_viz takes, with the
+    simulated caching allocator's addresses (or `plan`'s, checked against the trace), written to `path` (.pickle)
+    for pytorch.org/memory_viz when given."""
+    snapshot = make_snapshot(trace, plan, alloc_conf=alloc_conf)
+    if path is not None:
+        write_snapshot(snapshot, path)
+    return snapshot
 
 
 def plot(traces: Sequence[Trace], output: PathLike, *, plans: Sequence[Plan] = (), address_space: bool = False) -> None:

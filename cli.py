@@ -274,6 +274,38 @@ def simulate_command(trace_file, plan_file, alloc_conf, tie_break, capacity, tim
     emit(summary.to_dict(), as_json, report_text(summary))
 
 
+@main.command("export")
+@click.argument("trace_file", type=click.Path(dir_okay=False))
+@click.option(
+    "-o", "--output", type=click.Path(dir_okay=False), help="Snapshot to write: a .pickle (default: <trace>.pickle)."
+)
+@click.option(
+    "--plan",
+    "plan_file",
+    type=click.Path(dir_okay=False),
+    help="Plan of this trace (from memplan solve), checked against it: addresses are its offsets in one arena segment.",
+)
+@click.option("--alloc-conf", default="", help=ALLOC_CONF_HELP)
+@tie_break_option
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def export_command(trace_file, output, plan_file, alloc_conf, tie_break, as_json):
+    """Write TRACE_FILE as a PyTorch memory snapshot, for pytorch.org/memory_viz and torch.cuda._memory_viz.
+
+    Addresses, blocks and segments are the simulated caching allocator's (or the plan's); every allocation's stack
+    names its buffer, op, module, phase and category.
+
+    \b
+    Example: memplan export gpt2.trace.json.gz -o gpt2.pickle
+    """
+    from memplan.planner.jobs.export import export_file
+    from memplan.planner.report.export_text import render_export
+
+    if plan_file and (alloc_conf or tie_break != TIE_BREAKS[0]):
+        raise click.UsageError("--alloc-conf and --tie-break set the simulated caching allocator, not a --plan")
+    summary = export_file(trace_file, output, plan_file, alloc_conf=alloc_conf, tie_break=tie_break, progress=progress)
+    emit(summary, as_json, render_export(summary))
+
+
 @main.command("plot")
 @click.argument("trace_files", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option(
