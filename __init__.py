@@ -22,6 +22,7 @@ __all__ = [
     "TradeoffResult",
     "Verdict",
     "compare",
+    "export_snapshot",
     "fit",
     "gpu",
     "import_snapshot",

@@ -33,6 +33,7 @@ from memplan.planner.report.compare import CompareRow, compare_traces
 from memplan.planner.report.plots import plot_reports
 from memplan.planner.simulate.measure import Measurement, measure, simulate_trace
 from memplan.planner.simulate.plan_footprint import match_plans
+from memplan.planner.simulate.snapshot_export import make_snapshot, write_snapshot
 from memplan.planner.simulate.verdict import Verdict
 from memplan.solvers import solve as solve_problem
 from memplan.step import StepSpec
@@ -68,11 +69,13 @@ def trace_model_file(
     device: str = "cpu",
     fake: bool = False,
     compile: float | None = None,
+    warmup: bool = True,
 ) -> Trace:
     """One training step of a model file (docs/capture.md) with memplan's `layers` mode (or a mode per
     Transformer layer: {"layers.0": "full", ...}), as `memplan trace` records it; `fake` runs it under fake
-    tensors (any size, nothing allocated); `compile` under torch.compile at that activation memory budget."""
-    step = StepSpec(path, batch=batch, seq=seq, dtype=dtype, device=device, mode=layers, fake=fake, compile=compile)
+    tensors (any size, nothing allocated); `compile` under torch.compile at that activation memory budget;
+    `warmup=False` records the first step (the optimizer creates its state inside it), not the steady one."""
+    step = StepSpec(path, batch, seq, dtype, device, layers, fake, compile, warmup)
     return trace_step(step)
 
 
@@ -114,6 +117,18 @@ def simulate(
     `gpu`, its `verdict`: whether the step fits that GPU, or where it runs out of memory."""
     return simulate_trace(trace, "trace", plan=plan, plan_name="plan" if plan else None, alloc_conf=alloc_conf,
                         capacity=capacity, gpu=as_gpu(gpu))  # fmt: skip
+
+
+def export_snapshot(
+    trace: Trace, path: PathLike | None = None, *, plan: Plan | None = None, alloc_conf: str = ""
+) -> dict:
+    """`trace` as a PyTorch memory snapshot (`memplan export`): the dict torch.cuda._memory_viz takes, with the
+    simulated caching allocator's addresses (or `plan`'s, checked against the trace), written to `path` (.pickle)
+    for pytorch.org/memory_viz when given."""
+    snapshot = make_snapshot(trace, plan, alloc_conf=alloc_conf)
+    if path is not None:
+        write_snapshot(snapshot, path)
+    return snapshot
 
 
 def plot(traces: Sequence[Trace], output: PathLike, *, plans: Sequence[Plan] = (), address_space: bool = False) -> None:

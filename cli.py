@@ -167,6 +167,14 @@ def main() -> None:
 )
 @click.option("--top", type=click.IntRange(min=0), default=5, show_default=True, help="Largest buffers to list.")
 @click.option(
+    "--warmup",
+    type=click.IntRange(0, 1),
+    default=1,
+    show_default=True,
+    help="Steps before the recorded one: 1 records the steady state (the optimizer's state made before it), 0 the "
+    "first step (the optimizer creates its state inside the window).",
+)
+@click.option(
     "--nproc",
     type=click.IntRange(min=1),
     default=None,
@@ -176,7 +184,7 @@ def main() -> None:
 )
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def trace_command(model_file, output, batch, seq, dtype, layers, device, fake, top, nproc, compile, as_json):
+def trace_command(model_file, output, batch, seq, dtype, layers, device, fake, top, warmup, nproc, compile, as_json):
     """Record one training step of MODEL_FILE and write its trace.
 
     Example: memplan trace examples/bert.py --batch 2 --seq 128 -o bert.trace.json.gz
@@ -196,7 +204,7 @@ def trace_command(model_file, output, batch, seq, dtype, layers, device, fake, t
     from memplan.planner.jobs.trace import trace_to_file
     from memplan.planner.report.trace_text import render_trace_file
 
-    step = StepSpec(model_file, batch, seq, dtype, device, layers, fake, compile)
+    step = StepSpec(model_file, batch, seq, dtype, device, layers, fake, compile, bool(warmup))
     summary = trace_to_file(step, output, top=top, nproc=nproc, progress=progress)
     emit(summary, as_json, render_trace_file(summary))
 
@@ -288,6 +296,38 @@ def simulate_command(trace_file, plan_file, alloc_conf, tie_break, capacity, gpu
     summary = simulate_file(trace_file, plan_file, alloc_conf=alloc_conf, tie_break=tie_break, capacity=capacity,
                             timeline=timeline, progress=progress, gpu=find_gpu(gpu_name))  # fmt: skip
     emit(summary.to_dict(), as_json, report_text(summary))
+
+
+@main.command("export")
+@click.argument("trace_file", type=click.Path(dir_okay=False))
+@click.option(
+    "-o", "--output", type=click.Path(dir_okay=False), help="Snapshot to write: a .pickle (default: <trace>.pickle)."
+)
+@click.option(
+    "--plan",
+    "plan_file",
+    type=click.Path(dir_okay=False),
+    help="Plan of this trace (from memplan solve), checked against it: addresses are its offsets in one arena segment.",
+)
+@click.option("--alloc-conf", default="", help=ALLOC_CONF_HELP)
+@tie_break_option
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def export_command(trace_file, output, plan_file, alloc_conf, tie_break, as_json):
+    """Write TRACE_FILE as a PyTorch memory snapshot, for pytorch.org/memory_viz and torch.cuda._memory_viz.
+
+    Addresses, blocks and segments are the simulated caching allocator's (or the plan's); every allocation's stack
+    names its buffer, op, module, phase and category.
+
+    \b
+    Example: memplan export gpt2.trace.json.gz -o gpt2.pickle
+    """
+    from memplan.planner.jobs.export import export_file
+    from memplan.planner.report.export_text import render_export
+
+    if plan_file and (alloc_conf or tie_break != TIE_BREAKS[0]):
+        raise click.UsageError("--alloc-conf and --tie-break set the simulated caching allocator, not a --plan")
+    summary = export_file(trace_file, output, plan_file, alloc_conf=alloc_conf, tie_break=tie_break, progress=progress)
+    emit(summary, as_json, render_export(summary))
 
 
 @main.command("plot")

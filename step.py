@@ -84,6 +84,11 @@ class StepSpec:
         parts += [] if self.compile is None else [f"--compile --memory-budget {self.compile:g}"]
         return " ".join(parts)
 
+    @property
+    def window(self) -> str:
+        """Which step is recorded, in words: the steady one after a warm-up step, or the first."""
+        return "one training step after a warm-up step" if self.warmup else "the first training step (no warm-up)"
+
     def describe(self) -> str:
         """The step in words, for progress lines: `batch 2, seq 128, float32, cpu, layers tempo, real tensors`."""
         tensors = "fake tensors" if self.fake else "real tensors"

@@ -117,9 +117,9 @@ def test_the_outside_terms_follow_the_trace_s_meta():
 
     assert terms({"device": "cpu"}) == {"CUDA context": H100.cuda_context, "cuBLAS workspaces": 2 * 32 * MiB}
     assert terms({"device": "cpu"}, a100)["cuBLAS workspaces"] == 2 * 8_519_680  # Ampere's default
-    assert "cuBLAS workspaces" not in terms({"device": "cuda"})  # a real CUDA trace holds them
+    assert list(terms({"device": "cuda"})) == ["CUDA context"]  # a real CUDA trace holds them
     assert "cuBLAS workspaces" in terms({"device": "cuda", "fake": True})
-    assert "cuBLAS workspaces" not in terms({"device": "cuda", "fake": True, "cublas_workspace_bytes": 32 * MiB})
+    assert list(terms({"device": "cuda", "fake": True, "cublas_workspace": 32 * MiB})) == ["CUDA context"]
     assert terms({"device": "cpu", "world_size": 8, "rank": 0})["NCCL (1 process group)"] == NCCL_PER_PROCESS_GROUP
     assert terms({"world_size": 8, "process_groups": 3})["NCCL (3 process groups)"] == 3 * NCCL_PER_PROCESS_GROUP
     forward_only = make_trace(
@@ -127,6 +127,9 @@ def test_the_outside_terms_follow_the_trace_s_meta():
     )
     workspaces = {t.name: t.bytes for t in trace_budget(H100, forward_only).outside}["cuBLAS workspaces"]
     assert workspaces == 32 * MiB + CUBLASLT_WORKSPACE  # one handle, and cuBLASLt for the addmm
+    fake_cuda = dataclasses.replace(forward_only, meta={"device": "cuda", "fake": True, "cublas_workspace": 32 * MiB})
+    lt_only = {t.name: t.bytes for t in trace_budget(H100, fake_cuda).outside}  # its capture took cuBLAS's
+    assert lt_only == {"CUDA context": H100.cuda_context, "cuBLASLt workspace": CUBLASLT_WORKSPACE}
 
 
 def test_memplan_simulate_gpu(tmp_path, fitting, too_big):

@@ -33,6 +33,7 @@ from torch import nn
 from memplan.errors import MemplanError
 from memplan.modes import AS_BUILT
 from memplan.traces.fake import DATA_RULE, FakeCapture
+from memplan.traces.fake_cuda import FakeDevice, fake_cuda_runtime
 from memplan.traces.format import PHASES, Trace, make_trace, save
 from memplan.traces.recorder import Events, Recorder, recording
 from memplan.traces.resident import resident_storages, resident_tensors
@@ -274,6 +275,10 @@ class Recording:
         # 3. Buffers: the storages alive at the start and the step's events, categorized, sizes as requested.
         marked = self._recorder.outputs_marked()
         buffers = _assemble(live, events, self._recorder.names(), resident, marked)
+        workspaces = self._fake.workspace_keys() if self._fake is not None else set()
+        for b in buffers:
+            if b.key in workspaces:
+                b.category = "workspace"
         _categorize(buffers, marks)
         if history is not None:
             _requested_sizes(buffers, history)
@@ -330,10 +335,15 @@ def recording_session(
     """Install the step recorder on `device` (and, with `fake`, fake tensors) for the block; what is built
     inside is seen from its first allocation, and `Recording.step` marks the step to record."""
     device = torch.device(device)
-    with one_cpu_thread(device), recording(device, fake=fake) as recorder:
-        fake_mode = FakeCapture(recorder, device.type) if fake else None
-        with fake_mode or contextlib.nullcontext():
-            yield Recording(recorder, device, fake_mode, dict(meta or {}))
+    fake_cuda = fake and device.type == "cuda"
+    gpu = FakeDevice()
+    with one_cpu_thread(device), fake_cuda_runtime(gpu) if fake_cuda else contextlib.nullcontext():
+        with recording(device, fake=fake) as recorder:
+            workspace = gpu.cublas_workspace if fake_cuda else 0
+            fake_mode = FakeCapture(recorder, device.type, cublas_workspace=workspace) if fake else None
+            planned = {"gpu": gpu.name, "cublas_workspace": workspace} if fake_cuda else {}
+            with fake_mode or contextlib.nullcontext():
+                yield Recording(recorder, device, fake_mode, {**planned, **(meta or {})})
 
 
 def capture_step(

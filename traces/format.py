@@ -22,7 +22,7 @@ from memplan.errors import TraceError
 from memplan.files import atomic_write, read_bytes
 
 FORMAT = "memplan-trace/1"
-CATEGORIES = ("parameter", "gradient", "optimizer", "activation", "input", "temporary", "unknown")
+CATEGORIES = ("parameter", "gradient", "optimizer", "activation", "input", "temporary", "workspace", "unknown")
 PHASES = ("forward", "backward", "optimizer", "other")
 INT_COLUMNS = ("size", "alloc", "free", "stream", "addr", "internal")
 STR_COLUMNS = ("category", "phase", "op", "module")

@@ -6,7 +6,9 @@ A model file defines
         return {"model": nn.Module, "inputs": batch,          # required
                 "loss": callable(output, inputs) -> scalar,    # optional, default: mean of the output
                 "optimizer": Optimizer or callable(params),    # optional, default: AdamW(lr=1e-3)
-                "name": str}                                   # optional, default: the file's name
+                "name": str,                                   # optional, default: the file's name
+                "holds_output": bool}                          # optional, default True: the step keeps its
+                                                               # output and loss until it ends, as a loop does
 
 or returns a `traces.workload.Workload` (its `name` left at the default is the file's name too). The
 name is the workload's everywhere: the trace's meta "model" and replay's report. `inputs` is a tensor,
@@ -39,7 +41,7 @@ from memplan.traces.workload import Workload, default_loss
 
 BUILD = "build"
 BUILD_ARGS = ("batch_size", "seq_len", "dtype", "device")
-DICT_KEYS = ("model", "inputs", "loss", "optimizer", "name")
+DICT_KEYS = ("model", "inputs", "loss", "optimizer", "name", "holds_output")
 DEFAULT_NAME = next(f.default for f in fields(Workload) if f.name == "name")  # a Workload built without a name
 
 
@@ -59,17 +61,11 @@ def _describe(exc: BaseException) -> str:
 
 def require_device(device: str, fake: bool = False) -> torch.device:
     """Check that `device` ('cpu' or 'cuda[:n]') is usable here; DeviceError otherwise. Fake tensors need
-    no GPU, but a fake CUDA step needs a torch built with CUDA (its autograd engine asks for CUDA streams)."""
+    no GPU: on a torch built without CUDA, traces/fake_cuda.py gives them a CUDA device."""
     try:
         dev = torch.device(device)
     except RuntimeError:
         raise DeviceError(f"--device {device}: not a device name (use cpu or cuda)") from None
-    if dev.type == "cuda" and fake and not torch.backends.cuda.is_built():
-        raise DeviceError(
-            f"--fake --device {device}: this torch ({torch.__version__}) is built without CUDA, and "
-            "a fake CUDA step's backward needs CUDA's streams: use a CUDA build of torch, or "
-            "trace --fake on cpu"
-        )
     if dev.type == "cuda" and not fake and not torch.cuda.is_available():
         raise DeviceError(f"--device {device}: CUDA is not available on this machine (torch {torch.__version__})")
     if dev.type not in ("cpu", "cuda"):
@@ -162,7 +158,10 @@ def _from_dict(path: Path, built: dict, dtype: torch.dtype, device: torch.device
     report = patch(model, step.assignment).to_dict()
     optimizer = _optimizer(path, built.get("optimizer"), model)
     name = str(built.get("name") or path.stem)
-    return Workload(model=model, inputs=built["inputs"], optimizer=optimizer, loss_fn=loss, name=name, patch=report)
+    holds = built.get("holds_output", True)
+    if not isinstance(holds, bool):
+        raise ModelFileError(f"{path}: {BUILD}()['holds_output'] is {type(holds).__name__}, not True or False")
+    return Workload(model, built["inputs"], optimizer, loss, name, report, holds)
 
 
 def _check_placement(path: Path, workload: Workload, dtype: torch.dtype, device: torch.device) -> None:

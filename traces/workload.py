@@ -35,6 +35,7 @@ class Workload:
     loss_fn: Callable[[Any, Any], torch.Tensor] = default_loss
     name: str = "workload"
     patch: dict | None = None  # what the layer mode applied to the model changed (meta "patch"), when one was
+    holds_output: bool = True  # the step keeps its output and loss until it ends, as a training loop's variables do
 
     def forward(self) -> Any:
         if isinstance(self.inputs, tuple):
@@ -47,9 +48,14 @@ class Workload:
         """One full training step: forward, loss, backward, optimizer step, then gradients set to None.
 
         Gradients are released at the end of the step, so every step after the first (which creates
-        the optimizer state) allocates and frees the same buffers in the same order.
+        the optimizer state) allocates and frees the same buffers in the same order. The output and the loss
+        live until the step ends (a loop's `output = model(x)` holds them through backward and the optimizer's
+        step) unless `holds_output` is False: then the output is dropped once the loss is computed.
         """
-        loss = self.loss_fn(self.forward(), self.inputs)
+        output = self.forward()
+        loss = self.loss_fn(output, self.inputs)
+        if not self.holds_output:
+            del output
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -28,30 +28,30 @@ class OutsideTerm:
     source: str  # where the figure comes from; "estimate: ..." for an estimate
 
 
-def holds_library_workspaces(meta: Mapping) -> bool:
-    """Whether a trace holds the cuBLAS workspaces among its allocations: a real CUDA trace (captured, or imported
-    from a snapshot) does, a fake CUDA trace does when its capture says the bytes it gave them (meta
-    `cublas_workspace_bytes`), a CPU trace does not."""
-    return meta.get("device") == "cuda" and (not meta.get("fake") or "cublas_workspace_bytes" in meta)
+def held_workspaces(meta: Mapping) -> tuple[bool, bool]:
+    """Whether a trace holds (cuBLAS's, cuBLASLt's) workspaces among its allocations: a real CUDA trace (captured,
+    or imported from a snapshot) holds both; a fake CUDA trace holds cuBLAS's when its capture allocated them
+    (meta `cublas_workspace`: bytes per handle, as traces/capture.py records it) and never cuBLASLt's; a CPU
+    trace holds neither."""
+    cuda, fake = meta.get("device") == "cuda", bool(meta.get("fake"))
+    return cuda and (not fake or bool(meta.get("cublas_workspace"))), cuda and not fake
 
 
 def outside_terms(gpu: GPU, meta: Mapping, handles: int = STEP_HANDLES, lt: bool = True) -> tuple[OutsideTerm, ...]:
-    """What `gpu` holds outside the caching allocator for a step whose trace has `meta`: the CUDA context; unless
-    the trace holds them, the cuBLAS workspaces of `handles` handles and (`lt`: the step runs cuBLASLt) one
-    cuBLASLt workspace; NCCL's buffers for each process group when the trace is a rank's (meta `world_size`;
+    """What `gpu` holds outside the caching allocator for a step whose trace has `meta`: the CUDA context; what
+    the trace does not hold of the cuBLAS workspaces of `handles` handles and (`lt`: the step runs cuBLASLt) of
+    cuBLASLt's; NCCL's buffers for each process group when the trace is a rank's (meta `world_size`;
     `process_groups`, 1 unless it says)."""
     terms = [OutsideTerm("CUDA context", gpu.cuda_context, CUDA_CONTEXT_SOURCE)]
-    if not holds_library_workspaces(meta):
-        lt_bytes = gpu.cublaslt_workspace_bytes if lt else 0
-        lt_text = f" + cuBLASLt's {lt_bytes:,} B" if lt else ""
-        terms.append(
-            OutsideTerm(
-                "cuBLAS workspaces",
-                handles * gpu.cublas_workspace_bytes + lt_bytes,
-                f"PyTorch's defaults for compute capability {gpu.capability[0]}.{gpu.capability[1]}, absent from "
-                f"the trace: {handles} handles x {gpu.cublas_workspace_bytes:,} B{lt_text}",
-            )
-        )
+    cublas_held, lt_held = held_workspaces(meta)
+    cublas = 0 if cublas_held else handles * gpu.cublas_workspace_bytes
+    lt_bytes = gpu.cublaslt_workspace_bytes if lt and not lt_held else 0
+    if cublas or lt_bytes:
+        parts = [f"{handles} handles x {gpu.cublas_workspace_bytes:,} B"] if cublas else []
+        parts += [f"cuBLASLt's {lt_bytes:,} B"] if lt_bytes else []
+        source = (f"PyTorch's defaults for compute capability {gpu.capability[0]}.{gpu.capability[1]}, absent "
+                  f"from the trace: {' + '.join(parts)}")  # fmt: skip
+        terms.append(OutsideTerm("cuBLAS workspaces" if cublas else "cuBLASLt workspace", cublas + lt_bytes, source))
     if meta.get("world_size") is not None:
         groups = int(meta.get("process_groups", 1))
         terms.append(OutsideTerm(f"NCCL ({groups} process group{'s' * (groups != 1)})",
@@ -101,7 +101,9 @@ def device_memory(memory: int | None, gpu: GPU | None, step: StepSpec) -> tuple[
         raise GPUError("give the device memory as a size (--memory) or as a GPU (--gpu): exactly one of the two")
     if gpu is None:
         return memory, None
-    budget = Budget(gpu, outside_terms(gpu, {"device": step.device, "fake": step.fake}))
+    cuda = step.device.split(":")[0] == "cuda"  # a fake CUDA capture allocates cuBLAS's workspaces itself
+    budget = Budget(gpu, outside_terms(gpu, {"device": "cuda" if cuda else "cpu", "fake": step.fake,
+                                             "cublas_workspace": cuda and step.fake}))  # fmt: skip
     if budget.capacity <= 0:
         raise GPUError(f"{gpu.name}: its memory is all taken outside the caching allocator")
     return budget.capacity, budget
