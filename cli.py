@@ -61,6 +61,8 @@ SIZE = Size()
 LAYERS_HELP = f"Layer mode (memplan.modes). {modes_help()} The trace says what was swapped and what was left as built."
 
 
+# A model file (.py), a HuggingFace config.json, or a folder holding one (docs/capture.md).
+MODEL_FILE = click.Path()
 STEP_DEFAULTS = {field.name: field.default for field in dataclasses.fields(StepSpec)}  # the one set of defaults
 
 
@@ -150,7 +152,7 @@ def main() -> None:
 
 
 @main.command("trace")
-@click.argument("model_file", type=click.Path(dir_okay=False))
+@click.argument("model_file", type=MODEL_FILE)
 @click.option(
     "-o",
     "--output",
@@ -399,7 +401,7 @@ def compare_command(trace_files, plan_files, method, time_limit, alloc_conf, tie
 
 @main.command("replay")
 @click.argument("plan_file", type=click.Path(dir_okay=False))
-@click.argument("model_file", type=click.Path(dir_okay=False))
+@click.argument("model_file", type=MODEL_FILE)
 @click.option(
     "--trace",
     "trace_file",
@@ -498,7 +500,7 @@ def solve_command(source, output, time_limit, capacity, method, alignment, scope
 
 
 @main.command("run")
-@click.argument("model_file", required=False, type=click.Path(dir_okay=False))
+@click.argument("model_file", required=False, type=MODEL_FILE)
 @click.option(
     "-o",
     "--output",
@@ -550,7 +552,7 @@ def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps
 
 
 @main.command("fit")
-@click.argument("model_file", type=click.Path(dir_okay=False))
+@click.argument("model_file", type=MODEL_FILE)
 @click.option("--memory", type=SIZE, default=None, help="Device memory: 11GiB, 16GB, 512MiB or a number of bytes.")
 @gpu_option("fit its memory less what it holds outside the caching allocator (instead of --memory).")
 @click.option(
@@ -617,7 +619,7 @@ def budget_list(_ctx, _param, value: str) -> tuple[float, ...]:
 
 
 @main.command("tradeoff")
-@click.argument("model_file", type=click.Path(dir_okay=False))
+@click.argument("model_file", type=MODEL_FILE)
 @step_options(batch=True)
 @click.option(
     "--budgets",
@@ -655,7 +657,7 @@ def tradeoff_command(model_file, batch, seq, dtype, budgets, time_limit, repeats
 
 
 @main.command("optimize")
-@click.argument("model_file", type=click.Path(dir_okay=False))
+@click.argument("model_file", type=MODEL_FILE)
 @click.option("--memory", type=SIZE, default=None, help="Memory the plan must fit: 11GiB, 16GB, 512MiB or bytes.")
 @gpu_option("fit its memory less what it holds outside the caching allocator (instead of --memory).")
 @click.option("--batch", type=click.IntRange(min=1), default=None, help="Batch size passed to build() [default: 2].")

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from memplan.errors import CompileError, MemplanError
 from memplan.modes import AS_BUILT, check_layer_modes, describe_assignment, mode
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "bf16-mixed")
+# Each dtype's parameters and autocast: bf16-mixed is fp32 parameters with forward and loss under bf16 autocast.
+PRECISIONS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "bf16-mixed": ("float32", "bfloat16")}
 
 
 class StepError(MemplanError):
@@ -26,7 +28,7 @@ class StepSpec:
     model_file: str  # the model file (docs/capture.md: The model file) whose build() makes the workload
     batch: int = 2  # build()'s batch_size
     seq: int = 128  # build()'s seq_len
-    dtype: str = "float32"  # one of DTYPES: the parameters' and inputs' dtype
+    dtype: str = "float32"  # one of DTYPES: the parameters' dtype, or bf16-mixed (fp32 under bf16 autocast)
     device: str = "cpu"  # cpu or cuda[:n]
     mode: str | tuple[tuple[str, str], ...] = AS_BUILT  # one of modes.MODES, or (layer path, mode) pairs per layer
     fake: bool = False  # under fake tensors: nothing allocated or computed, any size
@@ -83,6 +85,16 @@ class StepSpec:
         parts += ["--fake"] if self.fake else []
         parts += [] if self.compile is None else [f"--compile --memory-budget {self.compile:g}"]
         return " ".join(parts)
+
+    @property
+    def parameters_dtype(self) -> str:
+        """The torch dtype name of the parameters (build()'s `dtype`)."""
+        return PRECISIONS[self.dtype][0]
+
+    @property
+    def autocast(self) -> str | None:
+        """The torch dtype name forward and loss run under autocast in, or None."""
+        return PRECISIONS[self.dtype][1]
 
     @property
     def window(self) -> str:

@@ -221,3 +221,25 @@ def test_a_fake_cuda_trace_predicts_each_shared_gpu_snapshot(shared, monkeypatch
     assert abs(trace.peak()[0] / real_peak - 1) <= 0.01, (trace.peak()[0], real_peak)
     reserved = simulate_caching(trace).peak_reserved
     assert abs(reserved / real_reserved - 1) <= 0.02, (reserved, real_reserved)
+
+
+@pytest.mark.slow  # a fresh process: 3-10 s
+@pytest.mark.skipif(not needs_runtime(), reason="a CUDA build has its own CUDA device")
+def test_a_process_whose_engine_started_without_the_device_gets_one_line():
+    """The autograd engine sizes its device queues at a process's first backward: a fake CUDA step after a backward
+    run before memplan's device existed is a one-line error naming the fix, not an internal assert."""
+    import subprocess
+    import sys
+
+    program = (
+        "import torch, memplan\n"
+        "x = torch.ones(2, requires_grad=True); x.sum().backward()\n"
+        "try:\n"
+        "    with memplan.record(fake=True, device='cuda'): pass\n"
+        "except memplan.MemplanError as e:\n"
+        "    print(e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().startswith("--fake --device cuda: this process ran a backward before")
+    assert "memplan.traces.fake_cuda.install()" in done.stdout

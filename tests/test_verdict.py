@@ -132,6 +132,15 @@ def test_the_outside_terms_follow_the_trace_s_meta():
     assert lt_only == {"CUDA context": H100.cuda_context, "cuBLASLt workspace": CUBLASLT_WORKSPACE}
 
 
+def test_a_fake_cuda_trace_holds_cublas_s_workspaces_and_the_verdict_adds_only_cublaslt_s(monkeypatch):
+    monkeypatch.setenv("MEMPLAN_PRESET", "tiny")
+    trace = trace_step(StepSpec(GPT2, batch=2, seq=64, device="cuda", fake=True))
+    held = [int(size) for size, c in zip(trace.size, trace.category) if c == "workspace"]
+    assert held == [trace.meta["cublas_workspace"]] * 2  # the capture's own: two threads' handles
+    terms = {t.name: t.bytes for t in simulate_trace(trace, "fake cuda", gpu=H100).verdict.outside}
+    assert terms == {"CUDA context": H100.cuda_context, "cuBLASLt workspace": CUBLASLT_WORKSPACE}
+
+
 def test_memplan_simulate_gpu(tmp_path, fitting, too_big):
     for name, trace in (("fits", fitting), ("too_big", too_big)):
         save(trace, tmp_path / f"{name}.json.gz")

@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memplan.cxx import torch_extension
+from memplan.errors import MemplanError
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fake_cuda.cpp"
 
@@ -199,6 +201,33 @@ def _own_function(replacement):
     return functools.wraps(replacement)(lambda *args, **kwargs: replacement(*args, **kwargs))
 
 
+class FakeCudaError(MemplanError):
+    """This process cannot run a fake CUDA step (its autograd engine started without a CUDA device)."""
+
+
+def install() -> None:
+    """Register the fake CUDA device guard now, on a CPU-only torch: the autograd engine sizes its device queues at
+    the process's first backward, so a fake CUDA step needs the guard there before then."""
+    if needs_runtime():
+        extension().install()
+
+
+def _check_engine() -> None:
+    """A one-op fake CUDA backward; FakeCudaError if the engine started without the guard (no queue for CUDA)."""
+    with FakeTensorMode():
+        x = torch.empty(1, device="cuda", requires_grad=True)
+        try:
+            x.sum().backward()
+        except RuntimeError as e:
+            if "device_ready_queues_" not in str(e):
+                raise
+            raise FakeCudaError(
+                "--fake --device cuda: this process ran a backward before memplan's fake CUDA device existed, and "
+                "the autograd engine sizes its device queues once: call memplan.traces.fake_cuda.install() before "
+                "the first backward, or trace in a new process"
+            ) from None
+
+
 @contextlib.contextmanager
 def fake_cuda_runtime(device: FakeDevice = FakeDevice()) -> Iterator[None]:
     """While the block runs, a CPU-only torch has a CUDA device for fake tensors (`device`); nothing changes on
@@ -213,6 +242,7 @@ def fake_cuda_runtime(device: FakeDevice = FakeDevice()) -> Iterator[None]:
     originals = {name: getattr(torch.cuda, name) for name in _replacements(device) if hasattr(torch.cuda, name)}
     module.enable(True)
     try:
+        _check_engine()
         for name, replacement in _replacements(device).items():
             setattr(torch.cuda, name, _own_function(replacement))
         yield
@@ -220,6 +250,6 @@ def fake_cuda_runtime(device: FakeDevice = FakeDevice()) -> Iterator[None]:
         for name in _replacements(device):
             if name in originals:
                 setattr(torch.cuda, name, originals[name])
-            else:
+            elif hasattr(torch.cuda, name):
                 delattr(torch.cuda, name)
         module.enable(False)

@@ -37,6 +37,7 @@ from memplan.errors import MemplanError, ModelFileError
 from memplan.planner.layers.patch import patch
 from memplan.step import StepSpec
 from memplan.traces.fake import module_to
+from memplan.traces.hf_config import config_build, config_file
 from memplan.traces.workload import Workload, default_loss
 
 BUILD = "build"
@@ -179,6 +180,9 @@ def import_model_file(path: str | os.PathLike) -> Callable[..., Any]:
     """Import a model file and return its build(). Run it before recording: what a module makes at import
     (constants, memplan's GELU tables) is not part of the step, and never fake."""
     path = Path(path)
+    config = config_file(path)
+    if config is not None:
+        return config_build(config)
     return _build_function(path, _import(path))
 
 
@@ -186,7 +190,7 @@ def build_workload(step: StepSpec, build: Callable[..., Any]) -> Workload:
     """Call the step's model file's build() (imported by `import_model_file`) and return the Workload with the
     step's layer mode applied; under fake tensors when `step.fake` (a CUDA device then needs no GPU, but a CUDA
     build of torch)."""
-    path, dtype = Path(step.model_file), getattr(torch, step.dtype)
+    path, dtype = Path(step.model_file), getattr(torch, step.parameters_dtype)
     dev = require_device(step.device, step.fake)
     torch.manual_seed(0)
     try:
@@ -208,6 +212,7 @@ def build_workload(step: StepSpec, build: Callable[..., Any]) -> Workload:
             "'model' and 'inputs', or a traces.workload.Workload"
         )
     _check_placement(path, workload, dtype, dev)
+    workload.autocast = getattr(torch, step.autocast) if step.autocast else None
     return workload
 
 

@@ -293,12 +293,10 @@ def boundary_search(probe: BatchProbe, allocator: str, start: int) -> int:
 def fit_mode(probe: BatchProbe) -> ModeFit:
     """Measure a few batch sizes, predict the largest fitting batch per allocator model, prove it by tracing."""
     first = probe(1)
-    if not (first.caching_fits or first.plan_fits):
-        raise FitError(
-            f"{probe.mode}: batch 1 needs {format_size(first.plan_arena)} with a plan and "
-            f"{format_size(first.caching_peak_reserved)} under the caching allocator; more than "
-            f"--memory {format_size(probe.memory)}"
-        )
+    if not (first.caching_fits or first.plan_fits):  # no batch fits: an answer, 0, with batch 1's figures
+        probe.progress(f"{probe.mode}: batch 1 does not fit {format_size(probe.memory)}")
+        none = dict.fromkeys(ALLOCATORS, 0)
+        return ModeFit(probe.mode, probe.patch, none, dict(none), probe.points)
     for b in MEASURE_BATCHES[1:]:
         if not (probe(b).caching_fits or probe(b).plan_fits):
             break

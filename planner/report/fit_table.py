@@ -40,6 +40,9 @@ def render_fit(summary: dict) -> str:
         "* peak reserved without a capacity; at the capacity the allocator's OOM retry frees cached "
         "blocks, so b may fit above it"
     )
+    none = [m["mode"] for m in s["modes"] if m["caching"]["batch"] == 0 and m["plan"]["batch"] == 0]
+    if none:
+        lines.append(f"! {', '.join(none)}: no batch fits; the b+1 columns are batch 1's figures")
     unproven = [m["mode"] for m in s["modes"] if not m["plan"]["next_proven"]]
     if unproven:
         lines.append(
