@@ -243,3 +243,19 @@ def test_a_process_whose_engine_started_without_the_device_gets_one_line():
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().startswith("--fake --device cuda: this process ran a backward before")
     assert "memplan.traces.fake_cuda.install()" in done.stdout
+
+
+def test_a_model_deep_copied_inside_a_fake_capture_is_in_the_trace():
+    """`copy.deepcopy(model)` (an EMA, a DPO reference model) under fake tensors: a copy in the same capture."""
+    import copy
+
+    with memplan.record(fake=True) as recording:
+        model = nn.Linear(16, 16)
+        reference = copy.deepcopy(model)
+        optimizer = torch.optim.SGD(model.parameters())
+        with recording.step(model, optimizer):
+            (model(torch.ones(2, 16)) - reference(torch.ones(2, 16))).sum().backward()
+    trace = recording.trace
+    at_start = [i for i in range(len(trace)) if trace.alloc[i] == 0]
+    weights = [i for i in at_start if trace.size[i] == 16 * 16 * 4]
+    assert len(weights) == 2  # the model's weight and its copy's

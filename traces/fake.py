@@ -204,6 +204,11 @@ class FakeCapture(FakeTensorMode):
         self._cublas_workspace = cublas_workspace  # bytes per cuBLAS handle on a fake CUDA step (0: none)
         self.workspaces: dict[int, torch.Tensor] = {}  # thread id -> its cuBLAS workspace, alive for the capture
 
+    def __deepcopy__(self, memo) -> FakeCapture:
+        """The mode itself: a fake tensor copied inside the capture (`copy.deepcopy(model)`, an EMA or a DPO reference
+        model) belongs to the same capture, as its `fake_mode` attribute says."""
+        return self
+
     def __enter__(self):
         if self._depth == 0:
             to, module_to_ = _tensor_to(torch.Tensor.to), _module_to(nn.Module.to)
