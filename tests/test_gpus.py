@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -22,6 +23,8 @@ from memplan.gpus import (
     gpu,
 )
 from memplan.units import GiB
+
+BERT = str(Path(__file__).resolve().parents[1] / "examples" / "bert.py")
 
 
 def test_every_name_and_alias_finds_its_gpu_in_any_spelling():
@@ -55,9 +58,9 @@ def test_an_unknown_name_is_one_line_listing_the_known_ones():
     "args",
     [
         ["simulate", "missing.trace.json.gz", "--gpu", "V100"],
-        ["fit", "examples/bert.py", "--gpu", "V100"],
-        ["optimize", "examples/bert.py", "--gpu", "V100"],
-        ["run", "examples/bert.py", "--gpu", "V100"],
+        ["fit", BERT, "--gpu", "V100"],
+        ["optimize", BERT, "--gpu", "V100"],
+        ["run", BERT, "--gpu", "V100"],
     ],
 )
 def test_a_command_given_an_unknown_gpu_says_so_in_one_line(args):
