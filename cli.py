@@ -167,6 +167,10 @@ def main() -> None:
     help="Build and step the model under fake tensors: nothing is allocated or computed, so any size "
     "traces in seconds, and --device cuda needs no GPU.",
 )
+@gpu_option(
+    "the GPU a --fake CUDA step is planned for (implies --device cuda): its compute capability picks "
+    "the attention backend and the cuBLAS workspace, torch.cuda answers for it [default: H100-80GB]."
+)
 @click.option("--top", type=click.IntRange(min=0), default=5, show_default=True, help="Largest buffers to list.")
 @click.option(
     "--warmup",
@@ -186,7 +190,9 @@ def main() -> None:
 )
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def trace_command(model_file, output, batch, seq, dtype, layers, device, fake, top, warmup, nproc, compile, as_json):
+def trace_command(
+    model_file, output, batch, seq, dtype, layers, device, fake, gpu_name, top, warmup, nproc, compile, as_json
+):
     """Record one training step of MODEL_FILE and write its trace.
 
     Example: memplan trace examples/bert.py --batch 2 --seq 128 -o bert.trace.json.gz
@@ -206,7 +212,8 @@ def trace_command(model_file, output, batch, seq, dtype, layers, device, fake, t
     from memplan.planner.jobs.trace import trace_to_file
     from memplan.planner.report.trace_text import render_trace_file
 
-    step = StepSpec(model_file, batch, seq, dtype, device, layers, fake, compile, bool(warmup))
+    device = "cuda" if gpu_name is not None and device == "cpu" else device  # --gpu plans a CUDA step
+    step = StepSpec(model_file, batch, seq, dtype, device, layers, fake, compile, bool(warmup), gpu_name)
     summary = trace_to_file(step, output, top=top, nproc=nproc, progress=progress)
     emit(summary, as_json, render_trace_file(summary))
 

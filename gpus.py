@@ -6,6 +6,8 @@ names. Every figure says where it comes from (docs/fit-optimize.md: The GPU cata
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 
 from memplan.errors import MemplanError
@@ -58,8 +60,12 @@ class GPUError(MemplanError):
 
 
 def cublas_workspace_size(capability: tuple[int, int]) -> int:
-    """PyTorch's default cuBLAS workspace bytes per (handle, stream) on a GPU of `capability`, with
-    CUBLAS_WORKSPACE_CONFIG unset: what each handle's first matmul takes through the caching allocator."""
+    """PyTorch's cuBLAS workspace bytes per (handle, stream) on a GPU of `capability`: what each handle's first
+    matmul takes through the caching allocator. CUBLAS_WORKSPACE_CONFIG's ":SIZE:COUNT" pairs (KiB x count) when
+    the environment sets it, as PyTorch reads it; else PyTorch's default for the architecture."""
+    pairs = re.findall(r":([0-9]+):([0-9]+)", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""))
+    if pairs:
+        return sum(int(size) * 1024 * int(count) for size, count in pairs)
     return CUBLAS_WORKSPACE_LARGE if capability[0] in CUBLAS_LARGE_MAJORS else CUBLAS_WORKSPACE_DEFAULT
 
 
@@ -79,6 +85,11 @@ class GPU:
     def architecture(self) -> str:
         """Ampere, Ada, Hopper or Blackwell, from the compute capability (8.9 is Ada)."""
         return ADA if self.capability == (8, 9) else ARCHITECTURES[self.capability[0]]
+
+    @property
+    def torch_name(self) -> str:
+        """The name torch.cuda.get_device_name() gives it ("NVIDIA H100 80GB HBM3"): its alias that starts so."""
+        return next((alias for alias in self.aliases if alias.startswith("NVIDIA ")), self.name)
 
     @property
     def cublas_workspace_bytes(self) -> int:
@@ -147,6 +158,9 @@ def spelling(name: str) -> str:
 
 
 BY_NAME = {spelling(n): g for g in GPUS for n in (g.name, *g.aliases)}
+
+
+DEFAULT_GPU = "H100-80GB"  # the GPU a CUDA step is planned for when none is named
 
 
 def gpu(name: str) -> GPU:

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 import memplan
+from memplan.gpus import DEFAULT_GPU, cublas_workspace_size, gpu
 from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.step import StepSpec
-from memplan.traces.fake_cuda import FakeDevice, needs_runtime
+from memplan.traces.fake_cuda import needs_runtime
 from memplan.traces.snapshot import read_snapshot, snapshot_to_trace
 from memplan.traces.trace_model import trace_step
 
@@ -32,7 +33,7 @@ def optimizer_ops(trace) -> set[str]:
 def test_a_fake_cuda_step_runs_here_and_leaves_no_cuda_behind():
     trace = fake_step("cuda")
     assert trace.meta["device"] == "cuda" and trace.meta["fake"]
-    assert trace.meta["gpu"] == FakeDevice().name
+    assert trace.meta["gpu"] == DEFAULT_GPU == "H100-80GB"
     # the runtime is gone: torch.cuda and the autograd engine are this build's again, a CPU step still trains
     assert torch.cuda.is_available() == (not needs_runtime() and torch.cuda.is_available())
     if needs_runtime():
@@ -56,7 +57,7 @@ def test_each_thread_that_runs_a_matmul_takes_one_cublas_workspace():
     trace = fake_step("cuda")
     workspaces = [i for i in range(len(trace)) if trace.category[i] == "workspace"]
     assert len(workspaces) == 2
-    assert {int(trace.size[i]) for i in workspaces} == {FakeDevice().cublas_workspace} == {32 * 1024 * 1024}
+    assert {int(trace.size[i]) for i in workspaces} == {gpu(DEFAULT_GPU).cublas_workspace_bytes} == {32 * 1024 * 1024}
     assert all(trace.alloc[i] == 0 and trace.free[i] == trace.end for i in workspaces)
     assert trace.meta["cublas_workspace"] == 32 * 1024 * 1024
     assert "workspace" not in set(fake_step("cpu").category)
@@ -76,7 +77,7 @@ def test_the_cublas_workspace_follows_atens_rule(monkeypatch, config, capability
         monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     else:
         monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", config)
-    assert FakeDevice(major=capability[0], minor=capability[1]).cublas_workspace == expected
+    assert cublas_workspace_size(capability) == expected
 
 
 # CUDA's autocast policy (torch's autocast kernels, AutocastCUDA; the table of torch.amp's documentation): ops that
@@ -146,7 +147,8 @@ def test_cuda_autocast_casts_a_weight_once_per_region():
 def test_torch_cuda_calls_of_a_program_work_inside_a_fake_cuda_step():
     with memplan.record(fake=True, device="cuda") as recording:
         assert torch.cuda.is_available() and torch.cuda.device_count() == 1 and torch.cuda.current_device() == 0
-        assert torch.cuda.get_device_capability() == FakeDevice().capability and torch.cuda.is_bf16_supported()
+        assert torch.cuda.get_device_capability() == (9, 0) and torch.cuda.is_bf16_supported()
+        assert torch.cuda.get_device_name() == "NVIDIA H100 80GB HBM3"
         stream, event = torch.cuda.Stream(), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream), torch.cuda.device(0):
             event.record()
@@ -174,6 +176,20 @@ def test_checkpointing_keeps_its_rng_state_on_a_fake_cuda_step():
         with recording.step(model, optimizer):
             checkpoint(model, torch.ones(4, 8, device="cuda"), use_reentrant=False).sum().backward()
     assert "backward" in set(recording.trace.phase)
+
+
+def test_a_fake_cuda_step_follows_the_named_gpus_rules():
+    """An A100 (sm80): its cuBLAS workspace (8,519,680 B), its name and capability inside the step."""
+    trace = fake_step("cuda", gpu="a100-80gb")
+    assert trace.meta["gpu"] == "A100-80GB" and trace.meta["cublas_workspace"] == 8_519_680
+    assert {int(trace.size[i]) for i in range(len(trace)) if trace.category[i] == "workspace"} == {8_519_680}
+    with memplan.record(fake=True, device="cuda", gpu="L4") as recording:
+        assert torch.cuda.get_device_capability() == (8, 9)
+        assert torch.cuda.get_device_properties().total_memory == gpu("L4").memory
+        model = nn.Linear(4, 4).cuda()
+        with recording.step(model, torch.optim.SGD(model.parameters())):
+            model(torch.ones(1, 4, device="cuda")).sum().backward()
+    assert recording.trace.meta["gpu"] == "L4"
 
 
 def test_the_first_step_window_holds_the_optimizer_state_the_step_creates():

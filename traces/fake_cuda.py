@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,34 +25,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memplan.cxx import torch_extension
 from memplan.errors import MemplanError
+from memplan.gpus import GPU
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fake_cuda.cpp"
-
-
-@dataclass(frozen=True)
-class FakeDevice:
-    """The GPU a fake CUDA step is planned for, as `torch.cuda.get_device_properties` describes it."""
-
-    name: str = "NVIDIA H100 80GB HBM3"  # the device name torch reports
-    major: int = 9  # compute capability
-    minor: int = 0
-    total_memory: int = 85_045_346_304  # bytes, as get_device_properties reports
-    multi_processor_count: int = 132
-
-    @property
-    def capability(self) -> tuple[int, int]:
-        return (self.major, self.minor)
-
-    @property
-    def cublas_workspace(self) -> int:
-        """Bytes of the workspace each cuBLAS handle takes from the caching allocator (one handle per thread that
-        runs a matmul): CUBLAS_WORKSPACE_CONFIG's ":SIZE:COUNT" pairs (KiB x count) when set, else ATen's default
-        (CublasHandlePool.cpp: 4096 KiB x 8 on sm90, 4096 KiB x 2 + 16 KiB x 8 elsewhere)."""
-        config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-        pairs = re.findall(r":([0-9]+):([0-9]+)", config or "")
-        if pairs:
-            return sum(int(size) * 1024 * int(count) for size, count in pairs)
-        return 4096 * 1024 * 8 if self.capability == (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
 def needs_runtime() -> bool:
@@ -138,9 +110,12 @@ class _DeviceContext:
         return False
 
 
-def _replacements(device: FakeDevice) -> dict[str, object]:
-    """torch.cuda's functions as the fake device answers them."""
-    properties = type("FakeCudaDeviceProperties", (), {**device.__dict__, "is_integrated": False})()
+def _replacements(gpu: GPU) -> dict[str, object]:
+    """torch.cuda's functions as the fake device, a `gpu`, answers them."""
+    major, minor = gpu.capability
+    fields = {"name": gpu.torch_name, "major": major, "minor": minor, "total_memory": gpu.memory}
+    fields["is_integrated"] = False
+    properties = type("FakeCudaDeviceProperties", (), fields)()
     default = _Stream()
 
     def zero(*args, **kwargs) -> int:  # memory statistics: a fake step allocates nothing
@@ -229,9 +204,9 @@ def _check_engine() -> None:
 
 
 @contextlib.contextmanager
-def fake_cuda_runtime(device: FakeDevice = FakeDevice()) -> Iterator[None]:
-    """While the block runs, a CPU-only torch has a CUDA device for fake tensors (`device`); nothing changes on
-    a CUDA build."""
+def fake_cuda_runtime(gpu: GPU) -> Iterator[None]:
+    """While the block runs, a CPU-only torch has a CUDA device for fake tensors, a `gpu`; nothing changes on a
+    CUDA build."""
     if not needs_runtime():
         yield
         return
@@ -239,15 +214,15 @@ def fake_cuda_runtime(device: FakeDevice = FakeDevice()) -> Iterator[None]:
 
     module = extension()
     module.install()
-    originals = {name: getattr(torch.cuda, name) for name in _replacements(device) if hasattr(torch.cuda, name)}
+    originals = {name: getattr(torch.cuda, name) for name in _replacements(gpu) if hasattr(torch.cuda, name)}
     module.enable(True)
     try:
         _check_engine()
-        for name, replacement in _replacements(device).items():
+        for name, replacement in _replacements(gpu).items():
             setattr(torch.cuda, name, _own_function(replacement))
         yield
     finally:
-        for name in _replacements(device):
+        for name in _replacements(gpu):
             if name in originals:
                 setattr(torch.cuda, name, originals[name])
             elif hasattr(torch.cuda, name):

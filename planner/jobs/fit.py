@@ -331,12 +331,13 @@ def fit_model(
     caching allocator) for every mode, under both allocator models, on real or fake traces as `capture` (auto,
     real, fake) chooses for steps near that size; compiled by torch.compile when the step says so (real traces
     only). The step's own batch and mode are not used."""
-    memory, budget = device_memory(memory, gpu, step)
-
+    if gpu is not None:  # a CUDA step on that GPU (fake CUDA traces where this machine has none)
+        step = step.replace(device="cuda", gpu=gpu.name)
     for mode in modes:
         if mode not in MODES:
             raise FitError(f"--layers {mode}: unknown mode (choose from {', '.join(MODES)})")
-    choice = choose_capture(capture, memory)
+    choice = choose_capture(capture, memory if gpu is None else gpu.memory, step.device)
+    memory, budget = device_memory(memory, gpu, step.replace(fake=choice.fake))
     require_real_tensors(step.replace(fake=capture == "fake"))  # before anything is traced
     if step.compile is not None and choice.fake:
         raise CompileError(f"--compile needs real tensors, and {choice.reason}: fit it eagerly, or a smaller --memory")

@@ -50,6 +50,10 @@ class RunOptions:
     capture: str = "auto"  # real or fake traces: auto, real, fake
     gpu: GPU | None = None  # a GPU each mode's step is judged against (planner/simulate/verdict.py); None: none
 
+    def __post_init__(self) -> None:
+        if self.gpu is not None:  # a CUDA step on that GPU (fake CUDA traces where this machine has none)
+            object.__setattr__(self, "step", self.step.replace(device="cuda", gpu=self.gpu.name))
+
     def compiled(self) -> Compile | None:
         """How the traced and replayed steps are compiled; None when they run eagerly."""
         return None if self.step.compile is None else Compile(self.step.compile)
@@ -130,10 +134,10 @@ def choose_run_capture(opts: RunOptions, progress: Callable[[str], None]) -> tup
     the first mode (eager: a compiled step cannot run on fake tensors), which the run then keeps when it
     chose fake. A compiled run needs real traces."""
     if opts.capture != "auto":
-        return choose_capture(opts.capture, 0), {}
+        return choose_capture(opts.capture, 0, opts.step.device), {}
     progress(f"[{opts.modes[0]}] sizing the step on a fake trace")
     sizing = trace_step(opts.step.replace(mode=opts.modes[0], fake=True, compile=None))
-    choice = choose_capture("auto", sizing.peak()[0])
+    choice = choose_capture("auto", sizing.peak()[0], opts.step.device)
     if choice.fake and opts.step.compile is not None:
         raise CompileError(
             f"--compile needs real tensors, and {choice.reason}: trace it eagerly, or on a larger machine"
