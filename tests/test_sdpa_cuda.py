@@ -184,8 +184,13 @@ def test_the_users_switches(flags, expected):
 
 
 def test_no_kernel_that_is_on_fits_is_an_error_as_on_a_gpu():
-    with pytest.raises(NoAttentionKernel, match="No available kernel"):
-        select_backend(call(torch.float32), GPUS["H100"], flags=SdpaFlags(math=False, mem_efficient=False))
+    """The loop reaches the overrideable backend (on by default: TORCH_CHECK "Invalid backend", L994-998), or
+    ends and fails with the reasons (L1003-1017)."""
+    fp32 = call(torch.float32)
+    with pytest.raises(NoAttentionKernel, match="Invalid backend"):
+        select_backend(fp32, GPUS["H100"], flags=SdpaFlags(math=False, mem_efficient=False))
+    with pytest.raises(NoAttentionKernel, match="No available kernel.*check_dtypes_low_precision"):
+        select_backend(fp32, GPUS["H100"], flags=SdpaFlags(math=False, mem_efficient=False, overrideable=False))
 
 
 def test_the_switches_are_read_from_torch_where_sdpa_kernel_sets_them():

@@ -15,9 +15,11 @@ hand: the version is bounded by the header torch 2.13.0's wheel ships, torch/inc
 sdp_utils_cpp.h, whose shape, mask, GQA, stride and sequence-length checks are ported from it exactly. Line
 numbers below are that sdp_utils.cpp's (L...) or the header's (H...).
 
-The cuDNN version: torch 2.13.0's CUDA 12.9 and 13.0 wheels pin nvidia-cudnn-cu12/-cu13 == 9.20.0.48
-(pytorch/pytorch#177321 moved the 12.8, 12.9 and 13.0 wheels to 9.20.0.48; 9.23.1 came to main in June 2026,
-after the release branch), so CUDNN_VERSION is 92000 as `versionRuntimeCuDNN()` reports it.
+The cuDNN version: torch 2.13.0's CUDA 13.0 and 12.9 wheels require nvidia-cudnn-cu13/-cu12 == 9.20.0.48 (as
+lock files that install them show; pytorch/pytorch#177321 moved the 12.8, 12.9 and 13.0 wheels to 9.20.0.48 in
+March 2026, and the move to 9.23.1 in June did not reach 2.13.0), so CUDNN_VERSION is 92000, as
+`versionRuntimeCuDNN()` reports 9.20.0. The CUDA 12.6 wheels' 9.10.2 (91002, not checked for 2.13) is not newer
+than 9.15: there flash keeps the lead on an H100.
 
 Not modelled: nested tensors (left to the composite), ROCm, builds without flash/memory-efficient/cuDNN
 attention, FA3/FA4 kernels registered at run time (only FA3's dtype rule is), the per-process `static` reads of
@@ -114,7 +116,7 @@ class SdpaFlags:
     math: bool = True
     cudnn: bool = True
     fa3: bool = False
-    overrideable: bool = False
+    overrideable: bool = True  # torch's default; no CUDA kernel overrides, so reaching it is an error
     deterministic: bool = False
     deterministic_warn_only: bool = False
     cudnn_deprioritized: bool = False
@@ -335,7 +337,7 @@ def cudnn_rejection(
 def select_backend(
     c: SdpaCall, capability: Capability, cudnn_version: int = CUDNN_VERSION, flags: SdpaFlags | None = None
 ) -> SDPBackend:
-    """The kernel CUDA's select_sdp_backend (L956 on) picks for the call on a GPU of `capability`:
+    """The kernel CUDA's select_sdp_backend (L956-1019) picks for the call on a GPU of `capability`:
     SDPBackend.ERROR when every backend is switched off; NoAttentionKernel when none that is on fits."""
     flags = SdpaFlags.current() if flags is None else flags
     if not (flags.math or flags.flash or flags.mem_efficient or flags.cudnn):
@@ -350,7 +352,7 @@ def select_backend(
         if backend == SDPBackend.MATH and flags.math:
             return backend
         if backend == SDPBackend.OVERRIDEABLE and flags.overrideable:
-            raise NoAttentionKernel("Invalid backend")  # as select_sdp_backend: no CUDA kernel overrides
+            raise NoAttentionKernel("Invalid backend")  # select_sdp_backend's TORCH_CHECK when it gets this far
     reasons = {
         "memory efficient": efficient_rejection(c, capability, flags),
         "flash": flash_rejection(c, capability, flags),
