@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint
 
 from memplan.traces.capture import capture_step
 from memplan.traces.fake import FakeCapture
@@ -35,7 +36,7 @@ from memplan.traces.sdpa_cuda import (
     SdpaFlags,
     select_backend,
 )
-from memplan.traces.sdpa_dispatch import _CudaAttention
+from memplan.traces.sdpa_dispatch import KEY
 from memplan.traces.workload import Workload
 
 GPUS = {"H100": (9, 0), "A100": (8, 0), "L40S": (8, 9), "B200": (10, 0), "T4": (7, 5)}  # L4, RTX 4090: sm89 too
@@ -288,6 +289,20 @@ def test_memory_efficient_attention_takes_the_mask_as_an_additive_bias():
     assert "aten::_scaled_dot_product_efficient_attention_backward" in ops
 
 
+def test_a_checkpoints_recomputation_in_backward_runs_the_same_kernel():
+    """torch.utils.checkpoint recomputes the forward inside backward (on the autograd engine's thread when it has
+    one): the recomputed SDPA saves what the first one saved, the cuDNN kernel's tensors."""
+    with fake_cuda(H100) as recorder:
+        model = Attention().to("cuda", torch.bfloat16)
+        x = torch.randn(B, T, H * E, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        recorder.begin_step()
+        checkpoint(model, x, use_reentrant=False).float().mean().backward()
+        events, names = recorder.end_step(), recorder.names()
+    ops = [names[op] for size, op in zip(events.size, events.op) if size > 0]
+    assert ops.count("aten::_scaled_dot_product_cudnn_attention") == 4 * 2  # output, logsumexp, seed, offset; twice
+    assert "aten::_safe_softmax" not in ops
+
+
 def test_autocast_casts_before_the_kernel_is_chosen():
     """fp32 parameters under CUDA autocast to bf16: query, key and value reach SDPA in bf16 (autocast's
     policy for it), so an H100 takes cuDNN, not fp32 memory-efficient attention."""
@@ -312,8 +327,23 @@ def test_the_hook_lives_only_inside_a_fake_cuda_capture():
     cpu_before = capture_step(build("cpu"))
     with ONE_THREAD(False):
         cuda = capture_step(build("cuda"), device="cuda", fake=True)
-    assert not any(isinstance(mode, _CudaAttention) for mode in torch.overrides._get_current_function_mode_stack())
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::scaled_dot_product_attention", KEY)
     cpu_after = capture_step(build("cpu"))
     assert "aten::_scaled_dot_product_cudnn_attention" in set(cuda.op)  # an H100's choice for bf16
     assert list(cpu_after.op) == list(cpu_before.op) and list(cpu_after.size) == list(cpu_before.size)
     assert not any("cudnn" in op or "_scaled_dot_product_flash_attention" == op for op in cpu_after.op)
+
+
+def test_flash_pads_a_head_dim_that_is_not_a_multiple_of_8():
+    """pad_last_dim<8, false>: query, key and value padded to head dim 64 for the kernel, its output sliced back
+    to 60 (a view), the scale that of head dim 60."""
+    with fake_cuda(FakeDevice(name="NVIDIA A100-SXM4-80GB", major=8, minor=0)) as recorder:
+        q, k, v = (torch.randn(B, H, T, 60, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        recorder.begin_step()
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        events, names = recorder.end_step(), recorder.names()
+    padded = B * H * T * 64 * 2
+    allocations = [(int(size), names[op]) for size, op in zip(events.size, events.op) if size > 0]
+    assert allocations[:4] == [(padded, "aten::constant_pad_nd")] * 3 + [(padded, allocations[3][1])]
+    assert allocations[3][1] == "aten::_scaled_dot_product_flash_attention"
+    assert tuple(y.shape) == (B, H, T, 60)

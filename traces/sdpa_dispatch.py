@@ -1,85 +1,42 @@
 """scaled_dot_product_attention on fake CUDA tensors runs the kernel a GPU would, with that kernel's buffers.
 
-A torch built without CUDA sends every `F.scaled_dot_product_attention` to the math composite, which allocates
-the (B, H, L, S) attention matrix (and, in fp16/bf16, fp32 copies of query, key and value). `cuda_attention`
-is a TorchFunctionMode for a fake CUDA step: it picks the kernel as CUDA's rules do (traces/sdpa_cuda.py) for
-the planned GPU and calls it as aten's composite does (aten/src/ATen/native/transformers/attention.cpp,
-`scaled_dot_product_attention`): flash with query, key and value padded to a head dim multiple of 8 and the
-scale of the unpadded one, memory-efficient and cuDNN with a boolean mask made additive (memory-efficient's
-padded to a last-dim stride multiple of 8 and expanded to (B, H, L, S)), the logsumexp computed when an input
-needs a gradient, autocast's casts made first. Autograd then records that kernel's backward node, which saves
-the output, the logsumexp (fp32) and the RNG state, and its backward allocates the kernel's gradients; the
-math path is left to the composite. The kernels' meta functions (torch/_meta_registrations.py) give the
-buffers: what a real kernel allocates beyond them (flash backward's fp32 dq accumulator and softmax sums,
-GQA's expanded dk/dv, split-KV partial sums, memory-efficient's fp32 output accumulator and backward delta,
-cuDNN's workspace) is not modelled, and memory-efficient attention's philox seed and offset, two 8-byte CPU
-tensors on a GPU outside graph capture, are device tensors here.
+A torch built without CUDA sends every aten::scaled_dot_product_attention to the math branch of its composite,
+which allocates the (B, H, L, S) attention matrix (and, in fp16/bf16, fp32 copies of query, key and value).
+`cuda_attention` registers, for a fake CUDA step, a kernel of that op for CUDA tensors (`attend`) that does
+what the composite (aten/src/ATen/native/transformers/attention.cpp, `scaled_dot_product_attention`) does on a
+CUDA build: it picks the kernel as CUDA's rules do (traces/sdpa_cuda.py) for the planned GPU and calls it as
+the composite does: flash with query, key and value padded to a head dim multiple of 8 and the scale of the
+unpadded one, memory-efficient and cuDNN with a boolean mask made additive (memory-efficient's padded to a
+last-dim stride multiple of 8 and expanded to (B, H, L, S)), the logsumexp computed when an input needs a
+gradient; the math branch as the composite's. Registered at AutogradCUDA, it runs after autocast's casts (as
+on a GPU, the kernel is chosen for the cast dtype) and for every caller of the op, a checkpoint's
+recomputation in backward on the autograd engine's thread included. Autograd then records the chosen kernel's
+backward node, which saves the output, the logsumexp (fp32) and the RNG state, and its backward allocates the
+kernel's gradients. The kernels' meta functions (torch/_meta_registrations.py) give the buffers: what a real
+kernel allocates beyond them (flash backward's fp32 dq accumulator and softmax sums, GQA's expanded dk/dv,
+split-KV partial sums, memory-efficient's fp32 output accumulator and backward delta, cuDNN's workspace) is
+not modelled; memory-efficient attention's philox seed and offset, two 8-byte CPU tensors on a GPU outside
+graph capture, are device tensors here; cuDNN's meta function allocates the logsumexp even when no input needs
+a gradient.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 
 import torch
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend
-from torch.overrides import TorchFunctionMode
 
-from memplan.traces.sdpa_cuda import CUDNN_VERSION, NoAttentionKernel, Operand, SdpaCall, select_backend
+from memplan.traces.sdpa_cuda import CUDNN_VERSION, Capability, NoAttentionKernel, Operand, SdpaCall, select_backend
 
 aten = torch.ops.aten
-SDPA = F.scaled_dot_product_attention  # torch._C._nn.scaled_dot_product_attention
+KEY = "AutogradCUDA"  # below Autocast, above the composite (CompositeImplicitAutograd) for CUDA tensors
 FLASH_HEAD_DIM_MULTIPLE = 8  # pad_last_dim<8, false> before the flash kernel
 MEM_EFF_MASK_ALIGNMENT = 8  # preprocess_mask's mem_eff_alignment
-
-
-def _autocast_dtype() -> torch.dtype | None:
-    """The dtype CUDA autocast casts scaled_dot_product_attention's inputs to (its lower_precision_fp
-    policy), or None when autocast is off."""
-    return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-
-
-def _eligible(tensor: torch.Tensor) -> bool:
-    """autocast's is_eligible for a CUDA tensor: floating point, not fp64."""
-    return tensor.is_floating_point() and tensor.dtype != torch.float64
-
-
-def _cast_all(tensors: list, dtype: torch.dtype | None) -> list:
-    """autocast's cached_cast of each argument: an eligible tensor in `dtype` (a copy when its dtype differs),
-    an fp32 leaf that needs a gradient copied once however often it is passed (autocast's cache; the cache
-    across calls is not modelled)."""
-    if dtype is None:
-        return tensors
-    cache: dict[int, torch.Tensor] = {}
-    out = []
-    for t in tensors:
-        if t is None or not _eligible(t) or t.dtype == dtype:
-            out.append(t)
-            continue
-        cacheable = torch.is_autocast_cache_enabled() and t.dtype == torch.float32 and t.requires_grad
-        cacheable = cacheable and t.is_leaf and not t._is_view()
-        if not (cacheable and id(t) in cache):
-            cache[id(t)] = t.to(dtype)
-        out.append(cache[id(t)])
-    return out
-
-
-def _operand(tensor: torch.Tensor | None, dtype: torch.dtype | None) -> Operand | None:
-    """The operand the rules see once autocast has cast `tensor` (read without casting: nothing allocated)."""
-    if tensor is None:
-        return None
-    return Operand.of(tensor, dtype if dtype is not None and _eligible(tensor) else None)
-
-
-def _routable(query, key, value, attn_mask) -> bool:
-    """Whether the call is one a CUDA build would dispatch to its kernel choice: dense strided CUDA tensors."""
-    tensors = [query, key, value] + ([] if attn_mask is None else [attn_mask])
-    return all(
-        isinstance(t, torch.Tensor) and t.device.type == "cuda" and t.layout == torch.strided and not t.is_nested
-        for t in tensors
-    )
 
 
 def _additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -150,26 +107,48 @@ KERNELS = {
 }
 
 
+def _validate(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None) -> None:
+    """validate_sdpa_input: what the composite checks before it chooses (torch's messages)."""
+    if not query.dtype == key.dtype == value.dtype:
+        raise RuntimeError(
+            "Expected query, key, and value to have the same dtype, but got query.dtype: "
+            f"{query.dtype} key.dtype: {key.dtype} and value.dtype: {value.dtype} instead."
+        )
+    if not query.device == key.device == value.device:
+        raise RuntimeError(
+            "Expected query, key, and value to have the same device type, but got query.device: "
+            f"{query.device} key.device: {key.device} and value.device: {value.device} instead."
+        )
+    if min(query.dim(), key.dim(), value.dim()) < 2:
+        raise RuntimeError(
+            "Expected query, key, and value to all be  at least 2 dimensional, but got query.dim: "
+            f"{query.dim()} key.dim: {key.dim()} and value.dim: {value.dim()} instead."
+        )
+    if attn_mask is not None and attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+        raise RuntimeError(
+            "Expected attn_mask dtype to be bool or float or to match query dtype, but got attn_mask.dtype: "
+            f"{attn_mask.dtype} and  query.dtype: {query.dtype} instead."
+        )
+
+
 def attend(
-    capability: tuple[int, int],
+    capability: Capability,
     cudnn_version: int,
-    query,
-    key,
-    value,
-    attn_mask=None,
-    dropout_p=0.0,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
-):
-    """F.scaled_dot_product_attention as a CUDA build runs it on a GPU of `capability`: the chosen fused kernel,
-    or the composite (math, and any call a CUDA build would not dispatch: nested, non-CUDA)."""
-    args, kwargs = (query, key, value, attn_mask, dropout_p, is_causal), {"scale": scale, "enable_gqa": enable_gqa}
-    if not _routable(query, key, value, attn_mask):
-        return SDPA(*args, **kwargs)
-    dtype = _autocast_dtype()
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """aten::scaled_dot_product_attention on CUDA tensors as a CUDA build runs it on a GPU of `capability`
+    (attention.cpp's composite): validate, choose the kernel, call it; the math branch as the composite's."""
+    _validate(query, key, value, attn_mask)
     call = SdpaCall(
-        *(_operand(t, dtype) for t in (query, key, value, attn_mask)),
+        *(None if t is None else Operand.of(t) for t in (query, key, value, attn_mask)),
         dropout=float(dropout_p),
         is_causal=bool(is_causal),
         enable_gqa=bool(enable_gqa),
@@ -182,28 +161,21 @@ def attend(
             "This is likely due to turning off both the math kernel and the fused kernels."
         )
     if backend == SDPBackend.MATH:
-        return SDPA(*args, **kwargs)  # the composite's math path, autocast applied by the dispatcher as on a GPU
-    query, key, value, attn_mask = _cast_all([query, key, value, attn_mask], dtype)
-    with torch.autocast("cuda", enabled=False) if dtype is not None else contextlib.nullcontext():
-        return KERNELS[backend](query, key, value, attn_mask, dropout_p, is_causal, scale)
-
-
-class _CudaAttention(TorchFunctionMode):
-    """Sends F.scaled_dot_product_attention to `attend`; every other function runs as called."""
-
-    def __init__(self, capability: tuple[int, int], cudnn_version: int):
-        super().__init__()
-        self._gpu = (tuple(capability), cudnn_version)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is SDPA:
-            return attend(*self._gpu, *args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
+        mask = _additive_mask(attn_mask, query.dtype)
+        math = aten._scaled_dot_product_attention_math
+        return math(query, key, value, mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+    return KERNELS[backend](query, key, value, attn_mask, dropout_p, is_causal, scale)
 
 
 @contextlib.contextmanager
-def cuda_attention(capability: tuple[int, int], cudnn_version: int = CUDNN_VERSION) -> Iterator[None]:
-    """While the block runs, scaled_dot_product_attention on CUDA tensors takes the kernel a GPU of `capability`
-    with cuDNN `cudnn_version` would; the mode is gone after the block."""
-    with _CudaAttention(capability, cudnn_version):
+def cuda_attention(capability: Capability, cudnn_version: int = CUDNN_VERSION) -> Iterator[None]:
+    """While the block runs, aten::scaled_dot_product_attention on CUDA tensors runs `attend` for a GPU of
+    `capability` with cuDNN `cudnn_version`: a kernel registered for AutogradCUDA, below autocast (whose casts
+    come first, as on a GPU) and above the composite, for every caller and thread (a checkpoint's recomputation
+    in backward too); deregistered after the block."""
+    library = torch.library.Library("aten", "IMPL")
+    try:
+        library.impl("scaled_dot_product_attention", functools.partial(attend, tuple(capability), cudnn_version), KEY)
         yield
+    finally:
+        library._destroy()  # as torch.library's own scoped libraries end
