@@ -17,7 +17,7 @@ kernel allocates beyond them (flash backward's fp32 dq accumulator and softmax s
 split-KV partial sums, memory-efficient's fp32 output accumulator and backward delta, cuDNN's workspace) is
 not modelled; memory-efficient attention's philox seed and offset, two 8-byte CPU tensors on a GPU outside
 graph capture, are device tensors here; cuDNN's meta function allocates the logsumexp even when no input needs
-a gradient.
+a gradient. Under torch.inference_mode (no autograd keys) the op skips the registration: the math path.
 """
 
 from __future__ import annotations
@@ -161,9 +161,8 @@ def attend(
             "This is likely due to turning off both the math kernel and the fused kernels."
         )
     if backend == SDPBackend.MATH:
-        mask = _additive_mask(attn_mask, query.dtype)
-        math = aten._scaled_dot_product_attention_math
-        return math(query, key, value, mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+        mask, composite = _additive_mask(attn_mask, query.dtype), aten._scaled_dot_product_attention_math
+        return composite(query, key, value, mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
     return KERNELS[backend](query, key, value, attn_mask, dropout_p, is_causal, scale)
 
 
