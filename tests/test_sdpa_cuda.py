@@ -222,16 +222,10 @@ class Attention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(B, T, H * E))
 
 
-# Backward on the calling thread: the autograd engine makes its device threads at a process's first backward, so
-# one that ran a CPU backward before its first fake CUDA step has no thread for the fake device (a fake CUDA
-# backward there fails in the engine, whichever attention kernel runs).
-ONE_THREAD = torch.autograd.set_multithreading_enabled
-
-
 @contextlib.contextmanager
 def fake_cuda(gpu: FakeDevice):
     """Fake CUDA tensors for `gpu`, their storages recorded: the recorder."""
-    with ONE_THREAD(False), fake_cuda_runtime(gpu), recording(torch.device("cuda"), fake=True) as recorder:
+    with fake_cuda_runtime(gpu), recording(torch.device("cuda"), fake=True) as recorder:
         with FakeCapture(recorder, "cuda"):
             yield recorder
 
@@ -325,8 +319,7 @@ def test_the_hook_lives_only_inside_a_fake_cuda_capture():
         return workload
 
     cpu_before = capture_step(build("cpu"))
-    with ONE_THREAD(False):
-        cuda = capture_step(build("cuda"), device="cuda", fake=True)
+    cuda = capture_step(build("cuda"), device="cuda", fake=True)
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::scaled_dot_product_attention", KEY)
     cpu_after = capture_step(build("cpu"))
     assert "aten::_scaled_dot_product_cudnn_attention" in set(cuda.op)  # an H100's choice for bf16
