@@ -16,6 +16,8 @@ are its lines) and the sdp_utils_cpp.h torch 2.13.0 ships (H...), not from runni
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,9 +26,11 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
+from memplan.gpus import GPU, gpu
+from memplan.step import StepSpec
 from memplan.traces.capture import capture_step
 from memplan.traces.fake import FakeCapture
-from memplan.traces.fake_cuda import FakeDevice, fake_cuda_runtime
+from memplan.traces.fake_cuda import fake_cuda_runtime
 from memplan.traces.recorder import recording
 from memplan.traces.sdpa_cuda import (
     CUDNN_VERSION,
@@ -37,8 +41,10 @@ from memplan.traces.sdpa_cuda import (
     select_backend,
 )
 from memplan.traces.sdpa_dispatch import KEY
+from memplan.traces.trace_model import trace_step
 from memplan.traces.workload import Workload
 
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 GPUS = {"H100": (9, 0), "A100": (8, 0), "L40S": (8, 9), "B200": (10, 0), "T4": (7, 5)}  # L4, RTX 4090: sm89 too
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HEAD_DIMS = (64, 128, 256)
@@ -223,17 +229,17 @@ class Attention(nn.Module):
 
 
 @contextlib.contextmanager
-def fake_cuda(gpu: FakeDevice):
-    """Fake CUDA tensors for `gpu`, their storages recorded: the recorder."""
-    with fake_cuda_runtime(gpu), recording(torch.device("cuda"), fake=True) as recorder:
+def fake_cuda(device: GPU):
+    """Fake CUDA tensors for `device`, their storages recorded: the recorder."""
+    with fake_cuda_runtime(device), recording(torch.device("cuda"), fake=True) as recorder:
         with FakeCapture(recorder, "cuda"):
             yield recorder
 
 
-def attention_step(gpu: FakeDevice, dtype: torch.dtype, dropout: float = 0.0, masked: bool = False):
-    """One forward and backward of Attention on fake CUDA tensors for `gpu`: the step's allocations as
+def attention_step(device: GPU, dtype: torch.dtype, dropout: float = 0.0, masked: bool = False):
+    """One forward and backward of Attention on fake CUDA tensors for `device`: the step's allocations as
     (bytes, op) and the loss's and the parameters' gradient shapes."""
-    with fake_cuda(gpu) as recorder:
+    with fake_cuda(device) as recorder:
         model = Attention(dropout, masked).to("cuda", dtype)
         x = torch.randn(B, T, H * E, device="cuda", dtype=dtype)
         recorder.begin_step()
@@ -245,7 +251,8 @@ def attention_step(gpu: FakeDevice, dtype: torch.dtype, dropout: float = 0.0, ma
     return allocations, shapes
 
 
-H100, T4 = FakeDevice(), FakeDevice(name="Tesla T4", major=7, minor=5)
+H100 = gpu("H100-80GB")
+T4 = dataclasses.replace(gpu("L4"), name="T4", aliases=("NVIDIA Tesla T4",), capability=(7, 5))  # not catalogued
 SHAPES = [(), (3 * H * E, H * E), (3 * H * E,), (H * E, H * E), (H * E,)]
 
 
@@ -330,7 +337,7 @@ def test_the_hook_lives_only_inside_a_fake_cuda_capture():
 def test_flash_pads_a_head_dim_that_is_not_a_multiple_of_8():
     """pad_last_dim<8, false>: query, key and value padded to head dim 64 for the kernel, its output sliced back
     to 60 (a view), the scale that of head dim 60."""
-    with fake_cuda(FakeDevice(name="NVIDIA A100-SXM4-80GB", major=8, minor=0)) as recorder:
+    with fake_cuda(gpu("A100-80GB")) as recorder:
         q, k, v = (torch.randn(B, H, T, 60, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         recorder.begin_step()
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -340,3 +347,18 @@ def test_flash_pads_a_head_dim_that_is_not_a_multiple_of_8():
     assert allocations[:4] == [(padded, "aten::constant_pad_nd")] * 3 + [(padded, allocations[3][1])]
     assert allocations[3][1] == "aten::_scaled_dot_product_flash_attention"
     assert tuple(y.shape) == (B, H, T, 60)
+
+
+@pytest.mark.parametrize(
+    "name, kernel",
+    [
+        ("H100-80GB", "aten::_scaled_dot_product_cudnn_attention"),
+        ("A100-80GB", "aten::_scaled_dot_product_flash_attention"),
+    ],
+)
+def test_the_gpu_a_step_is_traced_for_chooses_the_kernel(name, kernel):
+    """examples/llama.py in bf16 (grouped-query heads, causal, no dropout) traced for a catalogue GPU (--gpu)."""
+    step = StepSpec(EXAMPLES / "llama.py", batch=2, seq=64, dtype="bfloat16", device="cuda", fake=True, gpu=name)
+    ops = set(trace_step(step).op)
+    assert kernel in ops and kernel + "_backward" in ops
+    assert "aten::_safe_softmax" not in ops
