@@ -36,7 +36,8 @@ class StepSpec:
     compile: float | None = None  # torch.compile's activation memory budget (0 to 1); None: eager (traced on real
     #                               tensors only: traces.compile.require_real_tensors)
     warmup: bool = True  # a warm-up step before the recorded one (the steady state; else the optimizer's first)
-    gpu: str | None = None  # the GPU (gpus.py) a CUDA step is planned for; a fake CUDA step takes its rules
+    gpu: GPU | None = None  # the GPU (gpus.py; a name is looked up) a CUDA step is planned for: a fake one
+    #                         takes its rules
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_file", os.fspath(self.model_file))
@@ -54,8 +55,8 @@ class StepSpec:
             object.__setattr__(self, "mode", tuple(check_layer_modes(dict(self.mode)).items()))
         if self.compile is not None:
             check_budget(self.compile)
-        if self.gpu is not None:
-            object.__setattr__(self, "gpu", gpu(self.gpu).name)
+        if isinstance(self.gpu, str):
+            object.__setattr__(self, "gpu", gpu(self.gpu))
 
     def replace(self, **changes) -> StepSpec:
         """This step with `changes` (checked again)."""
@@ -87,14 +88,14 @@ class StepSpec:
         parts += [] if self.device == "cpu" else [f"--device {self.device}"]
         parts += [f"--layers {shlex.quote(self.mode_name)}"] if not self.per_layer else []
         parts += ["--fake"] if self.fake else []
-        parts += [] if self.gpu is None else [f"--gpu {self.gpu}"]
+        parts += [] if self.gpu is None else [f"--gpu {shlex.quote(self.gpu.name)}"]
         parts += [] if self.compile is None else [f"--compile --memory-budget {self.compile:g}"]
         return " ".join(parts)
 
     @property
     def planned_gpu(self) -> GPU:
         """The GPU a CUDA step is planned for: the named one, else gpus.DEFAULT_GPU."""
-        return gpu(self.gpu or DEFAULT_GPU)
+        return self.gpu or gpu(DEFAULT_GPU)
 
     @property
     def parameters_dtype(self) -> str:
@@ -114,7 +115,7 @@ class StepSpec:
     def describe(self) -> str:
         """The step in words, for progress lines: `batch 2, seq 128, float32, cpu, layers tempo, real tensors`."""
         tensors = "fake tensors" if self.fake else "real tensors"
-        where = self.device if self.gpu is None else f"{self.device} ({self.gpu})"
+        where = self.device if self.gpu is None else f"{self.device} ({self.gpu.name})"
         return f"batch {self.batch}, seq {self.seq}, {self.dtype}, {where}, layers {self.mode_name}, {tensors}"
 
 

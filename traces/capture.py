@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from memplan.errors import MemplanError
-from memplan.gpus import DEFAULT_GPU
+from memplan.gpus import DEFAULT_GPU, GPU
 from memplan.gpus import gpu as find_gpu
 from memplan.modes import AS_BUILT
 from memplan.traces.fake import DATA_RULE, FakeCapture
@@ -332,14 +332,14 @@ def _trace(buffers: list[_Buffer], device: torch.device, fake: FakeCapture | Non
 
 @contextlib.contextmanager
 def recording_session(
-    device: str | torch.device = "cpu", *, fake: bool = False, meta: dict | None = None, gpu: str | None = None
+    device: str | torch.device = "cpu", *, fake: bool = False, meta: dict | None = None, gpu: GPU | str | None = None
 ) -> Iterator[Recording]:
     """Install the step recorder on `device` (and, with `fake`, fake tensors) for the block; what is built
     inside is seen from its first allocation, and `Recording.step` marks the step to record. A fake CUDA step
     follows the rules of `gpu` (gpus.py; default gpus.DEFAULT_GPU)."""
     device = torch.device(device)
     fake_cuda = fake and device.type == "cuda"
-    gpu = find_gpu(gpu or DEFAULT_GPU)
+    gpu = find_gpu(gpu or DEFAULT_GPU) if not isinstance(gpu, GPU) else gpu
     with one_cpu_thread(device), fake_cuda_runtime(gpu) if fake_cuda else contextlib.nullcontext():
         with recording(device, fake=fake) as recorder:
             workspace = gpu.cublas_workspace_bytes if fake_cuda else 0
@@ -356,7 +356,7 @@ def capture_step(
     fake: bool = False,
     warmup: bool = True,
     meta: dict | None = None,
-    gpu: str | None = None,
+    gpu: GPU | str | None = None,
 ) -> Trace:
     """Build a workload with `build()` and record one `workload.step()` (after a warm-up step unless
     `warmup=False`) on `device` as a labelled Trace; with `fake`, under fake tensors (on CUDA, `gpu`'s rules)."""
@@ -405,7 +405,7 @@ def record(
     fake: bool = False,
     output: str | os.PathLike | None = None,
     meta: dict | None = None,
-    gpu: str | None = None,
+    gpu: GPU | str | None = None,
 ) -> Iterator[Recording]:
     """Record one training step of your own loop. With `model` and `optimizer` (built before, real tensors)
     the block is the step; with neither, build them inside and mark the step with `recording.step(model,

@@ -332,7 +332,7 @@ def fit_model(
     real, fake) chooses for steps near that size; compiled by torch.compile when the step says so (real traces
     only). The step's own batch and mode are not used."""
     if gpu is not None:  # a CUDA step on that GPU (fake CUDA traces where this machine has none)
-        step = step.replace(device="cuda", gpu=gpu.name)
+        step = step.replace(device="cuda", gpu=gpu)
     for mode in modes:
         if mode not in MODES:
             raise FitError(f"--layers {mode}: unknown mode (choose from {', '.join(MODES)})")

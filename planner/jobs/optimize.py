@@ -56,7 +56,7 @@ class OptimizeOptions:
 
     def __post_init__(self) -> None:
         if self.gpu is not None:  # a CUDA step on that GPU (fake CUDA traces where this machine has none)
-            object.__setattr__(self, "step", self.step.replace(device="cuda", gpu=self.gpu.name))
+            object.__setattr__(self, "step", self.step.replace(device="cuda", gpu=self.gpu))
         memory, budget = device_memory(self.memory, self.gpu, self.step)
         object.__setattr__(self, "memory", memory)
         object.__setattr__(self, "budget", budget)

@@ -52,7 +52,7 @@ class RunOptions:
 
     def __post_init__(self) -> None:
         if self.gpu is not None:  # a CUDA step on that GPU (fake CUDA traces where this machine has none)
-            object.__setattr__(self, "step", self.step.replace(device="cuda", gpu=self.gpu.name))
+            object.__setattr__(self, "step", self.step.replace(device="cuda", gpu=self.gpu))
 
     def compiled(self) -> Compile | None:
         """How the traced and replayed steps are compiled; None when they run eagerly."""
