@@ -92,17 +92,24 @@ def cxx_shared_library(name: str, sources: list[Path], what: str, headers: Itera
     )
 
 
+def extension_build_dir(name: str, sources: list[Path], headers: Iterable[Path] = ()) -> Path:
+    """The cache folder torch_extension builds `name` in: one per torch version, sources, checkout and environment
+    (ninja's build file records absolute paths, the sources' and this Python's headers: two checkouts sharing one
+    folder would rebuild each other's module on every first use)."""
+    import torch
+
+    includes = sorted({str(p.parent.resolve()) for p in sources})
+    where = hashlib.sha256("\n".join([sys.prefix, *includes]).encode()).hexdigest()[:8]
+    return cache_dir() / f"{name}-torch{torch.__version__}-{digest([*sources, *headers])}-{where}"
+
+
 def torch_extension(name: str, sources: list[Path], what: str, headers: Iterable[Path] = ()):
     """`sources` compiled as the torch C++ extension module `name` (once per torch version and sources)."""
     compiler()
-    import torch
     from torch.utils import cpp_extension
 
-    # ninja's build file records absolute paths (the sources, this Python's headers): a folder per checkout and
-    # environment, or two of them sharing the cache rebuild each other's module on every first use.
     includes = sorted({str(p.parent.resolve()) for p in sources})
-    where = hashlib.sha256("\n".join([sys.prefix, *includes]).encode()).hexdigest()[:8]
-    build_dir = cache_dir() / f"{name}-torch{torch.__version__}-{digest([*sources, *headers])}-{where}"
+    build_dir = extension_build_dir(name, sources, headers)
     build_dir.mkdir(parents=True, exist_ok=True)
     if not shutil.which("ninja"):
         raise BuildError(f"building {what} needs ninja: `pip install ninja`")

@@ -34,8 +34,8 @@ def read_bytes(path: str | os.PathLike, limit: int = MAX_INPUT_BYTES) -> bytes:
         except (EOFError, zlib.error) as e:
             raise gzip.BadGzipFile(f"truncated or corrupt gzip data: {e}") from None
     if data is None:
-        what = "decompressed" if zipped else "long"
-        raise LimitError(f"{path}: more than {human_bytes(limit)} {what}; memplan reads at most that (limits.py)")
+        what = "decompresses to" if zipped else "holds"
+        raise LimitError(f"{path}: {what} more than {human_bytes(limit)}, the most memplan reads (limits.py)")
     return data
 
 

@@ -45,7 +45,9 @@ def load_plain_pickle(data: bytes) -> Any:
     """Decode pickle bytes that may hold only dict, list, tuple, str, int, float, bool and None, at most
     MAX_PICKLE_BYTES long and MAX_PICKLE_DEPTH deep, without cycles (a walk of them would never end)."""
     if len(data) > MAX_PICKLE_BYTES:
-        raise LimitError(f"more than {human_bytes(MAX_PICKLE_BYTES)}; memplan reads snapshots up to that (limits.py)")
+        raise LimitError(
+            f"holds more than {human_bytes(MAX_PICKLE_BYTES)}, the most memplan reads of a snapshot (limits.py)"
+        )
     try:
         obj = _PlainUnpickler(io.BytesIO(data)).load()
     except SnapshotError:
