@@ -68,9 +68,9 @@ def _children(container) -> Iterator:
 
 
 def check_nesting(obj, max_depth: int, plain: tuple[type, ...] | None = None) -> None:
-    """LimitError when containers (dict, list, tuple) in `obj` nest more than `max_depth` deep or hold themselves;
-    TypeError naming the type of the first value outside `plain`, when given. Iterative, and a container shared by
-    many (a pickle's memo) is walked once: a pickle of 2**80 paths costs its own size, a cycle ends the walk."""
+    """LimitError when containers (dict, list, tuple) in `obj` nest more than `max_depth` deep, ValueError when one
+    holds itself, TypeError naming the type of the first value outside `plain` (when given). Iterative, and a
+    container shared by many (a pickle's memo) is walked once: a pickle of 2**80 paths costs its own size."""
     if plain is not None and type(obj) not in plain:
         raise TypeError(type(obj).__name__)
     if type(obj) not in CONTAINERS:
@@ -88,7 +88,7 @@ def check_nesting(obj, max_depth: int, plain: tuple[type, ...] | None = None) ->
                 continue
             key = id(child)
             if key in on_path:
-                raise LimitError("a container holds itself (a cycle)")
+                raise ValueError("a container holds itself (a cycle)")
             height = heights.get(key)
             if height is None:
                 if len(path) >= max_depth:

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from memplan.errors import SnapshotError
+from memplan.errors import SnapshotError, TraceError
 from memplan.files import read_bytes
 from memplan.limits import MAX_PICKLE_BYTES, MAX_PICKLE_DEPTH, LimitError, check_nesting, short_repr
 from memplan.traces.format import Trace, make_trace
@@ -61,6 +61,8 @@ def load_plain_pickle(data: bytes) -> Any:
         raise SnapshotError(f"refused: the pickle holds a {e}; a snapshot holds plain data only") from None
     except LimitError as e:
         raise LimitError(f"refused: {e} (limits.MAX_PICKLE_DEPTH); a snapshot nests {SNAPSHOT_DEPTH} deep") from None
+    except ValueError as e:
+        raise SnapshotError(f"refused: {e}; a snapshot holds none") from None
     return obj
 
 
@@ -326,7 +328,10 @@ def snapshot_to_trace(snap: Snapshot, source: str = "") -> Trace:
 def import_snapshot(path: str | os.PathLike, device: int | None = None) -> Trace:
     """Read a snapshot file and return its trace for one device."""
     snap = read_snapshot(path, device)
-    return snapshot_to_trace(snap, source=os.path.basename(os.fspath(path)))
+    try:
+        return snapshot_to_trace(snap, source=os.path.basename(os.fspath(path)))
+    except (TraceError, LimitError) as e:  # a value no trace can hold (a size past 64 bits, too many streams)
+        raise type(e)(f"{os.fspath(path)}: {e}") from None
 
 
 def import_summary(trace: Trace) -> dict:
