@@ -136,9 +136,8 @@ def verify_figures(
         raise PlanError(f"lower bound of {bound} bytes is not between 0 and the arena of {arena} bytes")
     if bound_source == "max-live" and bound != problem.max_live():
         raise PlanError(f"the bound says max-live, {bound} bytes, but the trace's max-live is {problem.max_live()}")
-    optimal = arena == bound
-    if (status == "optimal") != optimal:
-        want = "optimal" if optimal else "feasible"
+    want = "optimal" if arena == bound else "feasible"
+    if status != want:
         raise PlanError(f"status {status!r} with arena {arena} and bound {bound} bytes: it is {want}")
     expected = arena / bound - 1.0 if bound else 0.0
     if not (math.isfinite(gap) and abs(gap - expected) <= 1e-9 * max(1.0, expected)):
