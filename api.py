@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 
 from memplan import __all__ as PUBLIC_API
 from memplan.errors import MemplanError
+from memplan.gpus import GPU, GPUS, gpu
 from memplan.modes import AS_BUILT, MODES
 from memplan.planner.jobs.fit import FitResult, fit_model
 from memplan.planner.jobs.optimize import OptimizeOptions, OptimizeResult
@@ -32,6 +33,8 @@ from memplan.planner.report.compare import CompareRow, compare_traces
 from memplan.planner.report.plots import plot_reports
 from memplan.planner.simulate.measure import Measurement, measure, simulate_trace
 from memplan.planner.simulate.plan_footprint import match_plans
+from memplan.planner.simulate.snapshot_export import make_snapshot, write_snapshot
+from memplan.planner.simulate.verdict import Verdict
 from memplan.solvers import solve as solve_problem
 from memplan.step import StepSpec
 from memplan.traces.capture import Recording, record
@@ -42,6 +45,7 @@ from memplan.traces.trace_model import trace_step
 __all__ = PUBLIC_API  # the one list, in __init__.py (which loads this module on first use)
 
 PathLike = str | os.PathLike
+GPULike = str | GPU  # a GPU of the catalogue by name (memplan.gpu), or a GPU object
 STEP_OPTIONS = {field.name for field in dataclasses.fields(StepSpec)} - {"model_file"}
 
 
@@ -65,11 +69,13 @@ def trace_model_file(
     device: str = "cpu",
     fake: bool = False,
     compile: float | None = None,
+    warmup: bool = True,
 ) -> Trace:
     """One training step of a model file (docs/capture.md) with memplan's `layers` mode (or a mode per
     Transformer layer: {"layers.0": "full", ...}), as `memplan trace` records it; `fake` runs it under fake
-    tensors (any size, nothing allocated); `compile` under torch.compile at that activation memory budget."""
-    step = StepSpec(path, batch=batch, seq=seq, dtype=dtype, device=device, mode=layers, fake=fake, compile=compile)
+    tensors (any size, nothing allocated); `compile` under torch.compile at that activation memory budget;
+    `warmup=False` records the first step (the optimizer creates its state inside it), not the steady one."""
+    step = StepSpec(path, batch, seq, dtype, device, layers, fake, compile, warmup)
     return trace_step(step)
 
 
@@ -99,12 +105,30 @@ def save_plan(plan: Plan, trace: Trace, path: PathLike) -> None:
 
 
 def simulate(
-    trace: Trace, *, plan: Plan | None = None, alloc_conf: str = "", capacity: int | None = None
+    trace: Trace,
+    *,
+    plan: Plan | None = None,
+    alloc_conf: str = "",
+    capacity: int | None = None,
+    gpu: GPULike | None = None,
 ) -> Measurement:
     """`trace` on PyTorch's caching allocator (with PYTORCH_CUDA_ALLOC_CONF `alloc_conf` and a device
-    `capacity`) and, when given, on `plan`: bound, peaks, fragmentation, as `memplan simulate` prints."""
+    `capacity`) and, when given, on `plan`: bound, peaks, fragmentation, as `memplan simulate` prints; with
+    `gpu`, its `verdict`: whether the step fits that GPU, or where it runs out of memory."""
     return simulate_trace(trace, "trace", plan=plan, plan_name="plan" if plan else None, alloc_conf=alloc_conf,
-                        capacity=capacity)  # fmt: skip
+                        capacity=capacity, gpu=as_gpu(gpu))  # fmt: skip
+
+
+def export_snapshot(
+    trace: Trace, path: PathLike | None = None, *, plan: Plan | None = None, alloc_conf: str = ""
+) -> dict:
+    """`trace` as a PyTorch memory snapshot (`memplan export`): the dict torch.cuda._memory_viz takes, with the
+    simulated caching allocator's addresses (or `plan`'s, checked against the trace), written to `path` (.pickle)
+    for pytorch.org/memory_viz when given."""
+    snapshot = make_snapshot(trace, plan, alloc_conf=alloc_conf)
+    if path is not None:
+        write_snapshot(snapshot, path)
+    return snapshot
 
 
 def plot(traces: Sequence[Trace], output: PathLike, *, plans: Sequence[Plan] = (), address_space: bool = False) -> None:
@@ -126,16 +150,19 @@ def compare(traces: Sequence[Trace], *, plans: Sequence[Plan] = (), time_limit: 
 
 def fit(
     model_file: PathLike,
-    memory: int,
+    memory: int | None = None,
     *,
+    gpu: GPULike | None = None,
     layers: Sequence[str] = MODES,
     seq: int = 128,
     dtype: str = "float32",
     capture: str = "auto",
 ) -> FitResult:
-    """The largest batch of `model_file` whose step fits `memory` bytes under each layer mode, under the
-    caching allocator and under a plan, each proven by direct traces (real or fake, as `capture` says)."""
-    return fit_model(StepSpec(model_file, seq=seq, dtype=dtype), memory, modes=tuple(layers), capture=capture)
+    """The largest batch of `model_file` whose step fits `memory` bytes (or `gpu`: its memory less what it holds
+    outside the caching allocator) under each layer mode, under the caching allocator and under a plan, each
+    proven by direct traces (real or fake, as `capture` says)."""
+    step = StepSpec(model_file, seq=seq, dtype=dtype)
+    return fit_model(step, memory, gpu=as_gpu(gpu), modes=tuple(layers), capture=capture)
 
 
 def tradeoff(model_file: PathLike, **options) -> TradeoffResult:
@@ -145,22 +172,30 @@ def tradeoff(model_file: PathLike, **options) -> TradeoffResult:
     return tradeoff_job(TradeoffOptions(step, **rest))
 
 
-def optimize(model_file: PathLike, memory: int, **options) -> OptimizeResult:
-    """A mode per Transformer layer (`memplan optimize`) so the step's plan fits `memory` bytes with the least
-    recompute, proven within the model by CP-SAT and checked by a trace; OptimizeOptions names the options
-    (batch=None chooses the largest batch too). `patch(model, dict(zip(result.layers, result.chosen.assignment)))`
-    applies the answer."""
+def optimize(
+    model_file: PathLike, memory: int | None = None, *, gpu: GPULike | None = None, **options
+) -> OptimizeResult:
+    """A mode per Transformer layer (`memplan optimize`) so the step's plan fits `memory` bytes (or `gpu`: its
+    memory less what it holds outside the caching allocator) with the least recompute, proven within the model by
+    CP-SAT and checked by a trace; OptimizeOptions names the options (batch=None chooses the largest batch too).
+    `patch(model, dict(zip(result.layers, result.chosen.assignment)))` applies the answer."""
     choose_batch = "batch" in options and options["batch"] is None
     step, rest = split_step(model_file, {**options, "batch": 1} if choose_batch else options)
     max_batch = rest.pop("max_batch", False) or choose_batch
-    return optimize_job(OptimizeOptions(step, memory, max_batch=max_batch, **rest))
+    return optimize_job(OptimizeOptions(step, memory, max_batch=max_batch, gpu=as_gpu(gpu), **rest))
 
 
 def run(model_file: PathLike | None = None, output: PathLike = "memplan-out", **options) -> RunResult:
     """The main job (`memplan run`): every layer mode traced, solved, simulated, the tempo plan replayed,
-    and report.md with two pictures in `output`; RunOptions names the other options."""
+    and report.md with two pictures in `output` (with gpu=, each mode's verdict on it); RunOptions names the
+    other options."""
     step, rest = split_step(model_file or DEFAULT_MODEL, options)
-    return run_job(RunOptions(step, str(output), **rest))
+    return run_job(RunOptions(step, str(output), **{**rest, "gpu": as_gpu(rest.get("gpu"))}))
+
+
+def as_gpu(value: GPULike | None) -> GPU | None:
+    """A GPU given by name (looked up in the catalogue: GPUError for an unknown one) or as itself; None stays None."""
+    return gpu(value) if isinstance(value, str) else value
 
 
 def split_step(model_file: PathLike, options: Mapping) -> tuple[StepSpec, dict]:

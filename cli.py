@@ -10,6 +10,7 @@ import sys
 import click
 
 from memplan.errors import MemplanError
+from memplan.gpus import GPU, GPUS, gpu
 from memplan.modes import modes_help
 from memplan.planner.simulate.alloc_conf import TIE_BREAKS
 from memplan.step import DTYPES, StepSpec
@@ -60,6 +61,8 @@ SIZE = Size()
 LAYERS_HELP = f"Layer mode (memplan.modes). {modes_help()} The trace says what was swapped and what was left as built."
 
 
+# A model file (.py), a HuggingFace config.json, or a folder holding one (docs/capture.md).
+MODEL_FILE = click.Path()
 STEP_DEFAULTS = {field.name: field.default for field in dataclasses.fields(StepSpec)}  # the one set of defaults
 
 
@@ -113,6 +116,25 @@ def compile_options(command):
     return compile_option(budget_option(with_compile))
 
 
+GPU_HELP = f"A GPU of memplan's catalogue ({', '.join(g.name for g in GPUS)}; any case, aliases such as h100 too)"
+
+
+def gpu_option(what: str):
+    """--gpu NAME for a command, `what` saying what it does with the GPU; the command gets the name."""
+    return click.option("--gpu", "gpu_name", default=None, metavar="NAME", help=f"{GPU_HELP}: {what}")
+
+
+def find_gpu(name: str | None) -> GPU | None:
+    """The catalogue's GPU called `name` (None for None); an unknown name is one `Error:` line, exit code 1."""
+    return None if name is None else gpu(name)
+
+
+def memory_or_gpu(memory: int | None, gpu_name: str | None) -> None:
+    """A usage error unless exactly one of --memory and --gpu is given."""
+    if (memory is None) == (gpu_name is None):
+        raise click.UsageError("give --memory SIZE or --gpu NAME (exactly one)", ctx=click.get_current_context())
+
+
 def emit(summary: dict, as_json: bool, text: str) -> None:
     """Print a command's summary: the JSON document with --json, the human text otherwise."""
     click.echo(json.dumps(summary, indent=2, sort_keys=True) if as_json else text)
@@ -130,7 +152,7 @@ def main() -> None:
 
 
 @main.command("trace")
-@click.argument("model_file", type=click.Path(dir_okay=False))
+@click.argument("model_file", type=MODEL_FILE)
 @click.option(
     "-o",
     "--output",
@@ -145,7 +167,19 @@ def main() -> None:
     help="Build and step the model under fake tensors: nothing is allocated or computed, so any size "
     "traces in seconds, and --device cuda needs no GPU.",
 )
+@gpu_option(
+    "the GPU a --fake CUDA step is planned for (implies --device cuda): its compute capability picks "
+    "the attention backend and the cuBLAS workspace, torch.cuda answers for it [default: H100-80GB]."
+)
 @click.option("--top", type=click.IntRange(min=0), default=5, show_default=True, help="Largest buffers to list.")
+@click.option(
+    "--warmup",
+    type=click.IntRange(0, 1),
+    default=1,
+    show_default=True,
+    help="Steps before the recorded one: 1 records the steady state (the optimizer's state made before it), 0 the "
+    "first step (the optimizer creates its state inside the window).",
+)
 @click.option(
     "--nproc",
     type=click.IntRange(min=1),
@@ -156,7 +190,9 @@ def main() -> None:
 )
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def trace_command(model_file, output, batch, seq, dtype, layers, device, fake, top, nproc, compile, as_json):
+def trace_command(
+    model_file, output, batch, seq, dtype, layers, device, fake, gpu_name, top, warmup, nproc, compile, as_json
+):
     """Record one training step of MODEL_FILE and write its trace.
 
     Example: memplan trace examples/bert.py --batch 2 --seq 128 -o bert.trace.json.gz
@@ -176,7 +212,8 @@ def trace_command(model_file, output, batch, seq, dtype, layers, device, fake, t
     from memplan.planner.jobs.trace import trace_to_file
     from memplan.planner.report.trace_text import render_trace_file
 
-    step = StepSpec(model_file, batch, seq, dtype, device, layers, fake, compile)
+    device = "cuda" if gpu_name is not None and device == "cpu" else device  # --gpu plans a CUDA step
+    step = StepSpec(model_file, batch, seq, dtype, device, layers, fake, compile, bool(warmup), gpu_name)
     summary = trace_to_file(step, output, top=top, nproc=nproc, progress=progress)
     emit(summary, as_json, render_trace_file(summary))
 
@@ -246,24 +283,60 @@ tie_break_option = click.option(
     default=None,
     help="Device capacity (16GiB, 80GB or bytes): the allocator's out-of-memory retry and failure are simulated.",
 )
+@gpu_option("whether the step fits it (the caching allocator at its memory less the CUDA context, the cuBLAS "
+            "workspaces and NCCL's buffers) and, when not, at which op it runs out of memory.")  # fmt: skip
 @click.option(
     "--timeline",
     type=click.Path(dir_okay=False),
     help="Write the per-event series (time, phase, live, allocated, reserved, plan) as CSV.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def simulate_command(trace_file, plan_file, alloc_conf, tie_break, capacity, timeline, as_json):
-    """Simulate TRACE_FILE on PyTorch's caching allocator (and on a plan): bound, arena, peaks.
+def simulate_command(trace_file, plan_file, alloc_conf, tie_break, capacity, gpu_name, timeline, as_json):
+    """Simulate TRACE_FILE on PyTorch's caching allocator (and on a plan): bound, arena, peaks; with --gpu,
+    whether the step fits that GPU.
 
     \b
     Example: memplan simulate bert.trace.json.gz --plan bert.plan.json --timeline bert.csv
+    Example: memplan simulate llama.trace.json.gz --gpu H100-80GB --alloc-conf expandable_segments:True
     """
     from memplan.planner.jobs.files import simulate_file
     from memplan.planner.report.memory_report import report_text
 
-    summary = simulate_file(trace_file, plan_file, alloc_conf=alloc_conf, tie_break=tie_break,
-                            capacity=capacity, timeline=timeline, progress=progress)  # fmt: skip
+    summary = simulate_file(trace_file, plan_file, alloc_conf=alloc_conf, tie_break=tie_break, capacity=capacity,
+                            timeline=timeline, progress=progress, gpu=find_gpu(gpu_name))  # fmt: skip
     emit(summary.to_dict(), as_json, report_text(summary))
+
+
+@main.command("export")
+@click.argument("trace_file", type=click.Path(dir_okay=False))
+@click.option(
+    "-o", "--output", type=click.Path(dir_okay=False), help="Snapshot to write: a .pickle (default: <trace>.pickle)."
+)
+@click.option(
+    "--plan",
+    "plan_file",
+    type=click.Path(dir_okay=False),
+    help="Plan of this trace (from memplan solve), checked against it: addresses are its offsets in one arena segment.",
+)
+@click.option("--alloc-conf", default="", help=ALLOC_CONF_HELP)
+@tie_break_option
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def export_command(trace_file, output, plan_file, alloc_conf, tie_break, as_json):
+    """Write TRACE_FILE as a PyTorch memory snapshot, for pytorch.org/memory_viz and torch.cuda._memory_viz.
+
+    Addresses, blocks and segments are the simulated caching allocator's (or the plan's); every allocation's stack
+    names its buffer, op, module, phase and category.
+
+    \b
+    Example: memplan export gpt2.trace.json.gz -o gpt2.pickle
+    """
+    from memplan.planner.jobs.export import export_file
+    from memplan.planner.report.export_text import render_export
+
+    if plan_file and (alloc_conf or tie_break != TIE_BREAKS[0]):
+        raise click.UsageError("--alloc-conf and --tie-break set the simulated caching allocator, not a --plan")
+    summary = export_file(trace_file, output, plan_file, alloc_conf=alloc_conf, tie_break=tie_break, progress=progress)
+    emit(summary, as_json, render_export(summary))
 
 
 @main.command("plot")
@@ -335,7 +408,7 @@ def compare_command(trace_files, plan_files, method, time_limit, alloc_conf, tie
 
 @main.command("replay")
 @click.argument("plan_file", type=click.Path(dir_okay=False))
-@click.argument("model_file", type=click.Path(dir_okay=False))
+@click.argument("model_file", type=MODEL_FILE)
 @click.option(
     "--trace",
     "trace_file",
@@ -434,7 +507,7 @@ def solve_command(source, output, time_limit, capacity, method, alignment, scope
 
 
 @main.command("run")
-@click.argument("model_file", required=False, type=click.Path(dir_okay=False))
+@click.argument("model_file", required=False, type=MODEL_FILE)
 @click.option(
     "-o",
     "--output",
@@ -460,9 +533,10 @@ def solve_command(source, output, time_limit, capacity, method, alignment, scope
     help="Steps the tempo plan is replayed for.",
 )
 @capture_option
+@gpu_option("each mode's verdict: whether its step fits the GPU, or where it runs out of memory.")
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps, capture, compile, as_json):
+def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps, capture, gpu_name, compile, as_json):
     """The main job: trace MODEL_FILE under every layer mode (as-built, baseline, tempo, selective,
     tempo+selective, full, tempo+full), solve and simulate each, replay the tempo plan on the CPU, and
     write a report with two pictures. With fake traces there is no replay (it runs the real step).
@@ -477,15 +551,17 @@ def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps
     from memplan.planner.report.run_report import render_text
 
     step = StepSpec(model_file or os.path.relpath(DEFAULT_MODEL), batch, seq, dtype, compile=compile)
-    opts = RunOptions(step, out_dir, time_limit=time_limit, replay_steps=replay_steps, capture=capture)
+    opts = RunOptions(step, out_dir, time_limit=time_limit, replay_steps=replay_steps, capture=capture,
+                      gpu=find_gpu(gpu_name))  # fmt: skip
     result = run(opts, progress=progress)
     summary = result.summary()
     emit(summary, as_json, render_text(summary))
 
 
 @main.command("fit")
-@click.argument("model_file", type=click.Path(dir_okay=False))
-@click.option("--memory", type=SIZE, required=True, help="Device memory: 11GiB, 16GB, 512MiB or a number of bytes.")
+@click.argument("model_file", type=MODEL_FILE)
+@click.option("--memory", type=SIZE, default=None, help="Device memory: 11GiB, 16GB, 512MiB or a number of bytes.")
+@gpu_option("fit its memory less what it holds outside the caching allocator (instead of --memory).")
 @click.option(
     "--layers",
     "modes",
@@ -505,22 +581,28 @@ def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps
 @capture_option
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def fit_command(model_file, memory, modes, seq, dtype, alloc_conf, tie_break, time_limit, capture, compile, as_json):
-    """The largest batch size whose training step fits --memory, under the caching allocator and under a plan.
+def fit_command(
+    model_file, memory, gpu_name, modes, seq, dtype, alloc_conf, tie_break, time_limit, capture, compile, as_json
+):
+    """The largest batch size whose training step fits --memory (or --gpu), under the caching allocator and under
+    a plan.
 
     Traces batch 1, 2 and 4, fits memory as affine in the batch, predicts, brackets the answer and
     narrows the bracket until it is proven: b fits and b+1 does not, both by direct trace.
 
     \b
     Example: MEMPLAN_PRESET=tiny memplan fit examples/bert.py --memory 64MiB --seq 64 --layers baseline --layers tempo
+    Example: MEMPLAN_PRESET=small memplan fit examples/gpt2.py --gpu L4 --seq 1024 --layers tempo --capture fake
     """
     from memplan.modes import MODES
     from memplan.planner.jobs.fit import fit_model
     from memplan.planner.report.fit_table import render_fit
 
+    memory_or_gpu(memory, gpu_name)
     result = fit_model(
         StepSpec(model_file, seq=seq, dtype=dtype, compile=compile),
         memory,
+        gpu=find_gpu(gpu_name),
         modes=tuple(modes) or MODES,
         alloc_conf=alloc_conf,
         time_limit=time_limit,
@@ -544,7 +626,7 @@ def budget_list(_ctx, _param, value: str) -> tuple[float, ...]:
 
 
 @main.command("tradeoff")
-@click.argument("model_file", type=click.Path(dir_okay=False))
+@click.argument("model_file", type=MODEL_FILE)
 @step_options(batch=True)
 @click.option(
     "--budgets",
@@ -582,8 +664,9 @@ def tradeoff_command(model_file, batch, seq, dtype, budgets, time_limit, repeats
 
 
 @main.command("optimize")
-@click.argument("model_file", type=click.Path(dir_okay=False))
-@click.option("--memory", type=SIZE, required=True, help="Memory the plan must fit: 11GiB, 16GB, 512MiB or bytes.")
+@click.argument("model_file", type=MODEL_FILE)
+@click.option("--memory", type=SIZE, default=None, help="Memory the plan must fit: 11GiB, 16GB, 512MiB or bytes.")
+@gpu_option("fit its memory less what it holds outside the caching allocator (instead of --memory).")
 @click.option("--batch", type=click.IntRange(min=1), default=None, help="Batch size passed to build() [default: 2].")
 @click.option("--max-batch", is_flag=True, help="Choose the largest batch that fits too.")
 @step_options()
@@ -596,19 +679,22 @@ def tradeoff_command(model_file, batch, seq, dtype, budgets, time_limit, repeats
 )
 @capture_option
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
-def optimize_command(model_file, memory, batch, max_batch, seq, dtype, time_limit, capture, as_json):
+def optimize_command(model_file, memory, gpu_name, batch, max_batch, seq, dtype, time_limit, capture, as_json):
     """A mode per Transformer layer (as-built, tempo, selective, tempo+selective, full) so the step fits --memory
-    with the least recompute, chosen by CP-SAT on a model measured from traces and checked by tracing it.
+    (or --gpu) with the least recompute, chosen by CP-SAT on a model measured from traces and checked by tracing it.
 
+    \b
     Example: memplan optimize examples/gpt2.py --memory 7MiB --batch 2 --seq 128
+    Example: MEMPLAN_PRESET=medium memplan optimize examples/gpt2.py --gpu A100-40GB --max-batch --seq 1024
     """
     from memplan.planner.jobs.optimize import OptimizeOptions, optimize
     from memplan.planner.report.optimize_text import render_optimize
 
     if max_batch and batch is not None:
         raise click.UsageError("--batch and --max-batch exclude each other", ctx=click.get_current_context())
+    memory_or_gpu(memory, gpu_name)
     step = StepSpec(model_file, 1 if max_batch else batch or 2, seq, dtype)
-    opts = OptimizeOptions(step, memory, max_batch, capture, time_limit)
+    opts = OptimizeOptions(step, memory, max_batch, capture, time_limit, gpu=find_gpu(gpu_name))
     result = optimize(opts, progress=progress)
     summary = result.summary()
     emit(summary, as_json, render_optimize(summary))

@@ -10,9 +10,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from memplan.errors import CompileError, MemplanError
+from memplan.gpus import DEFAULT_GPU, GPU, gpu
 from memplan.modes import AS_BUILT, check_layer_modes, describe_assignment, mode
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "bf16-mixed")
+# Each dtype's parameters and autocast: bf16-mixed is fp32 parameters with forward and loss under bf16 autocast.
+PRECISIONS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "bf16-mixed": ("float32", "bfloat16")}
 
 
 class StepError(MemplanError):
@@ -26,13 +29,14 @@ class StepSpec:
     model_file: str  # the model file (docs/capture.md: The model file) whose build() makes the workload
     batch: int = 2  # build()'s batch_size
     seq: int = 128  # build()'s seq_len
-    dtype: str = "float32"  # one of DTYPES: the parameters' and inputs' dtype
+    dtype: str = "float32"  # one of DTYPES: the parameters' dtype, or bf16-mixed (fp32 under bf16 autocast)
     device: str = "cpu"  # cpu or cuda[:n]
     mode: str | tuple[tuple[str, str], ...] = AS_BUILT  # one of modes.MODES, or (layer path, mode) pairs per layer
     fake: bool = False  # under fake tensors: nothing allocated or computed, any size
     compile: float | None = None  # torch.compile's activation memory budget (0 to 1); None: eager (traced on real
     #                               tensors only: traces.compile.require_real_tensors)
     warmup: bool = True  # a warm-up step before the recorded one (the steady state; else the optimizer's first)
+    gpu: str | None = None  # the GPU (gpus.py) a CUDA step is planned for; a fake CUDA step takes its rules
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_file", os.fspath(self.model_file))
@@ -50,6 +54,8 @@ class StepSpec:
             object.__setattr__(self, "mode", tuple(check_layer_modes(dict(self.mode)).items()))
         if self.compile is not None:
             check_budget(self.compile)
+        if self.gpu is not None:
+            object.__setattr__(self, "gpu", gpu(self.gpu).name)
 
     def replace(self, **changes) -> StepSpec:
         """This step with `changes` (checked again)."""
@@ -81,13 +87,35 @@ class StepSpec:
         parts += [] if self.device == "cpu" else [f"--device {self.device}"]
         parts += [f"--layers {shlex.quote(self.mode_name)}"] if not self.per_layer else []
         parts += ["--fake"] if self.fake else []
+        parts += [] if self.gpu is None else [f"--gpu {self.gpu}"]
         parts += [] if self.compile is None else [f"--compile --memory-budget {self.compile:g}"]
         return " ".join(parts)
+
+    @property
+    def planned_gpu(self) -> GPU:
+        """The GPU a CUDA step is planned for: the named one, else gpus.DEFAULT_GPU."""
+        return gpu(self.gpu or DEFAULT_GPU)
+
+    @property
+    def parameters_dtype(self) -> str:
+        """The torch dtype name of the parameters (build()'s `dtype`)."""
+        return PRECISIONS[self.dtype][0]
+
+    @property
+    def autocast(self) -> str | None:
+        """The torch dtype name forward and loss run under autocast in, or None."""
+        return PRECISIONS[self.dtype][1]
+
+    @property
+    def window(self) -> str:
+        """Which step is recorded, in words: the steady one after a warm-up step, or the first."""
+        return "one training step after a warm-up step" if self.warmup else "the first training step (no warm-up)"
 
     def describe(self) -> str:
         """The step in words, for progress lines: `batch 2, seq 128, float32, cpu, layers tempo, real tensors`."""
         tensors = "fake tensors" if self.fake else "real tensors"
-        return f"batch {self.batch}, seq {self.seq}, {self.dtype}, {self.device}, layers {self.mode_name}, {tensors}"
+        where = self.device if self.gpu is None else f"{self.device} ({self.gpu})"
+        return f"batch {self.batch}, seq {self.seq}, {self.dtype}, {where}, layers {self.mode_name}, {tensors}"
 
 
 def check_budget(budget: float) -> float:

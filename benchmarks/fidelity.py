@@ -1,16 +1,18 @@
-"""Fidelity of memplan's traces against real GPUs: the shared snapshots whose program is known.
+"""Fidelity of memplan's traces against real GPUs: every shared snapshot whose program PROGRAMS.md describes.
 
-Usage: .venv/bin/python benchmarks/fidelity.py [SHARED_DIR] [--contexts 128,512] [--no-real]
-For each CS336 GPT-2-medium snapshot (the program and how it was recorded:
-SHARED_DIR/traces/cuda-snapshots/PROGRAMS.md, sections 1 and 2; batch 4): the real peak allocated (requested
-bytes) and reserved, read from the snapshot; then for a real CPU trace, a --fake trace, a --fake --device cuda
-trace and, on a GPU, a real CUDA trace of the same step (examples/cs336_lm.py, memplan's rebuild of that
-program from PROGRAMS.md): peak live and its error against the real peak, the caching-allocator simulator's
-peak reserved against the real reserved, and how many of the snapshot's allocations the trace reproduces in
-order by size (the longest common subsequence of the two size sequences; for a real trace also counting only
-the buffers an op returned, not its kernels' own). Target: every error within 1%.
-A last row traces the step under CPU autocast (bfloat16, CS336_AUTOCAST=bf16): the context-512 snapshot was
-recorded with forward and loss under CUDA autocast (bf16), context 128 in fp32.
+Usage: .venv/bin/python benchmarks/fidelity.py [SHARED_DIR] [--only NAME,...] [--real] [--timing]
+For each snapshot (SHARED_DIR/traces/cuda-snapshots: the CS336 GPT-2-medium step at context 128 in fp32 and at
+context 512 under CUDA autocast bf16, batch 4, the course's own loss and AdamW, examples/cs336_lm.py; the xl step
+at context 128 in fp32 and under autocast bf16, PyTorch's AdamW and cross-entropy, examples/cs336_xl.py): the real
+peak allocated (requested bytes) and reserved, read from the snapshot; then memplan's prediction from this CPU
+machine, `--fake --device cuda` (the GPU's rules: CUDA's autocast policy, AdamW's foreach path, cuBLAS's
+workspaces): its peak live and the error against the real peak, the caching-allocator simulator's peak reserved
+and its error against the real reserved, and how many of the snapshot's allocations the trace makes in the same
+order with the same size (the longest common subsequence of the two size sequences). Target: every error within
+1% (reserved within 2%). `--real` adds a real CPU trace of the medium steps (minutes, ~12-20 GB), `--timing`
+the wall time of the xl step's `--fake` CPU trace against its `--fake --device cuda` trace (target: at most 2x).
+The programs' torch took cuBLAS workspaces of 8,519,680 B per handle (the snapshots' two framed-less
+active blocks of that size): CUBLAS_WORKSPACE_CONFIG=:4096:2:16:8 says so (torch 2.13 on an sm90 GPU takes 32 MiB).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,7 +37,23 @@ from memplan.traces.trace_model import trace_step
 ROOT = Path(__file__).resolve().parents[1]
 
 BATCH = 4
-SNAPSHOT = "traces/cuda-snapshots/gpt2_medium_ctx{}_training.pickle"
+SNAPSHOT_DIR = Path("traces") / "cuda-snapshots"
+
+
+@dataclass(frozen=True)
+class Program:
+    """One shared snapshot and the model file that rebuilds its program."""
+
+    snapshot: str  # file name under SHARED_DIR/traces/cuda-snapshots
+    model_file: str  # under examples/
+    seq: int
+    autocast: str  # CS336_AUTOCAST: "bf16" (forward, and loss for the medium steps, under CUDA autocast) or ""
+
+
+sys.path.insert(0, str(ROOT / "examples"))
+from cs336_lm import SNAPSHOTS  # noqa: E402  the table of the snapshots and their rebuilds
+
+PROGRAMS = tuple(Program(name, *program) for name, program in SNAPSHOTS.items())
 
 
 def sizes_in_order(trace: Trace, outputs_only: bool = False) -> list[int]:
@@ -72,10 +92,14 @@ def row(
     )
 
 
-def traced(context: int, fake: bool, device: str) -> tuple[Trace | None, float, str]:
+def traced(program: Program, fake: bool, device: str) -> tuple[Trace | None, float, str]:
+    """The program's step traced by memplan, the seconds it took, and why not where it could not run."""
+    os.environ["CS336_AUTOCAST"] = program.autocast
     start = time.perf_counter()
     try:
-        trace = trace_step(StepSpec(ROOT / "examples" / "cs336_lm.py", BATCH, context, device=device, fake=fake))
+        trace = trace_step(
+            StepSpec(ROOT / "examples" / program.model_file, BATCH, program.seq, device=device, fake=fake)
+        )
     except MemplanError as e:
         return None, 0.0, f"not run: {e}"
     return trace, time.perf_counter() - start, ""
@@ -84,33 +108,34 @@ def traced(context: int, fake: bool, device: str) -> tuple[Trace | None, float, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("shared", nargs="?", default=str(ROOT.parent / "shared"))
-    parser.add_argument("--contexts", default="128,512")
-    parser.add_argument("--no-real", action="store_true", help="skip the real CPU traces (minutes, ~12-20 GB)")
+    parser.add_argument("--only", default="", help="comma-separated snapshot names (default: all four)")
+    parser.add_argument("--real", action="store_true", help="add a real CPU trace of the medium steps")
+    parser.add_argument("--timing", action="store_true", help="time the xl step's --fake CPU trace too")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    shared = Path(args.shared)
-    os.environ.pop("MEMPLAN_PRESET", None)  # the snapshots' shape: the model file's default, medium
-    for context in (int(c) for c in args.contexts.split(",")):
-        path = shared / SNAPSHOT.format(context)
+    os.environ.pop("MEMPLAN_PRESET", None)  # the snapshots' shape: the model files' defaults
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
+    only = {name for name in args.only.split(",") if name}
+    for program in PROGRAMS:
+        if only and not any(program.snapshot.startswith(name) for name in only):
+            continue
+        path = Path(args.shared) / SNAPSHOT_DIR / program.snapshot
         snapshot = read_snapshot(path)
         real = snapshot_to_trace(snapshot, str(path))
         real_peak = real.peak()[0]
         real_reserved = sum(segment.size for segment in snapshot.segments)  # never shrinks: no empty_cache
         real_sizes = sizes_in_order(real)
         print(
-            f"{path.name}: CS336 GPT-2-medium step, batch {BATCH}, context {context}; real peak allocated "
-            f"{real_peak:,}, reserved {real_reserved:,}, {len(real_sizes):,} allocations recorded"
+            f"{path.name}: {program.model_file} batch {BATCH}, context {program.seq}, "
+            f"{'autocast bf16' if program.autocast else 'fp32'}; real peak allocated {real_peak:,}, "
+            f"reserved {real_reserved:,}, {len(real_sizes):,} allocations recorded"
         )
-        runs = [("real CPU trace", False, "cpu", "")] * (not args.no_real)
-        runs += [("real CUDA trace", False, "cuda", "")] * torch.cuda.is_available()
-        runs += [
-            ("--fake", True, "cpu", ""),
-            ("--fake --device cuda", True, "cuda", ""),
-            ("--fake, autocast bf16", True, "cpu", "bf16"),
-        ]
-        for label, fake, device, autocast in runs:
-            os.environ["CS336_AUTOCAST"] = autocast
-            trace, seconds, note = traced(context, fake, device)
+        runs = [("--fake --device cuda", True, "cuda")]
+        runs += [("real CUDA trace", False, "cuda")] * torch.cuda.is_available()
+        runs += [("real CPU trace", False, "cpu")] * (args.real and program.model_file == "cs336_lm.py")
+        runs += [("--fake (CPU)", True, "cpu")] * (args.timing and program.model_file == "cs336_xl.py")
+        for label, fake, device in runs:
+            trace, seconds, note = traced(program, fake, device)
             row(label, trace, real_peak, real_reserved, real_sizes, seconds, note)
 
 

@@ -28,6 +28,14 @@ PRESETS = {
     "xl": dict(d_model=2560, num_layers=32, num_heads=32, d_ff=10240),
 }
 NAMES = {"medium": "cs336-gpt2-medium", "xl": "cs336-xl"}
+# The shared snapshots these model files rebuild (PROGRAMS.md, sections 2 and 3), each at batch 4:
+# snapshot file -> (model file in examples/, context, CS336_AUTOCAST).
+SNAPSHOTS = {
+    "gpt2_medium_ctx128_training.pickle": ("cs336_lm.py", 128, ""),
+    "gpt2_medium_ctx512_training.pickle": ("cs336_lm.py", 512, "bf16"),
+    "xl_ctx128_full_step_none.pickle": ("cs336_xl.py", 128, ""),
+    "xl_ctx128_full_step_bf16.pickle": ("cs336_xl.py", 128, "bf16"),
+}
 
 
 def build(batch_size, seq_len, dtype, device):

@@ -66,6 +66,15 @@ BAD = {
         ["{d}/exits.py", "--fake"],
     ],
     "import": [["{d}/missing.pickle"], ["{d}/text.pickle"], ["{d}/object.pickle"], ["{d}/t.json"]],
+    "export": [
+        ["{d}/missing.json"],
+        ["{d}/cut.json.gz"],
+        ["{d}/t.json", "-o", "{d}/t.pkl"],
+        ["{d}/t.json", "--alloc-conf", "max_split_size_mb:lots"],
+        ["{d}/t.json", "--plan", "{d}/other.plan.json"],
+        ["{d}/t.json", "--plan", "{d}/other.plan.json", "--alloc-conf", "expandable_segments:True"],
+        ["{d}/t.json", "-o", "/proc/no/such/dir/t.pickle"],
+    ],
     "solve": [
         ["{d}/missing.json"],
         ["{d}/cut.json"],

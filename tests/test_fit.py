@@ -136,7 +136,6 @@ def test_cli_json():
     [
         (["--memory", "11 parsecs"], "not a size"),
         (["--memory", "0"], "must be positive"),
-        (["--memory", "1MiB"], "batch 1 needs"),
         (["--memory", "1GiB", "--layers", "sparse"], "unknown mode"),
         (["--memory", "1GiB", "--alloc-conf", "max_split_size_mb:x"], "max_split_size_mb"),
     ],
@@ -147,6 +146,18 @@ def test_cli_bad_inputs(args, words):
     assert res.exit_code != 0
     errors = [ln for ln in res.output.splitlines() if ln.startswith("Error:")]
     assert len(errors) == 1 and words in errors[0] and res.output.rstrip().endswith(errors[0])
+
+
+def test_a_mode_that_fits_no_batch_is_a_row_of_the_answer():
+    """A mode whose batch 1 does not fit is reported with batch 0 and batch 1's figures; the others still run."""
+    args = ["fit", MODEL, "--seq", str(SEQ), "--memory", "1MiB", "--layers", "baseline", "--time-limit", "1"]
+    res = CliRunner().invoke(main, [*args, "--json"])
+    assert res.exit_code == 0, res.output
+    (mode,) = json.loads(res.stdout)["modes"]
+    assert mode["caching"]["batch"] == mode["plan"]["batch"] == 0 and mode["traces"] == 1
+    assert mode["caching"]["at_batch"] is None and mode["caching"]["at_next"] > 1 << 20
+    text = CliRunner().invoke(main, ["fit", MODEL, "--seq", str(SEQ), "--memory", "1MiB", "--layers", "baseline"])
+    assert "! baseline: no batch fits" in text.output
 
 
 def test_cli_missing_model_file(tmp_path):

@@ -39,7 +39,9 @@ def held(
         patch(model, mode)
         ids = torch.randint(0, 256, (B, S))
         optimizer = torch.optim.AdamW(model.parameters())
-        return Workload(model, {"input_ids": ids, "labels": ids}, optimizer, lambda out, _: out.loss, "llama")
+        # the layer's own bytes: a loop holding the output would also keep HF's KV cache (use_cache) through backward
+        loss = lambda out, _: out.loss  # noqa: E731
+        return Workload(model, {"input_ids": ids, "labels": ids}, optimizer, loss, "llama", holds_output=False)
 
     return held_for_backward(capture_step(build))
 

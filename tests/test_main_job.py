@@ -67,11 +67,10 @@ def test_run_writes_report_pictures_and_one_row_per_mode(tmp_path):
 
 @pytest.mark.slow
 def test_run_on_fake_traces_says_so_and_replays_nothing(tmp_path):
+    """... and with --gpu, gives each mode's verdict on that GPU, in the summary and in report.md."""
     out = tmp_path / "out"
-    r = CliRunner().invoke(
-        main,
-        ["run", "examples/llama.py", "-o", str(out), "--seq", "32", "--time-limit", "1", "--capture", "fake", "--json"],
-    )
+    args = ["run", "examples/llama.py", "-o", str(out), "--seq", "32", "--time-limit", "1", "--capture", "fake"]
+    r = CliRunner().invoke(main, [*args, "--gpu", "l4", "--json"])
     assert r.exit_code == 0, r.output
     s = json.loads(r.stdout)
     assert s["capture"] == "fake" and s["replay"] is None
@@ -79,6 +78,12 @@ def test_run_on_fake_traces_says_so_and_replays_nothing(tmp_path):
     report = (out / "report.md").read_text()
     assert "with fake tensors (--capture fake)" in report and "no replay: the traces are fake" in report
     assert all(f"--layers {m} --fake " in report for m in MODES)
+    assert s["gpu"]["name"] == "L4" and "## On L4" in report and "--gpu L4" in report
+    for row in s["rows"]:
+        v = row["verdict"]
+        assert v["fits"] and v["peak_reserved"] == row["caching_peak_reserved"]
+        assert v["headroom"] == v["memory"] - v["peak_reserved"] - v["outside_bytes"]
+        assert f"- **{row['mode']}**: fits L4 (21.99 GiB): peak reserved" in report
 
 
 def test_run_with_a_missing_model_file_is_one_line(tmp_path):

@@ -42,6 +42,7 @@ def readers(kind: str, path: str, out: Path) -> dict[str, list[str]]:
             "simulate": ["simulate", path, "--timeline", str(out / "t.csv")],
             "plot": ["plot", path, "-o", str(out / "f.png")],
             "compare": ["compare", path],
+            "export": ["export", path, "-o", str(out / "s.pickle")],
             "replay": ["replay", plan, str(MODEL), "--trace", path],
         }
     if kind == "plan":
@@ -49,6 +50,7 @@ def readers(kind: str, path: str, out: Path) -> dict[str, list[str]]:
             "simulate": ["simulate", trace, "--plan", path],
             "plot": ["plot", trace, "--plan", path, "--address-space", "-o", str(out / "f.png")],
             "compare": ["compare", trace, "--plan", path],
+            "export": ["export", trace, "--plan", path, "-o", str(out / "s.pickle")],
             "replay": ["replay", path, str(MODEL), "--trace", trace],
         }
     if kind == "csv":

@@ -29,6 +29,7 @@ SUMMARY_KEYS = {
     "plan",
     "caching",
     "timeline",
+    "verdict",
 }
 CACHING_KEYS = {
     "alloc_conf",

@@ -31,8 +31,11 @@ import torch
 from torch import nn
 
 from memplan.errors import MemplanError
+from memplan.gpus import DEFAULT_GPU
+from memplan.gpus import gpu as find_gpu
 from memplan.modes import AS_BUILT
 from memplan.traces.fake import DATA_RULE, FakeCapture
+from memplan.traces.fake_cuda import fake_cuda_runtime
 from memplan.traces.format import PHASES, Trace, make_trace, save
 from memplan.traces.recorder import Events, Recorder, recording
 from memplan.traces.resident import resident_storages, resident_tensors
@@ -274,6 +277,10 @@ class Recording:
         # 3. Buffers: the storages alive at the start and the step's events, categorized, sizes as requested.
         marked = self._recorder.outputs_marked()
         buffers = _assemble(live, events, self._recorder.names(), resident, marked)
+        workspaces = self._fake.workspace_keys() if self._fake is not None else set()
+        for b in buffers:
+            if b.key in workspaces:
+                b.category = "workspace"
         _categorize(buffers, marks)
         if history is not None:
             _requested_sizes(buffers, history)
@@ -325,15 +332,21 @@ def _trace(buffers: list[_Buffer], device: torch.device, fake: FakeCapture | Non
 
 @contextlib.contextmanager
 def recording_session(
-    device: str | torch.device = "cpu", *, fake: bool = False, meta: dict | None = None
+    device: str | torch.device = "cpu", *, fake: bool = False, meta: dict | None = None, gpu: str | None = None
 ) -> Iterator[Recording]:
     """Install the step recorder on `device` (and, with `fake`, fake tensors) for the block; what is built
-    inside is seen from its first allocation, and `Recording.step` marks the step to record."""
+    inside is seen from its first allocation, and `Recording.step` marks the step to record. A fake CUDA step
+    follows the rules of `gpu` (gpus.py; default gpus.DEFAULT_GPU)."""
     device = torch.device(device)
-    with one_cpu_thread(device), recording(device, fake=fake) as recorder:
-        fake_mode = FakeCapture(recorder, device.type) if fake else None
-        with fake_mode or contextlib.nullcontext():
-            yield Recording(recorder, device, fake_mode, dict(meta or {}))
+    fake_cuda = fake and device.type == "cuda"
+    gpu = find_gpu(gpu or DEFAULT_GPU)
+    with one_cpu_thread(device), fake_cuda_runtime(gpu) if fake_cuda else contextlib.nullcontext():
+        with recording(device, fake=fake) as recorder:
+            workspace = gpu.cublas_workspace_bytes if fake_cuda else 0
+            fake_mode = FakeCapture(recorder, device.type, cublas_workspace=workspace) if fake else None
+            planned = {"gpu": gpu.name, "cublas_workspace": workspace} if fake_cuda else {}
+            with fake_mode or contextlib.nullcontext():
+                yield Recording(recorder, device, fake_mode, {**planned, **(meta or {})})
 
 
 def capture_step(
@@ -343,10 +356,11 @@ def capture_step(
     fake: bool = False,
     warmup: bool = True,
     meta: dict | None = None,
+    gpu: str | None = None,
 ) -> Trace:
     """Build a workload with `build()` and record one `workload.step()` (after a warm-up step unless
-    `warmup=False`) on `device` as a labelled Trace; with `fake`, under fake tensors."""
-    with recording_session(device, fake=fake, meta={"warmup": warmup, **(meta or {})}) as session:
+    `warmup=False`) on `device` as a labelled Trace; with `fake`, under fake tensors (on CUDA, `gpu`'s rules)."""
+    with recording_session(device, fake=fake, meta={"warmup": warmup, **(meta or {})}, gpu=gpu) as session:
         workload = build()
         device = session.check_device(workload)
         if warmup:
@@ -391,11 +405,12 @@ def record(
     fake: bool = False,
     output: str | os.PathLike | None = None,
     meta: dict | None = None,
+    gpu: str | None = None,
 ) -> Iterator[Recording]:
     """Record one training step of your own loop. With `model` and `optimizer` (built before, real tensors)
     the block is the step; with neither, build them inside and mark the step with `recording.step(model,
-    optimizer)` (so under `fake=True` too). The trace is `recording.trace`, written to `output` if given;
-    nothing is written when the block raises."""
+    optimizer)` (so under `fake=True` too; a fake CUDA step follows `gpu`'s rules, gpus.py). The trace is
+    `recording.trace`, written to `output` if given; nothing is written when the block raises."""
     if (model is None) != (optimizer is None):
         raise CaptureError("record: give both the model and its optimizer, or neither")
     if model is not None and fake:
@@ -405,7 +420,7 @@ def record(
         )
     if device is None:
         device = next(model.parameters()).device if model is not None else "cpu"
-    with recording_session(device, fake=fake, meta={"source": "memplan.record", **(meta or {})}) as session:
+    with recording_session(device, fake=fake, meta={"source": "memplan.record", **(meta or {})}, gpu=gpu) as session:
         if model is None:
             yield session
         else:

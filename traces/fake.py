@@ -32,6 +32,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 
 import torch
@@ -76,6 +77,23 @@ SUBCLASS_PATHS = {
     ("aten::value_selecting_reduction_backward", aten.scatter.src): aten.scatter_.src,  # max, min, ... into zeros
     ("IndexBackward0", aten.index_put.default): aten.index_put_.default,  # index_backward, into zeros
 }
+# The ops whose CUDA kernels run through a cuBLAS handle: the first on a thread makes the thread's handle, and the
+# handle's workspace comes from the caching allocator and stays for the process (ATen's CublasHandlePool.cpp).
+CUBLAS_OPS = frozenset(
+    {
+        aten.mm,
+        aten.bmm,
+        aten.addmm,
+        aten.addbmm,
+        aten.baddbmm,
+        aten.addmv,
+        aten.mv,
+        aten.dot,
+        aten.vdot,
+        aten._addmm_activation,
+        aten._scaled_mm,
+    }
+)
 DATA_RULE = "a scalar read from a fake tensor is 0 (False); a data-dependent selection selects nothing"
 
 
@@ -125,9 +143,10 @@ def _tensor_to(original):
             return original(self, *args, **kwargs)
         if args and isinstance(args[0], torch.Tensor):  # to(other): its device and dtype
             args = (args[0].device, args[0].dtype, *args[1:])
+        copy = kwargs.pop("copy", False)  # to(..., copy=True): _parse_to takes every argument but this one
         device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
         device, dtype = device or self.device, dtype or self.dtype
-        if device == self.device and dtype == self.dtype and not kwargs.get("copy"):
+        if device == self.device and dtype == self.dtype and not copy:
             return self
         return torch.ops.aten._to_copy(
             self, dtype=dtype, device=device, memory_format=memory_format or torch.preserve_format
@@ -171,7 +190,7 @@ class FakeCapture(FakeTensorMode):
     """FakeTensorMode whose op outputs on the captured device type claim their storages in `recorder` (an
     optimizer's step counters on the CPU are not a CUDA step's), with DATA_RULE."""
 
-    def __init__(self, recorder: Recorder, device_type: str):
+    def __init__(self, recorder: Recorder, device_type: str, cublas_workspace: int = 0):
         super().__init__(allow_non_fake_inputs=True)
         # The dispatch cache is shared by every fake tensor mode of the process, and an output it has not cached
         # yet has a storage reference more (see DISPATCH_REFERENCES): off, a trace never depends on what ran
@@ -182,6 +201,13 @@ class FakeCapture(FakeTensorMode):
         self._originals: list[tuple[type, str, object]] = []
         self._depth = 0  # fake tensor mode enters itself again inside ops: patch once, on the outermost
         self._dispatching = 0  # ops under way: those inside one are fake tensor mode's own (a decomposition)
+        self._cublas_workspace = cublas_workspace  # bytes per cuBLAS handle on a fake CUDA step (0: none)
+        self.workspaces: dict[int, torch.Tensor] = {}  # thread id -> its cuBLAS workspace, alive for the capture
+
+    def __deepcopy__(self, memo) -> FakeCapture:
+        """The mode itself: a fake tensor copied inside the capture (`copy.deepcopy(model)`, an EMA or a DPO reference
+        model) belongs to the same capture, as its `fake_mode` attribute says."""
+        return self
 
     def __enter__(self):
         if self._depth == 0:
@@ -228,7 +254,25 @@ class FakeCapture(FakeTensorMode):
         for t in tree_leaves(out):
             if isinstance(t, FakeTensor) and t.device.type == self._device_type:
                 self._claim(t)
+        if func.overloadpacket in CUBLAS_OPS and self._cublas_workspace:
+            self._cublas_handle(out)
         return out
+
+    def _cublas_handle(self, out) -> None:
+        """A CUDA matmul's first use of cuBLAS on this thread: the thread's handle takes its workspace from the
+        caching allocator, after the op's output is allocated, and keeps it."""
+        thread = threading.get_ident()
+        device = next((t.device for t in tree_leaves(out) if isinstance(t, FakeTensor)), None)
+        if thread in self.workspaces or device is None or device.type != "cuda":
+            return
+        with self:
+            workspace = torch.empty(self._cublas_workspace, dtype=torch.uint8, device=device)
+        self._claim(workspace)
+        self.workspaces[thread] = workspace
+
+    def workspace_keys(self) -> set[int]:
+        """The storage keys of the cuBLAS workspaces made so far."""
+        return {self._recorder.storage_key(t) for t in self.workspaces.values()}
 
     def _allocated_in_return_order(self, out, inputs) -> None:
         """Put the allocations of the op's new storages in the order it returns them, as kernels allocate their

@@ -6,7 +6,9 @@ A model file defines
         return {"model": nn.Module, "inputs": batch,          # required
                 "loss": callable(output, inputs) -> scalar,    # optional, default: mean of the output
                 "optimizer": Optimizer or callable(params),    # optional, default: AdamW(lr=1e-3)
-                "name": str}                                   # optional, default: the file's name
+                "name": str,                                   # optional, default: the file's name
+                "holds_output": bool}                          # optional, default True: the step keeps its
+                                                               # output and loss until it ends, as a loop does
 
 or returns a `traces.workload.Workload` (its `name` left at the default is the file's name too). The
 name is the workload's everywhere: the trace's meta "model" and replay's report. `inputs` is a tensor,
@@ -35,11 +37,12 @@ from memplan.errors import MemplanError, ModelFileError
 from memplan.planner.layers.patch import patch
 from memplan.step import StepSpec
 from memplan.traces.fake import module_to
+from memplan.traces.hf_config import config_build, config_file
 from memplan.traces.workload import Workload, default_loss
 
 BUILD = "build"
 BUILD_ARGS = ("batch_size", "seq_len", "dtype", "device")
-DICT_KEYS = ("model", "inputs", "loss", "optimizer", "name")
+DICT_KEYS = ("model", "inputs", "loss", "optimizer", "name", "holds_output")
 DEFAULT_NAME = next(f.default for f in fields(Workload) if f.name == "name")  # a Workload built without a name
 
 
@@ -59,17 +62,11 @@ def _describe(exc: BaseException) -> str:
 
 def require_device(device: str, fake: bool = False) -> torch.device:
     """Check that `device` ('cpu' or 'cuda[:n]') is usable here; DeviceError otherwise. Fake tensors need
-    no GPU, but a fake CUDA step needs a torch built with CUDA (its autograd engine asks for CUDA streams)."""
+    no GPU: on a torch built without CUDA, traces/fake_cuda.py gives them a CUDA device."""
     try:
         dev = torch.device(device)
     except RuntimeError:
         raise DeviceError(f"--device {device}: not a device name (use cpu or cuda)") from None
-    if dev.type == "cuda" and fake and not torch.backends.cuda.is_built():
-        raise DeviceError(
-            f"--fake --device {device}: this torch ({torch.__version__}) is built without CUDA, and "
-            "a fake CUDA step's backward needs CUDA's streams: use a CUDA build of torch, or "
-            "trace --fake on cpu"
-        )
     if dev.type == "cuda" and not fake and not torch.cuda.is_available():
         raise DeviceError(f"--device {device}: CUDA is not available on this machine (torch {torch.__version__})")
     if dev.type not in ("cpu", "cuda"):
@@ -162,7 +159,10 @@ def _from_dict(path: Path, built: dict, dtype: torch.dtype, device: torch.device
     report = patch(model, step.assignment).to_dict()
     optimizer = _optimizer(path, built.get("optimizer"), model)
     name = str(built.get("name") or path.stem)
-    return Workload(model=model, inputs=built["inputs"], optimizer=optimizer, loss_fn=loss, name=name, patch=report)
+    holds = built.get("holds_output", True)
+    if not isinstance(holds, bool):
+        raise ModelFileError(f"{path}: {BUILD}()['holds_output'] is {type(holds).__name__}, not True or False")
+    return Workload(model, built["inputs"], optimizer, loss, name, report, holds)
 
 
 def _check_placement(path: Path, workload: Workload, dtype: torch.dtype, device: torch.device) -> None:
@@ -180,6 +180,9 @@ def import_model_file(path: str | os.PathLike) -> Callable[..., Any]:
     """Import a model file and return its build(). Run it before recording: what a module makes at import
     (constants, memplan's GELU tables) is not part of the step, and never fake."""
     path = Path(path)
+    config = config_file(path)
+    if config is not None:
+        return config_build(config)
     return _build_function(path, _import(path))
 
 
@@ -187,7 +190,7 @@ def build_workload(step: StepSpec, build: Callable[..., Any]) -> Workload:
     """Call the step's model file's build() (imported by `import_model_file`) and return the Workload with the
     step's layer mode applied; under fake tensors when `step.fake` (a CUDA device then needs no GPU, but a CUDA
     build of torch)."""
-    path, dtype = Path(step.model_file), getattr(torch, step.dtype)
+    path, dtype = Path(step.model_file), getattr(torch, step.parameters_dtype)
     dev = require_device(step.device, step.fake)
     torch.manual_seed(0)
     try:
@@ -209,6 +212,7 @@ def build_workload(step: StepSpec, build: Callable[..., Any]) -> Workload:
             "'model' and 'inputs', or a traces.workload.Workload"
         )
     _check_placement(path, workload, dtype, dev)
+    workload.autocast = getattr(torch, step.autocast) if step.autocast else None
     return workload
 
 

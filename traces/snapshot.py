@@ -4,7 +4,9 @@ A snapshot is a pickle; it is read with an unpickler that builds only dict, list
 int, float, bool and None, so a file holding any object is refused before anything runs; its bytes and
 nesting are bounded (memplan/limits.py), and a container that holds itself is refused.
 The trace keeps one buffer per `alloc` entry plus one per block that was allocated before
-recording began (alloc time 0); times count the `alloc` and `free_completed` entries.
+recording began (alloc time 0); times count the `alloc` and `free_completed` entries. A snapshot
+memplan exported (planner/simulate/snapshot_export.py) names each buffer's labels in its frames
+(LABEL_FRAMES), and they come back as the trace's labels.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 from memplan.errors import SnapshotError, TraceError
 from memplan.files import read_bytes
 from memplan.limits import MAX_PICKLE_BYTES, MAX_PICKLE_DEPTH, LimitError, check_nesting, short_repr
-from memplan.traces.format import Trace, make_trace
+from memplan.traces.format import CATEGORIES, PHASES, Trace, make_trace
 from memplan.units import MiB, human_bytes
 
 PLAIN_TYPES = (dict, list, tuple, str, int, float, bool, type(None))
@@ -29,6 +31,10 @@ FREE_ACTIONS = ("free_completed", "free")  # when the allocator gets a block bac
 ENGINE_FRAME = "torch::autograd::Engine::evaluate_function"
 AUTOGRAD_NODE = re.compile(r"torch::autograd::(?:generated::)?(\w+)::apply\(")
 ATEN_OP = re.compile(r"at::_ops::(\w+)::call\(")  # the op and its overload: sum_dim_IntList
+# memplan's frames, innermost first: `buffer:INDEX:NAME`, then one frame per label, `category:0:activation`
+BUFFER_FRAME = "buffer"
+LABEL_FRAMES = ("op", "module", "phase", "category")
+LABEL_VALUES = {"phase": PHASES, "category": CATEGORIES}  # labels with a closed set of values
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -77,6 +83,7 @@ class SnapshotEntry:
     op: str
     time_us: int
     backward: bool = False  # made while the autograd engine ran
+    labels: dict[str, str] = field(default_factory=dict)  # memplan's labels, when memplan exported the snapshot
 
 
 @dataclass
@@ -88,6 +95,7 @@ class SnapshotBlock:
     requested: int
     state: str
     op: str
+    labels: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -143,6 +151,21 @@ def _autograd_node(frames: list) -> str:
             if match:
                 return label.format(match.group(1))
     return ""
+
+
+def memplan_labels(frames: Any) -> dict[str, str]:
+    """The labels memplan's export put in a buffer's frames ({'op': 'aten::mm', 'category': ...}); {} for frames
+    memplan did not write, and a phase or category outside the trace format's values is left out."""
+    if not isinstance(frames, list) or not frames or not isinstance(frames[0], dict):
+        return {}
+    if frames[0].get("filename") != BUFFER_FRAME:
+        return {}
+    labels = {}
+    for f in frames[1:]:
+        kind, value = (f.get("filename"), f.get("name")) if isinstance(f, dict) else (None, None)
+        if kind in LABEL_FRAMES and isinstance(value, str) and value in LABEL_VALUES.get(kind, (value,)):
+            labels[kind] = value
+    return labels
 
 
 def in_backward(frames: Any) -> bool:
@@ -205,6 +228,7 @@ def parse_snapshot(raw: Any, device: int | None = None) -> Snapshot:
                 op=top_user_frame(e.get("frames")) if e["action"] == "alloc" else "",
                 time_us=e["time_us"] if isinstance(e.get("time_us"), int) else 0,
                 backward=e["action"] == "alloc" and in_backward(e.get("frames")),
+                labels=memplan_labels(e.get("frames")) if e["action"] == "alloc" else {},
             )
         )
     segments = []
@@ -227,6 +251,7 @@ def parse_snapshot(raw: Any, device: int | None = None) -> Snapshot:
                     requested=b.get("requested_size", size) or 0,
                     state=str(b.get("state", "")),
                     op=top_user_frame(b.get("frames")),
+                    labels=memplan_labels(b.get("frames")),
                 )
             )
             addr = blocks[-1].addr + size
@@ -279,7 +304,7 @@ def snapshot_to_trace(snap: Snapshot, source: str = "") -> Trace:
     buffers never freed live to the end; pre-recording blocks come from frees without an
     allocation in the trace and from final allocated blocks the trace never allocated.
     """
-    size, alloc, free, stream, addr, op, phase = [], [], [], [], [], [], []
+    size, alloc, free, stream, addr, op, phase, module, category = [], [], [], [], [], [], [], [], []
     open_at: dict[int, int] = {}  # address -> buffer index of the live buffer there
     windows = snap.optimizer_windows
 
@@ -288,9 +313,11 @@ def snapshot_to_trace(snap: Snapshot, source: str = "") -> Trace:
             return "optimizer"
         return "backward" if e.backward else "other"
 
-    def add(sz, t_alloc, st, a, o, ph) -> int:
+    def add(sz, t_alloc, st, a, o, ph, labels=None) -> int:
+        labels = labels or {}
         size.append(sz), alloc.append(t_alloc), free.append(-1), stream.append(st), addr.append(a)
-        op.append(o), phase.append(ph)
+        op.append(labels.get("op", o)), phase.append(labels.get("phase", ph))
+        module.append(labels.get("module", "")), category.append(labels.get("category", "unknown"))
         return len(size) - 1
 
     t = 0
@@ -299,7 +326,7 @@ def snapshot_to_trace(snap: Snapshot, source: str = "") -> Trace:
             t += 1
             if e.addr in open_at:  # a free this ring buffer lost: close the old buffer here
                 free[open_at.pop(e.addr)] = t
-            open_at[e.addr] = add(e.size, t, e.stream, e.addr, e.op, phase_of(e))
+            open_at[e.addr] = add(e.size, t, e.stream, e.addr, e.op, phase_of(e), e.labels)
         elif e.action in FREE_ACTIONS:
             t += 1
             i = open_at.pop(e.addr, None)
@@ -310,7 +337,7 @@ def snapshot_to_trace(snap: Snapshot, source: str = "") -> Trace:
     for seg in snap.segments:
         for b in seg.blocks:
             if is_live_block(b) and b.addr not in open_at:
-                add(b.requested, 0, seg.stream, b.addr, b.op, "other")
+                add(b.requested, 0, seg.stream, b.addr, b.op, "other", b.labels)
     free = [end if f < 0 else f for f in free]
     meta = {
         "source": "cuda-snapshot",
@@ -319,10 +346,8 @@ def snapshot_to_trace(snap: Snapshot, source: str = "") -> Trace:
         "cuda_device": snap.device,
         "alloc_conf": str(snap.settings.get("PYTORCH_CUDA_ALLOC_CONF", "") or ""),
     }
-    return make_trace(
-        {"size": size, "alloc": alloc, "free": free, "stream": stream, "addr": addr, "op": op, "phase": phase},
-        meta=meta,
-    )
+    columns = {"size": size, "alloc": alloc, "free": free, "stream": stream, "addr": addr, "op": op, "phase": phase}
+    return make_trace({**columns, "module": module, "category": category}, meta=meta)
 
 
 def import_snapshot(path: str | os.PathLike, device: int | None = None) -> Trace:

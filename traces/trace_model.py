@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from memplan.errors import MemplanError
 from memplan.modes import AS_BUILT
 from memplan.step import StepSpec
@@ -42,7 +44,8 @@ def trace_step(step: StepSpec, meta: dict | None = None) -> Trace:
         "model_file": step.model_file,
         **({"compile": compiled.meta()} if compiled is not None else {}),
     }
-    trace = capture_step(build, step.device, fake=step.fake, warmup=step.warmup, meta={**info, **(meta or {})})
+    meta = {**info, **(meta or {})}
+    trace = capture_step(build, step.device, fake=step.fake, warmup=step.warmup, meta=meta, gpu=step.gpu)
     for compilation in compilations:
         compilation.require_steady(step.model_file, steps=2 if step.warmup else 1)
     return trace
@@ -82,16 +85,21 @@ def sized_capture(capture: str, step: StepSpec) -> CaptureChoice:
     """`choose_capture` for a model file's step: auto sizes it on a fake, eager trace of the model as built (only
     auto traces anything)."""
     if capture != "auto":
-        return choose_capture(capture, 0)
+        return choose_capture(capture, 0, step.device)
     sizing = step.replace(mode=AS_BUILT, fake=True, compile=None)
-    return choose_capture(capture, trace_step(sizing).peak()[0])
+    return choose_capture(capture, trace_step(sizing).peak()[0], step.device)
 
 
-def choose_capture(capture: str, need: int) -> CaptureChoice:
-    """`--capture auto|real|fake` for steps holding about `need` bytes: auto traces fake tensors when a
-    real step would be slow (above REAL_STEP_BYTES) or would not fit this machine's RAM."""
+def choose_capture(capture: str, need: int, device: str = "cpu") -> CaptureChoice:
+    """`--capture auto|real|fake` for steps holding about `need` bytes on `device`: auto traces fake tensors when a
+    real step would be slow (above REAL_STEP_BYTES) or would not fit this machine's RAM, and a CUDA step on a
+    machine without a GPU always."""
     if capture not in CAPTURES:
         raise MemplanError(f"--capture {capture}: choose from {', '.join(CAPTURES)}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        if capture == "real":
+            raise MemplanError("--capture real: a CUDA step, and this machine has no CUDA device (use fake or auto)")
+        return CaptureChoice(True, f"--capture {capture}: a CUDA step on a machine without a GPU")
     if capture != "auto":
         return CaptureChoice(capture == "fake", f"--capture {capture}")
     available = host_memory_available()

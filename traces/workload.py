@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,8 @@ class Workload:
     loss_fn: Callable[[Any, Any], torch.Tensor] = default_loss
     name: str = "workload"
     patch: dict | None = None  # what the layer mode applied to the model changed (meta "patch"), when one was
+    holds_output: bool = True  # the step keeps its output and loss until it ends, as a training loop's variables do
+    autocast: torch.dtype | None = None  # forward and loss under torch.autocast in this dtype (mixed precision)
 
     def forward(self) -> Any:
         if isinstance(self.inputs, tuple):
@@ -43,13 +46,25 @@ class Workload:
             return self.model(**self.inputs)
         return self.model(self.inputs)
 
+    def autocasting(self) -> contextlib.AbstractContextManager:
+        """torch.autocast on the parameters' device type in `autocast`'s dtype, or nothing."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(next(self.model.parameters()).device.type, dtype=self.autocast)
+
     def step(self) -> torch.Tensor:
         """One full training step: forward, loss, backward, optimizer step, then gradients set to None.
 
         Gradients are released at the end of the step, so every step after the first (which creates
-        the optimizer state) allocates and frees the same buffers in the same order.
+        the optimizer state) allocates and frees the same buffers in the same order. The output and the loss
+        live until the step ends (a loop's `output = model(x)` holds them through backward and the optimizer's
+        step) unless `holds_output` is False: then the output is dropped once the loss is computed.
         """
-        loss = self.loss_fn(self.forward(), self.inputs)
+        with self.autocasting():
+            output = self.forward()
+            loss = self.loss_fn(output, self.inputs)
+        if not self.holds_output:
+            del output
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

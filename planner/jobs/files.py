@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from memplan.files import atomic_write
+from memplan.gpus import GPU
 from memplan.planner.plan import Plan, load_plan
 from memplan.planner.report.compare import CompareRow, compare_traces
 from memplan.planner.report.memory_report import SimulateSummary, report_summary, timeline_csv
@@ -30,13 +31,14 @@ def import_file(snapshot: str, output: str | None, cuda_device: int | None, prog
 
 
 def simulate_file(trace_file: str, plan_file: str | None, *, alloc_conf: str, tie_break: str, capacity: int | None,
-                  timeline: str | None, progress: Progress) -> SimulateSummary:  # fmt: skip
-    """`memplan simulate`: the trace on the caching allocator (and its plan), with the timeline CSV if asked."""
+                  timeline: str | None, progress: Progress, gpu: GPU | None = None) -> SimulateSummary:  # fmt: skip
+    """`memplan simulate`: the trace on the caching allocator (and its plan), with the timeline CSV if asked and
+    the verdict on `gpu` when given."""
     trace = load(trace_file)
     plan = load_plan(plan_file, trace) if plan_file else None
     progress(f"simulating {trace_file} ({len(trace):,} buffers, {trace.end:,} events)")
     report = simulate_trace(trace, trace_file, plan=plan, plan_name=plan_file, alloc_conf=alloc_conf,
-                          capacity=capacity, tie_break=tie_break)  # fmt: skip
+                          capacity=capacity, tie_break=tie_break, gpu=gpu)  # fmt: skip
     if timeline:
         atomic_write(timeline, timeline_csv(report))
         progress(f"wrote {timeline}")

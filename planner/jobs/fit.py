@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from memplan.errors import MemplanError
+from memplan.gpus import GPU
 from memplan.modes import MODES
 from memplan.planner.report.trace_text import describe_patch
 from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.planner.simulate.measure import measure
+from memplan.planner.simulate.verdict import Budget, device_memory
 from memplan.solvers import CapacityError, solve
 from memplan.step import StepSpec
 from memplan.traces.compile import Compile, CompileError, require_real_tensors
@@ -125,6 +127,7 @@ class FitResult:
     modes: list[ModeFit]
     capture: CaptureChoice
     tie_break: str = "lowest_address"
+    budget: Budget | None = None  # with a GPU: its memory, less what it holds outside the allocator, is `memory`
 
     @property
     def compile(self) -> Compile | None:
@@ -136,6 +139,7 @@ class FitResult:
         return {
             "model_file": self.step.model_file,
             "memory": self.memory,
+            "gpu": None if self.budget is None else self.budget.as_dict(),
             "seq": self.step.seq,
             "dtype": self.step.dtype,
             "alloc_conf": self.alloc_conf,
@@ -289,12 +293,10 @@ def boundary_search(probe: BatchProbe, allocator: str, start: int) -> int:
 def fit_mode(probe: BatchProbe) -> ModeFit:
     """Measure a few batch sizes, predict the largest fitting batch per allocator model, prove it by tracing."""
     first = probe(1)
-    if not (first.caching_fits or first.plan_fits):
-        raise FitError(
-            f"{probe.mode}: batch 1 needs {format_size(first.plan_arena)} with a plan and "
-            f"{format_size(first.caching_peak_reserved)} under the caching allocator; more than "
-            f"--memory {format_size(probe.memory)}"
-        )
+    if not (first.caching_fits or first.plan_fits):  # no batch fits: an answer, 0, with batch 1's figures
+        probe.progress(f"{probe.mode}: batch 1 does not fit {format_size(probe.memory)}")
+        none = dict.fromkeys(ALLOCATORS, 0)
+        return ModeFit(probe.mode, probe.patch, none, dict(none), probe.points)
     for b in MEASURE_BATCHES[1:]:
         if not (probe(b).caching_fits or probe(b).plan_fits):
             break
@@ -315,8 +317,9 @@ def fit_mode(probe: BatchProbe) -> ModeFit:
 
 def fit_model(
     step: StepSpec,
-    memory: int,
+    memory: int | None = None,
     *,
+    gpu: GPU | None = None,
     modes: tuple[str, ...] = MODES,
     alloc_conf: str = "",
     time_limit: float = 5.0,
@@ -324,14 +327,17 @@ def fit_model(
     capture: str = "auto",
     progress: Callable[[str], None] = lambda _: None,
 ) -> FitResult:
-    """The largest batch of `step` fitting `memory` bytes for every mode, under both allocator models, on real or
-    fake traces as `capture` (auto, real, fake) chooses for steps near `memory` bytes; compiled by torch.compile
-    when the step says so (real traces only). The step's own batch and mode are not used."""
-
+    """The largest batch of `step` fitting `memory` bytes (or `gpu`: its memory less what it holds outside the
+    caching allocator) for every mode, under both allocator models, on real or fake traces as `capture` (auto,
+    real, fake) chooses for steps near that size; compiled by torch.compile when the step says so (real traces
+    only). The step's own batch and mode are not used."""
+    if gpu is not None:  # a CUDA step on that GPU (fake CUDA traces where this machine has none)
+        step = step.replace(device="cuda", gpu=gpu.name)
     for mode in modes:
         if mode not in MODES:
             raise FitError(f"--layers {mode}: unknown mode (choose from {', '.join(MODES)})")
-    choice = choose_capture(capture, memory)
+    choice = choose_capture(capture, memory if gpu is None else gpu.memory, step.device)
+    memory, budget = device_memory(memory, gpu, step.replace(fake=choice.fake))
     require_real_tensors(step.replace(fake=capture == "fake"))  # before anything is traced
     if step.compile is not None and choice.fake:
         raise CompileError(f"--compile needs real tensors, and {choice.reason}: fit it eagerly, or a smaller --memory")
@@ -348,4 +354,4 @@ def fit_model(
             tie_break=tie_break,
         )
         fits.append(fit_mode(probe))
-    return FitResult(step, memory, alloc_conf, fits, choice, tie_break)
+    return FitResult(step, memory, alloc_conf, fits, choice, tie_break, budget)

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from memplan.errors import MemplanError
+from memplan.gpus import GPU
 from memplan.modes import AS_BUILT, FULL, OPTIMIZE_MODES
 from memplan.planner.cost import count_step_flops
 from memplan.planner.layers import transformer_layers
 from memplan.planner.optimize.choose import Assignment, Choice, Flops, choose_modes, recompute_of
 from memplan.planner.optimize.terms import MemoryTerms, assignments_to_trace, memory_terms
 from memplan.planner.simulate.measure import measure
+from memplan.planner.simulate.verdict import Budget, device_memory
 from memplan.step import StepSpec
 from memplan.traces.capture import recording_session
 from memplan.traces.format import Trace
@@ -41,14 +43,23 @@ class OptimizeError(MemplanError):
 
 @dataclass(frozen=True)
 class OptimizeOptions:
-    """What to optimize: the step (its model file and shape; the modes are chosen here), the memory size, whether
-    the batch is chosen too, and the solvers' time."""
+    """What to optimize: the step (its model file and shape; the modes are chosen here), the memory size (or a
+    GPU), whether the batch is chosen too, and the solvers' time."""
 
     step: StepSpec
-    memory: int  # bytes the step's plan must fit in
+    memory: int | None = None  # bytes the step's plan must fit in; with `gpu`, set here from its budget
     max_batch: bool = False  # choose the largest batch that fits too (--max-batch); else the step's batch
     capture: str = "auto"  # real or fake traces: auto, real, fake
     time_limit: float = 10.0  # CP-SAT's per choice, and the plan solver's per trace
+    gpu: GPU | None = None  # instead of `memory`: the GPU's memory less what it holds outside the allocator
+    budget: Budget | None = field(default=None, init=False)  # the GPU's, when given
+
+    def __post_init__(self) -> None:
+        if self.gpu is not None:  # a CUDA step on that GPU (fake CUDA traces where this machine has none)
+            object.__setattr__(self, "step", self.step.replace(device="cuda", gpu=self.gpu.name))
+        memory, budget = device_memory(self.memory, self.gpu, self.step)
+        object.__setattr__(self, "memory", memory)
+        object.__setattr__(self, "budget", budget)
 
 
 @dataclass
@@ -85,6 +96,7 @@ class OptimizeResult:
         return {
             "model_file": self.options.step.model_file,
             "memory": self.options.memory,
+            "gpu": None if self.options.budget is None else self.options.budget.as_dict(),
             "batch": self.batch,
             "seq": self.options.step.seq,
             "dtype": self.options.step.dtype,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from memplan.errors import MemplanError
 from memplan.files import atomic_write
+from memplan.gpus import GPU
 from memplan.modes import AS_BUILT, MODES, REPLAYED_MODE
 from memplan.planner.plan import save_plan
 from memplan.planner.replay.model_replay import replay_model_file
@@ -47,6 +48,11 @@ class RunOptions:
     replay_mode: str = REPLAYED_MODE
     replay_steps: int = 2
     capture: str = "auto"  # real or fake traces: auto, real, fake
+    gpu: GPU | None = None  # a GPU each mode's step is judged against (planner/simulate/verdict.py); None: none
+
+    def __post_init__(self) -> None:
+        if self.gpu is not None:  # a CUDA step on that GPU (fake CUDA traces where this machine has none)
+            object.__setattr__(self, "step", self.step.replace(device="cuda", gpu=self.gpu.name))
 
     def compiled(self) -> Compile | None:
         """How the traced and replayed steps are compiled; None when they run eagerly."""
@@ -73,6 +79,7 @@ class ModeRow:
     patch: str  # what the mode swapped and left as built (planner.report.trace_text.describe_patch)
     saving: float | None  # 1 - peak live / the reference row's peak live (as-built's when run); < 0 costs memory
     command: str
+    verdict: dict | None = None  # whether the step fits the GPU of RunOptions.gpu (Verdict.to_dict); None without
 
 
 @dataclass
@@ -100,6 +107,7 @@ class RunResult:
             "capture_reason": self.capture.reason,
             "optimizer": self.optimizer,
             "compile": None if self.options.step.compile is None else self.options.compiled().meta(),
+            "gpu": None if self.options.gpu is None else self.options.gpu.as_dict(),
             "rows": [asdict(r) for r in self.rows],
             "reference": self.reference,
             "replay": None if self.replay is None else {**self.replay.summary(), "mode": self.options.replay_mode},
@@ -110,13 +118,14 @@ class RunResult:
         }
 
 
-def reproduce_command(step: StepSpec, time_limit: float, trace_file: str, plan_file: str) -> str:
-    """The memplan commands that rebuild one row of the report by hand."""
+def reproduce_command(step: StepSpec, time_limit: float, trace_file: str, plan_file: str, gpu: GPU | None) -> str:
+    """The memplan commands that rebuild one row of the report by hand (its verdict too, with a GPU)."""
     q = shlex.quote
     return (
         f"memplan trace {q(step.model_file)} {step.arguments()} -o {q(trace_file)} && "
         f"memplan solve {q(trace_file)} -o {q(plan_file)} "
         f"--time-limit {time_limit:g} && memplan simulate {q(trace_file)} --plan {q(plan_file)}"
+        + ("" if gpu is None else f" --gpu {gpu.name}")
     )
 
 
@@ -125,10 +134,10 @@ def choose_run_capture(opts: RunOptions, progress: Callable[[str], None]) -> tup
     the first mode (eager: a compiled step cannot run on fake tensors), which the run then keeps when it
     chose fake. A compiled run needs real traces."""
     if opts.capture != "auto":
-        return choose_capture(opts.capture, 0), {}
+        return choose_capture(opts.capture, 0, opts.step.device), {}
     progress(f"[{opts.modes[0]}] sizing the step on a fake trace")
     sizing = trace_step(opts.step.replace(mode=opts.modes[0], fake=True, compile=None))
-    choice = choose_capture("auto", sizing.peak()[0])
+    choice = choose_capture("auto", sizing.peak()[0], opts.step.device)
     if choice.fake and opts.step.compile is not None:
         raise CompileError(
             f"--compile needs real tensors, and {choice.reason}: trace it eagerly, or on a larger machine"
@@ -161,7 +170,7 @@ def run_mode(
     trace = traced or trace_step(step)
     save(trace, work / trace_rel)
     progress(f"[{mode}] solving {len(trace):,} buffers and simulating the caching allocator")
-    measured = measure(trace, mode, plan_name=str(plan_file), time_limit=opts.time_limit)
+    measured = measure(trace, mode, plan_name=str(plan_file), time_limit=opts.time_limit, gpu=opts.gpu)
     save_plan(measured.plan, measured.problem, work / plan_rel)  # verified again as it is written
     row = ModeRow(
         mode=mode,
@@ -171,7 +180,8 @@ def run_mode(
         changed=bool(trace.meta["patch"]["changed"]),
         patch=describe_patch(trace.meta["patch"]),
         saving=None,
-        command=reproduce_command(step, opts.time_limit, str(trace_file), str(plan_file)),
+        command=reproduce_command(step, opts.time_limit, str(trace_file), str(plan_file), opts.gpu),
+        verdict=None if measured.verdict is None else measured.verdict.to_dict(),
     )
     return measured, row
 

@@ -30,8 +30,8 @@ def trace_to_file(
     output = output or f"{Path(step.model_file).stem}.{step.mode_name}{variant}.trace.json.gz"
     how = "" if step.compile is None else f", compiled: {describe_compile(Compile(step.compile).meta())}"
     progress(
-        f"building {step.model_file} ({step.describe()}{how}) and recording one training step after a warm-up "
-        "step" + (" (which compiles it)" if step.compile is not None else "")
+        f"building {step.model_file} ({step.describe()}{how}) and recording {step.window}"
+        + (" (which compiles it)" if step.compile is not None else "")
     )
     trace = trace_step(step)
     save(trace, output)
@@ -49,7 +49,7 @@ def trace_command_ranks(
     backend = "fake process group, fake tensors" if step.fake else "nccl" if step.device == "cuda" else "gloo"
     progress(
         f"{'tracing' if step.fake else 'starting'} {nproc} ranks ({backend}): {step.model_file} (batch {step.batch}, "
-        f"seq {step.seq}, {step.dtype}, layers {step.mode_name}), one training step each after a warm-up step"
+        f"seq {step.seq}, {step.dtype}, layers {step.mode_name}), {step.window} on each"
     )
     results = trace_ranks(step, output, nproc, top=top)
     ranks = []

@@ -2,7 +2,7 @@
 
 Builds are cached in memplan.cxx.cache_dir() (~/.cache/memplan) keyed by the sources' hash, so only
 the first call compiles. `python -m memplan.planner.replay.build` builds everything, the step
-recorder and the solver kernels too (scripts/setup.sh runs it).
+recorder, the solver kernels and (on a CPU-only torch) the fake CUDA device too (scripts/setup.sh runs it).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 
 from memplan.cxx import BuildError, cache_dir, compiler, cxx_shared_library, digest, link_shared, torch_extension
 from memplan.solvers.native import library_path
+from memplan.traces import fake_cuda
 from memplan.traces.recorder import extension as recorder_extension
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -87,6 +88,8 @@ def build_all() -> dict[str, str]:
         "core_library": str(core_library()),
         "solver_kernels": str(library_path()),
     }
+    if fake_cuda.needs_runtime():  # a CPU-only torch: the CUDA device of fake CUDA steps
+        built["fake_cuda"] = fake_cuda.extension().__file__
     try:
         built["cuda_library"] = str(cuda_library())
     except BuildError as e:

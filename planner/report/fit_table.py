@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from memplan.planner.report.tables import text_table
 from memplan.planner.report.trace_text import no_change_mark
+from memplan.planner.report.verdict_text import render_budget
 from memplan.traces.compile import describe_compile
 from memplan.units import format_size
 
@@ -32,13 +33,16 @@ def render_fit(summary: dict) -> str:
                 str(m["traces"]),
             )
         )
-    lines = [head, *text_table([cols, *rows])]
+    lines = [head] + ([] if s["gpu"] is None else [render_budget(s["gpu"])]) + text_table([cols, *rows])
     lines.append(
         "each batch b is checked by direct traces: b fits and b+1 does not (caching: simulated OOM "
         "at capacity; plan: no plan within the memory, proven by the lower bound or the solver)\n"
         "* peak reserved without a capacity; at the capacity the allocator's OOM retry frees cached "
         "blocks, so b may fit above it"
     )
+    none = [m["mode"] for m in s["modes"] if m["caching"]["batch"] == 0 and m["plan"]["batch"] == 0]
+    if none:
+        lines.append(f"! {', '.join(none)}: no batch fits; the b+1 columns are batch 1's figures")
     unproven = [m["mode"] for m in s["modes"] if not m["plan"]["next_proven"]]
     if unproven:
         lines.append(

@@ -11,8 +11,10 @@ from pathlib import Path
 import numpy as np
 
 from memplan.planner.report.trace_text import no_change_mark
+from memplan.planner.report.verdict_text import render_verdict
 from memplan.planner.simulate.caching_allocator import OutOfMemory
 from memplan.planner.simulate.measure import Measurement
+from memplan.planner.simulate.verdict import Verdict
 from memplan.traces.format import PHASES, Trace
 from memplan.units import human_bytes
 
@@ -93,6 +95,7 @@ class SimulateSummary:
     plan: PlanSummary | None  # None without --plan
     caching: CachingSummary
     timeline: str | None  # the timeline CSV written, if any
+    verdict: Verdict | None = None  # whether the step fits the GPU of --gpu; None without it
 
     def to_dict(self) -> dict:
         """The JSON document of `memplan simulate --json` (keys documented in docs/cli.md)."""
@@ -139,6 +142,7 @@ def report_summary(report: Measurement, timeline: str | None = None) -> Simulate
             oom=sim.oom,
         ),
         timeline=timeline,
+        verdict=report.verdict,
     )
 
 
@@ -179,6 +183,8 @@ def report_text(s: SimulateSummary) -> str:
     ]
     if s.timeline:
         lines.append(f"timeline           {s.timeline}")
+    if s.verdict is not None:
+        lines.append(render_verdict(s.verdict.to_dict()))
     return "\n".join(lines)
 
 

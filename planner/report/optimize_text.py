@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from memplan.planner.report.verdict_text import render_budget
 from memplan.units import human_bytes
 
 PROOF = {
@@ -18,7 +19,7 @@ def render_optimize(summary: dict) -> str:
     lines = [
         f"{s['model_file']}: batch {s['batch']}{' (the largest that fits)' if s['max_batch'] else ''}, "
         f"seq {s['seq']}, {s['dtype']}; memory {human_bytes(s['memory'])}; {s['capture']} traces",
-    ]
+    ] + ([] if s["gpu"] is None else [render_budget(s["gpu"])])
     c = s["chosen"]
     if c is not None:
         lines += [f"  {path:<24}{mode}" for path, mode in zip(s["layers"], c["assignment"])]

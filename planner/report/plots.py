@@ -37,6 +37,7 @@ CATEGORY_COLORS = {
     "activation": "#55a868",
     "input": "#937860",
     "temporary": "#da8bc3",
+    "workspace": "#8c8c3c",
     "unknown": "#a0a0a0",
 }
 PHASE_COLORS = {"forward": "#e8f1fa", "backward": "#fdf0e4", "optimizer": "#eef6e9"}

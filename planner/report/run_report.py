@@ -7,6 +7,7 @@ from pathlib import Path
 
 from memplan.planner.report.tables import markdown_table, text_table
 from memplan.planner.report.trace_text import no_change_mark
+from memplan.planner.report.verdict_text import render_verdict
 from memplan.traces.compile import describe_compile
 from memplan.units import human_bytes
 
@@ -74,10 +75,16 @@ def step_sentence(summary: dict) -> str:
     )
 
 
+def verdict_lines(summary: dict) -> list[str]:
+    """Each mode's verdict on the run's GPU, a line or two each; none without a GPU."""
+    return [f"{r['mode']}: {render_verdict(r['verdict'])}" for r in summary["rows"] if r["verdict"] is not None]
+
+
 def render_text(summary: dict) -> str:
-    """The table as aligned text, then the replay and the files, for the terminal."""
+    """The table as aligned text, each mode's verdict on the GPU, then the replay and the files, for the terminal."""
     rows = table_rows(summary)
     lines = text_table(rows, right=[False] + [True] * (len(rows[0]) - 1))
+    lines += ([""] + verdict_lines(summary)) if summary["gpu"] is not None else []
     lines += [
         "",
         f"traces: {summary['capture']} tensors ({summary['capture_reason']})",
@@ -89,6 +96,14 @@ def render_text(summary: dict) -> str:
         f"wall time      {summary['seconds']:.1f} s",
     ]
     return "\n".join(lines)
+
+
+def gpu_section(summary: dict) -> list[str]:
+    """report.md's section on the run's GPU: each mode's verdict (none without a GPU)."""
+    if summary["gpu"] is None:
+        return []
+    items = [f"- **{r['mode']}**: " + render_verdict(r["verdict"]).replace("\n  ", " ") for r in summary["rows"]]
+    return [f"## On {summary['gpu']['name']}", "", *items, ""]
 
 
 def render_markdown(summary: dict) -> str:
@@ -111,6 +126,7 @@ def render_markdown(summary: dict) -> str:
         "",
         *[f"- **{r['mode']}**: {r['patch']}" for r in summary["rows"]],
         "",
+        *gpu_section(summary),
         "## Replay",
         "",
         replay_sentence(summary) + ".",

@@ -537,6 +537,18 @@ class SimResult:
     conf: AllocConf = field(default_factory=AllocConf)
 
 
+def event_order(trace: Trace) -> tuple[list[int], list[int], list[bool]]:
+    """The trace's allocations and frees in the order the allocator sees them: (time, buffer, is_alloc) lists
+    sorted by time, frees before allocations at equal times, then buffer index; a buffer freed at its own
+    allocation time is freed right after it is allocated, and frees at the end of the window never happen."""
+    n, end = len(trace), trace.end
+    times = np.concatenate([trace.free, trace.alloc])
+    kinds = np.concatenate([np.where(trace.free == trace.alloc, 2, 0), np.ones(n, np.int64)])
+    order = np.lexsort((np.concatenate([np.arange(n), np.arange(n)]), kinds, times))
+    order = order[~((kinds[order] == 0) & (times[order] >= end))]
+    return times[order].tolist(), ((order % n).tolist() if n else []), (order >= n).tolist()
+
+
 def simulate_caching(trace: Trace, conf: AllocConf = AllocConf(), capacity: int | None = None) -> SimResult:
     """Replay a trace's allocations and frees (frees first at equal times) through the caching allocator.
 
@@ -545,16 +557,7 @@ def simulate_caching(trace: Trace, conf: AllocConf = AllocConf(), capacity: int 
     """
     n, end = len(trace), trace.end
     a = CachingAllocator(conf, capacity)
-    # events sorted by (time, frees before allocations, buffer index)
-    times = np.concatenate([trace.free, trace.alloc])
-    # a buffer freed at its own allocation time is freed right after it is allocated
-    kinds = np.concatenate([np.where(trace.free == trace.alloc, 2, 0), np.ones(n, np.int64)])
-    order = np.lexsort((np.concatenate([np.arange(n), np.arange(n)]), kinds, times))
-    keep = ~((kinds[order] == 0) & (times[order] >= end))  # frees at the end never happen
-    order = order[keep]
-    ev_time = times[order].tolist()
-    ev_buf = (order % n).tolist() if n else []
-    ev_alloc = (order >= n).tolist()
+    ev_time, ev_buf, ev_alloc = event_order(trace)
     sizes, streams = trace.size.tolist(), trace.stream.tolist()
     addr = [-1] * n
     after_alloc, after_res = [-1] * end, [-1] * end  # value after the last event at each time, -1: none

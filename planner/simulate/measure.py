@@ -8,11 +8,13 @@ from functools import cached_property
 
 import numpy as np
 
+from memplan.gpus import GPU
 from memplan.planner.plan import Plan
 from memplan.planner.problem import DEFAULT_ALIGNMENT, Problem, problem_from_trace
 from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.caching_allocator import SimResult, simulate_caching
 from memplan.planner.simulate.plan_footprint import PlanMemory, simulate_plan
+from memplan.planner.simulate.verdict import Verdict, judge, trace_budget
 from memplan.solvers import solve
 from memplan.traces.format import Trace
 
@@ -46,6 +48,7 @@ class Measurement:
     plan: Plan | None = None  # the plan, verified against the trace; None when the trace was not planned
     plan_name: str | None = None  # where the plan came from (its file)
     plan_memory: PlanMemory | None = None  # the plan's footprint over time; None without a plan
+    verdict: Verdict | None = None  # whether the step fits a GPU (planner/simulate/verdict.py); None without one
 
     @cached_property
     def live(self) -> np.ndarray:
@@ -84,27 +87,32 @@ def simulate_trace(
     capacity: int | None = None,
     tie_break: str = "lowest_address",
     problem: Problem | None = None,
+    gpu: GPU | None = None,
 ) -> Measurement:
-    """Simulate `trace` on the caching allocator and, when given, on `plan` (verified against it first); `problem`
-    is the trace's allocation problem when the caller has built it already. The max-live bound is taken at the
-    plan's alignment, so it is never above a valid plan's arena."""
+    """Simulate `trace` on the caching allocator and, when given, on `plan` (verified against it first), and judge
+    whether it fits `gpu` when given; `problem` is the trace's allocation problem when the caller has built it. The
+    max-live bound is taken at the plan's alignment, so it is never above a valid plan's arena."""
     conf = parse_alloc_conf(alloc_conf, tie_break)
     alignment = DEFAULT_ALIGNMENT if plan is None else plan.alignment
     if problem is None or problem.alignment != alignment or problem.scope != "all":
         problem = problem_from_trace(trace, alignment=alignment)
     plan_memory = simulate_plan(trace, plan, name, plan_name or "plan") if plan is not None else None
+    caching = simulate_caching(trace, conf, capacity=capacity)
+    unlimited = caching if capacity is None else None
+    verdict = None if gpu is None else judge(trace, trace_budget(gpu, trace), conf, alloc_conf, unlimited)
     return Measurement(
         name=name,
         trace=trace,
         problem=problem,
         bound=problem.max_live(),
-        caching=simulate_caching(trace, conf, capacity=capacity),
+        caching=caching,
         alloc_conf=alloc_conf,
         capacity=capacity,
         tie_break=tie_break,
         plan=plan,
         plan_name=plan_name,
         plan_memory=plan_memory,
+        verdict=verdict,
     )
 
 
@@ -119,10 +127,11 @@ def measure(
     alloc_conf: str = "",
     capacity: int | None = None,
     tie_break: str = "lowest_address",
+    gpu: GPU | None = None,
 ) -> Measurement:
     """`trace` measured with a plan: `plan` (checked to be the trace's), or one solved here by the solver portfolio
-    (`method`, `time_limit` seconds; verified before it is returned)."""
+    (`method`, `time_limit` seconds; verified before it is returned); judged against `gpu` when given."""
     problem = problem_from_trace(trace)
     if plan is None:
         plan = solve(problem, method=method, time_limit=time_limit)
-    return simulate_trace(trace, name, plan, plan_name, alloc_conf, capacity, tie_break, problem)
+    return simulate_trace(trace, name, plan, plan_name, alloc_conf, capacity, tie_break, problem, gpu)

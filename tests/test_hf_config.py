@@ -1,0 +1,116 @@
+"""A HuggingFace config.json as a model file (traces/hf_config.py), and bf16 mixed precision (--dtype bf16-mixed)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from memplan.cli import main
+from memplan.step import StepSpec
+from memplan.traces.trace_model import trace_step
+
+CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
+TINY = CONFIGS / "tiny-llama.json"
+
+
+def bytes_by_category(trace, category: str) -> int:
+    """Bytes of the buffers of `category` alive when the step begins (the model's and optimizer's state)."""
+    return sum(int(trace.size[i]) for i in range(len(trace)) if trace.category[i] == category and trace.alloc[i] == 0)
+
+
+def llama_parameters(config: dict) -> int:
+    """A Llama-style decoder's parameter count from its config (no biases, untied head, GQA)."""
+    h, f, layers, vocab = (config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
+    kv = config["num_key_value_heads"] * h // config["num_attention_heads"]
+    layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h  # q, o; k, v; gate, up, down; two RMSNorms
+    return layers * layer + 2 * vocab * h + h  # embedding, head, final norm
+
+
+def test_a_config_file_traces_like_a_model_file():
+    trace = trace_step(StepSpec(TINY, batch=2, seq=32, fake=True))
+    assert trace.meta["model"] == "tiny-llama"
+    n = llama_parameters(json.loads(TINY.read_text()))
+    assert bytes_by_category(trace, "parameter") >= 4 * n  # + RoPE's inv_freq buffer
+    assert bytes_by_category(trace, "parameter") - 4 * n < 1024
+
+
+def test_a_folder_holding_a_config_is_a_model_file(tmp_path):
+    folder = tmp_path / "my-llama"
+    folder.mkdir()
+    shutil.copy(TINY, folder / "config.json")
+    trace = trace_step(StepSpec(folder, batch=1, seq=16, fake=True))
+    assert trace.meta["model"] == "my-llama"
+
+
+def test_bf16_mixed_keeps_fp32_parameters_and_runs_matmuls_in_bf16():
+    mixed = trace_step(StepSpec(TINY, batch=2, seq=32, fake=True, dtype="bf16-mixed"))
+    fp32 = trace_step(StepSpec(TINY, batch=2, seq=32, fake=True))
+    assert bytes_by_category(mixed, "parameter") == bytes_by_category(fp32, "parameter")
+    assert mixed.meta["dtype"] == "bf16-mixed"
+
+    def forward_matmuls(trace) -> int:
+        return sum(
+            int(trace.size[i]) for i in range(len(trace)) if (trace.op[i], trace.phase[i]) == ("aten::mm", "forward")
+        )
+
+    assert 2 * forward_matmuls(mixed) == forward_matmuls(fp32)  # every projection's output in bf16
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("{not json", "not a JSON config"),
+        ('{"hidden_size": 8}', "names its model_type"),
+        ('{"model_type": "no-such-model"}', "cannot read it"),
+        ('{"model_type": "vit"}', "no causal language model"),
+    ],
+)
+def test_a_bad_config_is_one_line(tmp_path, text, words):
+    config = tmp_path / "bad.json"
+    config.write_text(text)
+    result = CliRunner().invoke(main, ["trace", str(config), "--fake", "-o", str(tmp_path / "t.json")])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1].startswith("Error:") and words in result.output
+    assert not (tmp_path / "t.json").exists()
+
+
+@pytest.mark.slow  # an 8-billion-parameter model under fake tensors: 10-30 s
+def test_llama_3_8b_config_state_bytes_equal_the_configs_arithmetic():
+    config = CONFIGS / "llama-3-8b.json"
+    n = llama_parameters(json.loads(config.read_text()))
+    assert n == 8_030_261_248  # Llama-3-8B's published count
+    trace = trace_step(StepSpec(config, batch=1, seq=128, fake=True, device="cuda", dtype="bf16-mixed"))
+    assert 0 <= bytes_by_category(trace, "parameter") - 4 * n < 1024  # fp32 master weights (+ RoPE's table)
+    assert bytes_by_category(trace, "optimizer") == 8 * n  # AdamW's two fp32 moments
+    gradients = sum(int(trace.size[i]) for i in range(len(trace)) if trace.category[i] == "gradient")
+    assert gradients == 4 * n
+
+
+@pytest.mark.slow  # the issue's pre-flight: one fake trace at sequence 8192 per mode
+def test_fit_answers_for_llama_3_8b_at_8192_from_its_config():
+    result = CliRunner().invoke(
+        main,
+        [
+            "fit",
+            str(CONFIGS / "llama-3-8b.json"),
+            "--capture",
+            "fake",
+            "--memory",
+            "80GB",
+            "--seq",
+            "8192",
+            "--dtype",
+            "bf16-mixed",
+            "--layers",
+            "full",
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    (full,) = json.loads(result.stdout)["modes"]
+    # 16 bytes per parameter (fp32 weights, gradients, two moments) are 128 GB: no batch fits 80 GB with AdamW
+    assert full["plan"]["batch"] == 0 and full["plan"]["at_next"] > 16 * 8_030_261_248
