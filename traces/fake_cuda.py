@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from memplan.cxx import torch_extension
 from memplan.errors import MemplanError
 from memplan.gpus import GPU
+from memplan.traces.sdpa_dispatch import cuda_attention
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fake_cuda.cpp"
 
@@ -220,7 +221,8 @@ def fake_cuda_runtime(gpu: GPU) -> Iterator[None]:
         _check_engine()
         for name, replacement in _replacements(gpu).items():
             setattr(torch.cuda, name, _own_function(replacement))
-        yield
+        with cuda_attention(gpu.capability):  # scaled_dot_product_attention takes the GPU's kernel
+            yield
     finally:
         for name in _replacements(gpu):
             if name in originals:
