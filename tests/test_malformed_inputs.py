@@ -6,6 +6,7 @@ the 10 s; a few run the real command line in a subprocess."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import signal
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import memplan
 import memplan.planner.jobs.files  # noqa: F401  (the commands' modules, imported before the clock starts)
 import memplan.planner.jobs.solve_file  # noqa: F401
 import memplan.planner.replay.model_replay  # noqa: F401
@@ -199,12 +201,32 @@ def test_the_valid_corpus_files_pass_every_command(tmp_path):
                 assert result.exit_code == 0, (args, result.output)
 
 
-def test_a_plan_edited_to_overlap_live_buffers_is_refused_by_the_python_api_too():
+def test_a_plan_edited_to_overlap_live_buffers_is_refused_by_the_python_api_too(tmp_path):
+    """Read from a file, or edited as a Plan object and handed to every view: a MemplanError each time."""
     trace = load(CORPUS / "good.trace.json")
-    load_plan(CORPUS / "good.plan.json", trace)
+    plan = load_plan(CORPUS / "good.plan.json", trace)
     for name in ("two_live_buffers_share_bytes", "arena_2e70", "bound_above_arena"):
         with pytest.raises(MemplanError):
             load_plan(CORPUS / "plan" / f"{name}.plan.json", trace)
+    edited = [
+        dataclasses.replace(plan, offsets=[plan.offsets[1], *plan.offsets[1:]]),  # buffers 0 and 1 share bytes
+        dataclasses.replace(plan, arena=2**70, bound=2**70),
+        dataclasses.replace(plan, bound=2 * plan.arena),
+        dataclasses.replace(plan, gap=float("nan")),
+    ]
+    views = {
+        "verify": lambda bad: memplan.verify(bad, trace),
+        "simulate": lambda bad: memplan.simulate(trace, plan=bad),
+        "compare": lambda bad: memplan.compare([trace], plans=[bad]),
+        "plot": lambda bad: memplan.plot([trace], tmp_path / "f.png", plans=[bad]),
+        "export_snapshot": lambda bad: memplan.export_snapshot(trace, tmp_path / "s.pickle", plan=bad),
+    }
+    for bad in edited:
+        for view, call in views.items():
+            with pytest.raises(MemplanError):
+                call(bad)
+                pytest.fail(f"{view} took {bad}")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.fixture(scope="module")
