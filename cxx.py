@@ -2,21 +2,27 @@
 
 The step recorder (traces/csrc), the solver kernels (solvers/csrc) and the plan allocator
 (planner/replay/csrc) are built here; each library is named after a hash of its sources and written
-under a temporary name, then renamed, so a cached library is complete or absent.
+under a temporary name, then renamed, so a cached library is complete or absent. A torch extension's
+build folder is held with a lock the system drops when its holder dies (flock), so a killed build never
+leaves the next one waiting: the lock file torch's own builder leaves behind is then removed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from memplan.errors import MemplanError
+from memplan.limits import BUILD_LOCK_WAIT_S
 
 
 class BuildError(MemplanError):
@@ -86,29 +92,86 @@ def cxx_shared_library(name: str, sources: list[Path], what: str, headers: Itera
     )
 
 
+def extension_build_dir(name: str, sources: list[Path], headers: Iterable[Path] = ()) -> Path:
+    """The cache folder torch_extension builds `name` in: one per torch version, sources, checkout and environment
+    (ninja's build file records absolute paths, the sources' and this Python's headers: two checkouts sharing one
+    folder would rebuild each other's module on every first use)."""
+    import torch
+
+    includes = sorted({str(p.parent.resolve()) for p in sources})
+    where = hashlib.sha256("\n".join([sys.prefix, *includes]).encode()).hexdigest()[:8]
+    return cache_dir() / f"{name}-torch{torch.__version__}-{digest([*sources, *headers])}-{where}"
+
+
 def torch_extension(name: str, sources: list[Path], what: str, headers: Iterable[Path] = ()):
     """`sources` compiled as the torch C++ extension module `name` (once per torch version and sources)."""
     compiler()
-    import torch
     from torch.utils import cpp_extension
 
-    # ninja's build file records absolute paths (the sources, this Python's headers): a folder per checkout and
-    # environment, or two of them sharing the cache rebuild each other's module on every first use.
     includes = sorted({str(p.parent.resolve()) for p in sources})
-    where = hashlib.sha256("\n".join([sys.prefix, *includes]).encode()).hexdigest()[:8]
-    build_dir = cache_dir() / f"{name}-torch{torch.__version__}-{digest([*sources, *headers])}-{where}"
+    build_dir = extension_build_dir(name, sources, headers)
     build_dir.mkdir(parents=True, exist_ok=True)
     if not shutil.which("ninja"):
         raise BuildError(f"building {what} needs ninja: `pip install ninja`")
-    try:
-        return cpp_extension.load(
-            name=name,
-            sources=[str(p) for p in sources],
-            extra_include_paths=includes,
-            extra_cflags=["-O2"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
-    except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
-        lines = [ln for ln in str(e).splitlines() if "error:" in ln.lower()]
-        raise BuildError(f"compiling {what} failed: {(lines or [str(e)])[0].strip()}") from None
+    with build_lock(build_dir, what):
+        try:
+            return cpp_extension.load(
+                name=name,
+                sources=[str(p) for p in sources],
+                extra_include_paths=includes,
+                extra_cflags=["-O2"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
+        except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
+            lines = [ln for ln in str(e).splitlines() if "error:" in ln.lower()]
+            raise BuildError(f"compiling {what} failed: {(lines or [str(e)])[0].strip()}") from None
+
+
+LOCK_NAME = "memplan.lock"  # memplan's own lock in a build folder, holding its holder's process id
+TORCH_BATON = "lock"  # the file torch.utils.cpp_extension's builder creates there and waits on while it exists
+QUIET_WAIT_S = 2.0  # a wait shorter than this (another process loading the built module) says nothing
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path, what: str, wait_s: float = BUILD_LOCK_WAIT_S) -> Iterator[None]:
+    """Hold `build_dir` for this process while `what` is built or loaded there: another memplan process building it
+    is waited for, with a line on stderr, for at most `wait_s` seconds (then BuildError); once held, a torch lock
+    file left by a killed build is removed (its builder is gone: it would have held this lock)."""
+    with open(build_dir / LOCK_NAME, "a+") as lock:
+        _acquire(lock, build_dir, what, wait_s)
+        try:
+            lock.seek(0)
+            lock.truncate()
+            lock.write(f"{os.getpid()}\n")
+            lock.flush()
+            baton = build_dir / TORCH_BATON
+            if baton.exists():
+                print(f"memplan: removing {baton}, left by a build of {what} that was killed", file=sys.stderr)
+                baton.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _acquire(lock, build_dir: Path, what: str, wait_s: float) -> None:
+    """Take the exclusive lock on the open file `lock`, waiting at most `wait_s` seconds (told on stderr)."""
+    start, told = time.monotonic(), False
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        waited = time.monotonic() - start
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        if waited >= wait_s:
+            raise BuildError(
+                f"gave up after {waited:.0f} s waiting for process {holder} to finish building {what} in {build_dir}"
+            )
+        if waited >= QUIET_WAIT_S and not told:
+            print(f"memplan: waiting for process {holder} to finish building {what} in {build_dir} (at most "
+                  f"{wait_s:.0f} s)", file=sys.stderr)  # fmt: skip
+            told = True
+        time.sleep(0.2)

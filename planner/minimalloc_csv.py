@@ -14,6 +14,7 @@ import numpy as np
 
 from memplan.errors import MemplanError
 from memplan.files import atomic_write, read_bytes
+from memplan.limits import short_repr
 from memplan.planner.problem import MAX_BYTES, Problem, ProblemError, build_problem
 from memplan.traces.format import columns_digest
 
@@ -33,7 +34,10 @@ def read_csv(path: str | os.PathLike, alignment: int = 1) -> tuple[Problem, list
         raise CsvError(f"{name}: no such file") from None
     except (OSError, UnicodeDecodeError) as e:
         raise CsvError(f"{name}: cannot read ({type(e).__name__})") from None
-    rows = list(csv.reader(io.StringIO(text)))
+    try:
+        rows = list(csv.reader(io.StringIO(text)))
+    except csv.Error as e:  # a field past the csv module's limit, a NUL byte, ...
+        raise CsvError(f"{name}: not a readable CSV ({e})") from None
     if not rows:
         raise CsvError(f"{name}: empty file (expected a header id,lower,upper,size)")
     header = [h.strip() for h in rows[0]]
@@ -53,7 +57,7 @@ def read_csv(path: str | os.PathLike, alignment: int = 1) -> tuple[Problem, list
             try:
                 v = int(row[col[c]])
             except ValueError:
-                raise CsvError(f"{name}:{line}: {c} {row[col[c]]!r} is not an integer") from None
+                raise CsvError(f"{name}:{line}: {c} {short_repr(row[col[c]])} is not an integer") from None
             if not 0 <= v < MAX_BYTES:
                 raise CsvError(f"{name}:{line}: {c} {v} is {'negative' if v < 0 else 'beyond 2**62'}")
             cols[c].append(v)

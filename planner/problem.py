@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from memplan.errors import MemplanError
+from memplan.limits import MAX_STREAMS
 from memplan.planner.safety import conflicts_with, release_matrix
 from memplan.traces.format import Trace, trace_digest
 
 MAX_BYTES = 2**62  # sizes, offsets and times stay below this, so their sums never overflow int64
 SCOPES = ("all", "step")
 OUTSIDE = -1  # the offset a plan gives a buffer outside its scope
+DEFAULT_ALIGNMENT = 512  # a trace's sizes and offsets are rounded to this unless a plan says otherwise
 
 
 class ProblemError(MemplanError):
@@ -97,6 +99,8 @@ def build_problem(
     _check_ranges(requested, alloc, free, alignment)
     raw_stream = np.zeros(n, dtype=np.int64) if stream is None else np.asarray(stream, dtype=np.int64)
     names = sorted({int(s) for s in raw_stream} | {int(s[k]) for s in syncs for k in (1, 2)}) or [0]
+    if len(names) > MAX_STREAMS:  # reuse safety keeps buffers x streams and streams x streams matrices
+        raise ProblemError(f"{len(names):,} distinct streams; memplan handles at most {MAX_STREAMS} (limits.py)")
     dense = {s: k for k, s in enumerate(names)}
     dstream = np.array([dense[int(s)] for s in raw_stream], dtype=np.int64)
     dsyncs = [(int(t), dense[int(a)], dense[int(b)]) for t, a, b in syncs]
@@ -185,7 +189,9 @@ def outside_of_scope(trace: Trace, scope: str) -> np.ndarray:
     return (trace.alloc == 0) & (trace.free == trace.end) & (trace.size > 0)
 
 
-def problem_from_trace(trace: Trace, alignment: int = 512, groups=(), fixed=None, scope: str = "all") -> Problem:
+def problem_from_trace(
+    trace: Trace, alignment: int = DEFAULT_ALIGNMENT, groups=(), fixed=None, scope: str = "all"
+) -> Problem:
     """The allocation problem of a trace: sizes rounded up to `alignment`, streams and syncs kept; with
     scope `step` the whole-window buffers are outside the plan (size 0 here)."""
     outside = outside_of_scope(trace, scope)

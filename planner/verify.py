@@ -2,10 +2,14 @@
 
 It checks one offset per buffer (-1 exactly for the buffers outside a step plan's scope), alignment, the
 arena and capacity, contiguous groups, fixed offsets, and that no two conflicting buffers share a byte;
-a failure names the buffers involved.
+a failure names the buffers involved. verify_figures then checks what a plan says about itself (its arena,
+bound, status and gap) against the placement, so no view shows a figure the placement does not prove.
 """
 
 from __future__ import annotations
+
+import bisect
+import math
 
 import numpy as np
 
@@ -34,7 +38,6 @@ def verify_plan(problem: Problem, offsets, arena: int, capacity: int | None = No
     if len(bad):
         raise PlanError(f"{_name(p, int(bad[0]))} is outside the plan's scope but has offset {int(off[bad[0]])}")
     off = np.where(p.outside, 0, off)  # size 0 in the problem: no byte, no alignment to check
-    act = p.active
     end = off + p.size
     bad = np.nonzero(off < 0)[0]
     if len(bad):
@@ -48,6 +51,8 @@ def verify_plan(problem: Problem, offsets, arena: int, capacity: int | None = No
     if len(bad):
         i = int(bad[0])
         raise PlanError(f"{_name(p, i)} ends at byte {int(end[i])}, beyond the arena of {arena} bytes")
+    if not 0 <= arena < MAX_BYTES:
+        raise PlanError(f"arena of {arena} bytes is outside [0, 2**62)")
     if capacity is not None and arena > capacity:
         raise PlanError(f"arena of {arena} bytes exceeds the capacity of {capacity} bytes")
     for i, want in p.fixed.items():
@@ -57,8 +62,46 @@ def verify_plan(problem: Problem, offsets, arena: int, capacity: int | None = No
         for a, b in zip(members, members[1:]):
             if off[b] != off[a] + p.size[a]:
                 raise PlanError(f"contiguous group {g}: {_name(p, b)} does not start where {_name(p, a)} ends")
-    # Overlap check: sort by offset; any byte-overlapping pair shows up within each buffer's window.
-    idx = np.nonzero(act)[0]
+    pair = _sharing_pair(p, off, end) if p.nstreams == 1 else _sharing_pair_streams(p, off, end)
+    if pair is not None:
+        i, j = sorted(pair, key=lambda k: (int(off[k]), k))
+        lo, top = max(off[i], off[j]), min(end[i], end[j])
+        raise PlanError(f"{_name(p, i)} and {_name(p, j)} may be live together but share bytes [{lo}, {top})")
+
+
+def _sharing_pair(p: Problem, off: np.ndarray, end: np.ndarray) -> tuple[int, int] | None:
+    """On one stream, two buffers conflict exactly when their lifetimes intersect: sweep the events in time order
+    (frees before allocations at the same time), keeping the live buffers' byte ranges sorted and disjoint, and
+    return the first pair whose ranges meet (O(n log n), however much the plan reuses its bytes)."""
+    idx = np.nonzero(p.active)[0]
+    times = np.concatenate([p.free[idx], p.alloc[idx]])
+    kinds = np.concatenate([np.zeros(len(idx), dtype=np.int64), np.ones(len(idx), dtype=np.int64)])
+    who = np.concatenate([idx, idx])
+    starts: list[int] = []  # the live buffers' first bytes, ascending (their ranges are disjoint)
+    owners: list[int] = []
+    offsets, ends = off.tolist(), end.tolist()
+    for k in np.lexsort((kinds, times)).tolist():
+        i = int(who[k])
+        if kinds[k] == 0:  # a free: drop its range (it was inserted at its own start)
+            at = bisect.bisect_left(starts, offsets[i])
+            while owners[at] != i:
+                at += 1
+            del starts[at], owners[at]
+            continue
+        at = bisect.bisect_right(starts, offsets[i])
+        if at > 0 and ends[owners[at - 1]] > offsets[i]:
+            return owners[at - 1], i
+        if at < len(starts) and starts[at] < ends[i]:
+            return owners[at], i
+        starts.insert(at, offsets[i])
+        owners.insert(at, i)
+    return None
+
+
+def _sharing_pair_streams(p: Problem, off: np.ndarray, end: np.ndarray) -> tuple[int, int] | None:
+    """With several streams (conflicts follow happens-before, not lifetimes alone): sort by offset and test each
+    buffer against those that start inside its bytes."""
+    idx = np.nonzero(p.active)[0]
     order = idx[np.argsort(off[idx], kind="stable")]
     starts = off[order]
     ends_at = np.searchsorted(starts, end[order], side="left")
@@ -70,6 +113,32 @@ def verify_plan(problem: Problem, offsets, arena: int, capacity: int | None = No
         others = order[pos + 1 : hi]
         hit = np.nonzero(p.conflicts_with(i, others))[0]
         if len(hit):
-            j = int(others[hit[0]])
-            lo, top = max(off[i], off[j]), min(end[i], end[j])
-            raise PlanError(f"{_name(p, i)} and {_name(p, j)} may be live together but share bytes [{lo}, {top})")
+            return i, int(others[hit[0]])
+    return None
+
+
+def placement_top(problem: Problem, offsets) -> int:
+    """Where the highest placed buffer ends: the least arena that holds the placement (0 when nothing is placed)."""
+    off = np.where(problem.outside, 0, np.asarray(offsets, dtype=np.int64).reshape(len(problem)))
+    return int((off + problem.size)[problem.size > 0].max(initial=0))
+
+
+def verify_figures(
+    problem: Problem, offsets, *, arena: int, bound: int, status: str, gap: float, bound_source: str = ""
+) -> None:
+    """PlanError unless a verified placement's figures are the ones it proves: the arena is where its highest buffer
+    ends, the bound lies between 0 and the arena (and is the problem's max-live when it says it is), the status is
+    "optimal" exactly when arena = bound, and the gap is arena / bound - 1 (0 with no bound)."""
+    top = placement_top(problem, offsets)
+    if arena != top:
+        raise PlanError(f"the arena says {arena} bytes but the placement's highest buffer ends at byte {top}")
+    if not 0 <= bound <= arena:
+        raise PlanError(f"lower bound of {bound} bytes is not between 0 and the arena of {arena} bytes")
+    if bound_source == "max-live" and bound != problem.max_live():
+        raise PlanError(f"the bound says max-live, {bound} bytes, but the trace's max-live is {problem.max_live()}")
+    want = "optimal" if arena == bound else "feasible"
+    if status != want:
+        raise PlanError(f"status {status!r} with arena {arena} and bound {bound} bytes: it is {want}")
+    expected = arena / bound - 1.0 if bound else 0.0
+    if not (math.isfinite(gap) and abs(gap - expected) <= 1e-9 * max(1.0, expected)):
+        raise PlanError(f"gap {gap} is not arena / bound - 1 = {expected:.6g}")

@@ -23,9 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from memplan.errors import MemplanError
-from memplan.planner.plan import Plan
+from memplan.planner.plan import Plan, check_plan
 from memplan.planner.problem import OUTSIDE, Problem
-from memplan.planner.verify import verify_plan
 from memplan.solvers.bounds import Bound, cheap_bound
 from memplan.solvers.budget import Budget
 from memplan.solvers.cpsat import MAX_TERMS, cpsat_place, model_terms
@@ -299,5 +298,5 @@ def _finish(best: _Best, capacity: int | None) -> Plan:
             proven=False,
         )
     plan = best.plan(capacity)
-    verify_plan(best.p, plan.offsets, plan.arena, capacity)  # no plan leaves here unchecked, printed or written
+    check_plan(plan, best.p)  # no plan leaves here unchecked (its figures too), printed or written
     return plan

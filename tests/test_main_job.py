@@ -45,7 +45,8 @@ def test_run_writes_report_pictures_and_one_row_per_mode(tmp_path):
     assert [row["mode"] for row in s["rows"]] == list(MODES)
     base = s["rows"][0]
     for row in s["rows"]:
-        trace, plan = load(row["trace_file"]), load_plan(row["plan_file"])
+        trace = load(row["trace_file"])
+        plan = load_plan(row["plan_file"], trace)
         assert row["peak_live"] == trace.peak()[0]
         assert plan.arena == row["plan_arena"] >= row["bound"]
         assert row["saving"] == 1 - row["peak_live"] / base["peak_live"]  # like with like: against as-built

@@ -69,7 +69,7 @@ def test_step_plan_file_round_trip_and_old_plans_place_everything(trace, tmp_pat
     problem = problem_from_trace(trace, scope="step")
     plan = solve(problem)
     save_plan(plan, problem, tmp_path / "p.json")
-    again = load_plan(tmp_path / "p.json")
+    again = load_plan(tmp_path / "p.json", trace)
     assert again == plan
     with pytest.raises(PlanError, match="plan scope 'step' differs"):
         save_plan(plan, problem_from_trace(trace), tmp_path / "q.json")
@@ -77,11 +77,11 @@ def test_step_plan_file_round_trip_and_old_plans_place_everything(trace, tmp_pat
     doc.pop("scope")
     (tmp_path / "old.json").write_text(json.dumps(doc))
     with pytest.raises(PlanError, match="offsets must be non-negative"):
-        load_plan(tmp_path / "old.json")  # without a scope a plan places everything: -1 is refused
+        load_plan(tmp_path / "old.json", trace)  # without a scope a plan places everything: -1 is refused
     everything = solve(problem_from_trace(trace))
     doc = {"format": "memplan-plan/1", **{k: v for k, v in everything.__dict__.items() if k != "scope"}}
     (tmp_path / "older.json").write_text(json.dumps(doc))
-    assert load_plan(tmp_path / "older.json").scope == "all"
+    assert load_plan(tmp_path / "older.json", trace).scope == "all"
 
 
 def test_cli_scope_and_what_it_refuses(trace, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 import json
 from contextlib import nullcontext
@@ -14,6 +15,7 @@ from click.testing import CliRunner
 from lanes import some
 
 from memplan.cli import main
+from memplan.errors import PlanError
 from memplan.planner.plan import save_plan
 from memplan.planner.problem import problem_from_trace
 from memplan.planner.replay import build
@@ -26,7 +28,7 @@ from memplan.planner.workloads import bert
 from memplan.solvers import solve
 from memplan.step import StepSpec
 from memplan.traces.capture import capture_step
-from memplan.traces.format import save
+from memplan.traces.format import load, save
 from memplan.traces.model_file import load_workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,6 +129,26 @@ def test_plan_does_not_replay_on_a_different_trace(planned):
     other = capture_step(maker(model, 1))
     with pytest.raises(ReplayError, match="different trace"):
         schedule_from(plan, other)
+
+
+def test_a_plan_the_verifier_refuses_is_never_replayed(planned):
+    """Two buffers live together moved onto the same bytes: schedule_from refuses the plan (the replay's gate)."""
+    _, trace, problem, plan = planned
+    i, j = next((i, j) for i in range(len(trace)) for j in range(i) if problem.conflict(i, j) and problem.size[j])
+    shared = dataclasses.replace(plan, offsets=[plan.offsets[j] if k == i else o for k, o in enumerate(plan.offsets)])
+    with pytest.raises(PlanError, match="may be live together but share bytes"):
+        schedule_from(shared, trace)
+
+
+def test_the_cpu_allocator_refuses_a_schedule_outside_its_arena():
+    """Past the verifier (a Schedule made by hand), the C++ core still refuses slots whose bounds overflow."""
+    for offsets, alignment in (([2**63 - 128], 64), ([0, 0], 2**63 - 64)):
+        schedule = Schedule(offsets=offsets, sizes=[64] * len(offsets), reserved_offsets=[], reserved_sizes=[],
+                            arena=4096, bound=0, alignment=alignment)  # fmt: skip
+        with pytest.raises(ReplayError, match="the plan allocator refused the plan"):
+            with CPUPlanAllocator(schedule):
+                pass
+        assert not build.cpu_extension().installed()
 
 
 def test_fingerprints_tell_different_runs_apart():
@@ -251,3 +273,25 @@ def test_cli_replay_cuda_without_gpu_fails_in_one_line(bert_files):
     )
     assert result.exit_code == 1
     assert "no CUDA GPU is available" in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_cli_replay_refuses_edited_plans_before_running_them(bert_files):
+    """A plan edited so two live buffers share bytes, or to claim an arena of 2**70 or a bound above its arena:
+    one Error line and exit code 1, with the plan's trace given and with the step captured to check it."""
+    folder, plan = bert_files
+    problem = problem_from_trace(load(folder / "bert.trace.json.gz"))
+    i, j = next((i, j) for i in range(len(plan.offsets)) for j in range(i) if problem.conflict(i, j))
+    doc = json.loads((folder / "bert.plan.json").read_text())
+    edits = {
+        "shared": ({"offsets": [plan.offsets[j] if k == i else o for k, o in enumerate(plan.offsets)]}, "share bytes"),
+        "huge": ({"arena": 2**70}, "outside [0, 2**62)"),
+        "bound": ({"bound": plan.arena + 512}, "is not between 0 and the arena"),
+    }
+    for name, (edit, message) in edits.items():
+        (folder / f"{name}.plan.json").write_text(json.dumps({**doc, **edit}))
+        for extra in (["--trace", str(folder / "bert.trace.json.gz")], []):
+            args = ["replay", str(folder / f"{name}.plan.json"), str(MODELS["bert"]), "--batch", "2", "--seq", str(SEQ)]
+            result = CliRunner().invoke(main, args + extra)
+            assert result.exit_code == 1 and result.stdout == "", (name, result.output)
+            errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+            assert len(errors) == 1 and message in errors[0] and result.stderr.endswith(errors[0] + "\n"), result.stderr

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from memplan.planner.replay import build
-from memplan.planner.replay.native import create_plan, load_library, plan_stats
+from memplan.planner.replay.native import INVALID_PLAN, create_plan, load_library, plan_stats
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +198,38 @@ def test_arena_outlives_the_release_while_blocks_are_live(lib):
     assert lib.memplan_step_begin(h) == 0  # a released plan takes no new step
     lib.memplan_dealloc(p)
     assert lib.memplan_plans_alive() == 0
+
+
+@pytest.mark.parametrize(
+    "offsets, sizes, reserved, arena, alignment",
+    [
+        ([2**63 - 100], [64], ([], []), 4096, 64),  # offset + size wraps past 2**63 (it crashed the process)
+        ([0, 0], [128, 128], ([], []), 4096, 2**63 - 64),  # size + alignment - 1 wraps: every block got 0 bytes
+        ([4032], [128], ([], []), 4096, 64),  # ends past the 4 KiB arena
+        ([0], [64], ([2**63 - 64], [64]), 4096, 64),  # a reserved slot wrapping around
+        ([0], [-64], ([], []), 4096, 64),  # a negative size
+        ([-64], [64], ([], []), 4096, 64),  # a negative offset
+        ([0], [64], ([], []), 4096, 0),  # no alignment
+        ([0], [64], ([], []), -4096, 64),  # a negative arena
+    ],
+)
+def test_a_plan_whose_slots_leave_the_arena_is_refused(lib, offsets, sizes, reserved, arena, alignment):
+    """Checked arithmetic: creation returns INVALID_PLAN, no arena is taken and no allocation is served."""
+    alive = lib.memplan_plans_alive()
+    h = create_plan(lib, offsets, sizes, *reserved, arena_bytes=arena, alignment=alignment)
+    assert h == INVALID_PLAN
+    assert lib.memplan_plans_alive() == alive and lib.memplan_step_begin(h) == 0
+    good = create_plan(lib, offsets=[0, 0], sizes=[128, 128], arena_bytes=4096, alignment=64)
+    assert good > 0 and lib.memplan_plan_release(good)
+
+
+def test_a_slot_ending_exactly_at_the_arena_top_is_served(lib):
+    h = create_plan(lib, offsets=[4032], sizes=[1], arena_bytes=4096, alignment=64)  # 1 byte takes 64: ends at 4096
+    assert h > 0 and lib.memplan_step_begin(h)
+    p = lib.memplan_alloc(1)
+    assert lib.memplan_step_end(h) and p == lib.memplan_plan_arena(h) + 4032
+    lib.memplan_dealloc(p)
+    assert lib.memplan_plan_release(h)
 
 
 def test_allocations_outside_a_step_go_to_the_system(lib):

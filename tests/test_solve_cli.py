@@ -28,7 +28,7 @@ def test_solve_trace_writes_a_verified_plan(tmp_path):
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)
     assert {"buffers", "bound", "arena", "ratio", "status", "gap", "seconds", "solver"} <= set(summary)
-    plan = load_plan(tmp_path / "plan.json")
+    plan = load_plan(tmp_path / "plan.json", trace)
     assert plan.digest == trace_digest(trace) and plan.alignment == 512
     verify_plan(problem_from_trace(trace), plan.offsets, plan.arena)
     assert summary["arena"] == plan.arena == 4096 + 5120 + 3072 and summary["status"] == "optimal"

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from memplan.errors import TraceError
-from memplan.files import atomic_write, read_bytes
+from memplan.files import atomic_write, decode_json, read_bytes
+from memplan.limits import MAX_JSON_DEPTH, MAX_STREAMS, TIME_SLACK, LimitError, check_nesting, short_repr
 
 FORMAT = "memplan-trace/1"
 CATEGORIES = ("parameter", "gradient", "optimizer", "activation", "input", "temporary", "workspace", "unknown")
@@ -126,7 +127,7 @@ def _int_column(name: str, values: Any, n: int | None) -> np.ndarray:
         raise TraceError(f"buffers.{name}: has {len(values)} entries but buffers.size has {n}")
     for i, v in enumerate(values):
         if not isinstance(v, int) or isinstance(v, bool):
-            raise TraceError(f"buffers.{name}[{i}]: expected an integer, got {v!r}")
+            raise TraceError(f"buffers.{name}[{i}]: expected an integer, got {short_repr(v)}")
         if not INT64_MIN <= v <= INT64_MAX:
             raise TraceError(f"buffers.{name}[{i}]: {v} does not fit in 64 bits")
     return np.asarray(values, dtype=np.int64) if values else np.zeros(0, dtype=np.int64)
@@ -139,7 +140,7 @@ def _str_column(name: str, values: Any, n: int) -> list[str]:
         raise TraceError(f"buffers.{name}: has {len(values)} entries but buffers.size has {n}")
     for i, v in enumerate(values):
         if not isinstance(v, str):
-            raise TraceError(f"buffers.{name}[{i}]: expected a string, got {v!r}")
+            raise TraceError(f"buffers.{name}[{i}]: expected a string, got {short_repr(v)}")
     return list(values)
 
 
@@ -153,6 +154,10 @@ def from_dict(data: Any) -> Trace:
     meta = data.get("meta", {})
     if not isinstance(meta, dict):
         raise TraceError("meta: expected an object")
+    try:
+        check_nesting(meta, MAX_JSON_DEPTH)
+    except LimitError as e:
+        raise LimitError(f"meta: {e} (limits.MAX_JSON_DEPTH)") from None
     buffers = data.get("buffers")
     if not isinstance(buffers, dict):
         raise TraceError("buffers: missing or not an object")
@@ -190,7 +195,9 @@ def from_dict(data: Any) -> Trace:
     for name, allowed in (("category", CATEGORIES), ("phase", PHASES)):
         for i, v in enumerate(cols[name]):
             if v not in allowed:
-                raise TraceError(f"buffers.{name}[{i}]: unknown {name} {v!r} (expected one of {', '.join(allowed)})")
+                raise TraceError(
+                    f"buffers.{name}[{i}]: unknown {name} {short_repr(v)} (expected one of {', '.join(allowed)})"
+                )
 
     syncs_raw = data.get("syncs", [])
     if not isinstance(syncs_raw, list):
@@ -198,11 +205,34 @@ def from_dict(data: Any) -> Trace:
     syncs = []
     for i, s in enumerate(syncs_raw):
         if not isinstance(s, list) or len(s) != 3 or not all(isinstance(x, int) and not isinstance(x, bool) for x in s):
-            raise TraceError(f"syncs[{i}]: expected [time, from_stream, to_stream] integers, got {s!r}")
+            raise TraceError(f"syncs[{i}]: expected [time, from_stream, to_stream] integers, got {short_repr(s)}")
         if s[0] < 0:
             raise TraceError(f"syncs[{i}]: negative time {s[0]}")
         syncs.append((s[0], s[1], s[2]))
+    _check_bounds(cols, syncs)
     return Trace(syncs=syncs, meta=meta, **cols)
+
+
+def _check_bounds(cols: dict[str, Any], syncs: list[tuple[int, int, int]]) -> None:
+    """LimitError for times beyond what the trace's events can reach, or more streams than reuse safety can hold
+    (memplan/limits.py)."""
+    n = len(cols["size"])
+    latest = 2 * n + TIME_SLACK  # two events per buffer, and room for gaps in a hand-made trace
+    for name in ("alloc", "free"):
+        bad = np.nonzero(cols[name] > latest)[0]
+        if len(bad):
+            i = int(bad[0])
+            raise LimitError(
+                f"buffers.{name}[{i}]: time {int(cols[name][i])} is beyond {latest:,}, twice the {n:,} buffers plus "
+                f"{TIME_SLACK:,} (logical times count events; limits.TIME_SLACK)"
+            )
+    for i, (t, _, _) in enumerate(syncs):
+        if t > latest:
+            raise LimitError(f"syncs[{i}]: time {t} is beyond {latest:,} (logical times count events)")
+    streams = len(np.unique(cols["stream"])) if n else 0
+    if streams > MAX_STREAMS:
+        raise LimitError(f"buffers.stream: {streams:,} distinct streams; memplan handles at most {MAX_STREAMS} "
+                         "(limits.MAX_STREAMS)")  # fmt: skip
 
 
 def to_dict(trace: Trace) -> dict[str, Any]:
@@ -222,14 +252,13 @@ def load(path: str | os.PathLike) -> Trace:
     except OSError as e:
         raise TraceError(f"{name}: cannot read ({e.strerror or e})") from None
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        where = f" at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
-        raise TraceError(f"{name}: not valid JSON{where} (truncated or not a trace?)") from None
+        data = decode_json(raw)
+    except ValueError as e:
+        raise TraceError(f"{name}: {e}") from None
     try:
         return from_dict(data)
-    except TraceError as e:
-        raise TraceError(f"{name}: {e}") from None
+    except (TraceError, LimitError) as e:
+        raise type(e)(f"{name}: {e}") from None
 
 
 def save(trace: Trace, path: str | os.PathLike) -> None:

@@ -1,7 +1,8 @@
 """CUDA memory snapshots (`torch.cuda.memory._dump_snapshot`): safe loading and conversion to a Trace.
 
 A snapshot is a pickle; it is read with an unpickler that builds only dict, list, tuple, str,
-int, float, bool and None, so a file holding any object is refused before anything runs.
+int, float, bool and None, so a file holding any object is refused before anything runs; its bytes and
+nesting are bounded (memplan/limits.py), and a container that holds itself is refused.
 The trace keeps one buffer per `alloc` entry plus one per block that was allocated before
 recording began (alloc time 0); times count the `alloc` and `free_completed` entries. A snapshot
 memplan exported (planner/simulate/snapshot_export.py) names each buffer's labels in its frames
@@ -17,11 +18,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from memplan.errors import SnapshotError
+from memplan.errors import SnapshotError, TraceError
+from memplan.files import read_bytes
+from memplan.limits import MAX_PICKLE_BYTES, MAX_PICKLE_DEPTH, LimitError, check_nesting, short_repr
 from memplan.traces.format import CATEGORIES, PHASES, Trace, make_trace
-from memplan.units import MiB
+from memplan.units import MiB, human_bytes
 
 PLAIN_TYPES = (dict, list, tuple, str, int, float, bool, type(None))
+SNAPSHOT_DEPTH = 8  # how deep PyTorch's snapshots nest (dict, device list, entries, entry, frames, frame, ...)
 KEYS = ("segments", "device_traces")
 FREE_ACTIONS = ("free_completed", "free")  # when the allocator gets a block back ("free": old snapshots)
 ENGINE_FRAME = "torch::autograd::Engine::evaluate_function"
@@ -43,32 +47,28 @@ class _PlainUnpickler(pickle.Unpickler):
         raise SnapshotError("refused: the pickle holds a persistent reference; a snapshot holds plain data only")
 
 
-def _check_plain(obj: Any) -> None:
-    """Walk the decoded data and refuse any value outside the plain types (sets, bytes, ...)."""
-    stack = [obj]
-    while stack:
-        x = stack.pop()
-        t = type(x)
-        if t is dict:
-            stack.extend(x.keys())
-            stack.extend(x.values())
-        elif t is list or t is tuple:
-            stack.extend(x)
-        elif t not in PLAIN_TYPES:
-            raise SnapshotError(f"refused: the pickle holds a {t.__name__}; a snapshot holds plain data only")
-
-
 def load_plain_pickle(data: bytes) -> Any:
-    """Decode pickle bytes that may hold only dict, list, tuple, str, int, float, bool and None."""
+    """Decode pickle bytes that may hold only dict, list, tuple, str, int, float, bool and None, at most
+    MAX_PICKLE_BYTES long and MAX_PICKLE_DEPTH deep, without cycles (a walk of them would never end)."""
+    if len(data) > MAX_PICKLE_BYTES:
+        raise LimitError(
+            f"holds more than {human_bytes(MAX_PICKLE_BYTES)}, the most memplan reads of a snapshot (limits.py)"
+        )
     try:
         obj = _PlainUnpickler(io.BytesIO(data)).load()
     except SnapshotError:
         raise
     except Exception as e:  # any malformed pickle: truncated, bad opcode, ...
-        raise SnapshotError(
-            f"not a readable pickle ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-        ) from None
-    _check_plain(obj)
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise SnapshotError(f"not a readable pickle ({type(e).__name__}: {first[:200]})") from None
+    try:
+        check_nesting(obj, MAX_PICKLE_DEPTH, PLAIN_TYPES)
+    except TypeError as e:
+        raise SnapshotError(f"refused: the pickle holds a {e}; a snapshot holds plain data only") from None
+    except LimitError as e:
+        raise LimitError(f"refused: {e} (limits.MAX_PICKLE_DEPTH); a snapshot nests {SNAPSHOT_DEPTH} deep") from None
+    except ValueError as e:
+        raise SnapshotError(f"refused: {e}; a snapshot holds none") from None
     return obj
 
 
@@ -178,7 +178,7 @@ def in_backward(frames: Any) -> bool:
 def _int(d: dict, key: str, where: str) -> int:
     v = d.get(key)
     if not isinstance(v, int) or isinstance(v, bool):
-        raise SnapshotError(f"{where}.{key}: expected an integer, got {v!r}")
+        raise SnapshotError(f"{where}.{key}: expected an integer, got {short_repr(v)}")
     return v
 
 
@@ -281,16 +281,15 @@ def read_snapshot(path: str | os.PathLike, device: int | None = None) -> Snapsho
     """Load a snapshot file safely and parse it for one device."""
     name = os.fspath(path)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = read_bytes(path, limit=MAX_PICKLE_BYTES)
     except FileNotFoundError:
         raise SnapshotError(f"{name}: no such file") from None
     except OSError as e:
         raise SnapshotError(f"{name}: cannot read ({e.strerror or e})") from None
     try:
         return parse_snapshot(load_plain_pickle(data), device)
-    except SnapshotError as e:
-        raise SnapshotError(f"{name}: {e}") from None
+    except (SnapshotError, LimitError) as e:
+        raise type(e)(f"{name}: {e}") from None
 
 
 def is_live_block(block: SnapshotBlock) -> bool:
@@ -354,7 +353,10 @@ def snapshot_to_trace(snap: Snapshot, source: str = "") -> Trace:
 def import_snapshot(path: str | os.PathLike, device: int | None = None) -> Trace:
     """Read a snapshot file and return its trace for one device."""
     snap = read_snapshot(path, device)
-    return snapshot_to_trace(snap, source=os.path.basename(os.fspath(path)))
+    try:
+        return snapshot_to_trace(snap, source=os.path.basename(os.fspath(path)))
+    except (TraceError, LimitError) as e:  # a value no trace can hold (a size past 64 bits, too many streams)
+        raise type(e)(f"{os.fspath(path)}: {e}") from None
 
 
 def import_summary(trace: Trace) -> dict:

@@ -27,7 +27,7 @@ def export_file(trace_file: str, output: str | None, plan_file: str | None, *, a
     output = output or f"{name.removesuffix('.gz').removesuffix('.json').removesuffix('.trace')}.pickle"
     check_snapshot_path(output)  # before any work
     trace = load(trace_file)
-    plan = load_plan(plan_file) if plan_file else None
+    plan = load_plan(plan_file, trace) if plan_file else None  # verified against the trace
     progress(f"exporting {trace_file} ({len(trace):,} buffers) on {'the plan' if plan else 'the caching allocator'}")
     try:
         snapshot = make_snapshot(trace, plan, alloc_conf=alloc_conf, tie_break=tie_break, name=name)

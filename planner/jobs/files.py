@@ -35,7 +35,7 @@ def simulate_file(trace_file: str, plan_file: str | None, *, alloc_conf: str, ti
     """`memplan simulate`: the trace on the caching allocator (and its plan), with the timeline CSV if asked and
     the verdict on `gpu` when given."""
     trace = load(trace_file)
-    plan = load_plan(plan_file) if plan_file else None
+    plan = load_plan(plan_file, trace) if plan_file else None
     progress(f"simulating {trace_file} ({len(trace):,} buffers, {trace.end:,} events)")
     report = simulate_trace(trace, trace_file, plan=plan, plan_name=plan_file, alloc_conf=alloc_conf,
                           capacity=capacity, tie_break=tie_break, gpu=gpu)  # fmt: skip
@@ -48,8 +48,10 @@ def simulate_file(trace_file: str, plan_file: str | None, *, alloc_conf: str, ti
 def load_files(
     trace_files: Sequence[str], plan_files: Sequence[str]
 ) -> tuple[list[tuple[str, Trace]], list[tuple[str, Plan]]]:
-    """The named traces and plans of a multi-trace command, in the order given."""
-    return [(f, load(f)) for f in trace_files], [(f, load_plan(f)) for f in plan_files]
+    """The named traces and plans of a multi-trace command, in the order given; each plan verified against the
+    trace it was made for."""
+    traces = [(f, load(f)) for f in trace_files]
+    return traces, [(f, load_plan(f, [t for _, t in traces])) for f in plan_files]
 
 
 def plot_files(trace_files: Sequence[str], plan_files: Sequence[str], output: str, *, address_space: bool,

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 from memplan.planner.minimalloc_csv import read_csv, write_csv
 from memplan.planner.plan import Plan, save_plan
-from memplan.planner.problem import Problem, ProblemError, problem_from_trace
+from memplan.planner.problem import DEFAULT_ALIGNMENT, Problem, ProblemError, problem_from_trace
 from memplan.solvers.portfolio import Progress, solve
 from memplan.traces.format import load
 
-TRACE_ALIGNMENT, CSV_ALIGNMENT = 512, 1
+TRACE_ALIGNMENT, CSV_ALIGNMENT = DEFAULT_ALIGNMENT, 1
 
 
 @dataclass

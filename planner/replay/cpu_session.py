@@ -11,7 +11,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from memplan.planner.replay import build
-from memplan.planner.replay.native import STATS_FIELDS
+from memplan.planner.replay.native import INVALID_PLAN, INVALID_PLAN_MESSAGE, STATS_FIELDS
 from memplan.planner.replay.schedule import ReplayError, Schedule
 
 
@@ -28,6 +28,8 @@ class CPUPlanAllocator:
     def __enter__(self) -> CPUPlanAllocator:
         s = self.schedule
         self.handle = self.ext.create(s.offsets, s.sizes, s.reserved_offsets, s.reserved_sizes, s.arena, s.alignment)
+        if self.handle == INVALID_PLAN:
+            raise ReplayError(INVALID_PLAN_MESSAGE)
         if self.handle == 0:
             raise ReplayError(f"cannot allocate an arena of {s.arena} bytes")
         self.arena_base = self.ext.arena_base(self.handle)

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 
 from memplan.planner.replay import build
-from memplan.planner.replay.native import create_plan, load_library, plan_stats
+from memplan.planner.replay.native import INVALID_PLAN, INVALID_PLAN_MESSAGE, create_plan, load_library, plan_stats
 from memplan.planner.replay.schedule import ReplayError, Schedule
 
 _installed: dict[str, ctypes.CDLL] = {}
@@ -54,6 +54,8 @@ class CUDAPlanAllocator:
         self.handle = create_plan(
             self.lib, s.offsets, s.sizes, s.reserved_offsets, s.reserved_sizes, s.arena, s.alignment
         )
+        if self.handle == INVALID_PLAN:
+            raise ReplayError(INVALID_PLAN_MESSAGE)
         if self.handle == 0:
             raise ReplayError(f"cannot allocate an arena of {s.arena} bytes on cuda:0")
         self.arena_base = self.lib.memplan_plan_arena(self.handle) or 0

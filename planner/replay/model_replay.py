@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from memplan.planner.plan import load_plan
+from memplan.planner.plan import PlanMismatchError, load_plan
 from memplan.planner.replay.cpu_session import CPUPlanAllocator
 from memplan.planner.replay.report import ReplayReport
 from memplan.planner.replay.runner import replay
@@ -12,7 +12,7 @@ from memplan.planner.replay.schedule import ReplayError, schedule_from
 from memplan.step import StepSpec
 from memplan.traces.capture import capture_step
 from memplan.traces.compile import Compile, compile_model
-from memplan.traces.format import load, trace_digest
+from memplan.traces.format import Trace, load
 from memplan.traces.model_file import load_workload
 
 
@@ -25,8 +25,9 @@ def replay_model_file(
     progress: Callable[[str], None] = lambda m: None,
 ) -> ReplayReport:
     """Replay PLAN on the model file's `step` (real tensors). The plan's trace is `trace_file`, or (CPU) the step
-    captured now. A compiled step is compiled as `memplan trace --compile` compiles it, so the steps allocate the
-    sequence the plan was made for (the warm-up step compiles it)."""
+    captured now; the plan is verified against it before anything runs, and refused when it fails. A compiled step
+    is compiled as `memplan trace --compile` compiles it, so the steps allocate the sequence the plan was made for
+    (the warm-up step compiles it)."""
     device = step.device
     if step.fake:
         raise ReplayError("a replay runs the real step: it takes no fake tensors")
@@ -38,7 +39,6 @@ def replay_model_file(
         raise ReplayError(f"--device {device}: replay supports cpu and cuda")
 
     compiled = None if step.compile is None else Compile(step.compile)
-    plan = load_plan(plan_file)
 
     def make_workload():
         workload = load_workload(step)
@@ -46,23 +46,35 @@ def replay_model_file(
             compile_model(workload.model, compiled)
         return workload
 
-    if trace_file is not None:
-        trace = load(trace_file)
-        require_same_compile(trace_file, trace.meta.get("compile"), compiled)
-    elif device == "cuda":
-        raise ReplayError(
-            "--device cuda needs --trace (the plan's trace): a capture cannot see allocations "
-            "made through the plan plugin"
-        )
-    else:
-        progress(f"capturing one step of {step.model_file} to find the plan's allocation order")
-        trace = capture_step(make_workload)
-        if trace_digest(trace) != plan.digest:
-            how = "" if compiled is None else f", compiled with memory budget {compiled.budget:g}"
+    traces: list[Trace] = []
+
+    def plan_trace() -> Trace:
+        """The trace the plan is checked against: the --trace file, or (CPU) the step captured now."""
+        if trace_file is not None:
+            trace = load(trace_file)
+            require_same_compile(trace_file, trace.meta.get("compile"), compiled)
+        elif device == "cuda":
             raise ReplayError(
-                f"{plan_file} was not made from this step of {step.model_file} (batch {step.batch}, seq {step.seq}, "
-                f"{step.dtype}, {step.mode_name}{how}): pass the plan's trace with --trace"
+                "--device cuda needs --trace (the plan's trace): a capture cannot see allocations "
+                "made through the plan plugin"
             )
+        else:
+            progress(f"capturing one step of {step.model_file} to find the plan's allocation order")
+            trace = capture_step(make_workload)
+        traces.append(trace)
+        return trace
+
+    try:
+        plan = load_plan(plan_file, plan_trace)  # verified against its trace before anything runs on it
+    except PlanMismatchError:
+        if trace_file is not None:
+            raise
+        how = "" if compiled is None else f", compiled with memory budget {compiled.budget:g}"
+        raise ReplayError(
+            f"{plan_file} was not made from this step of {step.model_file} (batch {step.batch}, seq {step.seq}, "
+            f"{step.dtype}, {step.mode_name}{how}): pass the plan's trace with --trace"
+        ) from None
+    trace = traces[0]
     schedule = schedule_from(plan, trace, device)
     if device == "cuda":
         allocator = CUDAPlanAllocator(lib, schedule)

@@ -25,6 +25,11 @@ STATS_FIELDS = (
     "live_blocks",
 )
 
+INVALID_PLAN = -1  # what plan creation returns for a plan whose slots do not fit its arena (csrc/c_api.h)
+INVALID_PLAN_MESSAGE = (
+    "the plan allocator refused the plan: a slot (offset, size rounded up to the alignment) does not end inside "
+    "the arena, or its bounds overflow 64 bits"
+)
 _I64 = ctypes.c_int64
 _P = ctypes.POINTER(ctypes.c_int64)
 
@@ -60,7 +65,8 @@ def _array(values) -> ctypes.Array:
 def create_plan(
     lib: ctypes.CDLL, offsets, sizes, reserved_offsets=(), reserved_sizes=(), arena_bytes=0, alignment=1
 ) -> int:
-    """A plan handle (> 0) over a new arena; 0 when the arena cannot be allocated."""
+    """A plan handle (> 0) over a new arena; 0 when the arena cannot be allocated, INVALID_PLAN (-1) when a slot
+    does not end inside the arena or its bounds overflow 64 bits (csrc/c_api.h)."""
     return lib.memplan_plan_create(
         _array(offsets),
         _array(sizes),

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memplan.errors import MemplanError
-from memplan.planner.plan import Plan
-from memplan.traces.format import Trace, trace_digest
+from memplan.planner.plan import Plan, PlanMismatchError, check_plan, plan_problem
+from memplan.traces.format import Trace
 
 CPU_ALIGNMENT = 64  # PyTorch's CPU allocator aligns every block to 64 bytes; kernels may rely on it
 
@@ -37,11 +37,12 @@ class Schedule:
 
 
 def schedule_from(plan: Plan, trace: Trace, device: str = "cpu") -> Schedule:
-    """The schedule of `plan` over its `trace`; ReplayError when they do not belong together."""
-    if plan.digest != trace_digest(trace):
-        raise ReplayError("the plan was made for a different trace (digest mismatch)")
-    if len(plan.offsets) != len(trace):
-        raise ReplayError(f"the plan has {len(plan.offsets)} offsets but the trace has {len(trace)} buffers")
+    """The schedule of `plan` over its `trace`; ReplayError when they do not belong together, PlanError when the
+    verifier refuses the plan (a replay never runs a plan whose live buffers could share bytes)."""
+    try:
+        check_plan(plan, plan_problem(plan, trace))
+    except PlanMismatchError:
+        raise ReplayError("the plan was made for a different trace (digest mismatch)") from None
     if device == "cpu" and plan.alignment % CPU_ALIGNMENT:
         raise ReplayError(
             f"plan alignment {plan.alignment} is not a multiple of {CPU_ALIGNMENT}, the CPU "

@@ -10,7 +10,7 @@ import numpy as np
 
 from memplan.gpus import GPU
 from memplan.planner.plan import Plan
-from memplan.planner.problem import Problem, problem_from_trace
+from memplan.planner.problem import DEFAULT_ALIGNMENT, Problem, problem_from_trace
 from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.caching_allocator import SimResult, simulate_caching
 from memplan.planner.simulate.plan_footprint import PlanMemory, simulate_plan
@@ -39,8 +39,8 @@ class Measurement:
 
     name: str  # what the user called the trace (its path, or the mode it was traced under)
     trace: Trace
-    problem: Problem  # the trace's allocation problem (every buffer, sizes aligned to 512 bytes)
-    bound: int  # its max-live lower bound on any plan's arena
+    problem: Problem  # the trace's allocation problem (every buffer, sizes aligned as the plan's, 512 without one)
+    bound: int  # its max-live lower bound on any plan's arena (at that alignment)
     caching: SimResult  # the caching allocator simulated: peaks, series, out-of-memory
     alloc_conf: str  # the PYTORCH_CUDA_ALLOC_CONF string simulated ("" for the defaults)
     capacity: int | None  # the device capacity simulated, None for unlimited
@@ -89,10 +89,13 @@ def simulate_trace(
     problem: Problem | None = None,
     gpu: GPU | None = None,
 ) -> Measurement:
-    """Simulate `trace` on the caching allocator and, when given, on `plan` (checked to belong to it), and judge
-    whether it fits `gpu` when given; `problem` is the trace's allocation problem when the caller has built it."""
+    """Simulate `trace` on the caching allocator and, when given, on `plan` (verified against it first), and judge
+    whether it fits `gpu` when given; `problem` is the trace's allocation problem when the caller has built it. The
+    max-live bound is taken at the plan's alignment, so it is never above a valid plan's arena."""
     conf = parse_alloc_conf(alloc_conf, tie_break)
-    problem = problem or problem_from_trace(trace)
+    alignment = DEFAULT_ALIGNMENT if plan is None else plan.alignment
+    if problem is None or problem.alignment != alignment or problem.scope != "all":
+        problem = problem_from_trace(trace, alignment=alignment)
     plan_memory = simulate_plan(trace, plan, name, plan_name or "plan") if plan is not None else None
     caching = simulate_caching(trace, conf, capacity=capacity)
     unlimited = caching if capacity is None else None

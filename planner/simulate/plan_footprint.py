@@ -3,8 +3,8 @@
 The step's footprint is the arena, reserved for the whole step, plus whatever the trace holds outside
 the plan: nothing for a plan of scope `all`, the whole-window buffers (parameters, optimizer state,
 inputs, at their sizes rounded to the plan's alignment) for a `step` plan. What varies inside is how
-much of the arena is in use (aligned live bytes). The plan is re-checked with the independent verifier,
-so a hand-edited or foreign plan is refused.
+much of the arena is in use (aligned live bytes). The plan is re-checked with the independent verifier (its
+figures too: planner.plan.check_plan), so a hand-edited or foreign plan is refused.
 """
 
 from __future__ import annotations
@@ -13,15 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memplan.errors import MemplanError, PlanError
-from memplan.planner.plan import Plan, plan_problem
-from memplan.planner.problem import align_up
-from memplan.planner.verify import verify_plan
+from memplan.errors import PlanError
+from memplan.planner.plan import Plan, PlanMismatchError, check_plan, plan_problem
+from memplan.planner.problem import ProblemError, align_up
 from memplan.traces.format import Trace, live_bytes, trace_digest
-
-
-class PlanMismatchError(MemplanError):
-    """A plan was made for another trace (its digest differs)."""
 
 
 @dataclass
@@ -57,10 +52,10 @@ def simulate_plan(trace: Trace, plan: Plan, trace_name: str = "trace", plan_name
             f"{plan_name}: plan was made for another trace, not {trace_name} "
             f"(trace digest differs); solve {trace_name} again"
         )
-    problem = plan_problem(plan, trace)
     try:
-        verify_plan(problem, plan.offsets, plan.arena)
-    except PlanError as e:
+        problem = plan_problem(plan, trace)
+        check_plan(plan, problem)
+    except (PlanError, ProblemError) as e:
         raise PlanError(f"{plan_name}: invalid for {trace_name}: {e}") from None
     held_outside = align_up(trace.size, plan.alignment) * problem.outside
     return PlanMemory(

@@ -15,7 +15,9 @@ extern "C" {
 int64_t memplan_stats_fields();
 // A plan of n planned allocations (offset, size) and n_reserved slots of buffers that predate the
 // step, over an arena of arena_bytes; each block holds its size rounded up to `alignment`.
-// Reserved slots are free until adopted. Returns a handle > 0, or 0 when the arena cannot be had.
+// Reserved slots are free until adopted. Returns a handle > 0, 0 when the arena cannot be had, or -1 for an
+// invalid plan: an alignment below 1, a negative offset, size or arena, or a slot (its size rounded up to the
+// alignment) that does not end inside the arena, every sum checked for int64 overflow.
 int64_t memplan_plan_create(const int64_t* offsets, const int64_t* sizes, int64_t n,
                             const int64_t* reserved_offsets, const int64_t* reserved_sizes,
                             int64_t n_reserved, int64_t arena_bytes, int64_t alignment);

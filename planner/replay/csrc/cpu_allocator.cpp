@@ -82,7 +82,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("install", &install, "Make the plan allocator PyTorch's CPU allocator");
   m.def("restore", &restore, "Put back the CPU allocator that install() replaced");
   m.def("installed", &installed);
-  m.def("create", &create, "A plan over a new arena; returns its handle (0 if the arena cannot be had)");
+  m.def("create", &create, "A plan over a new arena; returns its handle (0 if the arena cannot be had, -1 for an invalid plan)");
   m.def("begin_step", [](int64_t h) { return memplan_step_begin(h) == 1; });
   m.def("end_step", [](int64_t h) { return memplan_step_end(h) == 1; });
   m.def("begin_adopt", [](int64_t h) { return memplan_adopt_begin(h) == 1; });

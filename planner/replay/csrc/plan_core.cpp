@@ -16,7 +16,27 @@ bool overlaps(const std::map<int64_t, int64_t>& m, int64_t begin, int64_t end) {
   return it->second > begin;
 }
 
+// Whether [offset, offset + size rounded up to alignment) lies inside [0, arena); every sum is checked, so a slot
+// whose end does not fit int64 is refused rather than wrapped around to a small or negative number.
+bool slot_fits(int64_t offset, int64_t size, int64_t arena, int64_t alignment) {
+  int64_t padded = 0, end = 0;
+  if (offset < 0 || size < 0 || __builtin_add_overflow(size, alignment - 1, &padded)) return false;
+  if (__builtin_add_overflow(offset, padded / alignment * alignment, &end)) return false;
+  return end <= arena;
+}
+
 }  // namespace
+
+bool PlanCore::valid(const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes,
+                     const std::vector<std::pair<int64_t, int64_t>>& reserved, int64_t arena_bytes,
+                     int64_t alignment) {
+  if (alignment < 1 || arena_bytes < 0 || offsets.size() != sizes.size()) return false;
+  for (size_t k = 0; k < offsets.size(); ++k)
+    if (!slot_fits(offsets[k], sizes[k], arena_bytes, alignment)) return false;
+  for (const auto& r : reserved)
+    if (!slot_fits(r.first, r.second, arena_bytes, alignment)) return false;
+  return true;
+}
 
 PlanCore::PlanCore(std::vector<int64_t> offsets, std::vector<int64_t> sizes,
                    const std::vector<std::pair<int64_t, int64_t>>& reserved, int64_t arena_bytes,
@@ -139,6 +159,7 @@ PlanStats PlanCore::stats() const {
 int64_t Registry::create(std::vector<int64_t> offsets, std::vector<int64_t> sizes,
                          const std::vector<std::pair<int64_t, int64_t>>& reserved,
                          int64_t arena_bytes, int64_t alignment) {
+  if (!PlanCore::valid(offsets, sizes, reserved, arena_bytes, alignment)) return -1;
   auto core = std::make_unique<PlanCore>(std::move(offsets), std::move(sizes), reserved,
                                          arena_bytes, alignment, sys_);
   if (!core->arena_ok()) return 0;

@@ -57,6 +57,13 @@ class PlanCore {
   PlanCore(const PlanCore&) = delete;
   PlanCore& operator=(const PlanCore&) = delete;
 
+  // A plan is valid when the alignment is positive and every slot (offset, size) has a non-negative offset and
+  // size and ends, its size rounded up to the alignment, inside the arena, all without overflowing int64 (checked
+  // arithmetic: an offset near 2**63 or an alignment of 2**63 - 64 is refused, never wrapped around). An invalid
+  // plan gets no arena and serves nothing.
+  static bool valid(const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes,
+                    const std::vector<std::pair<int64_t, int64_t>>& reserved, int64_t arena_bytes,
+                    int64_t alignment);
   bool arena_ok() const { return arena_bytes_ == 0 || base_ != nullptr; }
   void* base() const { return base_; }
   void begin(Phase phase);  // a step starts again at the plan's first allocation
@@ -74,6 +81,7 @@ class PlanCore {
   void* adopted(size_t nbytes);
   void note_peak();
   void* fall_back(size_t nbytes, int64_t* reason);
+  // A block's bytes: its size rounded up to the alignment (valid() proved it fits int64 for every slot).
   int64_t extent(int64_t nbytes) const { return (nbytes + alignment_ - 1) / alignment_ * alignment_; }
 
   std::vector<int64_t> offsets_, sizes_;
@@ -96,7 +104,7 @@ class PlanCore {
 class Registry {
  public:
   explicit Registry(SystemMemory sys) : sys_(sys) {}
-  // Returns a handle > 0, or 0 when the arena could not be allocated.
+  // Returns a handle > 0, 0 when the arena could not be allocated, or -1 for an invalid plan (PlanCore::valid).
   int64_t create(std::vector<int64_t> offsets, std::vector<int64_t> sizes,
                  const std::vector<std::pair<int64_t, int64_t>>& reserved, int64_t arena_bytes,
                  int64_t alignment);
