@@ -366,6 +366,36 @@ def plot_command(trace_files, plan_files, output, address_space, alloc_conf, tie
     emit(summary, as_json, f"wrote {summary['output']}")
 
 
+@main.command("report")
+@click.argument("trace_files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option(
+    "--plan",
+    "plan_files",
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    help="Plan of one of the traces (matched by trace digest, verified against it); repeat for several.",
+)
+@gpu_option("each trace's verdict on it, in the report.")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Page to write: a .html file.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def report_command(trace_files, plan_files, gpu_name, output, as_json):
+    """Write one self-contained HTML report of traces and plans: zoomable timelines side by side, every buffer's
+    details on hover, the address space, the largest buffers at the peak, per module, the verdict.
+
+    \b
+    Example: memplan report bert.baseline.trace.json.gz bert.tempo.trace.json.gz -o bert.html
+    """
+    import shlex
+
+    from memplan.planner.jobs.files import report_files
+
+    command = shlex.join(["memplan", "report", *trace_files, *(a for p in plan_files for a in ("--plan", p))]
+                         + (["--gpu", gpu_name] if gpu_name else []) + ["-o", output])  # fmt: skip
+    summary = report_files(trace_files, plan_files, output, gpu=find_gpu(gpu_name), command=command,
+                           progress=progress)  # fmt: skip
+    emit(summary, as_json, f"wrote {summary['output']} ({summary['bytes']:,} bytes)")
+
+
 @main.command("compare")
 @click.argument("trace_files", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option(

@@ -11,3 +11,8 @@ fi
 # Compile the C++ parts now (plan allocator, CUDA plugin when a toolkit is there, solver kernels),
 # so no command waits for them; without a compiler this stops with what to install.
 .venv/bin/python -m memplan.planner.replay.build
+# The HTML report's browser test (tests/test_html_report.py) drives a headless Chromium: install Debian's when
+# it is missing and we can (root with apt-get); otherwise that test skips and says why.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+fi

@@ -102,6 +102,15 @@ BAD = {
         ["{d}/t.json"],
         ["{d}/t.json", "-o", "/proc/no/such/dir/out.png"],
     ],
+    "report": [
+        ["{d}/t.json", "-o", "{d}/out.png"],
+        ["{d}/missing.json", "-o", "{d}/out.html"],
+        ["{d}/cut.json.gz", "-o", "{d}/out.html"],
+        ["{d}/t.json", "--plan", "{d}/other.plan.json", "-o", "{d}/out.html"],
+        ["{d}/t.json", "--gpu", "nosuchgpu", "-o", "{d}/out.html"],
+        ["{d}/t.json"],
+        ["{d}/t.json", "-o", "/proc/no/such/dir/out.html"],
+    ],
     "compare": [["{d}/missing.json"], ["{d}/t.json", "--plan", "{d}/other.plan.json"], []],
     "replay": [
         ["{d}/missing.plan.json", "{e}/bert.py"],

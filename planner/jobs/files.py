@@ -1,4 +1,4 @@
-"""The commands that read and write files only: `memplan import`, `simulate`, `plot` and `compare`. Each
+"""The commands that read and write files only: `memplan import`, `simulate`, `plot`, `report` and `compare`. Each
 returns its data (the command's JSON, or the typed summary or rows behind it); planner/report/ renders it."""
 
 from __future__ import annotations
@@ -6,10 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from memplan.errors import MemplanError
 from memplan.files import atomic_write
 from memplan.gpus import GPU
 from memplan.planner.plan import Plan, load_plan
 from memplan.planner.report.compare import CompareRow, compare_traces
+from memplan.planner.report.html_report import render_html
 from memplan.planner.report.memory_report import SimulateSummary, report_summary, timeline_csv
 from memplan.planner.report.plots import check_request, plot_reports
 from memplan.planner.simulate.measure import simulate_trace
@@ -68,6 +70,24 @@ def plot_files(trace_files: Sequence[str], plan_files: Sequence[str], output: st
     plot_reports(reports, output, address_space=address_space)
     progress(f"wrote {output}")
     return {"output": output, "traces": list(trace_files), "plans": list(plan_files), "address_space": address_space}
+
+
+def report_files(trace_files: Sequence[str], plan_files: Sequence[str], output: str, *, gpu: GPU | None,
+                 command: str, progress: Progress) -> dict:  # fmt: skip
+    """`memplan report`: the traces side by side (each with the plan made for it, verified against it, and its
+    verdict on `gpu` when given) in one self-contained HTML page; `command` is the line that reproduces it."""
+    if Path(output).suffix.lower() not in (".html", ".htm"):
+        raise MemplanError(f"{output}: the report must end in .html")
+    traces, plans = load_files(trace_files, plan_files)
+    reports = []
+    for (name, trace), given in zip(traces, match_plans(traces, plans)):
+        progress(f"simulating {name} ({len(trace):,} buffers)")
+        plan_name, plan = given if given else (None, None)
+        reports.append(simulate_trace(trace, name, plan=plan, plan_name=plan_name, gpu=gpu))
+    page = render_html(reports, [command])
+    atomic_write(output, page)
+    progress(f"wrote {output}")
+    return {"output": output, "traces": list(trace_files), "plans": list(plan_files), "bytes": len(page.encode())}
 
 
 def compare_files(trace_files: Sequence[str], plan_files: Sequence[str], *, method: str, time_limit: float,

@@ -24,6 +24,7 @@ from memplan.modes import AS_BUILT, MODES, REPLAYED_MODE
 from memplan.planner.plan import save_plan
 from memplan.planner.replay.model_replay import replay_model_file
 from memplan.planner.replay.report import ReplayReport
+from memplan.planner.report.html_report import render_html
 from memplan.planner.report.plots import plot_reports
 from memplan.planner.report.run_report import render_markdown
 from memplan.planner.report.trace_text import describe_patch
@@ -96,6 +97,7 @@ class RunResult:
     timeline_png: str
     address_space_png: str
     seconds: float
+    html_report: str = ""  # report.html: the interactive page (planner/report/html_report.py)
 
     def summary(self) -> dict:
         return {
@@ -114,6 +116,7 @@ class RunResult:
             "report": self.report_md,
             "timeline": self.timeline_png,
             "address_space": self.address_space_png,
+            "html_report": self.html_report,
             "seconds": round(self.seconds, 1),
         }
 
@@ -187,7 +190,7 @@ def run_mode(
 
 
 def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> RunResult:
-    """Run the main job and write report.md, timeline.png and address_space.png into opts.out_dir."""
+    """Run the main job and write report.md, report.html, timeline.png and address_space.png into opts.out_dir."""
 
     if not Path(opts.step.model_file).is_file():
         raise MemplanError(f"{opts.step.model_file}: no such model file")
@@ -216,6 +219,10 @@ def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> R
         plot_reports(reports, work / "timeline.png")
         replayed = next(r for r in reports if r.name == opts.replay_mode)
         plot_reports([replayed], work / "address_space.png", address_space=True)
+        progress("writing report.html")
+        commands = [f"# {row.mode}\n{row.command}" for row in rows]
+        title = f"memplan report: {Path(opts.step.model_file).stem}"
+        atomic_write(work / "report.html", render_html(reports, commands, title))
 
         result = RunResult(
             options=opts,
@@ -228,6 +235,7 @@ def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> R
             timeline_png=str(out / "timeline.png"),
             address_space_png=str(out / "address_space.png"),
             seconds=time.monotonic() - start,
+            html_report=str(out / "report.html"),
         )
         atomic_write(work / "report.md", render_markdown(result.summary()))
         move_into(work, out)
