@@ -5,7 +5,9 @@
 micro-batches, and at `on_step_end` it leaves it, so the recorded window is one whole optimizer step: the
 forward and backward of every micro-batch of gradient accumulation, the clipping, `optimizer.step()`, the
 scheduler and `zero_grad`. The trace is the one `memplan.record` gives around the same step of a hand-written
-loop. `record_accelerate` is `memplan.record` for a model and optimizer that `Accelerator.prepare` wrapped.
+loop. `dry_run` runs a Trainer under fake tensors up to that step, before any training (nothing allocated, any
+size, a CUDA device on any machine). `record_accelerate` is `memplan.record` for a model and optimizer that
+`Accelerator.prepare` wrapped.
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback
 
 from memplan.errors import MemplanError
-from memplan.traces.capture import Recording, record
+from memplan.traces.capture import Recording, record, run_user_code
 from memplan.traces.format import Trace
 
 SOURCE = "memplan.integrations.huggingface"
@@ -64,6 +66,7 @@ class MemplanCallback(TrainerCallback):
         self._recording: Recording | None = None
         self._batches: tuple[list, Any] = ([], None)  # the micro-batches of the step about to run
         self._trainer: Trainer | None = None
+        self._session: Recording | None = None  # dry_run's fake recording, whose step this callback marks
 
     def on_train_begin(self, args, state, control, **kwargs):
         """Find the Trainer running this callback and watch the micro-batches it fetches for each step."""
@@ -83,12 +86,15 @@ class MemplanCallback(TrainerCallback):
         """At step `step`: start recording, with the step's micro-batches (fetched already) as its inputs."""
         if state.global_step != self.step or self._stack is not None or self.trace is not None:
             return
-        meta = {"source": SOURCE, "step": self.step, "gradient_accumulation_steps": args.gradient_accumulation_steps}
         stack = contextlib.ExitStack()
-        self._recording = stack.enter_context(
-            record(model, unwrap_optimizer(optimizer), inputs=self._batches, output=self.output,
-                   meta={**meta, **self.meta})
-        )  # fmt: skip
+        if self._session is not None:  # a dry run: the session is recording already, from before the model was built
+            stack.enter_context(self._session.step(model, unwrap_optimizer(optimizer), inputs=self._batches))
+            self._recording = self._session
+        else:
+            self._recording = stack.enter_context(
+                record(model, unwrap_optimizer(optimizer), inputs=self._batches, output=self.output,
+                       meta=self._meta(args))
+            )  # fmt: skip
         self._stack = stack
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -98,6 +104,14 @@ class MemplanCallback(TrainerCallback):
         stack, self._stack = self._stack, None
         stack.close()
         self.trace = self._recording.trace
+        if self._session is not None:
+            self.trace.meta.update(self._meta(args))  # before record() writes it, as the session ends
+            control.should_training_stop = True  # a dry run ends with its step
+
+    def _meta(self, args) -> dict:
+        """What the trace's meta says of the run: memplan's source, the step, the micro-batches in a step."""
+        run = {"source": SOURCE, "step": self.step, "gradient_accumulation_steps": args.gradient_accumulation_steps}
+        return {**run, **self.meta}
 
     def on_train_end(self, args, state, control, **kwargs):
         self._release()
@@ -152,3 +166,30 @@ def record_accelerate(
         meta={"source": SOURCE, "framework": "accelerate", **(meta or {})},
     ) as recording:
         yield recording
+
+
+def dry_run(
+    build: Callable[[], Trainer],
+    step: int = 1,
+    *,
+    device: str | torch.device = "cpu",
+    gpu: str | None = None,
+    output: str | os.PathLike | None = None,
+    meta: dict | None = None,
+) -> Trace:
+    """Step `step` of the Trainer that `build()` makes (its model, TrainingArguments and Trainer built inside), run
+    under fake tensors on `device` (a CUDA one follows `gpu`'s rules) as a trace: the memory of a Trainer run before
+    any is rented. Training stops after that step; nothing is allocated or computed, so sizes need not fit here."""
+    callback = MemplanCallback(step, output=None, meta={"dry_run": True, **(meta or {})})
+    with record(fake=True, device=device, gpu=gpu, output=output) as session:
+        trainer = run_user_code("Trainer's build", "dry_run", build, IntegrationError)
+        if not isinstance(trainer, Trainer):
+            raise IntegrationError(f"dry_run: build() returned {type(trainer).__name__}, not a transformers.Trainer")
+        callback._session = session
+        trainer.add_callback(callback)
+        with callback:
+            trainer.train()
+        trainer.remove_callback(callback)
+        if callback.trace is None:
+            raise IntegrationError(f"dry_run: the run ended before step {step} (max_steps {trainer.state.max_steps})")
+    return session.trace

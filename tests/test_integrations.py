@@ -14,7 +14,13 @@ from memplan.errors import MemplanError
 
 pytest.importorskip("accelerate", reason="transformers' Trainer and Accelerate's loop need accelerate installed")
 
-from memplan.integrations.huggingface import SOURCE, MemplanCallback, record_accelerate, unwrap_optimizer  # noqa: E402
+from memplan.integrations.huggingface import (  # noqa: E402
+    SOURCE,
+    MemplanCallback,
+    dry_run,
+    record_accelerate,
+    unwrap_optimizer,
+)
 
 transformers.logging.set_verbosity_error()
 COLUMNS = ("size", "alloc", "free", "category", "phase", "op", "module")
@@ -43,11 +49,11 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def trainer(tmp_path, steps: int, accumulation: int = 1, callbacks=()) -> transformers.Trainer:
+def trainer(tmp_path, steps: int, accumulation: int = 1, callbacks=(), **options) -> transformers.Trainer:
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "run"), per_device_train_batch_size=BATCH, gradient_accumulation_steps=accumulation,
-        max_steps=steps, report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True,
-        dataloader_num_workers=0, max_grad_norm=1.0,
+        max_steps=steps, report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        dataloader_num_workers=0, max_grad_norm=1.0, **{"use_cpu": True, **options},
     )  # fmt: skip
     return transformers.Trainer(model=tiny_llama(), args=args, train_dataset=Tokens(), callbacks=list(callbacks))
 
@@ -187,3 +193,79 @@ def test_an_accelerate_loops_step_is_recorded_as_memplan_record_records_it(tmp_p
     with memplan.record(model, optimizer, inputs=batches[2:]) as expected:
         plain_step(model, optimizer, batches[2:])
     assert rows(rec.trace) == rows(expected.trace)
+
+
+def events_of_the_step(trace) -> list[tuple]:
+    """Every allocation (+size) and free (-size) with its labels in time order, the state first, less the storages
+    of Trainer's own loop (the last loss, the logged norm: `unknown`), which a fake run sees from their making."""
+    timed = []
+    for i in range(len(trace)):
+        if trace.category[i] != "unknown":
+            label = (trace.op[i], trace.module[i], trace.phase[i], trace.category[i])
+            timed.append((int(trace.alloc[i]), int(trace.size[i]), label))
+            if trace.free[i] < trace.end:
+                timed.append((int(trace.free[i]), -int(trace.size[i]), label))
+    return [(size, label) for _, size, label in sorted(timed, key=lambda event: event[0])]
+
+
+def state_bytes(trace) -> dict[str, int]:
+    """Bytes alive as the step begins, per category."""
+    totals: dict[str, int] = {}
+    for size, alloc, category in zip(trace.size.tolist(), trace.alloc.tolist(), trace.category):
+        if alloc == 0 and category != "unknown":
+            totals[category] = totals.get(category, 0) + size
+    return totals
+
+
+def test_a_dry_run_is_memplan_records_fake_step_and_holds_the_real_runs_state(tmp_path):
+    """dry_run builds and trains the Trainer under fake tensors to step K: the trace memplan.record(fake=True) gives
+    around Trainer's loop body for that step, with the real run's parameters, gradients, optimizer state and inputs."""
+    step, accumulation = 2, 2
+    out = tmp_path / "dry.json.gz"
+    fake = dry_run(lambda: trainer(tmp_path, steps=10, accumulation=accumulation), step=step, output=out)
+    assert memplan.load_trace(out).meta == fake.meta
+    assert fake.meta["fake"] and fake.meta["dry_run"] and fake.meta["source"] == SOURCE and fake.meta["step"] == step
+    with memplan.record(fake=True) as recording:
+        hand = trainer(tmp_path, steps=step, accumulation=accumulation)
+        hand.train()
+        batches_left = iter(hand.get_train_dataloader())
+        for _ in range(step * accumulation):
+            next(batches_left)
+        batches, items = hand.get_batch_samples(batches_left, accumulation, hand.args.device)
+        with recording.step(hand.model, unwrap_optimizer(hand.optimizer), inputs=(batches, items)):
+            held = trainer_step(hand, batches, items)
+        del held
+    assert events_of_the_step(fake) == events_of_the_step(recording.trace)
+
+    real = MemplanCallback(step=step, output=None)
+    with real:
+        trainer(tmp_path, steps=step + 1, accumulation=accumulation, callbacks=[real]).train()
+    assert state_bytes(fake) == state_bytes(real.trace)
+
+
+def test_a_dry_run_on_a_fake_cuda_gpu_with_bf16_autocast(tmp_path):
+    """On a machine without a GPU: Trainer picks the (fake) CUDA device, pins its batches, autocasts to bf16."""
+    build = lambda: trainer(tmp_path, steps=4, use_cpu=False, bf16=True)  # noqa: E731
+    trace = dry_run(build, step=1, device="cuda", gpu="A100-80GB")
+    assert trace.meta["device"] == "cuda" and trace.meta["gpu"] == "A100-80GB" and trace.meta["fake"]
+    parameters = sum(p.numel() * 4 for p in tiny_llama().parameters())
+    totals = state_bytes(trace)
+    assert totals["parameter"] - 2 * 16 == parameters  # fp32 weights (and the rotary table, a buffer of 2 x 16 B)
+    assert totals["optimizer"] == 2 * parameters + 4 * len(list(tiny_llama().parameters()))  # moments, step counts
+    assert "workspace" in set(trace.category)  # cuBLAS's, as on the GPU
+    assert "aten::_to_copy" in set(trace.op)  # bf16 copies of the weights under autocast
+
+
+def test_a_dry_run_says_what_is_wrong_in_one_line(tmp_path):
+    def broken():
+        raise ValueError("no such model")
+
+    for build, message in (
+        (broken, "Trainer's build raised ValueError: no such model"),
+        (tiny_llama, "build\\(\\) returned LlamaForCausalLM, not a transformers.Trainer"),
+        (lambda: trainer(tmp_path, steps=2), "the run ended before step 5"),
+    ):
+        with pytest.raises(MemplanError, match=message) as error:
+            dry_run(build, step=5, output=tmp_path / "never.json.gz")
+        assert "\n" not in str(error.value)
+    assert not (tmp_path / "never.json.gz").exists()
