@@ -23,6 +23,7 @@ from transformers import Trainer, TrainerCallback
 
 from memplan.errors import MemplanError
 from memplan.traces.capture import Recording, record, run_user_code
+from memplan.traces.fake import is_fake
 from memplan.traces.format import Trace
 
 SOURCE = "memplan.integrations.huggingface"
@@ -185,6 +186,8 @@ def dry_run(
         trainer = run_user_code("Trainer's build", "dry_run", build, IntegrationError)
         if not isinstance(trainer, Trainer):
             raise IntegrationError(f"dry_run: build() returned {type(trainer).__name__}, not a transformers.Trainer")
+        if not all(is_fake(p) for p in trainer.model.parameters()):
+            raise IntegrationError("dry_run: the model holds real tensors: make it inside build(), under fake tensors")
         callback._session = session
         trainer.add_callback(callback)
         with callback:

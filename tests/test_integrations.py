@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -260,12 +263,25 @@ def test_a_dry_run_says_what_is_wrong_in_one_line(tmp_path):
     def broken():
         raise ValueError("no such model")
 
+    made_before = trainer(tmp_path, steps=2)  # real tensors, outside the dry run
+
     for build, message in (
         (broken, "Trainer's build raised ValueError: no such model"),
         (tiny_llama, "build\\(\\) returned LlamaForCausalLM, not a transformers.Trainer"),
         (lambda: trainer(tmp_path, steps=2), "the run ended before step 5"),
+        (lambda: made_before, "the model holds real tensors: make it inside build"),
     ):
         with pytest.raises(MemplanError, match=message) as error:
             dry_run(build, step=5, output=tmp_path / "never.json.gz")
         assert "\n" not in str(error.value)
     assert not (tmp_path / "never.json.gz").exists()
+
+
+@pytest.mark.slow
+def test_the_example_runs_as_printed(tmp_path):
+    """examples/hf_trainer_callback.py, as its docstring says to run it (about 20 s on a busy 2-core machine)."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer_callback.py"
+    done = subprocess.run([sys.executable, str(example)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "dry run, step 2 on an H100 in bf16" in done.stdout and "fits: True" in done.stdout
+    assert memplan.load_trace(tmp_path / "hf-step2.trace.json.gz").meta["step"] == 2
