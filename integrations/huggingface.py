@@ -31,7 +31,8 @@ DEFAULT_OUTPUT = "step.trace.json.gz"
 
 
 class IntegrationError(MemplanError):
-    """A training framework's step cannot be recorded (a bad step number, a second recording at once)."""
+    """A training framework's step cannot be recorded (a bad step number, a dry run's build that makes no fake
+    Trainer, a run that ends before the step)."""
 
 
 def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -43,7 +44,8 @@ def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 def _running_trainer(callback: TrainerCallback) -> Trainer | None:
-    """The Trainer whose callback handler is calling `callback` now (found on the call stack), or None."""
+    """The Trainer whose callback handler is calling `callback` now (found on the call stack), or None: Trainer
+    hands its callbacks the model and optimizer but not itself, nor the step's batches."""
     frame = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")

@@ -150,6 +150,29 @@ def test_an_error_inside_the_step_writes_nothing_and_removes_the_recorder(tmp_pa
     assert recording.trace.meta["source"] == "memplan.record"
 
 
+def test_without_with_a_raised_step_stays_open_until_closed(tmp_path):
+    """Trainer calls no hook when training raises: the recording is open until close() (or the next train())."""
+    out = tmp_path / "step.trace.json.gz"
+    callback = MemplanCallback(step=1, output=out)
+    run = trainer(tmp_path, steps=3, callbacks=[callback])
+    calls = []
+
+    def fail_in_step_1(_module, _args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise Broken("out of memory, say")
+
+    handle = run.model.register_forward_pre_hook(fail_in_step_1)
+    with pytest.raises(Broken):
+        run.train()
+    assert not gc.isenabled()  # the recording is still open
+    callback.close()
+    assert gc.isenabled() and not out.exists() and callback.trace is None
+    handle.remove()
+    run.train()  # the same callback in a new run records its step 1
+    assert out.exists() and callback.trace.meta["step"] == 1
+
+
 def test_a_step_past_the_run_records_nothing_and_a_bad_step_is_refused(tmp_path):
     callback = MemplanCallback(step=5, output=tmp_path / "never.json.gz")
     with callback:
