@@ -168,11 +168,13 @@ def _tensor_from_data(original):
     """torch.tensor that makes a fake CUDA tensor on a torch built without CUDA: made on the CPU, then copied to an
     empty CUDA one (the factory itself would ask the missing CUDA backend for its storage, below fake tensor mode)."""
 
-    def tensor(data, *args, device=None, **kwargs):
+    def tensor(data, *args, device=None, requires_grad=False, **kwargs):
         if device is None or torch.device(device).type != "cuda" or torch.backends.cuda.is_built():
-            return original(data, *args, device=device, **kwargs)
+            return original(data, *args, device=device, requires_grad=requires_grad, **kwargs)
         made = original(data, *args, **kwargs)  # a constant fake tensor mode would move for real: copied instead
-        return torch.empty(made.shape, dtype=made.dtype, device=device).copy_(made).requires_grad_(made.requires_grad)
+        with torch.no_grad():
+            moved = torch.empty(made.shape, dtype=made.dtype, device=device).copy_(made)
+        return moved.requires_grad_(requires_grad)
 
     return tensor
 
