@@ -167,6 +167,26 @@ def test_torch_cuda_calls_of_a_program_work_inside_a_fake_cuda_step():
     assert {"forward", "backward", "optimizer"} <= set(recording.trace.phase)
 
 
+def test_tensors_from_data_pinned_batches_and_a_second_move_of_the_model_on_fake_cuda():
+    """What a training framework does before its step (HuggingFace's Trainer: its loss accumulator from a Python
+    number, the data loader's pinned batches, accelerate moving the model again after the optimizer is made)."""
+    with memplan.record(fake=True, device="cuda") as recording:
+        total = torch.tensor(0.0, device="cuda")
+        weight = torch.tensor([[1.0, 2.0]], device=torch.device("cuda", 0), requires_grad=True)
+        assert total.device.type == "cuda" and weight.is_leaf and weight.requires_grad and weight.shape == (1, 2)
+        batch = torch.ones(2, 4, dtype=torch.long).pin_memory()
+        assert batch.device.type == "cpu" and batch.shape == (2, 4)
+        model = nn.Linear(4, 4).cuda()
+        optimizer = torch.optim.AdamW(model.parameters())
+        held = model.weight
+        model.to("cuda")  # already there: the parameters stay the optimizer's
+        assert model.weight is held
+        with recording.step(model, optimizer):
+            model(batch.to("cuda").float()).sum().backward()
+            optimizer.step()
+    assert "gradient" in recording.trace.category and "optimizer" in recording.trace.category
+
+
 def test_checkpointing_keeps_its_rng_state_on_a_fake_cuda_step():
     from torch.utils.checkpoint import checkpoint
 

@@ -1,7 +1,8 @@
 """The package's shape: one `memplan` namespace, every package listed for the wheel, imports that run one
 way along the flow (modes/step -> layers -> traces -> problem/plan/verify -> solvers/optimize ->
-simulate/replay/cost/report -> jobs -> cli), no import cycle, memplan's own imports inside functions only where
-the module is heavy (cli) or CUDA-only, and no mode name spelled outside the registry (memplan/modes.py)."""
+simulate/replay/cost/report -> jobs -> api/cli/integrations), no import cycle, memplan's own imports inside
+functions only where the module is heavy (cli) or CUDA-only, and no mode name spelled outside the registry
+(memplan/modes.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("traces", "planner", "solvers")
+FOLDERS = ("traces", "planner", "solvers", "integrations")
 # The flow, earliest first: a module may import its own stage and earlier ones, never a later one.
 STAGES = (
     ("memplan.errors", "memplan.units", "memplan.limits", "memplan.files", "memplan.cxx"),  # shared by every stage
@@ -28,7 +29,7 @@ STAGES = (
     ("memplan.planner.simulate", "memplan.planner.replay", "memplan.planner.cost"),  # what a step costs
     ("memplan.planner.report",),
     ("memplan.planner.jobs",),
-    ("memplan.api", "memplan.cli", "memplan"),
+    ("memplan.api", "memplan.cli", "memplan", "memplan.integrations"),  # integrations: memplan inside HF's Trainer
 )  # fmt: skip
 INNER_ALLOWED = {"memplan.cli": "each command imports what it runs: `memplan --help` stays fast",
                  "memplan": "the API loads on first use (PEP 562)",

@@ -27,7 +27,8 @@
 - While it is active, `Tensor.to`/`.cuda` of a fake tensor go straight to `aten._to_copy`, and
   `Module.to`/`.cuda` through `module_to`: so a fake model moves to a CUDA device on a machine
   without one (the Python bindings would ask for the device first), and fake parameters are rebound
-  instead of swapped.
+  instead of swapped; `torch.tensor(data, device="cuda")` is made on the CPU and moved there, and
+  pinning (a data loader's `pin_memory`) copies in host memory.
 """
 
 from __future__ import annotations
@@ -110,12 +111,20 @@ def module_to(model: nn.Module, device=None, dtype: torch.dtype | None = None) -
     """`model.to(device, dtype)`, also for a model of fake tensors: fake parameters cannot be swapped in
     place (fake tensor mode holds weak references to them), so each is rebound to its converted copy,
     tied ones once, keeping what the program attached to it (attributes, gradient hooks) as `Module.to`
-    does. Only floating-point tensors change dtype, as with `Module.to`."""
+    does. Only floating-point tensors change dtype, as with `Module.to`; a tensor already on `device` in its dtype
+    stays itself, as it does with `Module.to` (an optimizer made before a second `.to` keeps its parameters)."""
     if not any(is_fake(t) for t in (*model.parameters(), *model.buffers())):
         return model.to(device=device, dtype=dtype)
     converted: dict[int, torch.Tensor] = {}
+    target = torch.device(device) if device is not None else None
+
+    def placed(t: torch.Tensor) -> bool:
+        same_device = target is None or (t.device.type == target.type and target.index in (None, t.device.index))
+        return same_device and (dtype is None or not t.is_floating_point() or t.dtype == dtype)
 
     def convert(t: torch.Tensor) -> torch.Tensor:
+        if placed(t):
+            return t
         if id(t) not in converted:
             new = t.detach().to(device=device, dtype=dtype if t.is_floating_point() else None)
             if isinstance(t, nn.Parameter):
@@ -153,6 +162,21 @@ def _tensor_to(original):
         )
 
     return to
+
+
+def _tensor_from_data(original):
+    """torch.tensor that makes a fake CUDA tensor on a torch built without CUDA: made on the CPU, then copied to an
+    empty CUDA one (the factory itself would ask the missing CUDA backend for its storage, below fake tensor mode)."""
+
+    def tensor(data, *args, device=None, requires_grad=False, **kwargs):
+        if device is None or torch.device(device).type != "cuda" or torch.backends.cuda.is_built():
+            return original(data, *args, device=device, requires_grad=requires_grad, **kwargs)
+        made = original(data, *args, **kwargs)  # a constant fake tensor mode would move for real: copied instead
+        with torch.no_grad():
+            moved = torch.empty(made.shape, dtype=made.dtype, device=device).copy_(made)
+        return moved.requires_grad_(requires_grad)
+
+    return tensor
 
 
 def _module_to(original):
@@ -217,6 +241,7 @@ class FakeCapture(FakeTensorMode):
                 (torch.Tensor, "cuda", _cuda(to)),
                 (nn.Module, "to", module_to_),
                 (nn.Module, "cuda", _cuda(module_to_)),
+                (torch, "tensor", _tensor_from_data(torch.tensor)),
             ):
                 self._originals.append((owner, name, getattr(owner, name)))
                 setattr(owner, name, method)
@@ -236,6 +261,8 @@ class FakeCapture(FakeTensorMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket in RANDOM_FILLS:
             return args[0]
+        if func is aten._pin_memory.default:  # a data loader's pinned batch: a copy in host memory, as pinning makes
+            func, args, kwargs = aten.clone.default, args[:1], {}
         if self._dispatching:  # what a decomposition makes is the op's own work, as a real kernel's scratch
             return super().__torch_dispatch__(func, types, args, kwargs)
         if func is aten.native_dropout.default and _dropout_mask_first(*args):
