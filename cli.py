@@ -290,8 +290,16 @@ tie_break_option = click.option(
     type=click.Path(dir_okay=False),
     help="Write the per-event series (time, phase, live, allocated, reserved, plan) as CSV.",
 )
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Also run the step N times in a row, as a training loop does, and give the caching allocator's peaks on "
+    "the last run (the cache as the program reaches its step); 1: from an empty cache only.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def simulate_command(trace_file, plan_file, alloc_conf, tie_break, capacity, gpu_name, timeline, as_json):
+def simulate_command(trace_file, plan_file, alloc_conf, tie_break, capacity, gpu_name, timeline, steps, as_json):
     """Simulate TRACE_FILE on PyTorch's caching allocator (and on a plan): bound, arena, peaks; with --gpu,
     whether the step fits that GPU.
 
@@ -303,7 +311,7 @@ def simulate_command(trace_file, plan_file, alloc_conf, tie_break, capacity, gpu
     from memplan.planner.report.memory_report import report_text
 
     summary = simulate_file(trace_file, plan_file, alloc_conf=alloc_conf, tie_break=tie_break, capacity=capacity,
-                            timeline=timeline, progress=progress, gpu=find_gpu(gpu_name))  # fmt: skip
+                            timeline=timeline, progress=progress, gpu=find_gpu(gpu_name), steps=steps)  # fmt: skip
     emit(summary.to_dict(), as_json, report_text(summary))
 
 

@@ -48,3 +48,23 @@ def test_a_first_step_cannot_be_repeated():
     first = make_trace({"size": [10, 100], "alloc": [0, 2], "free": [4, 4]})
     with pytest.raises(RepeatError, match="not a steady step"):
         repeated(first, 2)
+
+
+def test_simulate_steps_gives_the_last_runs_peaks_and_refuses_a_first_step(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from memplan.cli import main
+    from memplan.traces.format import save
+
+    steady, first = tmp_path / "steady.json", tmp_path / "first.json"
+    save(replacing_step(), steady)
+    save(make_trace({"size": [10, 100], "alloc": [0, 2], "free": [4, 4]}), first)
+    result = CliRunner().invoke(main, ["simulate", str(steady), "--steps", "3", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["repeated"]["steps"] == 3 and doc["repeated"]["peak_reserved"] >= doc["caching"]["peak_allocated"]
+    assert json.loads(CliRunner().invoke(main, ["simulate", str(steady), "--json"]).stdout)["repeated"] is None
+    refused = CliRunner().invoke(main, ["simulate", str(first), "--steps", "2"])
+    assert refused.exit_code == 1 and refused.output.strip().splitlines()[-1].startswith("Error: the step keeps")

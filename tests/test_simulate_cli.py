@@ -30,6 +30,7 @@ SUMMARY_KEYS = {
     "caching",
     "timeline",
     "verdict",
+    "repeated",
 }
 CACHING_KEYS = {
     "alloc_conf",

@@ -3,6 +3,7 @@ returns its data (the command's JSON, or the typed summary or rows behind it); p
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -12,10 +13,13 @@ from memplan.gpus import GPU
 from memplan.planner.plan import Plan, load_plan
 from memplan.planner.report.compare import CompareRow, compare_traces
 from memplan.planner.report.html_report import render_html
-from memplan.planner.report.memory_report import SimulateSummary, report_summary, timeline_csv
+from memplan.planner.report.memory_report import RepeatedSummary, SimulateSummary, report_summary, timeline_csv
 from memplan.planner.report.plots import check_request, plot_reports
+from memplan.planner.simulate.alloc_conf import parse_alloc_conf
+from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.planner.simulate.measure import simulate_trace
 from memplan.planner.simulate.plan_footprint import match_plans
+from memplan.planner.simulate.repeat import last_step_peaks, repeated
 from memplan.traces.format import Trace, load, save
 from memplan.traces.snapshot import import_snapshot, import_summary
 
@@ -33,9 +37,10 @@ def import_file(snapshot: str, output: str | None, cuda_device: int | None, prog
 
 
 def simulate_file(trace_file: str, plan_file: str | None, *, alloc_conf: str, tie_break: str, capacity: int | None,
-                  timeline: str | None, progress: Progress, gpu: GPU | None = None) -> SimulateSummary:  # fmt: skip
-    """`memplan simulate`: the trace on the caching allocator (and its plan), with the timeline CSV if asked and
-    the verdict on `gpu` when given."""
+                  timeline: str | None, progress: Progress, gpu: GPU | None = None,
+                  steps: int = 1) -> SimulateSummary:  # fmt: skip
+    """`memplan simulate`: the trace on the caching allocator (and its plan), with the timeline CSV if asked, the
+    verdict on `gpu` when given, and with `steps` > 1 the peaks of the step's last run of `steps` in a row."""
     trace = load(trace_file)
     plan = load_plan(plan_file, trace) if plan_file else None
     progress(f"simulating {trace_file} ({len(trace):,} buffers, {trace.end:,} events)")
@@ -44,7 +49,13 @@ def simulate_file(trace_file: str, plan_file: str | None, *, alloc_conf: str, ti
     if timeline:
         atomic_write(timeline, timeline_csv(report))
         progress(f"wrote {timeline}")
-    return report_summary(report, timeline=timeline)
+    summary = report_summary(report, timeline=timeline)
+    if steps > 1:
+        progress(f"simulating the step run {steps} times in a row")
+        chained = simulate_caching(repeated(trace, steps), parse_alloc_conf(alloc_conf, tie_break), capacity)
+        reserved, allocated = last_step_peaks(chained.reserved, chained.allocated, trace, steps)
+        summary = dataclasses.replace(summary, repeated=RepeatedSummary(steps, allocated, reserved))
+    return summary
 
 
 def load_files(

@@ -82,6 +82,16 @@ class CachingSummary:
 
 
 @dataclass(frozen=True)
+class RepeatedSummary:
+    """The caching allocator's peaks on the step's last run when the step is run `steps` times in a row, as a
+    training loop reaches it (planner/simulate/repeat.py); bytes."""
+
+    steps: int
+    peak_allocated: int
+    peak_reserved: int
+
+
+@dataclass(frozen=True)
 class SimulateSummary:
     """What `memplan simulate` prints: the trace's peak, the bound, the plan and the caching allocator."""
 
@@ -96,6 +106,7 @@ class SimulateSummary:
     caching: CachingSummary
     timeline: str | None  # the timeline CSV written, if any
     verdict: Verdict | None = None  # whether the step fits the GPU of --gpu; None without it
+    repeated: RepeatedSummary | None = None  # with --steps N > 1: the peaks of the step's N-th run in a row
 
     def to_dict(self) -> dict:
         """The JSON document of `memplan simulate --json` (keys documented in docs/cli.md)."""
@@ -174,13 +185,20 @@ def report_text(s: SimulateSummary) -> str:
     conf = c.alloc_conf or "default"
     cap = f", capacity {human_bytes(c.capacity)}" if c.capacity else ""
     lines += [
-        f"caching allocator  (alloc-conf: {conf}{cap}; equal sizes: {c.tie_break.replace('_', ' ')} first)",
+        f"caching allocator  (alloc-conf: {conf}{cap}; equal sizes: {c.tie_break.replace('_', ' ')} first; the step "
+        "from an empty cache)",
         f"  peak allocated   {human_bytes(c.peak_allocated)}",
         f"  peak reserved    {human_bytes(c.peak_reserved)}{ratio(c.peak_reserved)}",
         f"  fragmentation    {c.fragmentation_at_peak:.1%} of reserved at its peak",
         f"  segment allocs   {c.segment_allocs:,}",
         f"  out of memory    {oom_text(c.oom)}",
     ]
+    if s.repeated is not None:
+        r = s.repeated
+        lines += [
+            f"  {f'run {r.steps} times':<17}the last run, as a loop reaches it: peak allocated "
+            f"{human_bytes(r.peak_allocated)}, peak reserved {human_bytes(r.peak_reserved)}{ratio(r.peak_reserved)}"
+        ]
     if s.timeline:
         lines.append(f"timeline           {s.timeline}")
     if s.verdict is not None:
