@@ -104,3 +104,26 @@ def test_misuse_is_one_line_and_writes_nothing(tmp_path):
         with memplan.record(workload.model, workload.optimizer, output=out):
             raise ValueError("the loop failed")
     assert not out.exists()
+
+
+def test_every_micro_batch_of_gradient_accumulation_is_a_forward_with_its_activations():
+    """Each micro-batch's call of the model is a forward, and what it keeps for its own backward is an activation
+    (after the first backward they were labelled 'other' and 'temporary')."""
+    import torch
+    from torch import nn
+
+    import memplan
+
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    optimizer = torch.optim.SGD(model.parameters())
+    batches = [torch.randn(8, 32) for _ in range(2)]
+    with memplan.record(model, optimizer, inputs=batches) as recording:
+        for x in batches:
+            model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    trace = recording.trace
+    hidden = [i for i in range(len(trace)) if trace.size[i] == 8 * 64 * 4 and trace.op[i] == "aten::addmm"]
+    assert len(hidden) == 2  # the first linear's output, once per micro-batch
+    assert [trace.phase[i] for i in hidden] == ["forward", "forward"]
+    assert [trace.category[i] for i in hidden] == ["activation", "activation"]

@@ -19,6 +19,7 @@ A real CPU capture runs on one intra-op thread (see `one_cpu_thread`).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
 import os
@@ -145,6 +146,11 @@ def _categorize(buffers: list[_Buffer], marks: StepMarks) -> None:
     def live(b: _Buffer, t: int | None) -> bool:
         return t is not None and b.alloc <= t < b.free
 
+    def next_backward(b: _Buffer) -> int | None:
+        """When the first backward after the buffer's allocation began (its micro-batch's backward)."""
+        at = bisect.bisect_left(marks.backward_starts, b.alloc)
+        return marks.backward_starts[at] if at < len(marks.backward_starts) else None
+
     for b in buffers:
         if b.category:
             continue
@@ -152,7 +158,7 @@ def _categorize(buffers: list[_Buffer], marks: StepMarks) -> None:
             b.category = "gradient"
         elif b.key in marks.state_keys and live(b, marks.optimizer_end):
             b.category = "optimizer"
-        elif b.phase == "forward" and live(b, marks.backward_at):
+        elif b.phase == "forward" and live(b, next_backward(b)):
             b.category = "activation"
         else:
             b.category = "temporary"

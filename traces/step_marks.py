@@ -30,6 +30,7 @@ class StepMarks:
     grad_keys: set[int] = field(default_factory=set)  # p.grad storages when optimizer.step() begins
     state_keys: set[int] = field(default_factory=set)  # optimizer state storages when it ends
     backward_at: int | None = None  # events recorded before backward began
+    backward_starts: list[int] = field(default_factory=list)  # ... before each backward began (one per micro-batch)
     optimizer_at: int | None = None  # ... before optimizer.step() began
     optimizer_end: int | None = None  # ... before it ended
 
@@ -57,11 +58,15 @@ def _never_compiled(hook):
 
 @contextlib.contextmanager
 def _module_labels(model: torch.nn.Module, recorder: Recorder) -> Iterator[None]:
+    """Module labels; a call of the whole model outside backward is a forward (gradient accumulation's next
+    micro-batch after a backward included)."""
     labels = {key: recorder.intern(path) for key, path in module_paths(model).items()}
     entered: list[int] = []
 
     @_never_compiled
     def enter(module, _inputs):
+        if module is model and not entered and torch.is_grad_enabled():
+            recorder.set_phase(FORWARD)
         recorder.enter_module(labels.get(id(module)) or recorder.intern(type(module).__name__))
         entered.append(1)
 
@@ -109,6 +114,7 @@ def _backward_phase(recorder: Recorder, marks: StepMarks) -> Iterator[None]:
 
     def backward(*args, **kwargs):
         started = recorder.set_phase(BACKWARD)
+        marks.backward_starts.append(started)
         if marks.backward_at is None:
             marks.backward_at = started
         try:
