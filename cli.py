@@ -212,8 +212,7 @@ def trace_command(
     from memplan.planner.jobs.trace import trace_to_file
     from memplan.planner.report.trace_text import render_trace_file
 
-    device = "cuda" if gpu_name is not None and device == "cpu" else device  # --gpu plans a CUDA step
-    step = StepSpec(model_file, batch, seq, dtype, device, layers, fake, compile, bool(warmup), gpu_name)
+    step = StepSpec(model_file, batch, seq, dtype, device, layers, fake, compile, bool(warmup)).on_gpu(gpu_name)
     summary = trace_to_file(step, output, top=top, nproc=nproc, progress=progress)
     emit(summary, as_json, render_trace_file(summary))
 

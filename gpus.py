@@ -169,3 +169,8 @@ def gpu(name: str) -> GPU:
     if found is None:
         raise GPUError(f"--gpu {name}: unknown GPU (known: {', '.join(g.name for g in GPUS)})")
     return found
+
+
+def planned_gpu(named: GPU | str | None) -> GPU:
+    """The GPU a CUDA step is planned for: `named` (a GPU, or a name to look up), else DEFAULT_GPU."""
+    return named if isinstance(named, GPU) else gpu(named or DEFAULT_GPU)

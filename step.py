@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from memplan.errors import CompileError, MemplanError
-from memplan.gpus import DEFAULT_GPU, GPU, gpu
+from memplan.gpus import GPU, gpu
 from memplan.modes import AS_BUILT, check_layer_modes, describe_assignment, mode
 
 DTYPES = ("float32", "bfloat16", "bf16-mixed")
@@ -92,10 +92,12 @@ class StepSpec:
         parts += [] if self.compile is None else [f"--compile --memory-budget {self.compile:g}"]
         return " ".join(parts)
 
-    @property
-    def planned_gpu(self) -> GPU:
-        """The GPU a CUDA step is planned for: the named one, else gpus.DEFAULT_GPU."""
-        return self.gpu or gpu(DEFAULT_GPU)
+    def on_gpu(self, target: GPU | str | None) -> StepSpec:
+        """This step planned for `target` (None: unchanged): a CUDA step (on CUDA's device 0 unless it names one)
+        that takes the GPU's rules."""
+        if target is None:
+            return self
+        return self.replace(device=self.device if self.device.startswith("cuda") else "cuda", gpu=target)
 
     @property
     def parameters_dtype(self) -> str:

@@ -83,6 +83,17 @@ def trainer_step(trainer: transformers.Trainer, batches: list, items) -> tuple[t
     return loss, grad_norm  # Trainer holds both past the step's end (the last micro-batch's loss, the norm it logs)
 
 
+def trained_to(tmp_path, step: int, accumulation: int):
+    """A Trainer trained through steps 0..K-1, and step K's micro-batches and item count as Trainer fetches them."""
+    hand = trainer(tmp_path, steps=step, accumulation=accumulation)
+    hand.train()
+    batches_left = iter(hand.get_train_dataloader())
+    for _ in range(step * accumulation):
+        next(batches_left)
+    batches, items = hand.get_batch_samples(batches_left, accumulation, hand.args.device)
+    return hand, batches, items
+
+
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_the_callbacks_trace_is_memplan_records_of_the_same_step(tmp_path, accumulation):
     step = 2
@@ -93,12 +104,7 @@ def test_the_callbacks_trace_is_memplan_records_of_the_same_step(tmp_path, accum
     assert rows(by_callback) == rows(callback.trace)
 
     # The same run by hand: Trainer trains steps 0..K-1, then step K is Trainer's loop body under memplan.record.
-    hand = trainer(tmp_path, steps=step, accumulation=accumulation)
-    hand.train()
-    batches_left = iter(hand.get_train_dataloader())
-    for _ in range(step * accumulation):
-        next(batches_left)
-    batches, items = hand.get_batch_samples(batches_left, accumulation, hand.args.device)
+    hand, batches, items = trained_to(tmp_path, step, accumulation)
     optimizer = unwrap_optimizer(hand.optimizer)
     with memplan.record(hand.model, optimizer, inputs=(batches, items)) as recording:
         held = trainer_step(hand, batches, items)
@@ -252,12 +258,7 @@ def test_a_dry_run_is_memplan_records_fake_step_and_holds_the_real_runs_state(tm
     assert memplan.load_trace(out).meta == fake.meta
     assert fake.meta["fake"] and fake.meta["dry_run"] and fake.meta["source"] == SOURCE and fake.meta["step"] == step
     with memplan.record(fake=True) as recording:
-        hand = trainer(tmp_path, steps=step, accumulation=accumulation)
-        hand.train()
-        batches_left = iter(hand.get_train_dataloader())
-        for _ in range(step * accumulation):
-            next(batches_left)
-        batches, items = hand.get_batch_samples(batches_left, accumulation, hand.args.device)
+        hand, batches, items = trained_to(tmp_path, step, accumulation)
         with recording.step(hand.model, unwrap_optimizer(hand.optimizer), inputs=(batches, items)):
             held = trainer_step(hand, batches, items)
         del held

@@ -32,8 +32,7 @@ import torch
 from torch import nn
 
 from memplan.errors import MemplanError
-from memplan.gpus import DEFAULT_GPU, GPU
-from memplan.gpus import gpu as find_gpu
+from memplan.gpus import GPU, planned_gpu
 from memplan.modes import AS_BUILT
 from memplan.traces.fake import DATA_RULE, FakeCapture
 from memplan.traces.fake_cuda import fake_cuda_runtime
@@ -345,7 +344,7 @@ def recording_session(
     follows the rules of `gpu` (gpus.py; default gpus.DEFAULT_GPU)."""
     device = torch.device(device)
     fake_cuda = fake and device.type == "cuda"
-    gpu = find_gpu(gpu or DEFAULT_GPU) if not isinstance(gpu, GPU) else gpu
+    gpu = planned_gpu(gpu)
     with one_cpu_thread(device), fake_cuda_runtime(gpu) if fake_cuda else contextlib.nullcontext():
         with recording(device, fake=fake) as recorder:
             workspace = gpu.cublas_workspace_bytes if fake_cuda else 0

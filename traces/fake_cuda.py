@@ -215,16 +215,17 @@ def fake_cuda_runtime(gpu: GPU) -> Iterator[None]:
 
     module = extension()
     module.install()
-    originals = {name: getattr(torch.cuda, name) for name in _replacements(gpu) if hasattr(torch.cuda, name)}
+    replacements = {name: _own_function(replacement) for name, replacement in _replacements(gpu).items()}
+    originals = {name: getattr(torch.cuda, name) for name in replacements if hasattr(torch.cuda, name)}
     module.enable(True)
     try:
         _check_engine()
-        for name, replacement in _replacements(gpu).items():
-            setattr(torch.cuda, name, _own_function(replacement))
+        for name, replacement in replacements.items():
+            setattr(torch.cuda, name, replacement)
         with cuda_attention(gpu.capability):  # scaled_dot_product_attention takes the GPU's kernel
             yield
     finally:
-        for name in _replacements(gpu):
+        for name in replacements:
             if name in originals:
                 setattr(torch.cuda, name, originals[name])
             elif hasattr(torch.cuda, name):

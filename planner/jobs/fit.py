@@ -331,8 +331,7 @@ def fit_model(
     caching allocator) for every mode, under both allocator models, on real or fake traces as `capture` (auto,
     real, fake) chooses for steps near that size; compiled by torch.compile when the step says so (real traces
     only). The step's own batch and mode are not used."""
-    if gpu is not None:  # a CUDA step on that GPU (fake CUDA traces where this machine has none)
-        step = step.replace(device="cuda", gpu=gpu)
+    step = step.on_gpu(gpu)  # a CUDA step on that GPU (fake CUDA traces where this machine has none)
     for mode in modes:
         if mode not in MODES:
             raise FitError(f"--layers {mode}: unknown mode (choose from {', '.join(MODES)})")

@@ -55,8 +55,8 @@ class OptimizeOptions:
     budget: Budget | None = field(default=None, init=False)  # the GPU's, when given
 
     def __post_init__(self) -> None:
-        if self.gpu is not None:  # a CUDA step on that GPU (fake CUDA traces where this machine has none)
-            object.__setattr__(self, "step", self.step.replace(device="cuda", gpu=self.gpu))
+        # a CUDA step on that GPU (fake CUDA traces where this machine has none)
+        object.__setattr__(self, "step", self.step.on_gpu(self.gpu))
         memory, budget = device_memory(self.memory, self.gpu, self.step)
         object.__setattr__(self, "memory", memory)
         object.__setattr__(self, "budget", budget)

@@ -52,8 +52,8 @@ class RunOptions:
     gpu: GPU | None = None  # a GPU each mode's step is judged against (planner/simulate/verdict.py); None: none
 
     def __post_init__(self) -> None:
-        if self.gpu is not None:  # a CUDA step on that GPU (fake CUDA traces where this machine has none)
-            object.__setattr__(self, "step", self.step.replace(device="cuda", gpu=self.gpu))
+        # a CUDA step on that GPU (fake CUDA traces where this machine has none)
+        object.__setattr__(self, "step", self.step.on_gpu(self.gpu))
 
     def compiled(self) -> Compile | None:
         """How the traced and replayed steps are compiled; None when they run eagerly."""
