@@ -36,7 +36,7 @@ BERT = str(ROOT / "examples" / "bert.py")
 # at two sizes; with --all-models, every other bundled single-process model file at its tiny preset too.
 CAPTURE_SHAPES = [("bert", "tiny", 2, 128), ("bert", "base", 8, 512)]
 OTHER_MODELS = [(name, "tiny", 2, 128) for name in ("gpt2", "llama", "hf_bert", "hf_gpt2", "hf_llama")]
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "bf16-mixed")
 PARTS = ["capture", "replay", "layers", "parallel", "llama"]
 
 
@@ -56,11 +56,13 @@ def share(value: int, reference: int) -> str:
     return f"{value:>14,} ({value - reference:+,})"
 
 
-def check_capture(out: Path, jobs: int, shapes: list[tuple[str, str, int, int]]) -> None:
+def check_capture(
+    out: Path, jobs: int, shapes: list[tuple[str, str, int, int]], modes: list[str], dtypes: list[str]
+) -> None:
     """1 and 2. Every layer mode and dtype of the model files traced on CUDA; the trace against what PyTorch
     counted over the same step (requested bytes), the simulator against it (block and reserved bytes, from an
     empty cache), and the --fake --device cuda prediction against the real trace."""
-    configs = [(f, p, b, s, mode, dtype) for f, p, b, s in shapes for mode in MODES for dtype in DTYPES]
+    configs = [(f, p, b, s, mode, dtype) for f, p, b, s in shapes for mode in modes for dtype in dtypes]
 
     def trace(config) -> tuple[tuple, dict, Path, Path]:
         model, preset, batch, seq, mode, dtype = config
@@ -219,16 +221,27 @@ def check_llama(steps: int) -> None:
     subprocess.run([*command, "--steps", str(steps)], check=False)
 
 
+PARALLEL_FILES = {  # model file: its environment
+    "gpt2_parallel.py": {},
+    "llama_fsdp2.py": {},
+    "llama_fsdp2.py bf16": {"MEMPLAN_FSDP_PRECISION": "bf16"},
+    "gpt2_ddp.py": {},
+}
+
+
 def check_parallel(out: Path) -> None:
-    """5. The tensor + sequence parallel GPT-2 as one rank on NCCL."""
-    print("\n## 5. Distributed: examples/gpt2_parallel.py, --nproc 1 on NCCL")
-    path = out / "gpt2-parallel.trace.json.gz"
-    summary = memplan("trace", str(ROOT / "examples" / "gpt2_parallel.py"), "--nproc", "1", "--device", "cuda",
-                      "-o", str(path))  # fmt: skip
-    if "error" in summary:
-        print(f"FAILED: {summary['error']}")
-        return
-    print(json.dumps(summary, indent=1)[:3000])
+    """5. The distributed model files (tensor + sequence parallel GPT-2, FSDP2 Llama, DDP GPT-2) as one rank on
+    NCCL: the trace's peak against what the caching allocator counted over the same step."""
+    for label, env in PARALLEL_FILES.items():
+        model_file = label.split()[0]
+        print(f"\n## 5. Distributed: examples/{label}, --nproc 1 on NCCL")
+        path = out / f"{label.replace(' ', '-')}.trace.json.gz"
+        summary = memplan("trace", str(ROOT / "examples" / model_file), "--nproc", "1", "--device", "cuda",
+                          "-o", str(path), env=env)  # fmt: skip
+        if "error" in summary:
+            print(f"FAILED: {summary['error']}")
+            continue
+        print(json.dumps(summary, indent=1)[:1500])
 
 
 def main() -> None:
@@ -237,6 +250,8 @@ def main() -> None:
     parser.add_argument("--out", default="gpu-checks", help="folder for the traces and plans")
     parser.add_argument("--jobs", type=int, default=4, help="captures run at once (each a process of its own)")
     parser.add_argument("--all-models", action="store_true", help="capture every bundled model file, not BERT alone")
+    parser.add_argument("--modes", default=",".join(MODES), help="the layer modes the capture check traces")
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help="the dtypes the capture check traces")
     parser.add_argument("--steps", type=int, default=10, help="timed steps of the replay and the layers")
     parser.add_argument("--batch", type=int, default=8, help="batch of the layers' BERT-Large at s=512")
     args = parser.parse_args()
@@ -251,7 +266,8 @@ def main() -> None:
     print(f"{properties.name}, {properties.total_memory / 2**30:.1f} GiB, torch {torch.__version__}, CUDA "
           f"{torch.version.cuda}")  # fmt: skip
     if "capture" in parts:
-        check_capture(out, args.jobs, CAPTURE_SHAPES + OTHER_MODELS * args.all_models)
+        shapes = CAPTURE_SHAPES + OTHER_MODELS * args.all_models
+        check_capture(out, args.jobs, shapes, args.modes.split(","), args.dtypes.split(","))
     if "replay" in parts:
         check_replay(out, args.steps)
     if "layers" in parts:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from memplan.traces.workload import Workload
 
@@ -64,8 +65,15 @@ def resident_tensors(workload: Workload, device_type: str | None = None) -> Iter
     Capture and replay's adoption both walk this order, so they see the same storages first.
     """
     for t, category, module in _held(workload):
+        t = local_tensor(t)
         if device_type is None or t.device.type == device_type:
             yield t, category, module
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds `t`'s bytes on this rank: a DTensor's (FSDP2's sharded parameters and their
+    optimizer state) local shard, any other tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _held(workload: Workload) -> Iterator[tuple[torch.Tensor, str, str]]:
