@@ -18,10 +18,12 @@ active blocks of that size): CUBLAS_WORKSPACE_CONFIG=:4096:2:16:8 says so (torch
 from __future__ import annotations
 
 import argparse
-import difflib
+import contextlib
 import os
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,8 +31,10 @@ import torch
 
 from memplan.errors import MemplanError
 from memplan.planner.simulate.caching_allocator import simulate_caching
+from memplan.planner.simulate.fidelity import RecordedStep, fidelity, recorded_steps, reproduced, sizes_in_order
 from memplan.step import StepSpec
-from memplan.traces.format import Trace
+from memplan.traces.distributed import rank_path, trace_ranks
+from memplan.traces.format import Trace, load
 from memplan.traces.snapshot import read_snapshot, snapshot_to_trace
 from memplan.traces.trace_model import trace_step
 
@@ -54,17 +58,6 @@ sys.path.insert(0, str(ROOT / "examples"))
 from cs336_lm import SNAPSHOTS  # noqa: E402  the table of the snapshots and their rebuilds
 
 PROGRAMS = tuple(Program(name, *program) for name, program in SNAPSHOTS.items())
-
-
-def sizes_in_order(trace: Trace, outputs_only: bool = False) -> list[int]:
-    """Sizes of the step's allocations in order; with `outputs_only`, of those some op returned (not internal)."""
-    return [int(trace.size[i]) for i in trace.recorded if not (outputs_only and trace.internal[i])]
-
-
-def reproduced(snapshot: list[int], traced: list[int]) -> int:
-    """How many of the snapshot's allocations the trace makes in the same order with the same size."""
-    matcher = difflib.SequenceMatcher(a=snapshot, b=traced, autojunk=False)
-    return sum(block.size for block in matcher.get_matching_blocks())
 
 
 def row(
@@ -105,17 +98,72 @@ def traced(program: Program, fake: bool, device: str) -> tuple[Trace | None, flo
     return trace, time.perf_counter() - start, ""
 
 
+OWN_SNAPSHOTS = ROOT / "tests" / "data" / "cuda-snapshots"
+
+
+@contextlib.contextmanager
+def environment(values: dict) -> Iterator[None]:
+    """os.environ with `values` set (a None value unset) for the block, then as it was."""
+    saved = {name: os.environ.get(name) for name in values}
+    try:
+        for name, value in values.items():
+            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+
+
+def predicted(recorded: RecordedStep) -> Trace:
+    """The recorded step traced here by `--fake --device cuda` for the GPU it ran on (a one-rank fake process group
+    for a distributed model file), with the model file's environment and the cuBLAS workspace setting it ran with."""
+    env = {**recorded.env, "CUBLAS_WORKSPACE_CONFIG": recorded.facts["cublas_workspace_config"]}
+    with environment(env):
+        if not recorded.nproc:
+            return trace_step(recorded.step.replace(fake=True))
+        with tempfile.TemporaryDirectory() as folder:
+            trace_ranks(recorded.step.replace(fake=True), Path(folder) / "rank.json.gz", recorded.nproc)
+            return load(rank_path(Path(folder) / "rank.json.gz", 0))
+
+
+def own_snapshots(only: set[str]) -> None:
+    """The project's own snapshots (benchmarks/record_snapshots.py): each recorded step against its prediction."""
+    print(f"{OWN_SNAPSHOTS.relative_to(ROOT)}: real CUDA steps against --fake --device cuda traced here; reserved "
+          "against the same step started from an emptied cache")  # fmt: skip
+    for recorded in recorded_steps(OWN_SNAPSHOTS, ROOT):
+        if only and not any(recorded.name.startswith(name) for name in only):
+            continue
+        real = snapshot_to_trace(read_snapshot(recorded.snapshot), recorded.name)
+        start = time.perf_counter()
+        try:
+            trace = predicted(recorded)
+        except MemplanError as e:
+            print(f"  {recorded.name:32} not run: {e}")
+            continue
+        result = fidelity(real, trace, recorded.reserved_from_empty)
+        print(
+            f"  {recorded.name:32} peak {result.peak:>13,} of {result.real_peak:>13,} ({result.peak_error:+.3%})  "
+            f"reserved {result.reserved_error:+.3%}  in order {result.in_order:,}/{result.allocations:,} "
+            f"({result.in_order_share:.1%})  {time.perf_counter() - start:.0f} s",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("shared", nargs="?", default=str(ROOT.parent / "shared"))
     parser.add_argument("--only", default="", help="comma-separated snapshot names (default: all four)")
     parser.add_argument("--real", action="store_true", help="add a real CPU trace of the medium steps")
     parser.add_argument("--timing", action="store_true", help="time the xl step's --fake CPU trace too")
+    parser.add_argument("--own-only", action="store_true", help="the project's own snapshots alone")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
+    only = {name for name in args.only.split(",") if name}
+    own_snapshots(only)
+    if args.own_only:
+        return
     os.environ.pop("MEMPLAN_PRESET", None)  # the snapshots' shape: the model files' defaults
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
-    only = {name for name in args.only.split(",") if name}
     for program in PROGRAMS:
         if only and not any(program.snapshot.startswith(name) for name in only):
             continue

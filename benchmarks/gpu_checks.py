@@ -20,11 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from fidelity import reproduced, sizes_in_order
 
 from memplan.planner.layers import MODES, patch
 from memplan.planner.layers.memory import LlamaLayerShape
 from memplan.planner.simulate.caching_allocator import simulate_caching
+from memplan.planner.simulate.fidelity import reproduced, sizes_in_order
 from memplan.planner.workloads import bert
 from memplan.step import StepSpec
 from memplan.traces.format import load

@@ -11,6 +11,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from memplan.planner.workloads.llama import PRESETS, build_workload
@@ -32,7 +33,8 @@ def build(batch_size, seq_len, dtype, device):
     if not dist.is_initialized():
         raise ValueError("FSDP2 shards over the ranks' process group: run this model file with --nproc N")
     workload = build_workload(batch_size, seq_len, dtype, device, config=PRESETS[preset])
-    policy = {"mp_policy": PRECISIONS[precision]} if PRECISIONS[precision] else {}
+    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))  # the ranks, on the step's device
+    policy = {"mesh": mesh} | ({"mp_policy": PRECISIONS[precision]} if PRECISIONS[precision] else {})
     for layer in workload.model.layers:
         fully_shard(layer, **policy)
     fully_shard(workload.model, **policy)

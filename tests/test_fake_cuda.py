@@ -53,13 +53,16 @@ def test_adamw_takes_its_foreach_path_on_fake_cuda_and_its_loop_on_fake_cpu():
 
 def test_each_thread_that_runs_a_matmul_takes_one_cublas_workspace():
     """The forward's thread and the autograd engine's CUDA thread: two handles, two workspaces, made in the
-    warm-up step and alive through the recorded one (ATen's size rule for the GPU: 32 MiB on sm90)."""
+    warm-up step and alive through the recorded one (ATen's size rule for the GPU: 32 MiB on sm90); the forward's
+    fused-bias addmm (nn.Linear with a bias) takes cuBLASLt's 1 MiB beside them, as a real H200 step did."""
     trace = fake_step("cuda")
     workspaces = [i for i in range(len(trace)) if trace.category[i] == "workspace"]
-    assert len(workspaces) == 2
-    assert {int(trace.size[i]) for i in workspaces} == {gpu(DEFAULT_GPU).cublas_workspace_bytes} == {32 * 1024 * 1024}
+    cublas = gpu(DEFAULT_GPU).cublas_workspace_bytes
+    assert sorted(int(trace.size[i]) for i in workspaces) == [1024 * 1024, cublas, cublas]
+    assert cublas == 32 * 1024 * 1024
     assert all(trace.alloc[i] == 0 and trace.free[i] == trace.end for i in workspaces)
     assert trace.meta["cublas_workspace"] == 32 * 1024 * 1024
+    assert trace.meta["cublaslt_workspace"] == 1024 * 1024
     assert "workspace" not in set(fake_step("cpu").category)
 
 
@@ -202,7 +205,10 @@ def test_a_fake_cuda_step_follows_the_named_gpus_rules():
     """An A100 (sm80): its cuBLAS workspace (8,519,680 B), its name and capability inside the step."""
     trace = fake_step("cuda", gpu="a100-80gb")
     assert trace.meta["gpu"] == "A100-80GB" and trace.meta["cublas_workspace"] == 8_519_680
-    assert {int(trace.size[i]) for i in range(len(trace)) if trace.category[i] == "workspace"} == {8_519_680}
+    assert {int(trace.size[i]) for i in range(len(trace)) if trace.category[i] == "workspace"} == {
+        8_519_680,
+        1024 * 1024,
+    }  # and cuBLASLt's
     with memplan.record(fake=True, device="cuda", gpu="L4") as recording:
         assert torch.cuda.get_device_capability() == (8, 9)
         assert torch.cuda.get_device_properties().total_memory == gpu("L4").memory

@@ -30,6 +30,7 @@ from memplan.units import GiB, MiB
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT2 = str(ROOT / "examples" / "gpt2.py")
+LLAMA = str(ROOT / "examples" / "llama.py")
 BERT = str(ROOT / "examples" / "bert.py")
 H100 = gpu("H100-80GB")
 VERDICT_KEYS = {"gpu", "memory", "alloc_conf", "peak_live", "peak_allocated", "peak_reserved", "outside",
@@ -132,13 +133,22 @@ def test_the_outside_terms_follow_the_trace_s_meta():
     assert lt_only == {"CUDA context": H100.cuda_context, "cuBLASLt workspace": CUBLASLT_WORKSPACE}
 
 
-def test_a_fake_cuda_trace_holds_cublas_s_workspaces_and_the_verdict_adds_only_cublaslt_s(monkeypatch):
+def test_a_fake_cuda_trace_holds_the_workspaces_and_the_verdict_adds_none(monkeypatch):
     monkeypatch.setenv("MEMPLAN_PRESET", "tiny")
     trace = trace_step(StepSpec(GPT2, batch=2, seq=64, device="cuda", fake=True))
-    held = [int(size) for size, c in zip(trace.size, trace.category) if c == "workspace"]
-    assert held == [trace.meta["cublas_workspace"]] * 2  # the capture's own: two threads' handles
+    held = sorted(int(size) for size, c in zip(trace.size, trace.category) if c == "workspace")
+    # the capture's own: two threads' cuBLAS handles, and the forward's cuBLASLt handle (GPT-2's Linear biases)
+    assert held == [CUBLASLT_WORKSPACE] + [trace.meta["cublas_workspace"]] * 2
+    assert trace.meta["cublaslt_workspace"] == CUBLASLT_WORKSPACE
     terms = {t.name: t.bytes for t in simulate_trace(trace, "fake cuda", gpu=H100).verdict.outside}
-    assert terms == {"CUDA context": H100.cuda_context, "cuBLASLt workspace": CUBLASLT_WORKSPACE}
+    assert terms == {"CUDA context": H100.cuda_context}
+
+
+def test_a_fake_cuda_model_without_biases_takes_no_cublaslt_workspace(monkeypatch):
+    monkeypatch.setenv("MEMPLAN_PRESET", "tiny")
+    trace = trace_step(StepSpec(LLAMA, batch=2, seq=64, device="cuda", fake=True))
+    held = [int(size) for size, c in zip(trace.size, trace.category) if c == "workspace"]
+    assert held == [trace.meta["cublas_workspace"]] * 2  # Llama's Linears have no bias: no fused-bias addmm
 
 
 def test_memplan_simulate_gpu(tmp_path, fitting, too_big):

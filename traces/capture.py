@@ -348,8 +348,10 @@ def recording_session(
     with one_cpu_thread(device), fake_cuda_runtime(gpu) if fake_cuda else contextlib.nullcontext():
         with recording(device, fake=fake) as recorder:
             workspace = gpu.cublas_workspace_bytes if fake_cuda else 0
-            fake_mode = FakeCapture(recorder, device.type, cublas_workspace=workspace) if fake else None
-            planned = {"gpu": gpu.name, "cublas_workspace": workspace} if fake_cuda else {}
+            lt_workspace = gpu.cublaslt_workspace_bytes if fake_cuda else 0
+            fake_mode = FakeCapture(recorder, device.type, workspace, lt_workspace) if fake else None
+            planned = {"gpu": gpu.name, "cublas_workspace": workspace, "cublaslt_workspace": lt_workspace}
+            planned = planned if fake_cuda else {}
             with fake_mode or contextlib.nullcontext():
                 yield Recording(recorder, device, fake_mode, {**planned, **(meta or {})})
 

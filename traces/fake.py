@@ -48,6 +48,7 @@ from torch.optim import optimizer
 from torch.utils._pytree import tree_leaves
 
 from memplan.errors import MemplanError
+from memplan.traces import hf_fake
 from memplan.traces.recorder import Recorder
 
 aten = torch.ops.aten
@@ -95,6 +96,15 @@ CUBLAS_OPS = frozenset(
         aten._scaled_mm,
     }
 )
+# Outputs (by position) that an op's CUDA kernel makes in host memory, not on the GPU: memory-efficient attention's
+# philox seed and offset are CPU scalars outside CUDA graph capture (ATen's attention.cu), so a real step's trace
+# holds neither (an H200 step of HF GPT-2 with attention dropout: 4 x 8 B fewer than the fake one held).
+HOST_OUTPUTS = {aten._scaled_dot_product_efficient_attention.default: (2, 3)}
+# The ops whose CUDA kernel runs through cuBLASLt when its bias is a vector (addmm's fused bias, as nn.Linear with a
+# bias makes it): the first on a thread takes that handle's own cuBLASLt workspace (CUBLASLT_WORKSPACE_SIZE,
+# gpus.CUBLASLT_WORKSPACE), beside cuBLAS's (ATen's Blas.cpp; measured with torch 2.11, docs/gpu-validation.md).
+CUBLASLT_OPS = frozenset({aten.addmm.default, aten._addmm_activation.default})
+LT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 DATA_RULE = "a scalar read from a fake tensor is 0 (False); a data-dependent selection selects nothing"
 
 
@@ -202,6 +212,20 @@ def _cuda(to):
     return cuda
 
 
+def _runs_cublaslt(bias, mat1, mat2, *rest, beta=1, **_) -> bool:
+    """Whether CUDA's addmm takes cuBLASLt's fused-bias path: a contiguous vector bias as wide as the product, a
+    product of two matrices each larger than 1 on both sides, beta 1, a floating dtype (ATen's Blas.cpp)."""
+    return (
+        bias.dim() == 1
+        and mat1.dim() == mat2.dim() == 2
+        and bias.shape[0] == mat2.shape[1]
+        and bias.is_contiguous()
+        and bias.dtype in LT_DTYPES
+        and min(*mat1.shape, *mat2.shape) > 1
+        and beta == 1
+    )
+
+
 def _dropout_mask_first(x: torch.Tensor, p: float, train: bool | None = None) -> bool:
     """Whether native_dropout's kernel allocates its mask before its output: on the CPU always (measured: also
     for train=False, p=0 and p=1), on CUDA unless it takes its shortcuts for train=False and p=1."""
@@ -214,7 +238,7 @@ class FakeCapture(FakeTensorMode):
     """FakeTensorMode whose op outputs on the captured device type claim their storages in `recorder` (an
     optimizer's step counters on the CPU are not a CUDA step's), with DATA_RULE."""
 
-    def __init__(self, recorder: Recorder, device_type: str, cublas_workspace: int = 0):
+    def __init__(self, recorder: Recorder, device_type: str, cublas_workspace: int = 0, cublaslt_workspace: int = 0):
         super().__init__(allow_non_fake_inputs=True)
         # The dispatch cache is shared by every fake tensor mode of the process, and an output it has not cached
         # yet has a storage reference more (see DISPATCH_REFERENCES): off, a trace never depends on what ran
@@ -226,7 +250,8 @@ class FakeCapture(FakeTensorMode):
         self._depth = 0  # fake tensor mode enters itself again inside ops: patch once, on the outermost
         self._dispatching = 0  # ops under way: those inside one are fake tensor mode's own (a decomposition)
         self._cublas_workspace = cublas_workspace  # bytes per cuBLAS handle on a fake CUDA step (0: none)
-        self.workspaces: dict[int, torch.Tensor] = {}  # thread id -> its cuBLAS workspace, alive for the capture
+        self._cublaslt_workspace = cublaslt_workspace  # bytes per cuBLASLt handle on a fake CUDA step (0: none)
+        self.workspaces: dict[tuple[str, int], torch.Tensor] = {}  # (library, thread id) -> its workspace, kept
 
     def __deepcopy__(self, memo) -> FakeCapture:
         """The mode itself: a fake tensor copied inside the capture (`copy.deepcopy(model)`, an EMA or a DPO reference
@@ -242,6 +267,7 @@ class FakeCapture(FakeTensorMode):
                 (nn.Module, "to", module_to_),
                 (nn.Module, "cuda", _cuda(module_to_)),
                 (torch, "tensor", _tensor_from_data(torch.tensor)),
+                *hf_fake.patches(),
             ):
                 self._originals.append((owner, name, getattr(owner, name)))
                 setattr(owner, name, method)
@@ -267,6 +293,8 @@ class FakeCapture(FakeTensorMode):
             return super().__torch_dispatch__(func, types, args, kwargs)
         if func is aten.native_dropout.default and _dropout_mask_first(*args):
             return self._mask_first_dropout(args[0])
+        if func is aten._fused_rms_norm.default and args[0].device.type == "cuda":
+            return self._fused_rms_norm(*args, **(kwargs or {}))
         if func is aten.add.Tensor and self._recorder.accumulating() and self._sums_in_place(args[0]):
             func = aten.add_.Tensor
         func = SUBCLASS_PATHS.get((self._recorder.caller(), func), func)
@@ -278,27 +306,30 @@ class FakeCapture(FakeTensorMode):
         finally:
             self._dispatching -= 1
         self._allocated_in_return_order(out, (args, kwargs))
-        for t in tree_leaves(out):
+        host = HOST_OUTPUTS.get(func, ()) if self._device_type == "cuda" else ()
+        for t in tree_leaves([o for i, o in enumerate(out) if i not in host] if host else out):
             if isinstance(t, FakeTensor) and t.device.type == self._device_type:
                 self._claim(t)
         if func.overloadpacket in CUBLAS_OPS and self._cublas_workspace:
-            self._cublas_handle(out)
+            self._handle_workspace("cublas", self._cublas_workspace, out)
+        if func in CUBLASLT_OPS and self._cublaslt_workspace and _runs_cublaslt(*args, **(kwargs or {})):
+            self._handle_workspace("cublaslt", self._cublaslt_workspace, out)
         return out
 
-    def _cublas_handle(self, out) -> None:
-        """A CUDA matmul's first use of cuBLAS on this thread: the thread's handle takes its workspace from the
-        caching allocator, after the op's output is allocated, and keeps it."""
-        thread = threading.get_ident()
+    def _handle_workspace(self, library: str, size: int, out) -> None:
+        """A CUDA matmul's first use of `library` (cuBLAS or cuBLASLt) on this thread: the thread's handle takes its
+        workspace of `size` bytes from the caching allocator, after the op's output is allocated, and keeps it."""
+        key = (library, threading.get_ident())
         device = next((t.device for t in tree_leaves(out) if isinstance(t, FakeTensor)), None)
-        if thread in self.workspaces or device is None or device.type != "cuda":
+        if key in self.workspaces or device is None or device.type != "cuda":
             return
         with self:
-            workspace = torch.empty(self._cublas_workspace, dtype=torch.uint8, device=device)
+            workspace = torch.empty(size, dtype=torch.uint8, device=device)
         self._claim(workspace)
-        self.workspaces[thread] = workspace
+        self.workspaces[key] = workspace
 
     def workspace_keys(self) -> set[int]:
-        """The storage keys of the cuBLAS workspaces made so far."""
+        """The storage keys of the cuBLAS and cuBLASLt workspaces made so far."""
         return {self._recorder.storage_key(t) for t in self.workspaces.values()}
 
     def _allocated_in_return_order(self, out, inputs) -> None:
@@ -327,6 +358,19 @@ class FakeCapture(FakeTensorMode):
         self._claim(mask)
         self._claim(output)
         return output, mask
+
+    def _fused_rms_norm(self, x: torch.Tensor, normalized_shape, weight=None, eps=None):
+        """_fused_rms_norm as CUDA's kernel allocates it: the output, then the reciprocal standard deviation (one
+        per row, in the input's accumulation type: fp32 for fp16 and bf16), nothing between (a fake tensor mode
+        would decompose it into the composite's pow, mean and rsqrt)."""
+        rows = x.shape[: x.dim() - len(normalized_shape)]
+        accumulate = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        with self:
+            output = torch.empty_like(x, memory_format=torch.contiguous_format)
+            rstd = torch.empty(rows + (1,) * len(normalized_shape), dtype=accumulate, device=x.device)
+        self._claim(output)
+        self._claim(rstd)
+        return output, rstd
 
     def _by_rule(self, func, args):
         """DATA_RULE's output for `func`; DataDependentError for an op it does not cover."""

@@ -205,6 +205,24 @@ def _check_engine() -> None:
 
 
 @contextlib.contextmanager
+def fused_rms_norm() -> Iterator[None]:
+    """While the block runs, aten::_fused_rms_norm has a CUDA kernel, as on a CUDA build, where rms_norm calls it:
+    autograd then records its own backward node (FusedRmsNormBackward0: input, weight and the reciprocal standard
+    deviation saved, _fused_rms_norm_backward in backward) instead of the composite's pow, mean, rsqrt and
+    products, which a CPU build runs for every device. The kernel never runs: fake tensors stop at FakeCapture."""
+    library = torch.library.Library("aten", "IMPL")
+    try:
+        library.impl("_fused_rms_norm", _never_runs, "CUDA")
+        yield
+    finally:
+        library._destroy()
+
+
+def _never_runs(*args, **kwargs):
+    raise FakeCudaError("a CUDA kernel ran outside a fake capture: a fake CUDA step allocates through FakeCapture")
+
+
+@contextlib.contextmanager
 def fake_cuda_runtime(gpu: GPU) -> Iterator[None]:
     """While the block runs, a CPU-only torch has a CUDA device for fake tensors, a `gpu`; nothing changes on a
     CUDA build."""
@@ -222,7 +240,8 @@ def fake_cuda_runtime(gpu: GPU) -> Iterator[None]:
         _check_engine()
         for name, replacement in replacements.items():
             setattr(torch.cuda, name, replacement)
-        with cuda_attention(gpu.capability):  # scaled_dot_product_attention takes the GPU's kernel
+        # scaled_dot_product_attention takes the GPU's kernel; rms_norm CUDA's fused one (FakeCapture allocates it)
+        with cuda_attention(gpu.capability), fused_rms_norm():
             yield
     finally:
         for name in replacements:

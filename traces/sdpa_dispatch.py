@@ -16,8 +16,9 @@ kernel's gradients. The kernels' meta functions (torch/_meta_registrations.py) g
 kernel allocates beyond them (flash backward's fp32 dq accumulator and softmax sums, GQA's expanded dk/dv,
 split-KV partial sums, memory-efficient's fp32 output accumulator and backward delta, cuDNN's workspace) is
 not modelled; memory-efficient attention's philox seed and offset, two 8-byte CPU tensors on a GPU outside
-graph capture, are device tensors here; cuDNN's meta function allocates the logsumexp even when no input needs
-a gradient. Under torch.inference_mode (no autograd keys) the op skips the registration: the math path.
+graph capture, are left out of the trace (traces/fake.py's HOST_OUTPUTS); cuDNN's meta function allocates the
+logsumexp even when no input needs a gradient. Under torch.inference_mode (no autograd keys) the op skips the
+registration: the math path.
 """
 
 from __future__ import annotations

@@ -30,11 +30,13 @@ class OutsideTerm:
 
 def held_workspaces(meta: Mapping) -> tuple[bool, bool]:
     """Whether a trace holds (cuBLAS's, cuBLASLt's) workspaces among its allocations: a real CUDA trace (captured,
-    or imported from a snapshot) holds both; a fake CUDA trace holds cuBLAS's when its capture allocated them
-    (meta `cublas_workspace`: bytes per handle, as traces/capture.py records it) and never cuBLASLt's; a CPU
-    trace holds neither."""
+    or imported from a snapshot) holds both; a fake CUDA trace holds each when its capture allocated it (meta
+    `cublas_workspace` and `cublaslt_workspace`: bytes per handle, as traces/capture.py records them; older fake
+    traces name cuBLAS's alone); a CPU trace holds neither."""
     cuda, fake = meta.get("device") == "cuda", bool(meta.get("fake"))
-    return cuda and (not fake or bool(meta.get("cublas_workspace"))), cuda and not fake
+    return cuda and (not fake or bool(meta.get("cublas_workspace"))), cuda and (
+        not fake or bool(meta.get("cublaslt_workspace"))
+    )
 
 
 def outside_terms(gpu: GPU, meta: Mapping, handles: int = STEP_HANDLES, lt: bool = True) -> tuple[OutsideTerm, ...]:
@@ -101,9 +103,10 @@ def device_memory(memory: int | None, gpu: GPU | None, step: StepSpec) -> tuple[
         raise GPUError("give the device memory as a size (--memory) or as a GPU (--gpu): exactly one of the two")
     if gpu is None:
         return memory, None
-    cuda = step.device.split(":")[0] == "cuda"  # a fake CUDA capture allocates cuBLAS's workspaces itself
+    cuda = step.device.split(":")[0] == "cuda"  # a fake CUDA capture allocates the workspaces itself
+    held = cuda and step.fake
     budget = Budget(gpu, outside_terms(gpu, {"device": "cuda" if cuda else "cpu", "fake": step.fake,
-                                             "cublas_workspace": cuda and step.fake}))  # fmt: skip
+                                             "cublas_workspace": held, "cublaslt_workspace": held}))  # fmt: skip
     if budget.capacity <= 0:
         raise GPUError(f"{gpu.name}: its memory is all taken outside the caching allocator")
     return budget.capacity, budget

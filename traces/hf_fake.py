@@ -1,0 +1,56 @@
+"""HuggingFace's attention-mask helpers under a fake capture: answered as a real step of a batch without padding
+and without packed sequences, as memplan's model files and HF configs build it.
+
+transformers takes a FakeTensor for a sign of graph tracing (`utils.import_utils.is_tracing`) and then never lets
+SDPA apply its own causal mask: it builds the full mask (and for grouped-query attention repeats the keys and values
+instead of passing `enable_gqa`), so a fake step chose another attention kernel, with other buffers, than the real
+one (an H200 step of a Llama config in fp32: math attention, 64 MiB a layer, against the fake step's
+memory-efficient kernel; tests/test_cuda_snapshots.py). Under the capture these helpers see no tracing, and the two
+questions they would answer from the data (any padding? several sequences packed in a row?) are answered no.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+
+from torch._subclasses.fake_tensor import FakeTensor
+
+MASKING = "transformers.masking_utils"
+
+
+def _untraced(is_tracing: Callable) -> Callable:
+    """transformers' is_tracing, for which a fake tensor is an eager step's tensor, not a graph being traced."""
+
+    def is_tracing_eagerly(tensor=None) -> bool:
+        return is_tracing(None if isinstance(tensor, FakeTensor) else tensor)
+
+    return is_tracing_eagerly
+
+
+def _unpacked(find_packed_sequence_indices: Callable) -> Callable:
+    def no_packed_sequences(position_ids):
+        return None if isinstance(position_ids, FakeTensor) else find_packed_sequence_indices(position_ids)
+
+    return no_packed_sequences
+
+
+def _unpadded(fast_all: Callable) -> Callable:
+    def all_tokens_attend(tensor):
+        return True if isinstance(tensor, FakeTensor) else fast_all(tensor)
+
+    return all_tokens_attend
+
+
+WRAPPERS = {"is_tracing": _untraced, "find_packed_sequence_indices": _unpacked, "fast_all": _unpadded}
+
+
+def patches() -> Iterator[tuple[object, str, Callable]]:
+    """(module, name, replacement) for each helper of transformers' masking module, when a model imported it."""
+    masking = sys.modules.get(MASKING)
+    if masking is None:
+        return
+    for name, wrap in WRAPPERS.items():
+        original = getattr(masking, name, None)
+        if original is not None:
+            yield masking, name, wrap(original)
