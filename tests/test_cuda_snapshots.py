@@ -11,6 +11,8 @@ import torch
 
 from memplan.planner.simulate.fidelity import fidelity, recorded_steps
 from memplan.planner.simulate.snapshot_check import replay_snapshot
+from memplan.traces.distributed import rank_path, trace_ranks
+from memplan.traces.format import load
 from memplan.traces.snapshot import read_snapshot, snapshot_to_trace
 from memplan.traces.trace_model import trace_step
 
@@ -29,6 +31,12 @@ KNOWN = {
         for name in ("hf_bert-tiny-bf16-mixed", "hf_gpt2-tiny-bf16-mixed")
     },
 }
+# Recorded steps whose simulated reserved differs more, with the reason and the bound it stays within.
+STREAMS = (
+    "FSDP2 all-gathers and reduce-scatters on CUDA streams of their own, whose blocks the caching allocator keeps "
+    "apart; a fake trace has one stream (issue 33): one 2 MiB segment fewer"
+)
+RESERVED_KNOWN = {name: (0.03, STREAMS) for name in ("llama-tiny-fsdp2-fp32", "llama-tiny-fsdp2-bf16")}
 PEAK_TOLERANCE = 0.001  # a prediction's peak within 0.1% of the real one (exact but for KNOWN)
 RESERVED_TOLERANCE = 0.01  # the simulator's peak reserved on it within 1% of the step's from an emptied cache
 IN_ORDER = 0.9  # at least 90% of the real allocations made in the same order with the same size
@@ -58,10 +66,11 @@ def test_the_imported_snapshot_and_the_simulator_match_torch_s_own_counters(name
     assert (replayed.peak_allocated, replayed.peak_reserved) == (counted["allocated_peak"], counted["reserved_peak"])
 
 
-@pytest.mark.parametrize("name", lane(step.name for step in RECORDED.values() if not step.nproc))
-def test_a_fake_cuda_trace_here_predicts_the_real_step(name, monkeypatch):
-    """`--fake --device cuda` for the GPU the step ran on: its peak, the simulator's reserved on it, and the order
-    of its allocations against the real step's."""
+@pytest.mark.parametrize("name", lane(RECORDED))
+def test_a_fake_cuda_trace_here_predicts_the_real_step(name, monkeypatch, tmp_path):
+    """`--fake --device cuda` for the GPU the step ran on (a distributed model file on a one-rank fake process
+    group, as it ran on a one-rank NCCL one): its peak, the simulator's reserved on it, and the order of its
+    allocations against the real step's."""
     recorded = RECORDED[name]
     for variable, value in {
         **recorded.env,
@@ -72,12 +81,18 @@ def test_a_fake_cuda_trace_here_predicts_the_real_step(name, monkeypatch):
         else:
             monkeypatch.setenv(variable, value)
     real = snapshot_to_trace(read_snapshot(recorded.snapshot), name)
-    result = fidelity(real, trace_step(recorded.step.replace(fake=True)), recorded.reserved_from_empty)
+    if recorded.nproc:
+        trace_ranks(recorded.step.replace(fake=True), tmp_path / "rank.json.gz", recorded.nproc)
+        predicted = load(rank_path(tmp_path / "rank.json.gz", 0))
+    else:
+        predicted = trace_step(recorded.step.replace(fake=True))
+    result = fidelity(real, predicted, recorded.reserved_from_empty)
     figures = f"peak {result.peak:,} against {result.real_peak:,}; {result.in_order}/{result.allocations} in order"
     if name in KNOWN:
         assert result.peak != result.real_peak, f"{name} is exact now: drop it from KNOWN ({KNOWN[name]})"
     else:
         assert result.peak == result.real_peak, figures
     assert abs(result.peak_error) <= PEAK_TOLERANCE, figures
-    assert abs(result.reserved_error) <= RESERVED_TOLERANCE, f"reserved {result.reserved_error:+.3%}"
+    tolerance = RESERVED_KNOWN.get(name, (RESERVED_TOLERANCE, ""))[0]
+    assert abs(result.reserved_error) <= tolerance, f"reserved {result.reserved_error:+.3%}"
     assert result.in_order_share >= IN_ORDER, figures

@@ -43,12 +43,13 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
+    unset_fake_temporarily,
 )
 from torch.optim import optimizer
 from torch.utils._pytree import tree_leaves
 
 from memplan.errors import MemplanError
-from memplan.traces import hf_fake
+from memplan.traces import fake_distributed, hf_fake
 from memplan.traces.recorder import Recorder
 
 aten = torch.ops.aten
@@ -189,6 +190,22 @@ def _tensor_from_data(original):
     return tensor
 
 
+def _recorded_resize(original, recorder: Recorder):
+    """UntypedStorage.resize_ that tells the recorder: a fake tensor's (meta) storage changes its size in place, past
+    the allocator that reports real ones (FSDP2 frees an unsharded parameter with resize_(0), then takes it back)."""
+
+    def resize_(storage, size):
+        old = storage.nbytes()
+        result = original(storage, size)
+        if storage.device.type == "meta" and storage.nbytes() != old:
+            with unset_fake_temporarily():
+                view = torch.empty(0, dtype=torch.uint8, device="meta").set_(storage)
+            recorder.resized(view, old)
+        return result
+
+    return resize_
+
+
 def _module_to(original):
     """Module.to that moves a model of fake tensors with module_to."""
 
@@ -267,6 +284,8 @@ class FakeCapture(FakeTensorMode):
                 (nn.Module, "to", module_to_),
                 (nn.Module, "cuda", _cuda(module_to_)),
                 (torch, "tensor", _tensor_from_data(torch.tensor)),
+                (torch.UntypedStorage, "resize_", _recorded_resize(torch.UntypedStorage.resize_, self._recorder)),
+                *fake_distributed.patches(),
                 *hf_fake.patches(),
             ):
                 self._originals.append((owner, name, getattr(owner, name)))

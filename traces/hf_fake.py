@@ -29,15 +29,21 @@ def _untraced(is_tracing: Callable) -> Callable:
 
 
 def _unpacked(find_packed_sequence_indices: Callable) -> Callable:
+    """The helper run as it is (its tensors allocated as in a real step), its answer for a fake batch: not packed."""
+
     def no_packed_sequences(position_ids):
-        return None if isinstance(position_ids, FakeTensor) else find_packed_sequence_indices(position_ids)
+        found = find_packed_sequence_indices(position_ids)
+        return None if isinstance(found, FakeTensor) else found
 
     return no_packed_sequences
 
 
 def _unpadded(fast_all: Callable) -> Callable:
+    """The helper run as it is, its answer for a fake mask: every token attends."""
+
     def all_tokens_attend(tensor):
-        return True if isinstance(tensor, FakeTensor) else fast_all(tensor)
+        answer = fast_all(tensor)
+        return True if isinstance(answer, FakeTensor) else answer
 
     return all_tokens_attend
 

@@ -98,6 +98,11 @@ class Recorder:
         """Keep a fake tensor's storage in the capture (only claimed storages count when fake)."""
         self._native.claim(tensor)
 
+    def resized(self, tensor: torch.Tensor, old_nbytes: int) -> None:
+        """A fake storage (`tensor`'s, now at its new size) was resized in place from `old_nbytes`: a free, then an
+        allocation (a real storage's resize goes through the allocator, which reports both itself)."""
+        self._native.resized(tensor, old_nbytes)
+
     def set_phase(self, phase: int) -> int:
         """Enter `phase`; returns the number of step events recorded before it (its start time)."""
         return self._native.set_phase(phase)

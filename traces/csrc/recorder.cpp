@@ -250,6 +250,14 @@ class Recorder {
     if (stepping_) events_.push_back(e);
   }
 
+  // A storage resized in place from `old_nbytes` to `nbytes` (FSDP2 frees its unsharded parameters by resizing their
+  // storage to 0 and takes them back by resizing it again): a meta (fake) storage keeps its key, so the resize is a
+  // free of the old bytes, then an allocation of the new ones.
+  void resized(StorageKey key, int64_t old_nbytes, int64_t nbytes) {
+    if (old_nbytes > 0) freed(key);
+    if (nbytes > 0) allocated(key, nbytes);
+  }
+
   // The storages alive now, in allocation order; the events from here on are the step's.
   std::vector<Event> begin_step() {
     std::lock_guard<std::mutex> guard(mutex_);
@@ -560,6 +568,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Count a tensor's storage, made before recording began, as alive from now on");
   m.def("in_order", [](const std::vector<StorageKey>& keys) { recorder().in_order(keys); },
         "Reorder the allocations of these storages, made in the step, among themselves to the order given");
+  m.def("resized", [](const at::Tensor& t, int64_t old_nbytes) {
+          recorder().resized(storage_key(t), old_nbytes, static_cast<int64_t>(t.storage().nbytes()));
+        }, "A fake tensor's storage was resized in place from old_nbytes to its size now");
   m.def("claim", [](const at::Tensor& t) { recorder().claim(storage_key(t)); },
         "Keep the storage of this fake tensor in the capture");
 }

@@ -1,0 +1,85 @@
+"""torch.distributed's wrappers under a fake capture on the fake process group: what they would read from data or
+from a collective's result, answered as the real ranks' would be, so a user's FSDP2 or DDP program runs unchanged.
+
+- DeviceMesh: its rank map is a small CPU tensor it reads to find this rank's coordinates; made under fake tensors
+  it has no values (DATA_RULE would put the rank in no mesh, every local shard empty), so a mesh is built on real
+  tensors, and init_device_mesh's rank map (a fake arange) is that arange.
+- DistributedDataParallel: its check that every rank holds parameters of the same shapes reads their data (the
+  ranks are one program here: skipped), and the fake process group's all-reduce gives its gradient reducer no
+  result, so a DDP model without a communication hook of its own gets DDP's default one (the bucket divided by the
+  world size, then all-reduced, in place) written in Python, with the bucket as the result.
+"""
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.parallel.distributed as ddp
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh
+
+from memplan.errors import MemplanError
+
+
+class FakeMeshError(MemplanError):
+    """A DeviceMesh built from a tensor made under fake tensors: its rank numbers are unknown."""
+
+
+def _real_mesh(original):
+    def __init__(self, *args, _rank_map=None, **kwargs):
+        with unset_fake_temporarily():
+            if isinstance(_rank_map, FakeTensor):  # init_device_mesh's torch.arange(world size)
+                _rank_map = torch.arange(_rank_map.numel(), dtype=_rank_map.dtype)
+            mesh = kwargs.get("mesh", args[1] if len(args) > 1 else None)
+            if isinstance(mesh, FakeTensor):
+                raise FakeMeshError(
+                    "a DeviceMesh made from a tensor built under fake tensors: its rank numbers are unknown; "
+                    "give the mesh as a list of ranks, or use init_device_mesh"
+                )
+            original(self, *args, _rank_map=_rank_map, **kwargs)
+
+    return __init__
+
+
+def _same_shapes(process_group, tensors, logger=None) -> None:
+    """_verify_param_shape_across_processes on one program: every rank's parameters are this rank's."""
+
+
+def allreduce_in_place(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's default communication for a gradient bucket: divided by the world size and all-reduced, in place."""
+    buffer = bucket.buffer()
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer.div_(dist.get_world_size(group))
+    dist.all_reduce(buffer, group=group)
+    future = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
+def _default_hook_first(original):
+    def forward(self, *args, **kwargs):
+        if not self._comm_hooks:  # the model file registered none: DDP's default, as a hook that gives a result
+            self.register_comm_hook(None, allreduce_in_place)
+        return original(self, *args, **kwargs)
+
+    return forward
+
+
+def _keep_buckets(reducer) -> bool:
+    """Reducer._rebuild_buckets: the buckets stay in their first order (rebuilding them reads the new order from a
+    CPU tensor's data)."""
+    return False
+
+
+def _no_runtime_stats(logger) -> None:
+    """Logger.set_runtime_stats_and_log: DDP's sampled timing needs a device timer a fake device does not have."""
+
+
+def patches() -> Iterator[tuple[object, str, object]]:
+    """(owner, name, replacement) for each wrapper above."""
+    yield DeviceMesh, "__init__", _real_mesh(DeviceMesh.__init__)
+    yield ddp, "_verify_param_shape_across_processes", _same_shapes
+    DDP = ddp.DistributedDataParallel
+    yield DDP, "forward", _default_hook_first(DDP.forward)
+    yield dist.Reducer, "_rebuild_buckets", _keep_buckets
+    yield dist.Logger, "set_runtime_stats_and_log", _no_runtime_stats
