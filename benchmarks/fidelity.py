@@ -1,6 +1,10 @@
-"""Fidelity of memplan's traces against real GPUs: every shared snapshot whose program PROGRAMS.md describes.
+"""Fidelity of memplan's traces against real GPUs: the project's own snapshots, then every shared snapshot whose
+program PROGRAMS.md describes.
 
-Usage: .venv/bin/python benchmarks/fidelity.py [SHARED_DIR] [--only NAME,...] [--real] [--timing]
+Usage: .venv/bin/python benchmarks/fidelity.py [SHARED_DIR] [--only NAME,...] [--real] [--timing] [--own-only]
+First the project's own snapshots (tests/data/cuda-snapshots, recorded by benchmarks/record_snapshots.py on an
+H200): each recorded step traced here by `--fake --device cuda` for that GPU, with its peak against the real one,
+the simulator's reserved against the real step's from an emptied cache, and the real allocations it makes in order.
 For each snapshot (SHARED_DIR/traces/cuda-snapshots: the CS336 GPT-2-medium step at context 128 in fp32 and at
 context 512 under CUDA autocast bf16, batch 4, the course's own loss and AdamW, examples/cs336_lm.py; the xl step
 at context 128 in fp32 and under autocast bf16, PyTorch's AdamW and cross-entropy, examples/cs336_xl.py): the real
