@@ -145,9 +145,11 @@ def own_snapshots(only: set[str]) -> None:
             print(f"  {recorded.name:32} not run: {e}")
             continue
         result = fidelity(real, trace, recorded.reserved_from_empty)
+        baseline = simulate_caching(real).peak_reserved / recorded.reserved_from_empty - 1
         print(
             f"  {recorded.name:32} peak {result.peak:>13,} of {result.real_peak:>13,} ({result.peak_error:+.3%})  "
-            f"reserved {result.reserved_error:+.3%}  in order {result.in_order:,}/{result.allocations:,} "
+            f"reserved {result.reserved_error:+.3%} (on the real trace {baseline:+.3%})  "
+            f"in order {result.in_order:,}/{result.allocations:,} "
             f"({result.in_order_share:.1%})  {time.perf_counter() - start:.0f} s",
             flush=True,
         )

@@ -126,28 +126,43 @@ def step_seconds(model_file: str, preset: str, batch: int, seq: int, dtype: str,
     return times
 
 
-def check_replay(out: Path, steps: int) -> None:
-    """3. A plan of the BERT-Base step replayed through the CUDA plugin: fallbacks, peak against the arena,
+# (model file, preset, batch, seq, dtype) the replay check plans and replays on CUDA
+REPLAYS = [
+    ("bert", "tiny", 2, 128, "float32"),
+    ("bert", "base", 8, 512, "float32"),
+    ("bert", "tiny", 2, 128, "bfloat16"),
+    ("bert", "base", 8, 512, "bf16-mixed"),
+    ("llama", "tiny", 2, 128, "bf16-mixed"),
+    ("hf_llama", "tiny", 2, 128, "bf16-mixed"),
+    ("hf_gpt2", "tiny", 2, 128, "float32"),
+]
+
+
+def check_replay(out: Path, steps: int, only: set[str]) -> None:
+    """3. Plans of the model files' steps replayed through the CUDA plugin: fallbacks, peak against the arena,
     bitwise equality, and step time against PyTorch's caching allocator."""
     print("\n## 3. Replay through the CUDA plugin")
-    for preset, batch, seq, dtype in [("tiny", 2, 128, "float32"), ("base", 8, 512, "float32")]:
-        trace, plan = out / f"replay-{preset}.trace.json.gz", out / f"replay-{preset}.plan.json"
+    for model, preset, batch, seq, dtype in REPLAYS:
+        model_file, name = str(ROOT / "examples" / f"{model}.py"), f"{model}-{preset}-{dtype}"
+        if only and name not in only:
+            continue
+        trace, plan = out / f"replay-{name}.trace.json.gz", out / f"replay-{name}.plan.json"
         shape = ["--batch", str(batch), "--seq", str(seq), "--dtype", dtype]
-        traced = memplan("trace", BERT, "--device", "cuda", *shape, "-o", str(trace), preset=preset)
+        traced = memplan("trace", model_file, "--device", "cuda", *shape, "-o", str(trace), preset=preset)
         solved = memplan("solve", str(trace), "-o", str(plan), preset=preset) if "error" not in traced else traced
         if "error" in solved:
-            print(f"bert-{preset}: FAILED before replay: {solved['error']}")
+            print(f"{name}: FAILED before replay: {solved['error']}")
             continue
         report = memplan(
-            "replay", str(plan), BERT, "--device", "cuda", "--trace", str(trace), "--steps", str(steps), *shape,
+            "replay", str(plan), model_file, "--device", "cuda", "--trace", str(trace), "--steps", str(steps), *shape,
             preset=preset,
         )  # fmt: skip
         if "error" in report:
-            print(f"bert-{preset}: replay FAILED: {report['error']}")
+            print(f"{name}: replay FAILED: {report['error']}")
             continue
-        plain = step_seconds(BERT, preset, batch, seq, dtype, steps)
+        plain = step_seconds(model_file, preset, batch, seq, dtype, steps)
         print(
-            f"bert-{preset} b={batch} s={seq} {dtype}: {report['steps']} steps, arena {report['arena_bytes']:,} B "
+            f"{name} b={batch} s={seq}: {report['steps']} steps, arena {report['arena_bytes']:,} B "
             f"(bound {report['bound']:,}), fallbacks {report['fallback_count']}, peak {report['peak_bytes']:,} B "
             f"(peak - arena {report['peak_bytes'] - report['arena_bytes']:+,}), bitwise equal "
             f"{report['bitwise_equal']} {report['first_difference'] or ''}\n"
@@ -252,6 +267,7 @@ def main() -> None:
     parser.add_argument("--all-models", action="store_true", help="capture every bundled model file, not BERT alone")
     parser.add_argument("--modes", default=",".join(MODES), help="the layer modes the capture check traces")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="the dtypes the capture check traces")
+    parser.add_argument("--replays", default="", help="MODEL-PRESET-DTYPE names of REPLAYS to run (default: all)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps of the replay and the layers")
     parser.add_argument("--batch", type=int, default=8, help="batch of the layers' BERT-Large at s=512")
     args = parser.parse_args()
@@ -269,7 +285,7 @@ def main() -> None:
         shapes = CAPTURE_SHAPES + OTHER_MODELS * args.all_models
         check_capture(out, args.jobs, shapes, args.modes.split(","), args.dtypes.split(","))
     if "replay" in parts:
-        check_replay(out, args.steps)
+        check_replay(out, args.steps, {name for name in args.replays.split(",") if name})
     if "layers" in parts:
         check_layers(args.batch, args.steps)
     if "parallel" in parts:

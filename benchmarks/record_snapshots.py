@@ -36,6 +36,7 @@ class Recording:
     layers: str = "as-built"  # memplan's --layers
     env: dict = field(default_factory=dict)  # the model file's environment (MEMPLAN_PRESET, ...)
     nproc: int = 0  # 1: the model file shards or replicates over a one-rank NCCL process group
+    warmup: bool = True  # a warm-up step before the recorded one; False: the first step is recorded
 
 
 SMALL_LLAMA = "examples/configs/small-llama.json"  # 4 layers of hidden 1024: SDPA's flash kernel, larger GEMMs
@@ -66,6 +67,14 @@ RECORDINGS = {
         nproc=1,
     ),  # fmt: skip
     "gpt2-tiny-ddp-fp32": Recording("examples/gpt2_ddp.py", 2, 128, "float32", env={"MEMPLAN_PRESET": "tiny"}, nproc=1),
+    "gpt2-tiny-first-step-fp32": Recording(
+        "examples/gpt2.py", 2, 128, "float32", env={"MEMPLAN_PRESET": "tiny"}, warmup=False
+    ),
+    **{  # other architectures' HF configs, shrunk (tests/data/hf-configs): sliding windows, soft-capping, experts
+        f"tiny-{arch}-{tag}": Recording(f"tests/data/hf-configs/tiny-{arch}.json", 2, 256, dtype)
+        for arch in ("gemma2", "mistral", "phi3", "qwen2", "mixtral")
+        for tag, dtype in (("fp32", "float32"), ("bf16-mixed", "bf16-mixed"))
+    },
 }
 
 
@@ -96,9 +105,10 @@ def record_one(name: str, out: Path, port: int) -> None:
                     device="cuda", mode=recording.layers)  # fmt: skip
     workload = build_workload(step, import_model_file(step.model_file))
 
-    # Step 1: the warm-up (the optimizer's state is made).
-    workload.step()
-    torch.cuda.synchronize()
+    # Step 1: the warm-up (the optimizer's state is made), unless the first step is the one recorded.
+    if recording.warmup:
+        workload.step()
+        torch.cuda.synchronize()
 
     # Step 2: recorded, from the cache the warm-up left.
     torch.cuda.reset_peak_memory_stats()
@@ -121,9 +131,9 @@ def record_one(name: str, out: Path, port: int) -> None:
     properties = torch.cuda.get_device_properties(0)
     facts = {
         "recording": asdict(recording),
-        "how": "memplan's build_workload on cuda:0, one warm-up Workload.step(), then one step recorded with "
-        "_record_memory_history(context='all', stacks='python') from the warm-up's cache; a third step after "
-        "empty_cache() gives from_empty_cache",
+        "how": "memplan's build_workload on cuda:0, one warm-up Workload.step() (none when recording.warmup is "
+        "false), then one step recorded with _record_memory_history(context='all', stacks='python') from the "
+        "cache before it; one more step after empty_cache() gives from_empty_cache",
         "loss": float(loss),
         "recorded_step": {"at_start": before, "at_end": after},
         "from_empty_cache": {"at_start": emptied_before, "at_end": emptied_after},

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.planner.simulate.fidelity import fidelity, recorded_steps
 from memplan.planner.simulate.snapshot_check import replay_snapshot
 from memplan.traces.distributed import rank_path, trace_ranks
@@ -22,24 +23,43 @@ ROOT = Path(__file__).resolve().parents[1]
 RECORDED = {step.name: step for step in recorded_steps(ROOT / "tests" / "data" / "cuda-snapshots", ROOT)}
 FAST = {"bert-tiny-fp32", "llama-tiny-bf16-mixed", "tiny-llama-config-fp32"}  # the rest run in the slow lane
 # A recorded step whose prediction differs for a reason outside memplan, with the reason.
-KNOWN = {
-    "hf_llama-tiny-bf16-mixed": "transformers 5.17 (the GPU's) caches the values of a training step's DynamicCache "
-    "in fp32, a newer one in the values' bf16: 65,536 B (-0.086%) less at the peak",
+KNOWN = {  # name: (the bound its peak stays within, the reason)
+    "hf_llama-tiny-bf16-mixed": (
+        0.001,
+        "transformers 5.17 (the GPU's) caches the values of a training step's DynamicCache in fp32, a newer one in "
+        "the values' bf16: 65,536 B (-0.086%) less at the peak",
+    ),
     **{
-        name: "torch 2.11's flash attention (the GPU's) keeps its philox seed in 8 bytes, torch 2.13's meta function "
-        "(the fake trace's) in 16: 8 B more per attention call with dropout"
+        name: (
+            0.001,
+            "torch 2.11's flash attention (the GPU's) keeps its philox seed in 8 bytes, torch 2.13's meta function "
+            "(the fake trace's) in 16: 8 B more per attention call with dropout",
+        )
         for name in ("hf_bert-tiny-bf16-mixed", "hf_gpt2-tiny-bf16-mixed")
     },
+    **{
+        name: (
+            0.07,
+            "transformers 5.17 (the GPU's) runs Gemma 2 on SDPA, ignoring its attention soft-capping; a newer one runs "
+            "it eagerly (SDPA cannot soft-cap), keeping each layer's capped scores and softmax: +4.2% (fp32), +6.6%",
+        )
+        for name in ("tiny-gemma2-fp32", "tiny-gemma2-bf16-mixed")
+    },
+    **{
+        name: (
+            0.015,
+            "Mixtral's routing: which tokens reach which expert, and so the index tensors its experts' loop and "
+            "grouped GEMMs make, follows the router's values, which fake tensors do not have (DATA_RULE; issue 31): "
+            "+1.2% (fp32), +0.8%",
+        )
+        for name in ("tiny-mixtral-fp32", "tiny-mixtral-bf16-mixed")
+    },
 }
-# Recorded steps whose simulated reserved differs more, with the reason and the bound it stays within.
-STREAMS = (
-    "FSDP2 all-gathers and reduce-scatters on CUDA streams of their own, whose blocks the caching allocator keeps "
-    "apart; a fake trace has one stream (issue 33): one 2 MiB segment fewer"
-)
-RESERVED_KNOWN = {name: (0.03, STREAMS) for name in ("llama-tiny-fsdp2-fp32", "llama-tiny-fsdp2-bf16")}
-PEAK_TOLERANCE = 0.001  # a prediction's peak within 0.1% of the real one (exact but for KNOWN)
-RESERVED_TOLERANCE = 0.01  # the simulator's peak reserved on it within 1% of the step's from an emptied cache
-IN_ORDER = 0.9  # at least 90% of the real allocations made in the same order with the same size
+# the simulator's peak reserved on it within 1% of its peak reserved on the real trace, or two of the caching
+# allocator's 2 MiB segments on the small steps (a few allocations in another order can take one more; FSDP2's
+# collectives' blocks on their own CUDA streams, which a fake trace does not have, take one)
+RESERVED_TOLERANCE, SEGMENTS = 0.01, 2 * 2 * 1024 * 1024
+IN_ORDER = 0.9  # at least 90% of the real allocations made in the same order with the same size (80% for KNOWN)
 
 
 def lane(names) -> list:
@@ -86,13 +106,16 @@ def test_a_fake_cuda_trace_here_predicts_the_real_step(name, monkeypatch, tmp_pa
         predicted = load(rank_path(tmp_path / "rank.json.gz", 0))
     else:
         predicted = trace_step(recorded.step.replace(fake=True))
-    result = fidelity(real, predicted, recorded.reserved_from_empty)
+    # reserved against the simulator on the real trace: the prediction's own error (the simulator itself is exact
+    # from the real start, test above; from an empty cache it differs from the real step by its start alone)
+    result = fidelity(real, predicted, simulate_caching(real).peak_reserved)
     figures = f"peak {result.peak:,} against {result.real_peak:,}; {result.in_order}/{result.allocations} in order"
     if name in KNOWN:
-        assert result.peak != result.real_peak, f"{name} is exact now: drop it from KNOWN ({KNOWN[name]})"
+        bound, reason = KNOWN[name]
+        assert result.peak != result.real_peak, f"{name} is exact now: drop it from KNOWN ({reason})"
+        assert abs(result.peak_error) <= bound, figures
     else:
         assert result.peak == result.real_peak, figures
-    assert abs(result.peak_error) <= PEAK_TOLERANCE, figures
-    tolerance = RESERVED_KNOWN.get(name, (RESERVED_TOLERANCE, ""))[0]
-    assert abs(result.reserved_error) <= tolerance, f"reserved {result.reserved_error:+.3%}"
-    assert result.in_order_share >= IN_ORDER, figures
+    off = abs(result.reserved - result.real_reserved)
+    assert off <= max(RESERVED_TOLERANCE * result.real_reserved, SEGMENTS), f"reserved {result.reserved_error:+.3%}"
+    assert result.in_order_share >= (0.8 if name in KNOWN else IN_ORDER), figures

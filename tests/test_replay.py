@@ -295,3 +295,13 @@ def test_cli_replay_refuses_edited_plans_before_running_them(bert_files):
             assert result.exit_code == 1 and result.stdout == "", (name, result.output)
             errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
             assert len(errors) == 1 and message in errors[0] and result.stderr.endswith(errors[0] + "\n"), result.stderr
+
+
+def test_a_digest_reads_raw_bytes_of_any_dtype():
+    """bf16 (which numpy lacks) and 0-dim tensors digest; equal values give equal digests, one flipped bit another."""
+    a = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    assert tensor_digest(a) == tensor_digest(a.clone()) != tensor_digest(a + 1)
+    assert tensor_digest(torch.tensor(1.5, dtype=torch.bfloat16)) != tensor_digest(
+        torch.tensor(2.5, dtype=torch.bfloat16)
+    )
+    assert tensor_digest(a.t()) == tensor_digest(a.clone().t())  # a transposed view: its storage's span

@@ -229,6 +229,24 @@ def _cuda(to):
     return cuda
 
 
+def _bf16_or(dtype: torch.dtype) -> torch.dtype:
+    """bf16 for a floating dtype (what _grouped_mm's meta function takes), any other (offsets' int32) unchanged."""
+    return torch.bfloat16 if dtype.is_floating_point else dtype
+
+
+def _to_fake_cuda(tensor, kwargs) -> bool:
+    """Whether _to_copy moves a fake tensor that holds a constant (torch.tensor(2.0), a scale a model keeps as a
+    buffer) to CUDA on a torch built without CUDA."""
+    device = (kwargs or {}).get("device")
+    return (
+        isinstance(tensor, FakeTensor)
+        and getattr(tensor, "constant", None) is not None
+        and device is not None
+        and torch.device(device).type == "cuda"
+        and not torch.backends.cuda.is_built()
+    )
+
+
 def _runs_cublaslt(bias, mat1, mat2, *rest, beta=1, **_) -> bool:
     """Whether CUDA's addmm takes cuBLASLt's fused-bias path: a contiguous vector bias as wide as the product, a
     product of two matrices each larger than 1 on both sides, beta 1, a floating dtype (ATen's Blas.cpp)."""
@@ -312,6 +330,10 @@ class FakeCapture(FakeTensorMode):
             return super().__torch_dispatch__(func, types, args, kwargs)
         if func is aten.native_dropout.default and _dropout_mask_first(*args):
             return self._mask_first_dropout(args[0])
+        if func is aten._to_copy.default and _to_fake_cuda(args[0], kwargs):
+            args[0].constant = None  # a constant would be copied for real, and a CPU build has no CUDA kernel
+        if func is aten._grouped_mm.default and args[0].dtype != torch.bfloat16 and args[0].device.type == "cuda":
+            return self._grouped_mm_fallback(*args, **(kwargs or {}))
         if func is aten._fused_rms_norm.default and args[0].device.type == "cuda":
             return self._fused_rms_norm(*args, **(kwargs or {}))
         if func is aten.add.Tensor and self._recorder.accumulating() and self._sums_in_place(args[0]):
@@ -390,6 +412,20 @@ class FakeCapture(FakeTensorMode):
         self._claim(output)
         self._claim(rstd)
         return output, rstd
+
+    def _grouped_mm_fallback(self, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+        """_grouped_mm in another dtype than bf16, as CUDA's fallback runs it (one mm a group into slices of one
+        output): the output alone, its shape the bf16 kernel's (whose meta function refuses other dtypes)."""
+
+        def meta(t):
+            return None if t is None else torch.empty(t.shape, dtype=_bf16_or(t.dtype), device="meta")
+
+        with unset_fake_temporarily():  # the shape only: nothing of it is the step's
+            shape = aten._grouped_mm.default(meta(mat_a), meta(mat_b), offs=meta(offs)).shape
+        with self:
+            output = torch.empty(shape, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
+        self._claim(output)
+        return output
 
     def _by_rule(self, func, args):
         """DATA_RULE's output for `func`; DataDependentError for an op it does not cover."""

@@ -19,14 +19,15 @@ from memplan.traces.workload import Workload
 
 
 def tensor_digest(t: torch.Tensor) -> str:
-    """sha256 of the tensor's bytes (its whole storage span when not contiguous)."""
+    """sha256 of the tensor's bytes (its whole storage span when not contiguous), read on the host: a device
+    tensor is copied there first (as raw bytes, so every dtype, bf16 too, which numpy has not)."""
+    if t.device.type != "cpu":
+        t = t.detach().cpu()
     if t.is_contiguous():
         ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
     else:
         storage = t.untyped_storage()
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
-    if t.device.type != "cpu":
-        return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
     return hashlib.sha256(ctypes.string_at(ptr, nbytes) if nbytes else b"").hexdigest()
 
 

@@ -74,7 +74,7 @@ class RecordedStep:
     step: StepSpec  # the step as memplan traces it (on cuda, for the GPU it ran on)
     env: dict  # the model file's environment (MEMPLAN_PRESET, ...)
     nproc: int  # 1: the model file runs in a one-rank process group
-    reserved_from_empty: int  # peak reserved of the same step started from an emptied cache (the simulator's start)
+    reserved_from_empty: int  # peak reserved of the step started from an emptied cache (the simulator's start)
     facts: dict  # the whole NAME.json
 
 
@@ -92,8 +92,10 @@ def recorded_steps(folder: str | Path, root: str | Path) -> list[RecordedStep]:
             device="cuda",
             mode=recording["layers"],
             gpu=gpu(facts["gpu"]),  # torch's name for it, one of the catalogue's aliases
+            warmup=recording.get("warmup", True),
         )
-        reserved = facts["from_empty_cache"]["at_end"]["reserved_peak"]
+        # the step from an emptied cache, as the simulator starts; a first step started from one
+        reserved = facts["from_empty_cache" if step.warmup else "recorded_step"]["at_end"]["reserved_peak"]
         snapshot = facts_path.with_suffix(".pickle")
         steps.append(
             RecordedStep(facts_path.stem, snapshot, step, recording["env"], recording["nproc"], reserved, facts)
