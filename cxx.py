@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -93,14 +94,25 @@ def cxx_shared_library(name: str, sources: list[Path], what: str, headers: Itera
 
 
 def extension_build_dir(name: str, sources: list[Path], headers: Iterable[Path] = ()) -> Path:
-    """The cache folder torch_extension builds `name` in: one per torch version, sources, checkout and environment
-    (ninja's build file records absolute paths, the sources' and this Python's headers: two checkouts sharing one
-    folder would rebuild each other's module on every first use)."""
+    """The cache folder torch_extension builds `name` in: one per torch version, sources (by content) and Python
+    headers. The sources are built from a copy inside it (ninja's build file records absolute paths), so every
+    checkout, clone and installed wheel of the same sources shares one build."""
     import torch
 
-    includes = sorted({str(p.parent.resolve()) for p in sources})
-    where = hashlib.sha256("\n".join([sys.prefix, *includes]).encode()).hexdigest()[:8]
-    return cache_dir() / f"{name}-torch{torch.__version__}-{digest([*sources, *headers])}-{where}"
+    python = hashlib.sha256(sysconfig.get_paths()["include"].encode()).hexdigest()[:8]
+    return cache_dir() / f"{name}-torch{torch.__version__}-{digest([*sources, *headers])}-{python}"
+
+
+def _copied(folder: Path, files: Iterable[Path]) -> list[Path]:
+    """`files` copied into `folder` (their includes are of each other, by name), unless a copy is there already."""
+    folder.mkdir(parents=True, exist_ok=True)
+    copies = []
+    for path in files:
+        copy = folder / path.name
+        if not copy.exists() or copy.read_bytes() != path.read_bytes():
+            shutil.copyfile(path, copy)
+        copies.append(copy)
+    return copies
 
 
 def torch_extension(name: str, sources: list[Path], what: str, headers: Iterable[Path] = ()):
@@ -108,17 +120,18 @@ def torch_extension(name: str, sources: list[Path], what: str, headers: Iterable
     compiler()
     from torch.utils import cpp_extension
 
-    includes = sorted({str(p.parent.resolve()) for p in sources})
+    headers = list(headers)
     build_dir = extension_build_dir(name, sources, headers)
     build_dir.mkdir(parents=True, exist_ok=True)
     if not shutil.which("ninja"):
         raise BuildError(f"building {what} needs ninja: `pip install ninja`")
     with build_lock(build_dir, what):
+        copies = _copied(build_dir / "src", [*sources, *headers])[: len(sources)]
         try:
             return cpp_extension.load(
                 name=name,
-                sources=[str(p) for p in sources],
-                extra_include_paths=includes,
+                sources=[str(p) for p in copies],
+                extra_include_paths=[str(build_dir / "src")],
                 extra_cflags=["-O2"],
                 build_directory=str(build_dir),
                 verbose=False,

@@ -114,3 +114,30 @@ def test_fit_answers_for_llama_3_8b_at_8192_from_its_config():
     (full,) = json.loads(result.stdout)["modes"]
     # 16 bytes per parameter (fp32 weights, gradients, two moments) are 128 GB: no batch fits 80 GB with AdamW
     assert full["plan"]["batch"] == 0 and full["plan"]["at_next"] > 16 * 8_030_261_248
+
+
+def mixtral_parameters(config: dict) -> int:
+    """A Mixtral-style decoder's parameters: Llama's with each layer's MLP replaced by its experts and a router."""
+    h, f, experts = config["hidden_size"], config["intermediate_size"], config["num_local_experts"]
+    mlp, router = 3 * h * f, h * experts
+    return llama_parameters(config) + config["num_hidden_layers"] * ((experts - 1) * mlp + router)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_every_expert_of_a_mixture_runs_and_holds_its_state(device):
+    """A Mixtral-style config (tests/data/hf-configs/tiny-mixtral.json, 4 experts, top-2) under fake tensors: the
+    parameter, gradient and AdamW bytes are the config's arithmetic, so every expert ran and got a gradient (CUDA's
+    experts run grouped GEMMs, in fp32 through their fallback)."""
+    config = Path(__file__).resolve().parent / "data" / "hf-configs" / "tiny-mixtral.json"
+    trace = trace_step(StepSpec(config, batch=2, seq=64, fake=True, device=device))
+    n = 4 * mixtral_parameters(json.loads(config.read_text()))
+    assert 0 <= bytes_by_category(trace, "parameter") - n < 1024  # + RoPE's inv_freq buffer
+    assert 2 * n <= bytes_by_category(trace, "optimizer") < 2 * n + 1024  # + the step counters
+    gradients = [int(trace.size[i]) for i in range(len(trace)) if trace.category[i] == "gradient"]
+    assert sum(gradients) >= n - 1024  # every parameter's gradient made in the step
+
+
+def test_the_bundled_mixtral_config_is_mixtral_8x7b():
+    """examples/configs/mixtral-8x7b.json: 46.7 billion parameters, as published."""
+    config = json.loads((CONFIGS / "mixtral-8x7b.json").read_text())
+    assert round(mixtral_parameters(config) / 1e9, 1) == 46.7

@@ -187,9 +187,9 @@ def test_fit_gpu_gives_fit_memory_s_answer_at_the_gpu_s_capacity(monkeypatch):
     step = StepSpec(BERT, seq=32)
     cuda = step.replace(device="cuda", fake=True)  # --gpu fits the GPU's CUDA steps (fake here: no GPU)
     memory, budget = device_memory(None, H100, cuda)
-    small = dataclasses.replace(H100, name="H100 with 96 MiB to spare", memory=H100.memory - memory + (96 << 20))
+    small = dataclasses.replace(H100, name="H100 with 72 MiB to spare", memory=H100.memory - memory + (72 << 20))
     by_gpu = fit_model(step, gpu=small, modes=("baseline",), capture="fake", time_limit=0.5).summary()
-    by_memory = fit_model(cuda, 96 << 20, modes=("baseline",), capture="fake", time_limit=0.5).summary()
-    assert by_gpu["memory"] == by_memory["memory"] == 96 << 20
+    by_memory = fit_model(cuda, 72 << 20, modes=("baseline",), capture="fake", time_limit=0.5).summary()
+    assert by_gpu["memory"] == by_memory["memory"] == 72 << 20
     assert by_gpu["gpu"]["gpu"]["name"] == small.name and by_memory["gpu"] is None
     assert by_gpu["modes"] == by_memory["modes"] and by_gpu["modes"][0]["caching"]["batch"] >= 1

@@ -332,7 +332,7 @@ class FakeCapture(FakeTensorMode):
             return self._mask_first_dropout(args[0])
         if func is aten._to_copy.default and _to_fake_cuda(args[0], kwargs):
             args[0].constant = None  # a constant would be copied for real, and a CPU build has no CUDA kernel
-        if func is aten._grouped_mm.default and args[0].dtype != torch.bfloat16 and args[0].device.type == "cuda":
+        if func is aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
             return self._grouped_mm_fallback(*args, **(kwargs or {}))
         if func is aten._fused_rms_norm.default and args[0].device.type == "cuda":
             return self._fused_rms_norm(*args, **(kwargs or {}))
@@ -414,8 +414,9 @@ class FakeCapture(FakeTensorMode):
         return output, rstd
 
     def _grouped_mm_fallback(self, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
-        """_grouped_mm in another dtype than bf16, as CUDA's fallback runs it (one mm a group into slices of one
-        output): the output alone, its shape the bf16 kernel's (whose meta function refuses other dtypes)."""
+        """_grouped_mm in another dtype than bf16, as ATen's fallback runs it on CUDA and the CPU (one mm a group
+        into slices of one output): the output alone, its shape the bf16 kernel's (whose meta function refuses
+        other dtypes)."""
 
         def meta(t):
             return None if t is None else torch.empty(t.shape, dtype=_bf16_or(t.dtype), device="meta")
