@@ -124,6 +124,11 @@ def gpu_option(what: str):
     return click.option("--gpu", "gpu_name", default=None, metavar="NAME", help=f"{GPU_HELP}: {what}")
 
 
+def plans_option(text: str):
+    """--plan PLAN, repeatable, for a command of several traces (the command gets `plan_files`)."""
+    return click.option("--plan", "plan_files", multiple=True, type=click.Path(dir_okay=False), help=text)
+
+
 def find_gpu(name: str | None) -> GPU | None:
     """The catalogue's GPU called `name` (None for None); an unknown name is one `Error:` line, exit code 1."""
     return None if name is None else gpu(name)
@@ -348,13 +353,7 @@ def export_command(trace_file, output, plan_file, alloc_conf, tie_break, as_json
 
 @main.command("plot")
 @click.argument("trace_files", nargs=-1, required=True, type=click.Path(dir_okay=False))
-@click.option(
-    "--plan",
-    "plan_files",
-    multiple=True,
-    type=click.Path(dir_okay=False),
-    help="Plan of one of the traces (matched by trace digest); repeat for several.",
-)
+@plans_option("Plan of one of the traces (matched by trace digest); repeat for several.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Figure to write: .png or .svg.")
 @click.option("--address-space", is_flag=True, help="Also draw each plan's buffers as rectangles (time by offset).")
 @click.option("--alloc-conf", default="", help=ALLOC_CONF_HELP)
@@ -375,13 +374,7 @@ def plot_command(trace_files, plan_files, output, address_space, alloc_conf, tie
 
 @main.command("report")
 @click.argument("trace_files", nargs=-1, required=True, type=click.Path(dir_okay=False))
-@click.option(
-    "--plan",
-    "plan_files",
-    multiple=True,
-    type=click.Path(dir_okay=False),
-    help="Plan of one of the traces (matched by trace digest, verified against it); repeat for several.",
-)
+@plans_option("Plan of one of the traces (matched by trace digest, verified against it); repeat for several.")
 @gpu_option("each trace's verdict on it, in the report.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Page to write: a .html file.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
@@ -405,13 +398,7 @@ def report_command(trace_files, plan_files, gpu_name, output, as_json):
 
 @main.command("compare")
 @click.argument("trace_files", nargs=-1, required=True, type=click.Path(dir_okay=False))
-@click.option(
-    "--plan",
-    "plan_files",
-    multiple=True,
-    type=click.Path(dir_okay=False),
-    help="Plan of one of the traces (matched by trace digest); traces without one get a plan solved here.",
-)
+@plans_option("Plan of one of the traces (matched by trace digest); traces without one get a plan solved here.")
 @click.option(
     "--method",
     type=click.Choice(["auto", "greedy"]),

@@ -22,12 +22,9 @@ active blocks of that size): CUBLAS_WORKSPACE_CONFIG=:4096:2:16:8 says so (torch
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,10 +32,9 @@ import torch
 
 from memplan.errors import MemplanError
 from memplan.planner.simulate.caching_allocator import simulate_caching
-from memplan.planner.simulate.fidelity import RecordedStep, fidelity, recorded_steps, reproduced, sizes_in_order
+from memplan.planner.simulate.fidelity import fidelity, predict, recorded_steps, reproduced, sizes_in_order
 from memplan.step import StepSpec
-from memplan.traces.distributed import rank_path, trace_ranks
-from memplan.traces.format import Trace, load
+from memplan.traces.format import Trace
 from memplan.traces.snapshot import read_snapshot, snapshot_to_trace
 from memplan.traces.trace_model import trace_step
 
@@ -105,31 +101,6 @@ def traced(program: Program, fake: bool, device: str) -> tuple[Trace | None, flo
 OWN_SNAPSHOTS = ROOT / "tests" / "data" / "cuda-snapshots"
 
 
-@contextlib.contextmanager
-def environment(values: dict) -> Iterator[None]:
-    """os.environ with `values` set (a None value unset) for the block, then as it was."""
-    saved = {name: os.environ.get(name) for name in values}
-    try:
-        for name, value in values.items():
-            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
-        yield
-    finally:
-        for name, value in saved.items():
-            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
-
-
-def predicted(recorded: RecordedStep) -> Trace:
-    """The recorded step traced here by `--fake --device cuda` for the GPU it ran on (a one-rank fake process group
-    for a distributed model file), with the model file's environment and the cuBLAS workspace setting it ran with."""
-    env = {**recorded.env, "CUBLAS_WORKSPACE_CONFIG": recorded.facts["cublas_workspace_config"]}
-    with environment(env):
-        if not recorded.nproc:
-            return trace_step(recorded.step.replace(fake=True))
-        with tempfile.TemporaryDirectory() as folder:
-            trace_ranks(recorded.step.replace(fake=True), Path(folder) / "rank.json.gz", recorded.nproc)
-            return load(rank_path(Path(folder) / "rank.json.gz", 0))
-
-
 def own_snapshots(only: set[str]) -> None:
     """The project's own snapshots (benchmarks/record_snapshots.py): each recorded step against its prediction."""
     print(f"{OWN_SNAPSHOTS.relative_to(ROOT)}: real CUDA steps against --fake --device cuda traced here; reserved "
@@ -140,7 +111,7 @@ def own_snapshots(only: set[str]) -> None:
         real = snapshot_to_trace(read_snapshot(recorded.snapshot), recorded.name)
         start = time.perf_counter()
         try:
-            trace = predicted(recorded)
+            trace = predict(recorded)
         except MemplanError as e:
             print(f"  {recorded.name:32} not run: {e}")
             continue

@@ -88,6 +88,15 @@ def bytes_by_category(trace: Trace) -> Counter:
     return totals
 
 
+def state_bytes(trace: Trace) -> Counter:
+    """Bytes of the buffers alive when the step begins (parameters, optimizer state, inputs), summed per category."""
+    totals: Counter = Counter()
+    for size, alloc, category in zip(trace.size, trace.alloc, trace.category):
+        if alloc == 0:
+            totals[category] += int(size)
+    return totals
+
+
 def buffer_events(trace: Trace) -> list[tuple]:
     """The buffers alive at the start (size and labels, in order), then every allocation (+size) and free (-size)
     of a buffer an op returned, in time order with its labels: what a fake and a real trace of one step share

@@ -10,12 +10,9 @@ import pytest
 import torch
 
 from memplan.planner.simulate.caching_allocator import simulate_caching
-from memplan.planner.simulate.fidelity import fidelity, recorded_steps
+from memplan.planner.simulate.fidelity import fidelity, predict, recorded_steps
 from memplan.planner.simulate.snapshot_check import replay_snapshot
-from memplan.traces.distributed import rank_path, trace_ranks
-from memplan.traces.format import load
 from memplan.traces.snapshot import read_snapshot, snapshot_to_trace
-from memplan.traces.trace_model import trace_step
 
 torch.set_num_threads(1)
 
@@ -87,25 +84,13 @@ def test_the_imported_snapshot_and_the_simulator_match_torch_s_own_counters(name
 
 
 @pytest.mark.parametrize("name", lane(RECORDED))
-def test_a_fake_cuda_trace_here_predicts_the_real_step(name, monkeypatch, tmp_path):
+def test_a_fake_cuda_trace_here_predicts_the_real_step(name):
     """`--fake --device cuda` for the GPU the step ran on (a distributed model file on a one-rank fake process
     group, as it ran on a one-rank NCCL one): its peak, the simulator's reserved on it, and the order of its
     allocations against the real step's."""
     recorded = RECORDED[name]
-    for variable, value in {
-        **recorded.env,
-        "CUBLAS_WORKSPACE_CONFIG": recorded.facts["cublas_workspace_config"],
-    }.items():
-        if value is None:
-            monkeypatch.delenv(variable, raising=False)
-        else:
-            monkeypatch.setenv(variable, value)
     real = snapshot_to_trace(read_snapshot(recorded.snapshot), name)
-    if recorded.nproc:
-        trace_ranks(recorded.step.replace(fake=True), tmp_path / "rank.json.gz", recorded.nproc)
-        predicted = load(rank_path(tmp_path / "rank.json.gz", 0))
-    else:
-        predicted = trace_step(recorded.step.replace(fake=True))
+    predicted = predict(recorded)
     # reserved against the simulator on the real trace: the prediction's own error (the simulator itself is exact
     # from the real start, test above; from an empty cache it differs from the real step by its start alone)
     result = fidelity(real, predicted, simulate_caching(real).peak_reserved)

@@ -3,12 +3,12 @@ each rank's trace against the same program on real gloo ranks, and the sharding'
 
 from __future__ import annotations
 
-import collections
 import math
 from pathlib import Path
 
 import pytest
 import torch
+from step_traces import state_bytes
 
 from memplan.planner.simulate.fidelity import reproduced, sizes_in_order
 from memplan.planner.workloads.llama import PRESETS, Llama
@@ -32,15 +32,6 @@ def ranks(model_file: str, nproc: int, folder: Path, fake: bool, seq: int = 32):
     return [load(rank_path(output, rank)) for rank in range(nproc)]
 
 
-def at_start(trace) -> dict[str, int]:
-    """Bytes alive when the step begins, by category."""
-    alive = collections.Counter()
-    for i in range(len(trace)):
-        if trace.alloc[i] == 0:
-            alive[trace.category[i]] += int(trace.size[i])
-    return dict(alive)
-
-
 def known(alive: dict[str, int]) -> dict[str, int]:
     return {category: size for category, size in alive.items() if category != "unknown"}
 
@@ -58,7 +49,7 @@ def test_fsdp2_ranks_hold_the_sharding_s_bytes(tmp_path, monkeypatch, world):
     counters = 4 * len(list(model.parameters()))  # fp32 step counters, on the CPU beside CPU parameters
     traces = ranks(FSDP2, world, tmp_path, fake=True)
     for trace in traces:
-        alive = at_start(trace)
+        alive = state_bytes(trace)
         assert alive["parameter"] == shards + buffers
         assert alive["optimizer"] == 2 * shards + counters
     assert len({trace.peak()[0] for trace in traces}) == 1  # FSDP's ranks are alike
@@ -78,7 +69,7 @@ def test_fake_ranks_match_gloo_ranks(tmp_path, monkeypatch, model_file):
     for predicted, measured in zip(fake, real):
         # gloo's held buffers aside, and DDP's gradient buckets (not named yet: category unknown; gloo's ranks
         # rebuild them in the recorded step, fake ones keep them)
-        assert known(at_start(predicted)) == known(at_start(measured))
+        assert known(state_bytes(predicted)) == known(state_bytes(measured))
         fake_sizes = sizes_in_order(predicted)
         assert reproduced(sizes_in_order(measured), fake_sizes) == len(fake_sizes)
         assert predicted.peak()[0] <= measured.peak()[0] + SCALARS

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from step_traces import state_bytes
 
 from memplan.cli import main
 from memplan.step import StepSpec
@@ -19,7 +20,7 @@ TINY = CONFIGS / "tiny-llama.json"
 
 def bytes_by_category(trace, category: str) -> int:
     """Bytes of the buffers of `category` alive when the step begins (the model's and optimizer's state)."""
-    return sum(int(trace.size[i]) for i in range(len(trace)) if trace.category[i] == category and trace.alloc[i] == 0)
+    return state_bytes(trace)[category]
 
 
 def llama_parameters(config: dict) -> int:

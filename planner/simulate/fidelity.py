@@ -3,15 +3,21 @@ and how many of the real step's allocations it makes in the same order with the 
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
+import os
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from memplan.gpus import gpu
 from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.step import StepSpec
-from memplan.traces.format import Trace
+from memplan.traces.distributed import rank_path, trace_ranks
+from memplan.traces.format import Trace, load
+from memplan.traces.trace_model import trace_step
 
 
 @dataclass(frozen=True)
@@ -101,3 +107,35 @@ def recorded_steps(folder: str | Path, root: str | Path) -> list[RecordedStep]:
             RecordedStep(facts_path.stem, snapshot, step, recording["env"], recording["nproc"], reserved, facts)
         )
     return steps
+
+
+@contextlib.contextmanager
+def _environment(values: dict) -> Iterator[None]:
+    """os.environ with `values` set (a None value unset) for the block, then as it was."""
+    saved = {name: os.environ.get(name) for name in values}
+
+    def put(name: str, value: str | None) -> None:
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+    try:
+        for name, value in values.items():
+            put(name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            put(name, value)
+
+
+def predict(recorded: RecordedStep) -> Trace:
+    """The recorded step traced here by `--fake --device cuda` for the GPU it ran on (a one-rank fake process group
+    for a distributed model file), with the model file's environment and the cuBLAS workspace setting it ran with."""
+    step = recorded.step.replace(fake=True)
+    with _environment({**recorded.env, "CUBLAS_WORKSPACE_CONFIG": recorded.facts["cublas_workspace_config"]}):
+        if not recorded.nproc:
+            return trace_step(step)
+        with tempfile.TemporaryDirectory() as folder:
+            trace_ranks(step, Path(folder) / "rank.json.gz", recorded.nproc)
+            return load(rank_path(Path(folder) / "rank.json.gz", 0))
