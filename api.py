@@ -35,8 +35,9 @@ from memplan.planner.simulate.measure import Measurement, measure, simulate_trac
 from memplan.planner.simulate.plan_footprint import match_plans
 from memplan.planner.simulate.snapshot_export import make_snapshot, write_snapshot
 from memplan.planner.simulate.verdict import Verdict
+from memplan.routing import DEFAULT as DEFAULT_ROUTING
 from memplan.solvers import solve as solve_problem
-from memplan.step import StepSpec
+from memplan.step import StepSpec, require_fake_for_routing
 from memplan.traces.capture import Recording, record
 from memplan.traces.format import Trace, load, save
 from memplan.traces.snapshot import import_snapshot
@@ -70,12 +71,15 @@ def trace_model_file(
     fake: bool = False,
     compile: float | None = None,
     warmup: bool = True,
+    routing: str = DEFAULT_ROUTING,
 ) -> Trace:
     """One training step of a model file (docs/capture.md) with memplan's `layers` mode (or a mode per
     Transformer layer: {"layers.0": "full", ...}), as `memplan trace` records it; `fake` runs it under fake
-    tensors (any size, nothing allocated); `compile` under torch.compile at that activation memory budget;
-    `warmup=False` records the first step (the optimizer creates its state inside it), not the steady one."""
-    step = StepSpec(path, batch, seq, dtype, device, layers, fake, compile, warmup)
+    tensors (any size, nothing allocated; a mixture of experts routes its tokens by `routing`: balanced, worst or
+    loads=W0,W1,...); `compile` under torch.compile at that activation memory budget; `warmup=False` records the
+    first step (the optimizer creates its state inside it), not the steady one."""
+    require_fake_for_routing(routing, fake)
+    step = StepSpec(path, batch, seq, dtype, device, layers, fake, compile, warmup, routing=routing)
     return trace_step(step)
 
 
@@ -157,11 +161,12 @@ def fit(
     seq: int = 128,
     dtype: str = "float32",
     capture: str = "auto",
+    routing: str = DEFAULT_ROUTING,
 ) -> FitResult:
     """The largest batch of `model_file` whose step fits `memory` bytes (or `gpu`: its memory less what it holds
     outside the caching allocator) under each layer mode, under the caching allocator and under a plan, each
-    proven by direct traces (real or fake, as `capture` says)."""
-    step = StepSpec(model_file, seq=seq, dtype=dtype)
+    proven by direct traces (real or fake, as `capture` says; fake ones route a mixture of experts by `routing`)."""
+    step = StepSpec(model_file, seq=seq, dtype=dtype, routing=routing)
     return fit_model(step, memory, gpu=as_gpu(gpu), modes=tuple(layers), capture=capture)
 
 

@@ -13,7 +13,7 @@ from memplan.errors import MemplanError
 from memplan.gpus import GPU, GPUS, gpu
 from memplan.modes import modes_help
 from memplan.planner.simulate.alloc_conf import TIE_BREAKS
-from memplan.step import DTYPES, StepSpec
+from memplan.step import DTYPES, StepSpec, require_fake_for_routing
 from memplan.units import SizeError, parse_size
 
 
@@ -73,13 +73,24 @@ def shape_option(name: str, what: str):
 
 
 def step_options(*, batch: bool = False, layers: bool = False):
-    """The options that shape a model file's step, declared once for every command that builds one: --seq and
-    --dtype, and --batch and --layers where the command takes them; choices and defaults are StepSpec's."""
+    """The options that shape a model file's step, declared once for every command that builds one: --seq, --dtype
+    and --routing, and --batch and --layers where the command takes them; choices and defaults are StepSpec's."""
     options = [shape_option("--batch", "Batch size")] if batch else []
     options += [shape_option("--seq", "Sequence length")]
     options += [click.option("--dtype", type=click.Choice(DTYPES), default=STEP_DEFAULTS["dtype"], show_default=True)]
     layers_option = click.option("--layers", default=STEP_DEFAULTS["mode"], show_default=True, help=LAYERS_HELP)
     options += [layers_option] if layers else []
+    options += [
+        click.option(
+            "--routing",
+            default=STEP_DEFAULTS["routing"],
+            show_default=True,
+            metavar="RULE",
+            help="How a fake step's mixture of experts routes its tokens (fake router scores have no values): "
+            "balanced (every expert the same share of the token choices), worst (every token to the same top-k "
+            "experts) or loads=W0,W1,... (a weight per expert). Fake tensors only (docs/capture.md).",
+        )
+    ]
 
     def decorate(command):
         for option in reversed(options):
@@ -196,7 +207,7 @@ def main() -> None:
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def trace_command(
-    model_file, output, batch, seq, dtype, layers, device, fake, gpu_name, top, warmup, nproc, compile, as_json
+    model_file, output, batch, seq, dtype, layers, routing, device, fake, gpu_name, top, warmup, nproc, compile, as_json
 ):
     """Record one training step of MODEL_FILE and write its trace.
 
@@ -217,7 +228,9 @@ def trace_command(
     from memplan.planner.jobs.trace import trace_to_file
     from memplan.planner.report.trace_text import render_trace_file
 
-    step = StepSpec(model_file, batch, seq, dtype, device, layers, fake, compile, bool(warmup)).on_gpu(gpu_name)
+    require_fake_for_routing(routing, fake)
+    step = StepSpec(model_file, batch, seq, dtype, device, layers, fake, compile, bool(warmup), routing=routing)
+    step = step.on_gpu(gpu_name)
     summary = trace_to_file(step, output, top=top, nproc=nproc, progress=progress)
     emit(summary, as_json, render_trace_file(summary))
 
@@ -560,7 +573,9 @@ def solve_command(source, output, time_limit, capacity, method, alignment, scope
 @gpu_option("each mode's verdict: whether its step fits the GPU, or where it runs out of memory.")
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps, capture, gpu_name, compile, as_json):
+def run_command(
+    model_file, out_dir, batch, seq, dtype, routing, time_limit, replay_steps, capture, gpu_name, compile, as_json
+):
     """The main job: trace MODEL_FILE under every layer mode (as-built, baseline, tempo, selective,
     tempo+selective, full, tempo+full), solve and simulate each, replay the tempo plan on the CPU, and
     write a report with two pictures. With fake traces there is no replay (it runs the real step).
@@ -574,7 +589,8 @@ def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps
     from memplan.planner.jobs.run import DEFAULT_MODEL, RunOptions, run
     from memplan.planner.report.run_report import render_text
 
-    step = StepSpec(model_file or os.path.relpath(DEFAULT_MODEL), batch, seq, dtype, compile=compile)
+    require_fake_for_routing(routing, capture != "real")
+    step = StepSpec(model_file or os.path.relpath(DEFAULT_MODEL), batch, seq, dtype, compile=compile, routing=routing)
     opts = RunOptions(step, out_dir, time_limit=time_limit, replay_steps=replay_steps, capture=capture,
                       gpu=find_gpu(gpu_name))  # fmt: skip
     result = run(opts, progress=progress)
@@ -606,8 +622,9 @@ def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def fit_command(
-    model_file, memory, gpu_name, modes, seq, dtype, alloc_conf, tie_break, time_limit, capture, compile, as_json
-):
+    model_file, memory, gpu_name, modes, seq, dtype, routing, alloc_conf, tie_break, time_limit, capture, compile,
+    as_json
+):  # fmt: skip
     """The largest batch size whose training step fits --memory (or --gpu), under the caching allocator and under
     a plan.
 
@@ -623,8 +640,9 @@ def fit_command(
     from memplan.planner.report.fit_table import render_fit
 
     memory_or_gpu(memory, gpu_name)
+    require_fake_for_routing(routing, capture != "real")
     result = fit_model(
-        StepSpec(model_file, seq=seq, dtype=dtype, compile=compile),
+        StepSpec(model_file, seq=seq, dtype=dtype, compile=compile, routing=routing),
         memory,
         gpu=find_gpu(gpu_name),
         modes=tuple(modes) or MODES,
@@ -672,7 +690,9 @@ def budget_list(_ctx, _param, value: str) -> tuple[float, ...]:
 @capture_option
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Figure to write: .png or .svg.")
 @click.option("--json", "as_json", is_flag=True, help="Print every point as JSON.")
-def tradeoff_command(model_file, batch, seq, dtype, budgets, time_limit, repeats, variants, capture, output, as_json):
+def tradeoff_command(
+    model_file, batch, seq, dtype, routing, budgets, time_limit, repeats, variants, capture, output, as_json
+):
     """Peak memory against extra compute for every layer mode and torch.compile budget, Pareto frontier marked.
 
     Example: memplan tradeoff examples/gpt2.py --budgets 1,0 --variant examples/gpt2_reversible.py -o tradeoff.png
@@ -680,7 +700,8 @@ def tradeoff_command(model_file, batch, seq, dtype, budgets, time_limit, repeats
     from memplan.planner.jobs.tradeoff import TradeoffOptions, tradeoff
     from memplan.planner.report.tradeoff_table import render_tradeoff
 
-    step = StepSpec(model_file, batch, seq, dtype)
+    require_fake_for_routing(routing, capture != "real")
+    step = StepSpec(model_file, batch, seq, dtype, routing=routing)
     opts = TradeoffOptions(step, budgets, time_limit, repeats, capture, output, variants)
     result = tradeoff(opts, progress=progress)
     summary = result.summary()
@@ -703,7 +724,7 @@ def tradeoff_command(model_file, batch, seq, dtype, budgets, time_limit, repeats
 )
 @capture_option
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
-def optimize_command(model_file, memory, gpu_name, batch, max_batch, seq, dtype, time_limit, capture, as_json):
+def optimize_command(model_file, memory, gpu_name, batch, max_batch, seq, dtype, routing, time_limit, capture, as_json):
     """A mode per Transformer layer (as-built, tempo, selective, tempo+selective, full) so the step fits --memory
     (or --gpu) with the least recompute, chosen by CP-SAT on a model measured from traces and checked by tracing it.
 
@@ -717,7 +738,8 @@ def optimize_command(model_file, memory, gpu_name, batch, max_batch, seq, dtype,
     if max_batch and batch is not None:
         raise click.UsageError("--batch and --max-batch exclude each other", ctx=click.get_current_context())
     memory_or_gpu(memory, gpu_name)
-    step = StepSpec(model_file, 1 if max_batch else batch or 2, seq, dtype)
+    require_fake_for_routing(routing, capture != "real")
+    step = StepSpec(model_file, 1 if max_batch else batch or 2, seq, dtype, routing=routing)
     opts = OptimizeOptions(step, memory, max_batch, capture, time_limit, gpu=find_gpu(gpu_name))
     result = optimize(opts, progress=progress)
     summary = result.summary()

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from memplan.errors import CompileError, MemplanError
 from memplan.gpus import GPU, gpu
 from memplan.modes import AS_BUILT, check_layer_modes, describe_assignment, mode
+from memplan.routing import DEFAULT as DEFAULT_ROUTING
+from memplan.routing import Routing
 
 DTYPES = ("float32", "bfloat16", "bf16-mixed")
 # Each dtype's parameters and autocast: bf16-mixed is fp32 parameters with forward and loss under bf16 autocast.
@@ -38,6 +40,8 @@ class StepSpec:
     warmup: bool = True  # a warm-up step before the recorded one (the steady state; else the optimizer's first)
     gpu: GPU | None = None  # the GPU (gpus.py; a name is looked up) a CUDA step is planned for: a fake one
     #                         takes its rules
+    routing: str = DEFAULT_ROUTING  # the rule a fake step's mixture of experts routes its tokens by (memplan.routing:
+    #                                 balanced, worst, loads=W0,W1,...); a real step routes by its router's values
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_file", os.fspath(self.model_file))
@@ -57,6 +61,7 @@ class StepSpec:
             check_budget(self.compile)
         if isinstance(self.gpu, str):
             object.__setattr__(self, "gpu", gpu(self.gpu))
+        object.__setattr__(self, "routing", str(Routing.parse(self.routing)))
 
     def replace(self, **changes) -> StepSpec:
         """This step with `changes` (checked again)."""
@@ -88,6 +93,7 @@ class StepSpec:
         parts += [] if self.device == "cpu" else [f"--device {self.device}"]
         parts += [f"--layers {shlex.quote(self.mode_name)}"] if not self.per_layer else []
         parts += ["--fake"] if self.fake else []
+        parts += [f"--routing {self.routing}"] if self.fake and self.routing != DEFAULT_ROUTING else []
         parts += [] if self.gpu is None else [f"--gpu {shlex.quote(self.gpu.name)}"]
         parts += [] if self.compile is None else [f"--compile --memory-budget {self.compile:g}"]
         return " ".join(parts)
@@ -115,10 +121,22 @@ class StepSpec:
         return "one training step after a warm-up step" if self.warmup else "the first training step (no warm-up)"
 
     def describe(self) -> str:
-        """The step in words, for progress lines: `batch 2, seq 128, float32, cpu, layers tempo, real tensors`."""
-        tensors = "fake tensors" if self.fake else "real tensors"
+        """The step in words, for progress lines: `batch 2, seq 128, float32, cpu, layers tempo, real tensors` (a fake
+        step names its routing rule)."""
+        tensors = "real tensors" if not self.fake else f"fake tensors, routing {self.routing}"
         where = self.device if self.gpu is None else f"{self.device} ({self.gpu.name})"
         return f"batch {self.batch}, seq {self.seq}, {self.dtype}, {where}, layers {self.mode_name}, {tensors}"
+
+
+def require_fake_for_routing(routing: str, fake: bool) -> None:
+    """StepError for a routing rule other than the default asked of real tensors: a real mixture of experts routes
+    by its router's values, only a fake one by a rule."""
+    rule = str(Routing.parse(routing))
+    if rule != DEFAULT_ROUTING and not fake:
+        raise StepError(
+            f"--routing {rule}: a routing rule routes fake tensors (--fake, --capture fake or auto); a real step "
+            "routes by its router's values"
+        )
 
 
 def check_budget(budget: float) -> float:

@@ -34,6 +34,9 @@ from torch import nn
 from memplan.errors import MemplanError
 from memplan.gpus import GPU, planned_gpu
 from memplan.modes import AS_BUILT
+from memplan.routing import DEFAULT as DEFAULT_ROUTING
+from memplan.routing import Routing
+from memplan.step import require_fake_for_routing
 from memplan.traces.fake import DATA_RULE, FakeCapture
 from memplan.traces.fake_cuda import fake_cuda_runtime
 from memplan.traces.format import PHASES, Trace, make_trace, save
@@ -319,7 +322,8 @@ def _trace(buffers: list[_Buffer], device: torch.device, fake: FakeCapture | Non
         "dtype": str(meta["dtype"]).replace("torch.", ""),
     }
     if fake is not None:
-        info.update(data_rule=DATA_RULE, data_dependent=dict(fake.data_dependent))
+        fake.known.check()
+        info.update(data_rule=DATA_RULE, data_dependent=dict(fake.data_dependent), routing=fake.known.meta())
     columns = {
         "size": [b.size for b in buffers],
         "alloc": [b.alloc for b in buffers],
@@ -337,11 +341,17 @@ def _trace(buffers: list[_Buffer], device: torch.device, fake: FakeCapture | Non
 
 @contextlib.contextmanager
 def recording_session(
-    device: str | torch.device = "cpu", *, fake: bool = False, meta: dict | None = None, gpu: GPU | str | None = None
+    device: str | torch.device = "cpu",
+    *,
+    fake: bool = False,
+    meta: dict | None = None,
+    gpu: GPU | str | None = None,
+    routing: Routing | str = DEFAULT_ROUTING,
 ) -> Iterator[Recording]:
     """Install the step recorder on `device` (and, with `fake`, fake tensors) for the block; what is built
     inside is seen from its first allocation, and `Recording.step` marks the step to record. A fake CUDA step
-    follows the rules of `gpu` (gpus.py; default gpus.DEFAULT_GPU)."""
+    follows the rules of `gpu` (gpus.py; default gpus.DEFAULT_GPU), a fake mixture of experts routes its tokens by
+    `routing` (memplan.routing)."""
     device = torch.device(device)
     fake_cuda = fake and device.type == "cuda"
     gpu = planned_gpu(gpu)
@@ -349,7 +359,7 @@ def recording_session(
         with recording(device, fake=fake) as recorder:
             workspace = gpu.cublas_workspace_bytes if fake_cuda else 0
             lt_workspace = gpu.cublaslt_workspace_bytes if fake_cuda else 0
-            fake_mode = FakeCapture(recorder, device.type, workspace, lt_workspace) if fake else None
+            fake_mode = FakeCapture(recorder, device.type, workspace, lt_workspace, routing) if fake else None
             planned = {"gpu": gpu.name, "cublas_workspace": workspace, "cublaslt_workspace": lt_workspace}
             planned = planned if fake_cuda else {}
             with fake_mode or contextlib.nullcontext():
@@ -364,10 +374,13 @@ def capture_step(
     warmup: bool = True,
     meta: dict | None = None,
     gpu: GPU | str | None = None,
+    routing: Routing | str = DEFAULT_ROUTING,
 ) -> Trace:
     """Build a workload with `build()` and record one `workload.step()` (after a warm-up step unless
-    `warmup=False`) on `device` as a labelled Trace; with `fake`, under fake tensors (on CUDA, `gpu`'s rules)."""
-    with recording_session(device, fake=fake, meta={"warmup": warmup, **(meta or {})}, gpu=gpu) as session:
+    `warmup=False`) on `device` as a labelled Trace; with `fake`, under fake tensors (on CUDA, `gpu`'s rules; a
+    mixture of experts routed by `routing`)."""
+    meta = {"warmup": warmup, **(meta or {})}
+    with recording_session(device, fake=fake, meta=meta, gpu=gpu, routing=routing) as session:
         workload = build()
         device = session.check_device(workload)
         if warmup:
@@ -413,13 +426,16 @@ def record(
     output: str | os.PathLike | None = None,
     meta: dict | None = None,
     gpu: GPU | str | None = None,
+    routing: Routing | str = DEFAULT_ROUTING,
 ) -> Iterator[Recording]:
     """Record one training step of your own loop. With `model` and `optimizer` (built before, real tensors)
     the block is the step; with neither, build them inside and mark the step with `recording.step(model,
-    optimizer)` (so under `fake=True` too; a fake CUDA step follows `gpu`'s rules, gpus.py). The trace is
-    `recording.trace`, written to `output` if given; nothing is written when the block raises."""
+    optimizer)` (so under `fake=True` too; a fake CUDA step follows `gpu`'s rules, gpus.py, and a fake mixture of
+    experts routes its tokens by `routing`, memplan.routing). The trace is `recording.trace`, written to `output`
+    if given; nothing is written when the block raises."""
     if (model is None) != (optimizer is None):
         raise CaptureError("record: give both the model and its optimizer, or neither")
+    require_fake_for_routing(routing, fake)
     if model is not None and fake:
         raise CaptureError(
             "record(model, optimizer, fake=True): a fake step needs a model made under fake tensors: build it "
@@ -427,7 +443,8 @@ def record(
         )
     if device is None:
         device = next(model.parameters()).device if model is not None else "cpu"
-    with recording_session(device, fake=fake, meta={"source": "memplan.record", **(meta or {})}, gpu=gpu) as session:
+    meta = {"source": "memplan.record", **(meta or {})}
+    with recording_session(device, fake=fake, meta=meta, gpu=gpu, routing=routing) as session:
         if model is None:
             yield session
         else:

@@ -20,10 +20,13 @@
 - Only what an op returns is claimed, its new storages allocated in the order it returns them, as
   kernels allocate their outputs: what fake tensor mode makes inside an op (a decomposition) is the
   op's own work, in the decomposition's order, as a real kernel's scratch is.
-- Values that depend on data get a rule instead of an error (DATA_RULE): a scalar read from a
-  tensor (`.item()`, `bool(t)`) is 0 (False), and a selection whose size depends on the data
-  (`nonzero`, `masked_select`) selects nothing. Each use is counted per op in `data_dependent`, and
-  the trace's meta keeps the counts.
+- Values that depend on data get a rule instead of an error (DATA_RULE). A router's choice (a top-k over
+  the last dimension) is the routing rule's, and what is computed from its choices and from constants alone
+  is computed for real beside the step (traces/known_values.py), so a mixture of experts routes its tokens
+  as a real step would under that rule; counted per op in the routing's `computed`. Any other value is read
+  as 0: a scalar read from a tensor (`.item()`, `bool(t)`) is 0 (False), and a selection whose size depends
+  on the data (`nonzero`, `masked_select`) selects nothing, counted per op in `data_dependent`. The trace's
+  meta keeps both.
 - While it is active, `Tensor.to`/`.cuda` of a fake tensor go straight to `aten._to_copy`, and
   `Module.to`/`.cuda` through `module_to`: so a fake model moves to a CUDA device on a machine
   without one (the Python bindings would ask for the device first), and fake parameters are rebound
@@ -49,7 +52,9 @@ from torch.optim import optimizer
 from torch.utils._pytree import tree_leaves
 
 from memplan.errors import MemplanError
+from memplan.routing import DEFAULT, Routing
 from memplan.traces import fake_distributed, hf_fake
+from memplan.traces.known_values import KnownValues, forget
 from memplan.traces.recorder import Recorder
 
 aten = torch.ops.aten
@@ -106,7 +111,10 @@ HOST_OUTPUTS = {aten._scaled_dot_product_efficient_attention.default: (2, 3)}
 # gpus.CUBLASLT_WORKSPACE), beside cuBLAS's (ATen's Blas.cpp; measured with torch 2.11, docs/gpu-validation.md).
 CUBLASLT_OPS = frozenset({aten.addmm.default, aten._addmm_activation.default})
 LT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-DATA_RULE = "a scalar read from a fake tensor is 0 (False); a data-dependent selection selects nothing"
+DATA_RULE = (
+    "a router's top-k chooses by the routing rule, and values computed from its choices and constants alone are "
+    "computed; any other value read from a fake tensor is 0 (False), so a selection of it selects nothing"
+)
 
 
 class DataDependentError(MemplanError):
@@ -188,6 +196,42 @@ def _tensor_from_data(original):
         return moved.requires_grad_(requires_grad)
 
     return tensor
+
+
+def _one_hot(original):
+    """F.one_hot that runs a fake tensor as the CPU and CUDA kernels do (ATen's Onehot.cpp): on the CPU, `aminmax`
+    to check the classes; then `zeros` and `scatter_` (for fake tensors ATen takes its traceable path, `arange`,
+    `eq` and a copy to int64: other buffers)."""
+
+    def one_hot(tensor, num_classes=-1):
+        if not is_fake(tensor) or tensor.dtype != torch.long or tensor.numel() == 0:
+            return original(tensor, num_classes)
+        if tensor.device.type == "cpu":
+            low, high = torch.aminmax(tensor)
+            if int(low) < 0 or (num_classes != -1 and num_classes <= int(high)):
+                return original(tensor, num_classes)  # its error
+            num_classes = int(high) + 1 if num_classes == -1 else num_classes
+            del low, high
+        elif num_classes == -1:
+            num_classes = int(tensor.max()) + 1
+        if num_classes < 1:
+            return original(tensor, num_classes)  # its error
+        encoded = torch.zeros((*tensor.shape, num_classes), dtype=torch.long, device=tensor.device)
+        return encoded.scatter_(-1, tensor.unsqueeze(-1), 1)
+
+    return one_hot
+
+
+def _tensor_format(original):
+    """Tensor.__format__ that formats a one-element fake tensor as its value, as for a real tensor (f"expert_{i}"
+    names a module; a tensor subclass would be formatted as its repr)."""
+
+    def format_(self, spec):
+        if is_fake(self) and self.dim() == 0:
+            return self.item().__format__(spec)
+        return original(self, spec)
+
+    return format_
 
 
 def _recorded_resize(original, recorder: Recorder):
@@ -273,14 +317,22 @@ class FakeCapture(FakeTensorMode):
     """FakeTensorMode whose op outputs on the captured device type claim their storages in `recorder` (an
     optimizer's step counters on the CPU are not a CUDA step's), with DATA_RULE."""
 
-    def __init__(self, recorder: Recorder, device_type: str, cublas_workspace: int = 0, cublaslt_workspace: int = 0):
+    def __init__(
+        self,
+        recorder: Recorder,
+        device_type: str,
+        cublas_workspace: int = 0,
+        cublaslt_workspace: int = 0,
+        routing: Routing | str = DEFAULT,
+    ):
         super().__init__(allow_non_fake_inputs=True)
         # The dispatch cache is shared by every fake tensor mode of the process, and an output it has not cached
         # yet has a storage reference more (see DISPATCH_REFERENCES): off, a trace never depends on what ran
         # before it (the 7B Llama step takes 7 s instead of 4).
         self.cache_enabled = False
         self._recorder, self._claim, self._device_type = recorder, recorder.claim, device_type
-        self.data_dependent: Counter[str] = Counter()  # op -> times DATA_RULE decided its output
+        self.data_dependent: Counter[str] = Counter()  # op -> times DATA_RULE read values nobody knows as 0
+        self.known = KnownValues(routing)  # the values the step knows: constants, the routing rule's choices
         self._originals: list[tuple[type, str, object]] = []
         self._depth = 0  # fake tensor mode enters itself again inside ops: patch once, on the outermost
         self._dispatching = 0  # ops under way: those inside one are fake tensor mode's own (a decomposition)
@@ -302,6 +354,8 @@ class FakeCapture(FakeTensorMode):
                 (nn.Module, "to", module_to_),
                 (nn.Module, "cuda", _cuda(module_to_)),
                 (torch, "tensor", _tensor_from_data(torch.tensor)),
+                (nn.functional, "one_hot", _one_hot(nn.functional.one_hot)),
+                (torch.Tensor, "__format__", _tensor_format(torch.Tensor.__format__)),
                 (torch.UntypedStorage, "resize_", _recorded_resize(torch.UntypedStorage.resize_, self._recorder)),
                 *fake_distributed.patches(),
                 *hf_fake.patches(),
@@ -323,6 +377,7 @@ class FakeCapture(FakeTensorMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket in RANDOM_FILLS:
+            forget(args[0])
             return args[0]
         if func is aten._pin_memory.default:  # a data loader's pinned batch: a copy in host memory, as pinning makes
             func, args, kwargs = aten.clone.default, args[:1], {}
@@ -339,11 +394,24 @@ class FakeCapture(FakeTensorMode):
         if func is aten.add.Tensor and self._recorder.accumulating() and self._sums_in_place(args[0]):
             func = aten.add_.Tensor
         func = SUBCLASS_PATHS.get((self._recorder.caller(), func), func)
+        kwargs = kwargs or {}
+        known = self.known.inputs(func, args, kwargs)
         self._dispatching += 1
         try:
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-        except (DataDependentOutputException, DynamicOutputShapeException):
-            out = self._by_rule(func, args)
+            try:
+                out = super().__torch_dispatch__(func, types, args, kwargs)
+            except (DataDependentOutputException, DynamicOutputShapeException):
+                answer = None if known is None else self.known.answer(self, func, args, kwargs, known)
+                if answer is None:
+                    out = self._by_rule(func, args)
+                else:
+                    if any(k is None for k in known):  # some inputs nobody knows, read as 0
+                        self.data_dependent[str(func.overloadpacket)] += 1
+                    if not isinstance(answer, (torch.Tensor, tuple, list)):
+                        return answer  # a scalar read from known values
+                    out, known = answer, None  # its values attached already
+            if known is not None:
+                self.known.after(func, args, kwargs, known, out)
         finally:
             self._dispatching -= 1
         self._allocated_in_return_order(out, (args, kwargs))

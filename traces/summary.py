@@ -34,7 +34,8 @@ class TraceSummary:
     device: str
     dtype: str
     fake: bool
-    data_dependent: dict[str, int]  # fake traces: op -> how many values were taken by rule
+    data_dependent: dict[str, int]  # fake traces: op -> how many values nobody knew were read as 0 (DATA_RULE)
+    routing: dict  # fake traces: the routing rule, the router calls it answered, what followed (KnownValues.meta)
     buffers: int
     recorded: int  # buffers allocated during the step
     end: int  # one past the last logical time
@@ -58,7 +59,7 @@ class TraceSummary:
     def from_dict(cls, data: dict[str, Any]) -> TraceSummary:
         """A summary back from `to_dict`'s data (a rank's summary crosses processes as JSON)."""
         known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
+        values = {"routing": {}, **{k: v for k, v in data.items() if k in known}}
         return cls(**{**values, "largest": [BufferSummary(**b) for b in values["largest"]]})
 
 
@@ -99,6 +100,7 @@ def summarize(trace: Trace, top: int = 5) -> TraceSummary:
         dtype=trace.meta.get("dtype", ""),
         fake=bool(trace.meta.get("fake", False)),
         data_dependent=trace.meta.get("data_dependent", {}),
+        routing=trace.meta.get("routing", {}),
         buffers=len(trace),
         recorded=int(len(trace.recorded)),
         end=trace.end,

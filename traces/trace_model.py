@@ -45,7 +45,9 @@ def trace_step(step: StepSpec, meta: dict | None = None) -> Trace:
         **({"compile": compiled.meta()} if compiled is not None else {}),
     }
     meta = {**info, **(meta or {})}
-    trace = capture_step(build, step.device, fake=step.fake, warmup=step.warmup, meta=meta, gpu=step.gpu)
+    trace = capture_step(
+        build, step.device, fake=step.fake, warmup=step.warmup, meta=meta, gpu=step.gpu, routing=step.routing
+    )
     for compilation in compilations:
         compilation.require_steady(step.model_file, steps=2 if step.warmup else 1)
     return trace

@@ -29,6 +29,22 @@ def no_change_mark(mode: str, changed: bool) -> str:
     return "" if changed or mode == AS_BUILT else " (changes nothing)"
 
 
+def describe_routing(routing: dict) -> list[str]:
+    """A fake trace's routing in lines: each kind of router call the rule answered with its token choices per
+    expert, and any op through which a choice was lost (a trace's meta "routing"; none without routers)."""
+    lines = []
+    for call in routing.get("routers", []):
+        per_expert = ", ".join(str(n) for n in call["per_expert"])
+        lines.append(
+            f"routing {call['rule']} (fake tensors): {call['op']} top-{call['k']} of {call['experts']} experts over "
+            f"{call['tokens']:,} tokens x{call['calls']}, token choices per expert {per_expert}"
+        )
+    if routing.get("lost"):
+        lost = ", ".join(f"{op} x{n}" for op, n in sorted(routing["lost"].items()))
+        lines.append(f"routing not followed through (the CPU could not compute its values): {lost}")
+    return lines
+
+
 def render_trace(s: TraceSummary) -> str:
     """The summary as a few lines of text for the terminal: what the step is, what it holds that a fake trace
     cannot, what was taken by rule, what its mode changed, its peak, and what is live then."""
@@ -39,12 +55,17 @@ def render_trace(s: TraceSummary) -> str:
     ]
     if s.internal:
         lines.append(
-            f"{s.internal:,} buffers are kernels' own (internal: scratch, wrapped Python numbers; a --fake trace "
-            f"cannot hold them), {human_bytes(s.internal_at_peak, grouped=True)} live at the peak"
+            f"{s.internal:,} buffers are kernels' own (internal: scratch, wrapped Python numbers, copies an op makes "
+            f"inside another, such as autograd's of an in-place op's input; a --fake trace holds only those copies), "
+            f"{human_bytes(s.internal_at_peak, grouped=True)} live at the peak"
         )
+    lines += describe_routing(s.routing)
     if s.data_dependent:
         taken = ", ".join(f"{op} x{n}" for op, n in sorted(s.data_dependent.items()))
-        lines.append(f"data-dependent values taken by rule (a scalar reads 0, a selection selects nothing): {taken}")
+        lines.append(
+            f"data-dependent values nobody knows, taken by rule (a scalar reads 0, a selection selects nothing: a "
+            f"mixture of experts whose router memplan does not follow runs no expert): {taken}"
+        )
     if s.patch:
         lines.append(describe_patch(s.patch))
     lines.append(

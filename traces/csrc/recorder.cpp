@@ -153,6 +153,7 @@ class Recorder {
     device_index_ = index;
     claimed_only_ = claimed_only;
     claimed_.clear();
+    inside_.clear();
     live_.clear();
     events_.clear();
     module_of_node_.clear();
@@ -174,9 +175,15 @@ class Recorder {
     module_of_node_[seq] = module;
   }
 
-  void claim(StorageKey key) {
+  // `inside`: claimed by an op run inside another op fake tensors see (autograd's copy of an in-place op's input,
+  // autocast's cast of a matmul's): not that op's output, as a real trace marks it.
+  void claim(StorageKey key, bool inside) {
     std::lock_guard<std::mutex> guard(mutex_);
     claimed_.insert(key);
+    if (inside)
+      inside_.insert(key);
+    else
+      inside_.erase(key);
   }
 
   void allocated(StorageKey key, int64_t nbytes) {
@@ -289,8 +296,8 @@ class Recorder {
     out.reserve(events_.size());
     for (const Event& e : events_)
       if (kept(e)) out.push_back(e);
-    if (claimed_only_)  // fake: a claimed storage is an op's output by definition
-      for (Event& e : out) e.output = true;
+    if (claimed_only_)  // fake: a claimed storage is the output of the op that claimed it, unless run inside another
+      for (Event& e : out) e.output = inside_.count(e.key) == 0;
     events_.clear();
     return out;
   }
@@ -333,6 +340,7 @@ class Recorder {
   std::unordered_map<SequenceNumber, LabelId> module_of_node_;
   std::unordered_map<StorageKey, Live> live_;
   std::unordered_set<StorageKey> claimed_;
+  std::unordered_set<StorageKey> inside_;  // claimed by an op run inside another op fake tensors see
   bool claimed_only_ = false;
   std::vector<Event> events_;
   c10::DeviceType device_ = c10::DeviceType::CPU;
@@ -571,6 +579,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("resized", [](const at::Tensor& t, int64_t old_nbytes) {
           recorder().resized(storage_key(t), old_nbytes, static_cast<int64_t>(t.storage().nbytes()));
         }, "A fake tensor's storage was resized in place from old_nbytes to its size now");
-  m.def("claim", [](const at::Tensor& t) { recorder().claim(storage_key(t)); },
-        "Keep the storage of this fake tensor in the capture");
+  m.def("claim", [](const at::Tensor& t) {
+    const ThreadState& state = this_thread;  // the op claiming runs inside another op fake tensors see?
+    bool inside = state.seen_frames > 0 && !state.ops.empty() && !state.ops.back().seen;
+    recorder().claim(storage_key(t), inside);
+  }, "Keep the storage of this fake tensor in the capture (internal when made inside another op)");
 }
