@@ -72,25 +72,30 @@ def shape_option(name: str, what: str):
     return click.option(name, type=click.IntRange(min=1), default=default, show_default=True, help=help_text)
 
 
-def step_options(*, batch: bool = False, layers: bool = False):
-    """The options that shape a model file's step, declared once for every command that builds one: --seq, --dtype
-    and --routing, and --batch and --layers where the command takes them; choices and defaults are StepSpec's."""
+def step_options(*, batch: bool = False, layers: bool = False, routing: bool = True):
+    """The options that shape a model file's step, declared once for every command that builds one: --seq and
+    --dtype, and --batch, --layers and --routing (fake steps) where the command takes them; choices and defaults are
+    StepSpec's."""
     options = [shape_option("--batch", "Batch size")] if batch else []
     options += [shape_option("--seq", "Sequence length")]
     options += [click.option("--dtype", type=click.Choice(DTYPES), default=STEP_DEFAULTS["dtype"], show_default=True)]
     layers_option = click.option("--layers", default=STEP_DEFAULTS["mode"], show_default=True, help=LAYERS_HELP)
     options += [layers_option] if layers else []
-    options += [
-        click.option(
-            "--routing",
-            default=STEP_DEFAULTS["routing"],
-            show_default=True,
-            metavar="RULE",
-            help="How a fake step's mixture of experts routes its tokens (fake router scores have no values): "
-            "balanced (every expert the same share of the token choices), worst (every token to the same top-k "
-            "experts) or loads=W0,W1,... (a weight per expert). Fake tensors only (docs/capture.md).",
-        )
-    ]
+    options += (
+        []
+        if not routing
+        else [
+            click.option(
+                "--routing",
+                default=STEP_DEFAULTS["routing"],
+                show_default=True,
+                metavar="RULE",
+                help="How a fake step's mixture of experts routes its tokens (fake router scores have no values): "
+                "balanced (every expert the same share of the token choices), worst (every token to the same top-k "
+                "experts) or loads=W0,W1,... (a weight per expert). Fake tensors only (docs/capture.md).",
+            )
+        ]
+    )
 
     def decorate(command):
         for option in reversed(options):
@@ -455,7 +460,7 @@ def compare_command(trace_files, plan_files, method, time_limit, alloc_conf, tie
 )
 @click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True, help="Consecutive steps to replay.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@step_options(batch=True, layers=True)
+@step_options(batch=True, layers=True, routing=False)
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq, dtype, layers, compile, as_json):

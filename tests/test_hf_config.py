@@ -124,12 +124,17 @@ def mixtral_parameters(config: dict) -> int:
     return llama_parameters(config) + config["num_hidden_layers"] * ((experts - 1) * mlp + router)
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_every_expert_of_a_mixture_runs_and_holds_its_state(device):
+@pytest.mark.parametrize("device, experts", [("cpu", None), ("cuda", None), ("cpu", "eager"), ("cuda", "eager")])
+def test_every_expert_of_a_mixture_runs_and_holds_its_state(tmp_path, device, experts):
     """A Mixtral-style config (tests/data/hf-configs/tiny-mixtral.json, 4 experts, top-2) under fake tensors: the
-    parameter, gradient and AdamW bytes are the config's arithmetic, so every expert ran and got a gradient (CUDA's
-    experts run grouped GEMMs, in fp32 through their fallback)."""
+    parameter, gradient and AdamW bytes are the config's arithmetic, so every expert ran and got a gradient, with
+    transformers' default experts (grouped GEMMs, in fp32 through their fallback) and with its eager loop over the
+    experts a batch hits (routed by the balanced rule: every expert gets tokens)."""
     config = Path(__file__).resolve().parent / "data" / "hf-configs" / "tiny-mixtral.json"
+    if experts is not None:
+        fields = {**json.loads(config.read_text()), "experts_implementation": experts}
+        config = tmp_path / "tiny-mixtral.json"
+        config.write_text(json.dumps(fields))
     trace = trace_step(StepSpec(config, batch=2, seq=64, fake=True, device=device))
     n = 4 * mixtral_parameters(json.loads(config.read_text()))
     assert 0 <= bytes_by_category(trace, "parameter") - n < 1024  # + RoPE's inv_freq buffer
