@@ -122,8 +122,9 @@ class StepSpec:
 
     def describe(self) -> str:
         """The step in words, for progress lines: `batch 2, seq 128, float32, cpu, layers tempo, real tensors` (a fake
-        step names its routing rule)."""
-        tensors = "real tensors" if not self.fake else f"fake tensors, routing {self.routing}"
+        step names a routing rule other than the default)."""
+        tensors = "fake tensors" if self.fake else "real tensors"
+        tensors += f", routing {self.routing}" if self.fake and self.routing != DEFAULT_ROUTING else ""
         where = self.device if self.gpu is None else f"{self.device} ({self.gpu.name})"
         return f"batch {self.batch}, seq {self.seq}, {self.dtype}, {where}, layers {self.mode_name}, {tensors}"
 
