@@ -141,6 +141,8 @@ class KnownValues:
             return None
         real = self._compute(func, args, kwargs, found, stand_in=True)
         if real is None:
+            if any(k is not None and k.routed for k in found):
+                self.lost[str(func.overloadpacket)] += 1
             return None
         if all(k is not None for k in found):
             self.computed[str(func.overloadpacket)] += 1
@@ -214,10 +216,11 @@ class KnownValues:
             k, indices = 1, out if func is aten.argmax.default else out[1]
         if k < 1 or k > experts:
             return
-        chosen = self.routing.choices(leading, k, experts).view(indices.shape)
+        with unset_fake_temporarily():  # real tensors, also where the program entered fake tensor mode twice
+            chosen = self.routing.choices(leading, k, experts).view(indices.shape).to(indices.dtype)
         rule = str(self.routing) if self.routing.applies_to(experts) else DEFAULT
         self.routers[RouterCall(str(func.overloadpacket), experts, k, math.prod(leading), rule)] += 1
-        indices.__dict__[ATTRIBUTE] = Known(chosen.to(indices.dtype), True)
+        indices.__dict__[ATTRIBUTE] = Known(chosen, True)
 
     @staticmethod
     def _computable(func, args, kwargs, found: list, out) -> bool:

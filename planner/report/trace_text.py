@@ -29,6 +29,9 @@ def no_change_mark(mode: str, changed: bool) -> str:
     return "" if changed or mode == AS_BUILT else " (changes nothing)"
 
 
+SELECTIONS = frozenset({"aten.nonzero", "aten.masked_select", "aten.index"})  # ops whose output size is a selection
+
+
 def describe_routing(routing: dict) -> list[str]:
     """A fake trace's routing in lines: each kind of router call the rule answered with its token choices per
     expert, and any op through which a choice was lost (a trace's meta "routing"; none without routers)."""
@@ -62,9 +65,11 @@ def render_trace(s: TraceSummary) -> str:
     lines += describe_routing(s.routing)
     if s.data_dependent:
         taken = ", ".join(f"{op} x{n}" for op, n in sorted(s.data_dependent.items()))
+        selections = set(s.data_dependent) & SELECTIONS
+        warning = ": a mixture of experts whose router memplan does not follow runs no expert" if selections else ""
         lines.append(
-            f"data-dependent values nobody knows, taken by rule (a scalar reads 0, a selection selects nothing: a "
-            f"mixture of experts whose router memplan does not follow runs no expert): {taken}"
+            f"data-dependent values nobody knows, taken by rule (a scalar reads 0, a selection selects "
+            f"nothing{warning}): {taken}"
         )
     if s.patch:
         lines.append(describe_patch(s.patch))
