@@ -172,29 +172,39 @@ def test_fake_and_real_moe_traces_are_equal_buffer_for_buffer(tmp_path, model, r
 
 
 def expert_inputs(trace, experts: str, hidden_bytes: int) -> list[int]:
-    """Tokens of each expert's input in the recorded step's first forward through `experts` (the experts' loop
-    gathers each expert's tokens with an index op: tokens x hidden bytes)."""
+    """Tokens of each expert's input in the recorded step's forward through `experts`: Mixtral's experts' loop
+    gathers each expert's tokens (tokens x hidden bytes), then their routing weights (tokens x 4 bytes), both by
+    index ops."""
     sizes = [
         int(trace.size[i])
         for i in trace.recorded
         if (trace.module[i], trace.op[i], trace.phase[i]) == (experts, "aten::index", "forward")
-        and trace.size[i] % hidden_bytes == 0
     ]
-    return [size // hidden_bytes for size in sizes]
+    tokens = [size // hidden_bytes for size in sizes[::2]]
+    assert sizes[::2] == [n * hidden_bytes for n in tokens] and sizes[1::2] == [4 * n for n in tokens]
+    return tokens
 
 
-@pytest.mark.parametrize("rule", some(RULES.values(), fast={"loads=3,1,1,1"}))
-def test_each_expert_of_the_loop_takes_the_tokens_the_rule_gives_it(tmp_path, rule):
+@pytest.mark.parametrize(
+    "rule, batch, seq",
+    [
+        pytest.param("loads=3,1,1,1", 2, 16),
+        pytest.param("balanced", 4, 2048),  # an expert mask of 81,920 values, from zeros made when needed
+        pytest.param("balanced", 2, 16, marks=pytest.mark.slow),
+        pytest.param("worst", 2, 16, marks=pytest.mark.slow),
+    ],
+)
+def test_each_expert_of_the_loop_takes_the_tokens_the_rule_gives_it(tmp_path, rule, batch, seq):
     """Mixtral's experts' loop under fake tensors: each expert hit gathers as many tokens as the rule gives it,
     and the trace's meta says the rule's counts."""
     path = model_file(tmp_path, "mixtral-eager", rule)
-    trace = trace_step(StepSpec(path, batch=2, seq=16, fake=True, routing=rule))
-    counts = Routing.parse(rule).counts(32, 2, 4)
+    trace = trace_step(StepSpec(path, batch=batch, seq=seq, fake=True, routing=rule))
+    counts = Routing.parse(rule).counts(batch * seq, 2, 4)
     hidden = json.loads(MIXTRAL_CONFIG.read_text())["hidden_size"]
     assert expert_inputs(trace, "model.model.layers.0.mlp.experts", 4 * hidden) == [n for n in counts if n]
     (call,) = trace.meta["routing"]["routers"]
-    assert (call["op"], call["experts"], call["k"], call["tokens"]) == ("aten.topk", 4, 2, 32)
-    assert call["per_expert"] == counts
+    assert (call["op"], call["experts"], call["k"], call["tokens"]) == ("aten.topk", 4, 2, batch * seq)
+    assert call["per_expert"] == counts and trace.meta["data_dependent"] == {}
     assert f"token choices per expert {', '.join(map(str, counts))}" in render_trace(summarize(trace))
 
 

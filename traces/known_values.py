@@ -9,16 +9,20 @@ sizes of grouped GEMMs (`histc`, `cumsum`). So under a fake capture:
   `torch.tensor`, fake tensor mode's own constants;
 - an op whose inputs are all known is computed for real on the CPU, beside the fake step (only its outputs' values;
   the fake op still allocates what the step does), so every size and scalar derived from the choices alone is the
-  one a real step with those choices gets. Constants are kept up to CONSTANT_LIMIT elements (a long sequence's mask
-  is never a router's business); what derives from a router's choice is kept whatever its size.
-A data-dependent op (`nonzero`, `.item()`, a boolean index) on known values is answered from them; on values
-nobody knows, by the old rule (read as 0: a selection of them selects nothing), counted in `data_dependent`.
+  one a real step with those choices gets.
+What derives from a router's choice is computed as the step runs, whatever its size. A constant is computed only
+when it is needed (a factory's output and views of it, when an op takes it with a router's choice or reads its
+values), and what is computed from constants alone only up to CONSTANT_LIMIT elements (a long sequence's mask is
+never a router's business). A data-dependent op (`nonzero`, `.item()`, a boolean index) on known values is answered
+from them; on values nobody knows, by the old rule (read as 0: a selection of them selects nothing), counted in
+`data_dependent`.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +33,7 @@ from memplan.routing import DEFAULT, Routing, RoutingError
 
 aten = torch.ops.aten
 ATTRIBUTE = "_memplan_known"  # a fake tensor's Known, when it has one
-CONSTANT_LIMIT = 1 << 16  # elements: a constant (not derived from a router's choice) is known up to this size
+CONSTANT_LIMIT = 1 << 16  # elements: an op on constants alone is computed up to this size (a factory's at any size)
 # Factories whose values follow from their arguments alone (no data, no random state): constants.
 FACTORIES = frozenset(
     {aten.arange, aten.zeros, aten.ones, aten.full, aten.scalar_tensor, aten.eye, aten.linspace, aten.logspace}
@@ -38,14 +42,38 @@ LIFTS = frozenset({aten.lift_fresh, aten.lift_fresh_copy})  # torch.tensor(data)
 # Ops whose outputs hold no values of their inputs' (memory as allocated, or random): never known.
 UNINITIALISED = frozenset({aten.empty_like, aten.empty, aten.empty_strided, aten.new_empty, aten.new_empty_strided})
 COMPUTED_NAMESPACES = ("aten", "prims")  # never a collective's or a custom op's (they would run for real)
+ROUTERS = frozenset({aten.topk.default, aten.argmax.default, aten.max.dim})  # a router's choice, over the last dim
 
 
-@dataclass
 class Known:
-    """The values of a fake tensor, as a real CPU tensor; `routed` when they derive from a router's choice."""
+    """The values of a fake tensor, as a real CPU tensor (made when first asked for, for a constant not yet
+    needed); `routed` when they derive from a router's choice."""
 
-    value: torch.Tensor
-    routed: bool
+    def __init__(self, value: torch.Tensor | None, routed: bool, make: Callable | None = None, numel: int = 0):
+        self._value, self.routed, self._make, self._numel = value, routed, make, numel
+
+    @property
+    def value(self) -> torch.Tensor:
+        """The values (a constant's made now if it was waiting); RuntimeError where the CPU could not make them."""
+        if self._value is None:
+            self._value = self._make() if self._make is not None else None
+            self._make = None
+        if self._value is None:
+            raise RuntimeError("a constant the CPU could not make")
+        return self._value
+
+    @property
+    def numel(self) -> int:
+        """How many values (without making a constant waiting to be made)."""
+        return self._numel if self._value is None else self._value.numel()
+
+
+class Slot:
+    """A tensor argument of an op, kept as its size and dtype only (a fake tensor kept alive would change the
+    trace): the computation puts the tensor's known values in its place."""
+
+    def __init__(self, t: torch.Tensor):
+        self.shape, self.dtype = tuple(t.shape), t.dtype
 
 
 @dataclass(frozen=True)
@@ -76,15 +104,34 @@ def forget(t) -> None:
         t.__dict__.pop(ATTRIBUTE, None)
 
 
+def _tensors(args, kwargs) -> list[torch.Tensor]:
+    """The op's tensor arguments in order (an aten op takes tensors and lists of them, never deeper): the order
+    `_replace_tensors` takes them in."""
+    found = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found += [t for t in value if isinstance(t, torch.Tensor)]
+    return found
+
+
+def _replace_tensors(args, kwargs, replace, kind=torch.Tensor) -> tuple[tuple, dict]:
+    """The op's arguments with each `kind` (a tensor, a Slot) replaced by `replace(it)`, in `_tensors`' order."""
+
+    def one(value):
+        if isinstance(value, kind):
+            return replace(value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(replace(t) if isinstance(t, kind) else t for t in value)
+        return value
+
+    return tuple(one(v) for v in args), {k: one(v) for k, v in kwargs.items()}
+
+
 def _on_cpu(value):
     """An op's argument as the CPU computation takes it: devices are the CPU, nothing pinned."""
-    if isinstance(value, torch.device):
-        return torch.device("cpu")
-    return value
-
-
-def _cpu_kwargs(kwargs: dict) -> dict:
-    return {k: (False if k == "pin_memory" else _on_cpu(v)) for k, v in kwargs.items()}
+    return torch.device("cpu") if isinstance(value, torch.device) else value
 
 
 def _histc(values: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -97,23 +144,56 @@ def _histc(values: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 STANDINS = {aten.histc.default: _histc}  # op -> its CPU computation where the CPU kernel refuses what CUDA takes
 
 
+def _compute(func, args, kwargs, found: list, stand_in: bool = False):
+    """`func` run for real on the CPU on the known values of its tensor arguments, given as Slots (with `stand_in`,
+    an input nobody knows is zeros of its size); None when the CPU refuses it."""
+    values = iter(found)
+
+    def real(slot: Slot):
+        k = next(values)
+        if k is not None:
+            return k.value
+        if not stand_in:
+            raise RuntimeError("an input nobody knows")
+        return torch.zeros((), dtype=slot.dtype).expand(slot.shape)
+
+    try:
+        with unset_fake_temporarily():
+            real_args, real_kwargs = _replace_tensors(args, kwargs, real, kind=Slot)
+            real_kwargs = {k: (False if k == "pin_memory" else _on_cpu(v)) for k, v in real_kwargs.items()}
+            return STANDINS.get(func, func)(*(_on_cpu(a) for a in real_args), **real_kwargs)
+    except Exception:  # the CPU kernel refuses it (a dtype, a device-only op): the values stay unknown
+        return None
+
+
 def _router_dim(func, args, kwargs) -> int | None:
     """The number of experts when `func` is a router's choice (a top-k over the last dimension of floating scores
     whose values nobody knows), else None."""
     scores = args[0] if args else None
-    if not isinstance(scores, FakeTensor) or not scores.is_floating_point() or scores.dim() == 0:
+    if func not in ROUTERS or not isinstance(scores, FakeTensor) or not scores.is_floating_point():
         return None
-    if known(scores) is not None:
+    if scores.dim() == 0 or known(scores) is not None:
         return None
     if func is aten.topk.default:
         dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
-    elif func in (aten.argmax.default, aten.max.dim):
-        dim = args[1] if len(args) > 1 else kwargs.get("dim")
     else:
-        return None
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
     if dim is None or dim % scores.dim() != scores.dim() - 1:
         return None
     return scores.shape[-1]
+
+
+def _written(func, args, kwargs) -> list:
+    """The tensors the op writes into (an in-place op's self, an out= argument)."""
+    schema = func._schema
+    if not schema.is_mutable:
+        return []
+    written = []
+    for i, argument in enumerate(schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(argument.name)
+            written += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return written
 
 
 class KnownValues:
@@ -128,9 +208,8 @@ class KnownValues:
     def inputs(self, func, args, kwargs) -> list | None:
         """The known values of the op's tensor inputs (None for one nobody knows), or None when the op touches
         nothing known and makes nothing known (the common case: nothing to do)."""
-        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        found = [known(t) for t in leaves]
-        if any(k is not None for k in found) or func.overloadpacket in FACTORIES or func in _ROUTERS:
+        found = [known(t) for t in _tensors(args, kwargs)]
+        if any(k is not None for k in found) or func.overloadpacket in FACTORIES or func in ROUTERS:
             return found
         return None
 
@@ -139,16 +218,17 @@ class KnownValues:
         DATA_RULE), as fake tensors of `mode` with the real output's sizes; None when it cannot be computed."""
         if not any(k is not None for k in found):
             return None
-        real = self._compute(func, args, kwargs, found, stand_in=True)
+        real = _compute(func, *_replace_tensors(args, kwargs, Slot), found, stand_in=True)
         if real is None:
             if any(k is not None and k.routed for k in found):
                 self.lost[str(func.overloadpacket)] += 1
             return None
-        if all(k is not None for k in found):
+        complete = all(k is not None for k in found)
+        if complete:
             self.computed[str(func.overloadpacket)] += 1
-        if not isinstance(real, torch.Tensor) and not isinstance(real, (tuple, list)):
+        if not isinstance(real, (torch.Tensor, tuple, list)):
             return real  # a scalar (.item())
-        device = next(t.device for t in tree_leaves((args, kwargs)) if isinstance(t, FakeTensor))
+        device = next(t.device for t in _tensors(args, kwargs) if isinstance(t, FakeTensor))
         with mode:
             fake_out = tree_map(
                 lambda r: (
@@ -158,26 +238,32 @@ class KnownValues:
                 ),
                 real,
             )
-        if all(k is not None for k in found):
+        if complete:
             self._attach(fake_out, real, any(k.routed for k in found))
         return fake_out
 
     def after(self, func, args, kwargs, found: list, out) -> None:
-        """Mark what the op's outputs hold: a router's choice by the rule, or values computed from known inputs;
-        forget what it overwrote with values nobody knows."""
-        experts = _router_dim(func, args, kwargs) if func in _ROUTERS else None
+        """Mark what the op's outputs hold: a router's choice by the rule, or values computed from known inputs (a
+        constant's when needed); forget what it overwrote with values nobody knows."""
+        experts = _router_dim(func, args, kwargs)
         if experts is not None:
             self._route(func, args, kwargs, experts, out)
             return
-        complete = all(k is not None for k in found)
-        if not complete or not self._computable(func, args, kwargs, found, out):
+        if not all(k is not None for k in found) or not self._computable(func, args, kwargs, found, out):
             self._forget_written(func, args, kwargs)
             return
+        skeleton = _replace_tensors(args, kwargs, Slot)
         routed = any(k.routed for k in found)
-        if not routed and not all(t.numel() <= CONSTANT_LIMIT for t in tree_leaves(out) if isinstance(t, FakeTensor)):
-            self._forget_written(func, args, kwargs)
-            return
-        real = self._compute(func, args, kwargs, found)
+        if not routed:  # constants alone: a factory's output and views of it made when needed, the rest if small
+            written = _written(func, args, kwargs)
+            if not written and (func.overloadpacket in FACTORIES or (func.is_view and isinstance(out, FakeTensor))):
+                out.__dict__[ATTRIBUTE] = Known(None, False, lambda: _compute(func, *skeleton, found), out.numel())
+                return
+            sizes = [t.numel() for t in tree_leaves(out) if isinstance(t, FakeTensor)] + [k.numel for k in found]
+            if max(sizes) > CONSTANT_LIMIT:
+                self._forget_written(func, args, kwargs)
+                return
+        real = _compute(func, *skeleton, found)
         if real is None:
             if routed:
                 self.lost[str(func.overloadpacket)] += 1
@@ -235,30 +321,6 @@ class KnownValues:
         return bool(found) or func.overloadpacket in FACTORIES or func.overloadpacket in LIFTS
 
     @staticmethod
-    def _compute(func, args, kwargs, found: list, stand_in: bool = False):
-        """The op run for real on the CPU on the known values (with `stand_in`, an input nobody knows as zeros of
-        its size); None when the CPU refuses it."""
-        values = iter(found)
-
-        def real(t):
-            if not isinstance(t, torch.Tensor):
-                return _on_cpu(t)
-            k = next(values)
-            if k is not None:
-                return k.value
-            if not stand_in:
-                raise RuntimeError("an input nobody knows")
-            return torch.zeros((), dtype=t.dtype).expand(t.shape)
-
-        run = STANDINS.get(func, func)
-        try:
-            with unset_fake_temporarily():
-                real_args, real_kwargs = tree_map(real, (args, kwargs))
-                return run(*real_args, **_cpu_kwargs(real_kwargs))
-        except Exception:  # the CPU kernel refuses it (a dtype, a device-only op): the values stay unknown
-            return None
-
-    @staticmethod
     def _attach(out, real, routed: bool) -> None:
         """Give each fake output its computed values (same sizes), or forget what it held."""
         fakes, reals = tree_leaves(out), tree_leaves(real)
@@ -276,19 +338,3 @@ class KnownValues:
         """Forget the values of the inputs the op writes into (their values are no longer known)."""
         for t in _written(func, args, kwargs):
             forget(t)
-
-
-def _written(func, args, kwargs) -> list:
-    """The tensors the op writes into (an in-place op's self, an out= argument)."""
-    schema = func._schema
-    if not schema.is_mutable:
-        return []
-    written = []
-    for i, argument in enumerate(schema.arguments):
-        if argument.alias_info is not None and argument.alias_info.is_write:
-            value = args[i] if i < len(args) else kwargs.get(argument.name)
-            written += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
-    return written
-
-
-_ROUTERS = frozenset({aten.topk.default, aten.argmax.default, aten.max.dim})
