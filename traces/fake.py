@@ -54,7 +54,7 @@ from torch.utils._pytree import tree_leaves
 from memplan.errors import MemplanError
 from memplan.routing import DEFAULT, Routing
 from memplan.traces import fake_distributed, hf_fake
-from memplan.traces.known_values import KnownValues, forget
+from memplan.traces.known_values import ATTRIBUTE, KnownValues, forget
 from memplan.traces.recorder import Recorder
 
 aten = torch.ops.aten
@@ -148,8 +148,9 @@ def module_to(model: nn.Module, device=None, dtype: torch.dtype | None = None) -
             new = t.detach().to(device=device, dtype=dtype if t.is_floating_point() else None)
             if isinstance(t, nn.Parameter):
                 new = nn.Parameter(new, t.requires_grad)
-                # the program's attributes only: the fake tensor's own (its device, mode, memos) are the copy's
-                new.__dict__.update({k: v for k, v in t.__dict__.items() if k not in new.__dict__})
+                # the program's attributes only: the fake tensor's own (its device, mode, memos, known values) are
+                # the copy's
+                new.__dict__.update({k: v for k, v in t.__dict__.items() if k not in new.__dict__ and k != ATTRIBUTE})
                 if t._backward_hooks:
                     new._backward_hooks = t._backward_hooks
             converted[id(t)] = new
@@ -208,14 +209,16 @@ def _one_hot(original):
             return original(tensor, num_classes)
         if tensor.device.type == "cpu":
             low, high = torch.aminmax(tensor)
-            if int(low) < 0 or (num_classes != -1 and num_classes <= int(high)):
-                return original(tensor, num_classes)  # its error
+            if int(low) < 0:
+                raise RuntimeError("Class values must be non-negative.")
+            if num_classes != -1 and num_classes <= int(high):
+                raise RuntimeError("Class values must be smaller than num_classes.")
             num_classes = int(high) + 1 if num_classes == -1 else num_classes
             del low, high
         elif num_classes == -1:
             num_classes = int(tensor.max()) + 1
-        if num_classes < 1:
-            return original(tensor, num_classes)  # its error
+        elif num_classes < 1:
+            raise RuntimeError("num_classes should be positive")
         encoded = torch.zeros((*tensor.shape, num_classes), dtype=torch.long, device=tensor.device)
         return encoded.scatter_(-1, tensor.unsqueeze(-1), 1)
 
