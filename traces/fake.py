@@ -1,8 +1,10 @@
 """Fake tensors for a capture: the model is built and its step run with no memory and no arithmetic.
 
-`FakeCapture` is PyTorch's FakeTensorMode with six additions.
+`FakeCapture` is PyTorch's FakeTensorMode with these additions.
 - Every fake tensor an op returns claims its storage in the recorder, so the trace holds the storages
-  the program saw (not the meta storages fake tensor mode makes for its own work).
+  the program saw (not the meta storages fake tensor mode makes for its own work); one claimed by an op
+  run inside another op (autograd's copy of an in-place op's input, autocast's cast) is internal to that
+  op, as a real trace marks it.
 - In-place random fills (`uniform_`, `normal_`, ...) return their input untouched: they allocate
   nothing on a real device, their values do not matter here, and on a machine without CUDA fake
   tensor mode cannot run them for a fake CUDA tensor.
@@ -27,6 +29,9 @@
   as 0: a scalar read from a tensor (`.item()`, `bool(t)`) is 0 (False), and a selection whose size depends
   on the data (`nonzero`, `masked_select`) selects nothing, counted per op in `data_dependent`. The trace's
   meta keeps both.
+- Composite functions that ATen runs another way for fake tensors run as the kernels do: `F.one_hot`
+  (the CPU's `aminmax` check, then `zeros` and `scatter_`, where ATen takes `arange` and `eq`), and a
+  one-element fake tensor formats as its value (`f"expert_{i}"`), as a real one does.
 - While it is active, `Tensor.to`/`.cuda` of a fake tensor go straight to `aten._to_copy`, and
   `Module.to`/`.cuda` through `module_to`: so a fake model moves to a CUDA device on a machine
   without one (the Python bindings would ask for the device first), and fake parameters are rebound
