@@ -166,6 +166,7 @@ def fit(
     """The largest batch of `model_file` whose step fits `memory` bytes (or `gpu`: its memory less what it holds
     outside the caching allocator) under each layer mode, under the caching allocator and under a plan, each
     proven by direct traces (real or fake, as `capture` says; fake ones route a mixture of experts by `routing`)."""
+    require_fake_for_routing(routing, capture != "real")
     step = StepSpec(model_file, seq=seq, dtype=dtype, routing=routing)
     return fit_model(step, memory, gpu=as_gpu(gpu), modes=tuple(layers), capture=capture)
 
@@ -205,5 +206,7 @@ def as_gpu(value: GPULike | None) -> GPU | None:
 
 def split_step(model_file: PathLike, options: Mapping) -> tuple[StepSpec, dict]:
     """`options` parted into the StepSpec of `model_file` they describe and the job's own options."""
-    step = {name: value for name, value in options.items() if name in STEP_OPTIONS}
-    return StepSpec(model_file, **step), {name: value for name, value in options.items() if name not in STEP_OPTIONS}
+    step = StepSpec(model_file, **{name: value for name, value in options.items() if name in STEP_OPTIONS})
+    rest = {name: value for name, value in options.items() if name not in STEP_OPTIONS}
+    require_fake_for_routing(step.routing, step.fake or rest.get("capture", "auto") != "real")
+    return step, rest
