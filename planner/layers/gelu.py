@@ -19,7 +19,6 @@ from memplan.errors import MemplanError
 from memplan.planner.layers import inverse
 
 FORMS = ("none", "tanh")
-HF_GELU_FORMS = {"GELUActivation": "none", "NewGELUActivation": "tanh", "GELUTanh": "tanh"}  # HF class -> form
 
 
 def gelu_activation(approximate: str) -> inverse.Activation:

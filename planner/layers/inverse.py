@@ -202,11 +202,15 @@ def input_gradient(
 
 
 def kept_by_producer(x: torch.Tensor) -> bool:
-    """Whether the op that made `x` keeps `x` itself for its backward, as the in-place LayerNorm and RMSNorm keep
-    their output (their nodes say so with `keeps_output`): an activation then keeps `x` too, at no cost, rather
-    than its output and a mask, which would be bytes on top. Read from the node, never unpacking what it saved
-    (under checkpointing that would recompute); while torch.compile traces, no (it has no nodes yet)."""
-    return not torch.compiler.is_compiling() and getattr(x.grad_fn, "keeps_output", False)
+    """Whether `x`'s bytes stay alive for backward whatever the activation keeps: the op that made it keeps it, as
+    the in-place LayerNorm and RMSNorm keep their output (their nodes say so with `keeps_output`), or it is a view
+    of a larger tensor (a gated MLP's fused gate-and-up projection, split in two: the other half, kept by the
+    product, holds the storage). An activation then keeps `x` too, at no cost, rather than its output and a mask,
+    which would be bytes on top. Read from the node, never unpacking what it saved (under checkpointing that would
+    recompute); while torch.compile traces, no (it has no nodes yet)."""
+    if torch.compiler.is_compiling():
+        return False
+    return getattr(x.grad_fn, "keeps_output", False) or (x._base is not None and x.numel() < x._base.numel())
 
 
 class InplaceActivationFunction(torch.autograd.Function):
