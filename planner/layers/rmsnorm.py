@@ -125,17 +125,16 @@ class InplaceRMSNormFunction(torch.autograd.Function):
         for chunk in row_chunks(rows, n, x.numel() * x.element_size(), FORWARD_TEMPORARIES):
             y_rows[chunk], rstd[chunk] = rows_forward(x_rows[chunk], weight, normalized_shape, eps, flavour)
         # Step 3: the exact x̂ of the channels whose scale is too small to divide by.
-        scale = scale_of(weight, flavour)
-        keep, exact = exact_part(x_rows, scale, None, y.dtype, rstd)
-        ctx.n, ctx.dtype, ctx.shape = n, x.dtype, x.shape
-        ctx.weight_dtype = None if weight is None else weight.dtype
-        ctx.save_for_backward(y, rstd, scale, keep, exact)
+        keep, exact = exact_part(x_rows, scale_of(weight, flavour), None, y.dtype, rstd)
+        ctx.n, ctx.dtype, ctx.shape, ctx.flavour = n, x.dtype, x.shape, flavour
+        ctx.save_for_backward(y, rstd, weight, keep, exact)
         ctx.keeps_output = True  # an activation right after may keep y too (inverse.kept_by_producer)
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        y, rstd, scale, keep, exact = ctx.saved_tensors
+        y, rstd, weight, keep, exact = ctx.saved_tensors
+        scale = scale_of(weight, ctx.flavour)  # the offset flavour's 1 + w: n floats, made again
         dx, dweight, _ = normalized_backward(
             grad,
             y,
@@ -150,7 +149,7 @@ class InplaceRMSNormFunction(torch.autograd.Function):
             weight_grad=scale is not None and ctx.needs_input_grad[1],
             bias_grad=False,
         )
-        dweight = None if dweight is None else dweight.to(ctx.weight_dtype)
+        dweight = None if dweight is None else dweight.to(weight.dtype)
         return dx.reshape(ctx.shape), dweight, None, None, None
 
 
