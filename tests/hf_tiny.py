@@ -1,10 +1,12 @@
 """Every causal language model the installed transformers ships, built tiny from its default config: the
-architecture sweep of the layer modes (tests/test_patch_architectures.py)."""
+architecture sweep of the layer modes (tests/test_patch_architectures.py, benchmarks/architectures.py)."""
 
 from __future__ import annotations
 
 import torch
 import transformers
+
+from memplan.planner.layers import transformer_layers
 
 transformers.logging.set_verbosity_error()
 
@@ -106,3 +108,33 @@ def inputs() -> dict:
     """A batch of token ids, its own labels."""
     ids = torch.randint(1, 200, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(1))
     return {"input_ids": ids, "labels": ids}
+
+
+def step(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict, dict]:
+    """Loss, logits, gradients and the bytes each Transformer layer's forward saves for backward (storages counted
+    once, where first saved)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)  # routers that draw in training (PhiMoE's sparse mixer) draw alike
+    named = dict(model.named_modules())
+    held, seen, current, hooks = {}, set(), [], []
+    for path in transformer_layers(model):
+        hooks.append(named[path].register_forward_pre_hook(lambda m, a, path=path: current.append(path) and None))
+        hooks.append(named[path].register_forward_hook(lambda m, a, out: current.pop() and None))
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            where = current[-1] if current else "outside"
+            held[where] = held.get(where, 0) + storage.nbytes()
+        return tensor
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = model(**inputs())
+    finally:
+        for hook in hooks:
+            hook.remove()
+    out.loss.backward()
+    gradients = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), out.logits.detach(), gradients, held

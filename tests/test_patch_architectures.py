@@ -9,42 +9,12 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_tiny import architectures, build, inputs  # noqa: E402  (needs transformers)
+from hf_tiny import architectures, build, step  # noqa: E402  (needs transformers)
 from lanes import some  # noqa: E402
 
-from memplan.planner.layers import patch, transformer_layers  # noqa: E402
+from memplan.planner.layers import patch  # noqa: E402
 
 FAST = ("llama", "qwen3", "gemma2", "gpt_oss", "olmo2", "phi3", "bert", "gpt2")  # the fast lane's sample
-
-
-def step(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict, dict]:
-    """Loss, logits, gradients and the bytes each Transformer layer's forward saves for backward (storages counted
-    once, where first saved)."""
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(0)  # routers that draw in training (PhiMoE's sparse mixer) draw alike
-    named = dict(model.named_modules())
-    held, seen, current, hooks = {}, set(), [], []
-    for path in transformer_layers(model):
-        hooks.append(named[path].register_forward_pre_hook(lambda m, a, path=path: current.append(path) and None))
-        hooks.append(named[path].register_forward_hook(lambda m, a, out: current.pop() and None))
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            where = current[-1] if current else "outside"
-            held[where] = held.get(where, 0) + storage.nbytes()
-        return tensor
-
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            out = model(**inputs())
-    finally:
-        for hook in hooks:
-            hook.remove()
-    out.loss.backward()
-    gradients = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    return out.loss.detach(), out.logits.detach(), gradients, held
 
 
 @pytest.mark.parametrize("kind", some(architectures(), fast=FAST))
