@@ -31,6 +31,8 @@ def activation_of(module: nn.Module) -> inverse.Activation | None:
         return GELU[module.approximate]
     if next(module.children(), None) is not None or module._parameters or module._buffers:
         return None
+    if not probe.takes_one_input(module):
+        return None
     with probe.isolated():
         for activation in INVERTIBLE:
             if all(

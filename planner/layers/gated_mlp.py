@@ -51,6 +51,8 @@ def layout_of(module: nn.Module) -> Layout | None:
     dropouts = [name for name, child in children.items() if type(child) is nn.Dropout]
     if len(linears) != 3 or len(children) != 4 + len(dropouts) or len(dropouts) > 1 or module._parameters:
         return None
+    if not probe.takes_one_input(module):
+        return None
     acts = [name for name, child in children.items() if name not in linears and activations.activation_of(child)]
     downs = [
         name for name, down in linears.items() if all(is_inverse(down, o) for o in linears.values() if o is not down)

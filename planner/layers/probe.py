@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from collections.abc import Callable, Iterator
 
 import torch
@@ -46,6 +47,16 @@ def stand_in(module: nn.Module, generator: torch.Generator, dtype: torch.dtype =
                 tensors[name] = torch.zeros(tensor.shape, dtype=tensor.dtype)
         object.__setattr__(copied, store, tensors)
     return copied
+
+
+def takes_one_input(module: nn.Module) -> bool:
+    """Whether `module`'s forward takes exactly one argument (a replacement taking one drops nothing it is given)."""
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return len(parameters) == 1 and parameters[0].kind in positional
 
 
 def spread_input(shape: tuple[int, ...], generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor:

@@ -89,7 +89,7 @@ def flavour_of(module: nn.Module) -> str | None:
     eps = epsilon_of(module)
     if weight is None or weight.dim() != 1 or set(module._parameters) != {"weight"} or eps is None:
         return None
-    if next(module.children(), None) is not None or module._buffers:
+    if next(module.children(), None) is not None or module._buffers or not probe.takes_one_input(module):
         return None
     shape = (weight.shape[0],)
     with probe.isolated() as generator:
