@@ -45,8 +45,10 @@ def main() -> None:
             continue
         report = patch(model, "tempo")
         after = per_layer(step(model)[3])
-        if before == before:  # a model with a list of Transformer layers
-            savings.append(1 - after / before)
+        if before != before:  # NaN: no list of Transformer layers to count per layer
+            print(f"{kind:28} no list of Transformer layers: {', '.join(sorted({s.original for s in report.swapped}))}")
+            continue
+        savings.append(1 - after / before)
         kinds_swapped = sorted(
             {swap.replacement.split()[0].replace("memplan_tempo", "attention") for swap in report.swapped}
         )
