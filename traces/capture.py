@@ -34,6 +34,7 @@ from torch import nn
 from memplan.errors import MemplanError
 from memplan.gpus import GPU, planned_gpu
 from memplan.modes import AS_BUILT
+from memplan.planner.layers.patch import idle_notes
 from memplan.traces.fake import DATA_RULE, FakeCapture
 from memplan.traces.fake_cuda import fake_cuda_runtime
 from memplan.traces.format import PHASES, Trace, make_trace, save
@@ -300,10 +301,24 @@ class Recording:
                 "dtype": dtype,
                 "optimizer": type(workload.optimizer).__name__,
                 "internal_marked": marked,
-                **({"patch": workload.patch} if workload.patch is not None else {}),
+                **(
+                    {"patch": with_idle_notes(workload.patch, workload.model, "compile" in self._meta)}
+                    if workload.patch is not None
+                    else {}
+                ),
                 **self._meta,
             },
         )
+
+
+def with_idle_notes(report: dict, model: nn.Module, compiled: bool) -> dict:
+    """The patch report (`PatchReport.to_dict()`) with notes on what the step showed saved nothing (a compiled
+    step runs no Python of the modules: nothing to say)."""
+    compiled = compiled or any(
+        type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
+        for m in model.modules()
+    )
+    return report if compiled else {**report, "notes": [*report["notes"], *idle_notes(model)]}
 
 
 def _trace(buffers: list[_Buffer], device: torch.device, fake: FakeCapture | None, events: int, meta: dict) -> Trace:
