@@ -232,9 +232,22 @@ class Recording:
     """One capture in progress (see `record`): the recorder is installed, fake mode entered if asked;
     `step(...)` marks the one step it records, and `trace` is that step's Trace once the block ends."""
 
-    def __init__(self, recorder: Recorder, device: torch.device, fake: FakeCapture | None, meta: dict):
+    def __init__(
+        self,
+        recorder: Recorder,
+        device: torch.device,
+        fake: FakeCapture | None,
+        meta: dict,
+        progress: CaptureProgress | None = None,
+    ):
         self.trace: Trace | None = None  # set when the step's block ends
         self._recorder, self._device, self._fake, self._meta = recorder, device, fake, meta
+        self._progress = progress
+
+    def announce(self, stage: str) -> None:
+        """Name what runs now, before the recorded step (building the model, a warm-up step), in progress lines."""
+        if self._progress is not None:
+            self._progress.stage = stage
 
     @contextlib.contextmanager
     def step(
@@ -359,17 +372,16 @@ def recording_session(
     gpu = planned_gpu(gpu)
     interval = progress_interval() if progress is not None else 0.0  # a bad setting fails before the work
     with one_cpu_thread(device), fake_cuda_runtime(gpu) if fake_cuda else contextlib.nullcontext():
-        with (
-            recording(device, fake=fake) as recorder,
-            CaptureProgress(recorder, progress, interval) if progress is not None else contextlib.nullcontext(),
-        ):
-            workspace = gpu.cublas_workspace_bytes if fake_cuda else 0
-            lt_workspace = gpu.cublaslt_workspace_bytes if fake_cuda else 0
-            fake_mode = FakeCapture(recorder, device.type, workspace, lt_workspace) if fake else None
-            planned = {"gpu": gpu.name, "cublas_workspace": workspace, "cublaslt_workspace": lt_workspace}
-            planned = planned if fake_cuda else {}
-            with fake_mode or contextlib.nullcontext():
-                yield Recording(recorder, device, fake_mode, {**planned, **(meta or {})})
+        with recording(device, fake=fake) as recorder:
+            reporting = CaptureProgress(recorder, progress, interval) if progress is not None else None
+            with reporting or contextlib.nullcontext():
+                workspace = gpu.cublas_workspace_bytes if fake_cuda else 0
+                lt_workspace = gpu.cublaslt_workspace_bytes if fake_cuda else 0
+                fake_mode = FakeCapture(recorder, device.type, workspace, lt_workspace) if fake else None
+                planned = {"gpu": gpu.name, "cublas_workspace": workspace, "cublaslt_workspace": lt_workspace}
+                planned = planned if fake_cuda else {}
+                with fake_mode or contextlib.nullcontext():
+                    yield Recording(recorder, device, fake_mode, {**planned, **(meta or {})}, reporting)
 
 
 def capture_step(
@@ -387,9 +399,11 @@ def capture_step(
     A capture that runs long reports through `progress` every few seconds, when given."""
     meta = {"warmup": warmup, **(meta or {})}
     with recording_session(device, fake=fake, meta=meta, gpu=gpu, progress=progress) as session:
+        session.announce("building the model")
         workload = build()
         device = session.check_device(workload)
         if warmup:
+            session.announce("the warm-up step")
             run_user_code("warm-up step", workload.name, workload.step)
         real_cuda = device.type == "cuda" and not fake
         with (

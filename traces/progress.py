@@ -49,6 +49,7 @@ class CaptureProgress:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="memplan capture progress", daemon=True)
         self._start = time.monotonic()
+        self.stage = "preparing the step"  # what runs before the recorded step, as the capture announces it
         self._stepped = False  # whether the recorded step has begun
         self._events = 0  # the step's allocations and frees, as last seen while it ran
 
@@ -73,7 +74,7 @@ class CaptureProgress:
         if p.stepping:
             stage = f"recording the step ({p.phase})"
         else:
-            stage = "assembling the trace" if self._stepped else "building the model and its warm-up step"
+            stage = "assembling the trace" if self._stepped else self.stage
         events = f", {self._events:,} allocations and frees recorded" if self._stepped else ""
         module = f", latest allocation in {p.module}" if p.module else ""
         return (
