@@ -15,6 +15,7 @@ from memplan.cli import main
 from memplan.planner.jobs.tradeoff import WARMUP_ROUNDS, TradeoffPoint, mark_alike, mark_frontiers
 from memplan.planner.layers import MODES
 from memplan.planner.report.tradeoff_table import render_tradeoff
+from memplan.step import StepSpec
 
 MODEL = (
     Path(__file__).resolve().parents[1] / "examples" / "llama.py"
@@ -158,3 +159,26 @@ def test_points_whose_ratio_ranges_overlap_are_alike():
         p.time_ratio_low, p.time_ratio_high = low, high
     mark_alike(points)
     assert [p.time_like for p in points] == [["b"], ["a", "c"], ["b"], []]
+
+
+def test_configurations_that_do_not_fit_together_are_timed_one_after_another(tmp_path, monkeypatch):
+    """When every workload held at once would not fit the RAM available, each is timed alone (the log shows each
+    build's steps in a row), the ratio's range is its fastest over the reference's slowest and back, and a note
+    says so."""
+    import memplan.planner.jobs.tradeoff as job
+
+    monkeypatch.setattr(job, "host_memory_available", lambda: 1)  # a machine with one byte free
+    model = tmp_path / "logged.py"
+    model.write_text(LOGGED_MODEL)
+    result = job.tradeoff(job.TradeoffOptions(StepSpec(str(model), batch=2, seq=16), budgets=(), repeats=2))
+    log = [line.split() for line in (tmp_path / "steps.log").read_text().splitlines()]
+    builds = [i for i, (what, _) in enumerate(log) if what == "build"][-len(MODES) :]
+    for start in builds:  # each timed workload is built, then runs all its steps before the next is built
+        tag = log[start][1]
+        assert [t for _, t in log[start + 1 : start + 1 + WARMUP_ROUNDS + 2]] == [tag] * (WARMUP_ROUNDS + 2)
+    summary = result.summary()
+    assert summary["timing"] == "one after another" and "not interleaved" in " ".join(summary["notes"])
+    reference = summary["points"][0]
+    for p in summary["points"]:
+        assert p["time_ratio_low"] == p["step_seconds_low"] / reference["step_seconds_high"]
+        assert p["time_ratio_high"] == p["step_seconds_high"] / reference["step_seconds_low"]

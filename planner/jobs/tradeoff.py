@@ -183,23 +183,20 @@ def measure_point(opts: TradeoffOptions, config: Configuration, progress) -> tup
 
 def time_configurations(
     opts: TradeoffOptions, configs: list[Configuration], held: list[int], peaks: list[int], progress
-) -> tuple[dict[str, StepTime], bool, str | None]:
+) -> tuple[list[StepTime], bool, str | None]:
     """Every configuration's step timed on real tensors: their workloads built, then interleaved rounds (one step
-    of each in turn) when they fit this machine's RAM together, else each alone. Returns the times by name,
-    whether they were interleaved, and a note when they were not."""
+    of each in turn) when they fit this machine's RAM together, else each alone. Returns the times in the
+    configurations' order, whether they were interleaved, and a note when they were not."""
     need = sum(held) + max(p - h for p, h in zip(peaks, held))  # every workload held, one step running
     available = host_memory_available()
-    device = opts.step.device
+    runs = {"repeats": opts.repeats, "warmup": WARMUP_ROUNDS, "device": opts.step.device}
     if available is None or need <= HOST_SHARE * available:
         progress(f"timing {len(configs)} configurations, {opts.repeats} interleaved rounds after {WARMUP_ROUNDS}")
-        workloads = {c.name: timed_workload(c.step) for c in configs}
-        return time_workloads(workloads, device=device, repeats=opts.repeats, warmup=WARMUP_ROUNDS), True, None
+        workloads = {str(i): timed_workload(c.step) for i, c in enumerate(configs)}  # names may repeat (variants)
+        times = time_workloads(workloads, **runs)
+        return [times[str(i)] for i in range(len(configs))], True, None
     progress(f"timing {len(configs)} configurations one after another: together they would not fit this machine")
-    times = {}
-    for c in configs:
-        times[c.name] = time_workloads(
-            {c.name: timed_workload(c.step)}, device=device, repeats=opts.repeats, warmup=WARMUP_ROUNDS
-        )[c.name]
+    times = [time_workloads({"step": timed_workload(c.step)}, **runs)["step"] for c in configs]
     note = (
         f"step times taken one configuration after another, not interleaved: the {len(configs)} workloads held "
         f"together would need about {format_size(need)} of the {format_size(available)} available"
@@ -207,13 +204,12 @@ def time_configurations(
     return times, False, note
 
 
-def set_times(points: list[TradeoffPoint], times: dict[str, StepTime], interleaved: bool) -> None:
-    """Each point's runs, their range, and its ratio to the first point (the model as built): per round when the
-    runs were interleaved (run i of each ran side by side), else from the ranges (fastest over slowest and back);
-    then the points whose ratio ranges overlap (mark_alike)."""
-    reference = times[points[0].name]
-    for p in points:
-        t = times[p.name]
+def set_times(points: list[TradeoffPoint], times: list[StepTime], interleaved: bool) -> None:
+    """Each point's runs (`times`, in the points' order), their range, and its ratio to the first point (the model
+    as built): per round when the runs were interleaved (run i of each ran side by side), else from the ranges
+    (fastest over slowest and back); then the points whose ratio ranges overlap (mark_alike)."""
+    reference = times[0]
+    for p, t in zip(points, times):
         p.step_seconds, p.step_runs, p.step_seconds_low, p.step_seconds_high = t.median, t.runs, t.low, t.high
         if interleaved:
             ratios = [run / ref for run, ref in zip(t.runs, reference.runs)]
