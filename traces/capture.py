@@ -315,11 +315,11 @@ class Recording:
             len(events),
             {
                 "model": workload.name,
+                **({"unrecorded": missing.to_dict()} if missing is not None else {}),
                 "dtype": dtype,
                 "optimizer": type(workload.optimizer).__name__,
                 "internal_marked": marked,
                 **({"patch": workload.patch} if workload.patch is not None else {}),
-                **({"unrecorded": missing.to_dict()} if missing is not None else {}),
                 **self._meta,
             },
         )
