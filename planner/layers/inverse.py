@@ -10,7 +10,6 @@ one activation's bytes.
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from collections.abc import Callable, Iterator
@@ -67,6 +66,7 @@ class Activation:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tables", build_tables(self))
+        TABLES.append(self.tables.joined)
 
 
 def invert(activation: Activation, y: torch.Tensor, lo: float, hi: float, increasing: bool) -> torch.Tensor:
@@ -118,11 +118,21 @@ def build_tables(activation: Activation) -> InverseTables:
 
 
 FAKE_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fake mode -> its copies of the tables
+TABLES: list[torch.Tensor] = []  # every activation's joined table (CPU, made at import)
+COPIES: dict[tuple[Activation, str, torch.device], torch.Tensor] = {}  # the real tables copied to a device
 
 
-@functools.cache
 def _copied(activation: Activation, which: str, device: torch.device) -> torch.Tensor:
-    return getattr(activation.tables, which).to(device)
+    if (activation, which, device) not in COPIES:
+        COPIES[activation, which, device] = getattr(activation.tables, which).to(device)
+    return COPIES[activation, which, device]
+
+
+def shared_tables() -> list[torch.Tensor]:
+    """The real tables the process keeps (each activation's, and its copies on devices): constants every layer
+    shares, made once at import or on first use, so a later capture never sees them allocated. A trace leaves them
+    out and does not warn of them (traces/unrecorded.py; docs/limits.md)."""
+    return [*TABLES, *COPIES.values()]
 
 
 def table_on(activation: Activation, which: str, device: torch.device) -> torch.Tensor:
