@@ -4,6 +4,7 @@ act's output, its 1-byte mask and up's output, with one ffn-wide temporary in ba
 from __future__ import annotations
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from test_layers_gelu import backward_temporaries
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memplan.planner.layers.gated_mlp import HF_GATED_MLP_NAMES, GatedMLP, GatedMLPFunction
+from memplan.planner.layers.gated_mlp import GatedMLP, GatedMLPFunction
 from memplan.planner.layers.gelu import GELU
 from memplan.planner.layers.memory import saved_bytes
 from memplan.planner.layers.silu import SILU
@@ -95,14 +96,38 @@ def test_shares_the_originals_linears_and_names(name):
     assert list(mlp.state_dict()) == list(module.state_dict())
 
 
-def test_knows_huggingfaces_gated_mlps_and_nothing_else():
-    assert HF_GATED_MLP_NAMES == {"LlamaMLP", "MistralMLP", "Qwen2MLP", "T5DenseGatedActDense"}
+class RenamedMLP(nn.Module):
+    """A gated feed-forward under names no list holds, its up and gate in the other order, dropout on the product."""
+
+    def __init__(self, down_after: bool = False):
+        super().__init__()
+        self.w_a, self.w_b = nn.Linear(HIDDEN, FFN, bias=False), nn.Linear(HIDDEN, FFN, bias=False)
+        self.w_out, self.nonlinearity = nn.Linear(FFN, HIDDEN, bias=False), nn.SiLU()
+        self.drop, self.down_after = nn.Dropout(0.1), down_after
+
+    def forward(self, x):
+        product = self.w_a(x) * self.nonlinearity(self.w_b(x))
+        if self.down_after:  # the dropout after the down projection: not what GatedMLP computes
+            return self.drop(self.w_out(product))
+        return self.w_out(self.drop(product))
+
+
+def test_recognises_gated_mlps_by_what_they_compute():
     assert GatedMLP.from_module(llama(hidden_act="relu")) is None
     assert GatedMLP.from_module(t5("gated-relu")) is None
     assert GatedMLP.from_module(nn.Linear(4, 4)) is None
     assert GatedMLP.from_module(llama(hidden_act="gelu_pytorch_tanh")).activation is GELU["tanh"]
     assert GatedMLP.from_module(t5()).activation is GELU["tanh"]  # NewGELUActivation
     assert GatedMLP.from_module(t5("gated-gelu_python")).activation is GELU["none"]
+    renamed = GatedMLP.from_module(RenamedMLP())
+    assert (renamed.layout.gate, renamed.layout.up, renamed.layout.dropout) == ("w_b", "w_a", "drop")
+    assert GatedMLP.from_module(RenamedMLP(down_after=True)) is None
+    assert GatedMLP.from_module(RenamedMLP().eval()) is not None  # the probe runs in training whatever the mode
+    for name in ("Qwen3", "Phi3", "Olmo2", "Gemma2"):  # decoders whose MLP class names no list held
+        config = getattr(transformers, f"{name}Config")(hidden_size=HIDDEN, intermediate_size=FFN)
+        modeling = importlib.import_module(f"transformers.models.{name.lower()}.modeling_{name.lower()}")
+        module = getattr(modeling, f"{name}MLP")(config)
+        assert (GatedMLP.from_module(module) is None) == (name == "Phi3")  # Phi3 fuses gate and up in one Linear
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -32,8 +32,10 @@ ORIGINALS = {
     "mistral": lambda: hf_class("mistral", "MistralRMSNorm")(H, eps=1e-6),
     "qwen2": lambda: hf_class("qwen2", "Qwen2RMSNorm")(H, eps=1e-6),
     "t5": lambda: hf_class("t5", "T5LayerNorm")(H, eps=1e-6),
+    "olmo2": lambda: hf_class("olmo2", "Olmo2RMSNorm")(H, eps=1e-6),  # the fp32-weight flavour
+    "gemma": lambda: hf_class("gemma", "GemmaRMSNorm")(H, eps=1e-6),  # the offset flavour: x̂·(1 + w)
 }
-FLAVOURS = ["torch", "torch-no-weight", "llama", "t5"]  # Mistral and Qwen2 run Llama's code
+FLAVOURS = ["torch", "torch-no-weight", "llama", "t5", "olmo2", "gemma"]  # Mistral and Qwen2 run Llama's code
 CASES = ["random", "zero-weights", "tiny-weights", "small-inputs"]
 
 

@@ -9,8 +9,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn import functional as F
 
 from memplan.planner.layers import inverse
+from memplan.planner.layers.activations import activation_of
 from memplan.planner.layers.memory import saved_bytes
-from memplan.planner.layers.silu import HF_SILU_NAMES, SILU, InplaceSiLU, InplaceSiLUFunction
+from memplan.planner.layers.silu import SILU, InplaceSiLU, InplaceSiLUFunction
 
 X_MIN = SILU.tables.x_min
 
@@ -105,7 +106,7 @@ def test_backward_holds_at_most_one_activation_of_temporaries(dtype):
 def test_drop_in_for_huggingfaces_silu():
     activations = pytest.importorskip("transformers.activations")
     hf = activations.ACT2FN["silu"]
-    assert type(hf).__name__ in HF_SILU_NAMES and InplaceSiLU.HF_NAMES is HF_SILU_NAMES
+    assert activation_of(hf) is SILU and activation_of(activations.ACT2FN["swish"]) is SILU
     x = torch.randn(4, 64)
     assert torch.equal(InplaceSiLU()(x), hf(x))
 

@@ -3,7 +3,7 @@ text is planner/report/trace_text.py)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,8 @@ class TraceSummary:
     largest: list[BufferSummary]
     cuda_measured: dict  # what PyTorch itself counted over a CUDA step ({} elsewhere)
     patch: dict | None  # what the layer mode changed (planner.layers.PatchReport's dict), None when no mode ran
+    # storages the step read that the trace lacks (made before recording: traces.unrecorded.Unrecorded's dict), {}
+    unrecorded: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """The summary as plain data (the JSON of `memplan trace --json`)."""
@@ -115,4 +117,5 @@ def summarize(trace: Trace, top: int = 5) -> TraceSummary:
         largest=[_buffer(trace, int(i)) for i in largest],
         cuda_measured=trace.meta.get("cuda_measured", {}),
         patch=trace.meta.get("patch"),
+        unrecorded=trace.meta.get("unrecorded") or {},
     )

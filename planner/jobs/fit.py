@@ -212,7 +212,7 @@ class BatchProbe:
 
     def _measure(self, batch: int) -> Point:
 
-        trace = trace_step(self.step.replace(batch=batch))
+        trace = trace_step(self.step.replace(batch=batch), progress=self.progress)
         self.patch = trace.meta["patch"]
         measured = measure(trace, self.mode, time_limit=self.time_limit, alloc_conf=self.alloc_conf,
                            tie_break=self.tie_break)  # fmt: skip

@@ -4,23 +4,23 @@ held for backward instead of four.
 As built, backward keeps gate's output (for act), act's output and up's output (for the product) and
 the product (for down's weight gradient). GatedMLP keeps act's output, written over gate's, with a
 1-byte branch mask and up's output: backward rebuilds the product for down's weight gradient and
-recovers gate's output from act's with `inverse.py`. It serves SwiGLU (memplan's Llama workload,
-HuggingFace Llama, Mistral, Qwen2) and T5's gated GELU, dropout on the product included.
+recovers gate's output from act's with `inverse.py`. It serves every module a probe proves computes this
+(`layout_of`): SwiGLU (memplan's Llama workload, HuggingFace's Llama-style decoders) and T5's gated GELU,
+dropout on the product included.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from memplan.planner.layers import inverse
+from memplan.planner.layers import activations, inverse, probe
 from memplan.planner.layers.attention import autocast_state
 from memplan.planner.layers.baseline import SwiGLU
-from memplan.planner.layers.gelu import GELU, HF_GELU_FORMS, InplaceGELU
-from memplan.planner.layers.silu import HF_SILU_NAMES, SILU, InplaceSiLU
 
 
 @dataclass(frozen=True)
@@ -35,35 +35,70 @@ class Layout:
 
 
 SWIGLU_LAYOUT = Layout("gate", "up", "down", "act")
-HF_LAYOUTS = {
-    "LlamaMLP": Layout("gate_proj", "up_proj", "down_proj", "act_fn"),
-    "MistralMLP": Layout("gate_proj", "up_proj", "down_proj", "act_fn"),
-    "Qwen2MLP": Layout("gate_proj", "up_proj", "down_proj", "act_fn"),
-    "T5DenseGatedActDense": Layout("wi_0", "wi_1", "wo", "act", "dropout"),
-}
-HF_GATED_MLP_NAMES = frozenset(HF_LAYOUTS)
-
-
-def from_hf(module: nn.Module, names) -> bool:
-    """Whether `module` is one of HuggingFace's classes named in `names`."""
-    return type(module).__module__.startswith("transformers.") and type(module).__name__ in names
+PROBE_WIDTHS = (8, 12)  # the stand-in Linears' model and feed-forward widths
+PROBE_ULPS = 16.0  # how far the probe's outputs may round apart (the original may order its products otherwise)
 
 
 def layout_of(module: nn.Module) -> Layout | None:
-    """Where `module` keeps its parts, when it is a gated feed-forward GatedMLP knows."""
+    """Where `module` keeps its parts, when it is a gated feed-forward: memplan's SwiGLU, or any module made of
+    three nn.Linear (two model -> ffn, one ffn -> model), an activation `activations.activation_of` knows and at
+    most one nn.Dropout, whose function a probe proves is down(act(gate(x)) · up(x)) with the dropout on the
+    product, whatever its class and attribute names."""
     if type(module) is SwiGLU:
         return SWIGLU_LAYOUT
-    return HF_LAYOUTS[type(module).__name__] if from_hf(module, HF_LAYOUTS) else None
+    children = dict(module.named_children())
+    linears = {name: child for name, child in children.items() if type(child) is nn.Linear}
+    dropouts = [name for name, child in children.items() if type(child) is nn.Dropout]
+    if len(linears) != 3 or len(children) != 4 + len(dropouts) or len(dropouts) > 1 or module._parameters:
+        return None
+    if not probe.takes_one_input(module):
+        return None
+    acts = [name for name, child in children.items() if name not in linears and activations.activation_of(child)]
+    downs = [
+        name for name, down in linears.items() if all(is_inverse(down, o) for o in linears.values() if o is not down)
+    ]
+    if len(acts) != 1 or len(downs) != 1:
+        return None
+    first, second = (name for name in linears if name != downs[0])
+    for gate, up in ((first, second), (second, first)):
+        layout = Layout(gate, up, downs[0], acts[0], dropouts[0] if dropouts else None)
+        if computes_gated(module, layout):
+            return layout
+    return None
 
 
-def activation_of(module: nn.Module) -> inverse.Activation | None:
-    """The invertible activation `module` computes (SiLU, or GELU in either form: torch's, HuggingFace's or
-    memplan's), or None."""
-    if type(module) in (nn.SiLU, InplaceSiLU) or from_hf(module, HF_SILU_NAMES):
-        return SILU
-    if type(module) in (nn.GELU, InplaceGELU):
-        return GELU[module.approximate]
-    return GELU[HF_GELU_FORMS[type(module).__name__]] if from_hf(module, HF_GELU_FORMS) else None
+def is_inverse(down: nn.Linear, other: nn.Linear) -> bool:
+    """Whether `down` maps `other`'s outputs back to its inputs' width."""
+    return down.in_features == other.out_features and down.out_features == other.in_features
+
+
+def computes_gated(module: nn.Module, layout: Layout) -> bool:
+    """Whether `module`, its Linears and dropout swapped for small random ones of the probe's own, computes what a
+    GatedMLP of `layout` computes on a probe input, in training (the dropout drawn from one seed)."""
+    with probe.isolated() as generator:
+        model_width, ffn_width = PROBE_WIDTHS
+        widths = {layout.gate: (model_width, ffn_width), layout.up: (model_width, ffn_width)}
+        widths[layout.down] = (ffn_width, model_width)
+        modules = dict(module._modules)
+        for name, (n_in, n_out) in widths.items():
+            modules[name] = nn.Linear(n_in, n_out, bias=module._modules[name].bias is not None)
+            for parameter in modules[name].parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator))
+        dropout_p = modules[layout.dropout].p if layout.dropout else 0.0
+        if layout.dropout:  # in training, where the dropout shows: a dropout of the probe's own
+            modules[layout.dropout] = nn.Dropout(dropout_p)
+        small = copy.copy(module)
+        object.__setattr__(small, "_modules", modules)
+        small.training = True
+        activation = activations.activation_of(modules[layout.activation])
+        parts = (modules[layout.gate], modules[layout.up], modules[layout.down])
+        candidate = GatedMLP(layout, *parts, activation, dropout_p)
+        x = torch.randn(4, model_width, generator=generator)
+
+        def seeded(function):
+            return lambda: (torch.manual_seed(probe.SEED), function(x))[1]
+
+        return probe.agree(seeded(small.forward), seeded(candidate.forward), PROBE_ULPS)
 
 
 def overwritable(g: torch.Tensor) -> bool:
@@ -147,8 +182,6 @@ class GatedMLP(nn.Module):
     """A gated feed-forward computed by GatedMLPFunction: its Linear modules are the original's, registered
     under the original's names (same Parameters, same state-dict keys); `from_module` builds one."""
 
-    HF_NAMES = HF_GATED_MLP_NAMES
-
     def __init__(
         self,
         layout: Layout,
@@ -165,15 +198,13 @@ class GatedMLP(nn.Module):
 
     @classmethod
     def from_module(cls, module: nn.Module) -> GatedMLP | None:
-        """A GatedMLP sharing `module`'s Linear modules and training flag, for memplan's SwiGLU and
-        HuggingFace's HF_NAMES with a SiLU or GELU activation; None for anything else."""
+        """A GatedMLP sharing `module`'s Linear modules and training flag, for any module `layout_of` proves a
+        gated feed-forward with a SiLU or GELU activation; None for anything else."""
         layout = layout_of(module)
         if layout is None:
             return None
         linears = [getattr(module, name) for name in (layout.gate, layout.up, layout.down)]
-        activation = activation_of(getattr(module, layout.activation))
-        if activation is None or any(type(linear) is not nn.Linear for linear in linears):
-            return None
+        activation = activations.activation_of(getattr(module, layout.activation))
         dropout_p = getattr(module, layout.dropout).p if layout.dropout else 0.0
         return cls(layout, *linears, activation, dropout_p).train(module.training)
 

@@ -10,6 +10,7 @@ set to DISPATCH, and each module names the function it calls in its attribute CH
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 
@@ -24,6 +25,9 @@ EAGER = "eager"  # HuggingFace's written-out attention: each modeling file's own
 DISPATCH = "memplan_layers"  # the registry name of the function that calls each module's CHOICE
 CHOICE = "_memplan_attention"  # on a module under DISPATCH: the registry name of the function it calls
 CORE_PREFIX = "memplan_"  # the registry names of memplan's cores: memplan_baseline, memplan_tempo, memplan_selective
+COMPUTED = frozenset(  # the attention functions' parameters memplan's cores compute (head_mask: only None)
+    {"module", "query", "key", "value", "attention_mask", "scaling", "dropout", "position_bias", "head_mask"}
+)
 
 
 class AttentionPatchError(MemplanError):
@@ -99,6 +103,12 @@ def register(kind: str) -> str:
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         if kwargs.get("head_mask") is not None:
             raise AttentionPatchError("memplan's attention cores take no head mask: unpatch the model to use one")
+        given = [name for name in extra_parameters(type(module)) if kwargs.get(name) is not None]
+        if given:
+            raise AttentionPatchError(
+                f"{type(module).__name__} passes its attention {', '.join(given)}, which memplan's cores do not "
+                "compute: unpatch the model (--layers as-built) to run it"
+            )
         # 1. Grouped-query attention: repeat k and v per query head, as HuggingFace's eager attention does.
         groups = query.size(1) // key.size(1)
         if groups > 1:
@@ -121,11 +131,28 @@ def attention_function(module: nn.Module, name: str) -> Callable:
 
     if name in ALL_ATTENTION_FUNCTIONS:
         return ALL_ATTENTION_FUNCTIONS[name]
-    forward = unwrapped_forward(module)
-    eager = [forward.__globals__[n] for n in forward.__code__.co_names if n.endswith("eager_attention_forward")]
-    if name != EAGER or not eager:
+    eager = eager_function(type(module))
+    if name != EAGER or eager is None:
         raise AttentionPatchError(f"{type(module).__name__} has no attention function {name!r} memplan can call")
-    return eager[0]
+    return eager
+
+
+def eager_function(module_type: type) -> Callable | None:
+    """`module_type`'s own modeling file's eager attention function (`eager_attention_forward`), None when none."""
+    forward = inspect.unwrap(module_type.forward)
+    eager = [forward.__globals__[n] for n in forward.__code__.co_names if n.endswith("eager_attention_forward")]
+    return eager[0] if eager else None
+
+
+@functools.cache
+def extra_parameters(module_type: type) -> tuple[str, ...]:
+    """The named parameters of `module_type`'s own eager attention function beyond what memplan's cores compute
+    (Gemma 2's softcap, ModernBERT's sliding_window): what it would compute that the cores would not."""
+    eager = eager_function(module_type)
+    if eager is None:
+        return ()
+    names = inspect.signature(eager).parameters.items()
+    return tuple(n for n, p in names if n not in COMPUTED and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
 
 
 def register_dispatch() -> str:

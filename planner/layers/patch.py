@@ -33,11 +33,11 @@ from memplan.modes import (
     mode,
     spans,
 )
-from memplan.planner.layers import checkpoint, hf_attention
+from memplan.planner.layers import activations, checkpoint, hf_attention, hf_attention_check
 from memplan.planner.layers.attention import PatchedAttentionCore
 from memplan.planner.layers.baseline import AttentionCore, Dropout
 from memplan.planner.layers.gated_mlp import GatedMLP
-from memplan.planner.layers.gelu import HF_GELU_FORMS, InplaceGELU
+from memplan.planner.layers.gelu import InplaceGELU
 from memplan.planner.layers.layernorm import InplaceLayerNorm
 from memplan.planner.layers.reversible import ReversibleBlock
 from memplan.planner.layers.rmsnorm import InplaceRMSNorm
@@ -129,22 +129,20 @@ class PatchState:
 
 
 def replacement(module: nn.Module, chosen: Mode) -> nn.Module | None:
-    """The memplan module that replaces `module` under the mode `chosen` (not as-built), or None when it stays."""
-    name, from_hf = type(module).__name__, type(module).__module__.startswith("transformers.")
+    """The memplan module that replaces `module` under the mode `chosen` (not as-built), or None when it stays:
+    tempo's layers replace the modules proven (by what they compute, not their class names) to be what they
+    compute."""
     if type(module) is nn.Dropout and module.p > 0:  # at p = 0 it keeps nothing: nothing to change
         return Dropout(module.p)
     if isinstance(module, AttentionCore) and chosen.core != BASELINE:
         return PatchedAttentionCore(module.dropout.p, chosen.core)
-    if not chosen.tempo:
+    if not chosen.tempo or isinstance(module, NEUTRAL):
         return None
-    if type(module) is nn.GELU:
-        return InplaceGELU(module.approximate)
-    if from_hf and name in HF_GELU_FORMS:
-        return InplaceGELU(HF_GELU_FORMS[name])
     if type(module) is nn.LayerNorm:
         return InplaceLayerNorm.from_layernorm(module)
-    if type(module) is nn.SiLU or (from_hf and name in InplaceSiLU.HF_NAMES):
-        return InplaceSiLU()
+    activation = activations.activation_of(module)
+    if activation is not None:
+        return activations.inplace(activation)
     return InplaceRMSNorm.from_module(module) or GatedMLP.from_module(module)
 
 
@@ -242,11 +240,15 @@ def switch_attention(model: nn.Module, modes: dict[int, str], state: PatchState,
             "GPT-2's reorder_and_upcast_attn computes attention in fp32 its own way; "
             "memplan's attention cores would change its numbers: turn it off to patch"
         )
-    # 1. The function each module is to call: memplan's core for its mode where it keeps an s x s tensor, else its own.
+    # 1. The function each module is to call: memplan's core for its mode where it keeps an s x s tensor and the core
+    #    computes what it computes, else its own.
     device = device_type(model)
     fused = [m for m in patched if not hf_attention.keeps_square(m, device)]
     fused_ids = {id(m) for m in fused}
-    cores = {id(m): hf_attention.register(mode(modes[id(m)]).core) for m in patched if id(m) not in fused_ids}
+    refused = {id(m): hf_attention_check.mismatch(m) for m in patched if id(m) not in fused_ids}
+    refused = {key: reason for key, reason in refused.items() if reason is not None}
+    routed = [m for m in patched if id(m) not in fused_ids and id(m) not in refused]
+    cores = {id(m): hf_attention.register(mode(modes[id(m)]).core) for m in routed}
     functions = {id(m): cores.get(id(m), m.config._attn_implementation) for m in modules}
     # 2. The configs whose modules are to call another function; where they differ, each must name one it can call.
     groups = [
@@ -259,13 +261,13 @@ def switch_attention(model: nn.Module, modes: dict[int, str], state: PatchState,
     # 3. Each config set to its modules' one function, or to the dispatching one.
     for group in groups:
         switch_config(group, functions, state)
-    for m in patched:
-        if id(m) in cores:
-            swaps[type(m).__name__, f"{cores[id(m)]} attention"] += 1
+    for m in routed:
+        swaps[type(m).__name__, f"{cores[id(m)]} attention"] += 1
+    notes = [f"attention left as built: {reason}" for reason in dict.fromkeys(refused.values())]
     if not fused:
-        return []
+        return notes
     kinds = sorted({type(m).__name__ for m in fused})
-    return [
+    return notes + [
         f"attention left as built: {', '.join(kinds)} uses {fused[0].config._attn_implementation} with no "
         f"dropout on {device} ({hf_attention.FUSED} keeps no s x s tensor), so there is nothing to recompute"
     ]
@@ -351,6 +353,22 @@ def patch(model: nn.Module, modes: str | Mapping[str, str]) -> PatchReport:
     if isinstance(modes, str):
         return PatchReport(rest, swapped, left, notes)
     return LayerModesReport(PER_LAYER, swapped, left, notes, layers)
+
+
+def idle_notes(model: nn.Module) -> list[str]:
+    """Notes, after a step has run uncompiled, on tempo's activations that saved nothing: never called (Mamba's
+    mixer calls F.silu, not its activation module), or every call kept its input, a view of a larger tensor that
+    stays alive anyway (`inverse.keeps_input` counts)."""
+    swapped = [m for m in model.modules() if isinstance(m, (InplaceGELU, InplaceSiLU))]
+    never = sorted({type(m).__name__ for m in swapped if not getattr(m, "calls", 0)})
+    views = sorted({type(m).__name__ for m in swapped if getattr(m, "calls", 0) and m.kept_views == m.calls})
+    notes = [f"tempo: {', '.join(never)} never called in the step (the model computes it otherwise)"] if never else []
+    if views:
+        notes.append(
+            f"tempo: {', '.join(views)} kept its input in every call (a view of a larger tensor, alive anyway), "
+            "so it saves nothing in this model"
+        )
+    return notes
 
 
 def unpatch(model: nn.Module) -> int:

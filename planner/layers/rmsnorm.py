@@ -1,9 +1,10 @@
 """Tempo's in-place RMSNorm: keeps the output and rstd instead of the input; backward recovers x̂ = y / w.
 
-A drop-in for torch's nn.RMSNorm and HuggingFace's RMSNorms (Llama, Mistral, Qwen2 and T5), whose forward
-arithmetic differs in where it rounds: each flavour is reproduced with the original's own operations,
-a chunk of rows at a time, so the output has the original's bits while the fp32 temporaries stay within
-one activation. Zero and tiny weights keep exact x̂ columns, and backward is the LayerNorm's, uncentred.
+A drop-in for torch's nn.RMSNorm and HuggingFace's RMSNorms, whose forward arithmetic differs in where it rounds
+(FLAVOURS): each flavour is reproduced with the original's own operations, a chunk of rows at a time, so the
+output has the original's bits while the fp32 temporaries stay within one activation. A module is recognised by
+what it computes, whatever its class is called (`flavour_of`: a probe against each flavour). Zero and tiny
+weights keep exact x̂ columns, and backward is the LayerNorm's, uncentred.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from memplan.errors import MemplanError
+from memplan.planner.layers import probe
 from memplan.planner.layers.layernorm import exact_part, normalized_backward, row_chunks
 
 FORWARD_TEMPORARIES = 4  # fp32 (rows × n) buffers a forward chunk may hold at once (torch's CPU rms_norm: 3.5)
@@ -41,7 +43,18 @@ def t5_rows(x: torch.Tensor, rstd: torch.Tensor, weight, eps, shape: tuple[int, 
     return weight * normed
 
 
-FLAVOURS = {"torch": torch_rows, "llama": llama_rows, "t5": t5_rows}
+def fp32_weight_rows(x: torch.Tensor, rstd: torch.Tensor, weight, eps, shape: tuple[int, ...]) -> torch.Tensor:
+    """OLMo 2's, GPT-OSS's, Helium's RMSNorm: the weight times x·rstd in fp32, rounded once to the input's dtype."""
+    return (weight.to(torch.float32) * (x.to(torch.float32) * rstd)).to(x.dtype)
+
+
+def offset_rows(x: torch.Tensor, rstd: torch.Tensor, weight, eps, shape: tuple[int, ...]) -> torch.Tensor:
+    """Gemma's RMSNorm: x·rstd times (1 + weight) in fp32, rounded once to the input's dtype."""
+    return ((x.to(torch.float32) * rstd) * (1.0 + weight.float())).to(x.dtype)
+
+
+FLAVOURS = {"torch": torch_rows, "llama": llama_rows, "t5": t5_rows, "fp32-weight": fp32_weight_rows}
+FLAVOURS["offset"] = offset_rows  # y = x̂·(1 + w): backward divides by 1 + w (`scale_of`)
 
 
 def rows_forward(x, weight, shape: tuple[int, ...], eps, flavour: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,8 +65,48 @@ def rows_forward(x, weight, shape: tuple[int, ...], eps, flavour: str) -> tuple[
     return FLAVOURS[flavour](x, rstd, weight, eps, shape), rstd
 
 
-# HuggingFace class name -> flavour (the classes are recognised by name, from modules under `transformers.`).
-HF_FLAVOURS = {"LlamaRMSNorm": "llama", "MistralRMSNorm": "llama", "Qwen2RMSNorm": "llama", "T5LayerNorm": "t5"}
+def scale_of(weight: torch.Tensor | None, flavour: str) -> torch.Tensor | None:
+    """What x̂ is multiplied by: the weight, or for the offset flavour 1 + weight in fp32."""
+    return weight.detach().float() + 1.0 if flavour == "offset" and weight is not None else weight
+
+
+EPSILON_NAMES = ("variance_epsilon", "eps", "epsilon")  # where RMSNorm modules keep their epsilon
+PROBE_ROWS = 8
+PROBE_DTYPES = ((torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16))
+
+
+def epsilon_of(module: nn.Module) -> float | None:
+    """The module's epsilon, a number under one of EPSILON_NAMES, or None."""
+    values = (getattr(module, name, None) for name in EPSILON_NAMES)
+    return next((float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)), None)
+
+
+def flavour_of(module: nn.Module) -> str | None:
+    """The flavour (of FLAVOURS but torch's) of RMSNorm `module` computes bit for bit, or None: a leaf whose one
+    parameter is a 1-D weight and which keeps an epsilon, run (on stand-in weights) against each flavour on rows
+    from tiny to large, fp32 and bf16 inputs, fp32 and bf16 weights."""
+    weight = module._parameters.get("weight")
+    eps = epsilon_of(module)
+    if weight is None or weight.dim() != 1 or set(module._parameters) != {"weight"} or eps is None:
+        return None
+    if next(module.children(), None) is not None or module._buffers or not probe.takes_one_input(module):
+        return None
+    shape = (weight.shape[0],)
+    with probe.isolated() as generator:
+        cases = []
+        for x_dtype, w_dtype in PROBE_DTYPES:
+            stand_in = probe.stand_in(module, generator, w_dtype)
+            cases.append((stand_in, probe.spread_input((PROBE_ROWS, *shape), generator, x_dtype)))
+        for flavour in ("llama", "t5", "fp32-weight", "offset"):
+            if all(
+                probe.agree(
+                    lambda m=m, x=x: m.forward(x),
+                    lambda m=m, x=x, f=flavour: rows_forward(x, m.weight, shape, eps, f)[0],
+                )
+                for m, x in cases
+            ):
+                return flavour
+    return None
 
 
 class InplaceRMSNormFunction(torch.autograd.Function):
@@ -71,36 +124,38 @@ class InplaceRMSNormFunction(torch.autograd.Function):
         y_rows = y.view(rows, n)
         for chunk in row_chunks(rows, n, x.numel() * x.element_size(), FORWARD_TEMPORARIES):
             y_rows[chunk], rstd[chunk] = rows_forward(x_rows[chunk], weight, normalized_shape, eps, flavour)
-        # Step 3: the exact x̂ of the channels whose weight is too small to divide by.
-        keep, exact = exact_part(x_rows, weight, None, y.dtype, rstd)
-        ctx.n, ctx.dtype, ctx.shape = n, x.dtype, x.shape
+        # Step 3: the exact x̂ of the channels whose scale is too small to divide by.
+        keep, exact = exact_part(x_rows, scale_of(weight, flavour), None, y.dtype, rstd)
+        ctx.n, ctx.dtype, ctx.shape, ctx.flavour = n, x.dtype, x.shape, flavour
         ctx.save_for_backward(y, rstd, weight, keep, exact)
-        ctx.keeps_output = True  # an activation right after may keep y too (inverse.kept_by_producer)
+        ctx.keeps_output = True  # an activation right after may keep y too (inverse.keeps_input)
         return y
 
     @staticmethod
     def backward(ctx, grad):
         y, rstd, weight, keep, exact = ctx.saved_tensors
+        scale = scale_of(weight, ctx.flavour)  # the offset flavour's 1 + w: n floats, made again
         dx, dweight, _ = normalized_backward(
             grad,
             y,
             rstd,
-            weight,
+            scale,
             None,
             keep,
             exact,
             n=ctx.n,
             dtype=ctx.dtype,
             centered=False,
-            weight_grad=weight is not None and ctx.needs_input_grad[1],
+            weight_grad=scale is not None and ctx.needs_input_grad[1],
             bias_grad=False,
         )
+        dweight = None if dweight is None else dweight.to(weight.dtype)
         return dx.reshape(ctx.shape), dweight, None, None, None
 
 
 class InplaceRMSNorm(nn.Module):
-    """Drop-in for nn.RMSNorm ("torch"), HF LlamaRMSNorm ("llama") or HF T5LayerNorm ("t5") holding its
-    output and rstd for backward. eps None (torch flavour only) is torch's default."""
+    """Drop-in for nn.RMSNorm ("torch") and the RMSNorms of FLAVOURS (HF Llama's and most decoders', T5's, OLMo 2's,
+    Gemma's) holding its output and rstd for backward. eps None (torch flavour only) is torch's default."""
 
     def __init__(
         self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True, flavour: str = "torch"
@@ -116,13 +171,12 @@ class InplaceRMSNorm(nn.Module):
 
     @classmethod
     def from_module(cls, module: nn.Module) -> InplaceRMSNorm | None:
-        """A replacement for an nn.RMSNorm or a HuggingFace RMSNorm of HF_FLAVOURS, sharing its weight Parameter
-        (so optimizers and state dicts keep working) and its training flag; None for any other module."""
-        name = type(module).__name__
+        """A replacement for nn.RMSNorm, or for any module `flavour_of` proves an RMSNorm of a flavour, sharing its
+        weight Parameter (so optimizers and state dicts keep working) and its training flag; None otherwise."""
         if type(module) is nn.RMSNorm:
             flavour, shape, eps = "torch", tuple(module.normalized_shape), module.eps
-        elif name in HF_FLAVOURS and type(module).__module__.startswith("transformers."):
-            flavour, shape, eps = HF_FLAVOURS[name], tuple(module.weight.shape), module.variance_epsilon
+        elif (flavour := flavour_of(module)) is not None:
+            shape, eps = tuple(module.weight.shape), epsilon_of(module)
         else:
             return None
         new = cls.__new__(cls)

@@ -15,8 +15,6 @@ from torch.nn import functional as F
 
 from memplan.planner.layers import inverse
 
-HF_SILU_NAMES = frozenset({"SiLUActivation"})  # HuggingFace's SiLU classes (ACT2FN["silu"]; "swish" is nn.SiLU)
-
 
 def silu_activation() -> inverse.Activation:
     """SiLU with torch's forward and backward ops.
@@ -51,7 +49,5 @@ class InplaceSiLU(nn.Module):
     """Drop-in for nn.SiLU and HuggingFace's SiLUActivation that holds output + 1-byte mask for backward, or its
     input where the op before keeps that anyway (after the in-place RMSNorm)."""
 
-    HF_NAMES = HF_SILU_NAMES
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return InplaceSiLUFunction.apply(x, inverse.kept_by_producer(x))
+        return InplaceSiLUFunction.apply(x, inverse.keeps_input(self, x))
