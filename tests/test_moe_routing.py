@@ -11,7 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from lanes import diagonal, named, some
-from step_traces import buffer_events
+from step_traces import buffer_events, state_bytes
 
 import memplan
 from memplan.cli import main
@@ -211,10 +211,13 @@ def test_each_expert_of_the_loop_takes_the_tokens_the_rule_gives_it(tmp_path, ru
 @pytest.mark.parametrize("mode", some(MODES, fast={"tempo+full"}))  # about 5 s each
 def test_fp32_fake_mixtral_traces_in_every_layer_mode(mode):
     """Mixtral's default experts (grouped GEMMs, whose meta function takes bf16 alone) in fp32 on a fake CUDA step:
-    every layer mode traces, and its experts are routed by the rule."""
+    every layer mode traces, its experts are routed by the rule, and every parameter holds its AdamW state (two
+    fp32 moments; the parameters' bytes also count RoPE's two small buffers)."""
     trace = trace_step(StepSpec(MIXTRAL_CONFIG, batch=2, seq=32, fake=True, device="cuda", mode=mode))
-    assert trace.meta["dtype"] == "float32" and trace.meta["data_dependent"] == {}
+    assert trace.meta["dtype"] == "float32" and trace.meta["routing"]["lost"] == {}
     assert [call["per_expert"] for call in trace.meta["routing"]["routers"]] == [[32, 32, 32, 32]]
+    state = state_bytes(trace)
+    assert 0 <= 2 * state["parameter"] - state["optimizer"] < 1024
 
 
 # --- where the rule is chosen ---------------------------------------------------------------------------------------
