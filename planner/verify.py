@@ -76,24 +76,27 @@ def _sharing_pair(p: Problem, off: np.ndarray, end: np.ndarray) -> tuple[int, in
     idx = np.nonzero(p.active)[0]
     times = np.concatenate([p.free[idx], p.alloc[idx]])
     kinds = np.concatenate([np.zeros(len(idx), dtype=np.int64), np.ones(len(idx), dtype=np.int64)])
-    who = np.concatenate([idx, idx])
+    order = np.lexsort((kinds, times))
+    events = np.concatenate([idx, idx])[order].tolist()
+    frees = (kinds[order] == 0).tolist()
     starts: list[int] = []  # the live buffers' first bytes, ascending (their ranges are disjoint)
     owners: list[int] = []
     offsets, ends = off.tolist(), end.tolist()
-    for k in np.lexsort((kinds, times)).tolist():
-        i = int(who[k])
-        if kinds[k] == 0:  # a free: drop its range (it was inserted at its own start)
-            at = bisect.bisect_left(starts, offsets[i])
+    left, right = bisect.bisect_left, bisect.bisect_right
+    for i, is_free in zip(events, frees):
+        first = offsets[i]
+        if is_free:  # drop its range (it was inserted at its own start)
+            at = left(starts, first)
             while owners[at] != i:
                 at += 1
             del starts[at], owners[at]
             continue
-        at = bisect.bisect_right(starts, offsets[i])
-        if at > 0 and ends[owners[at - 1]] > offsets[i]:
+        at = right(starts, first)
+        if at > 0 and ends[owners[at - 1]] > first:
             return owners[at - 1], i
         if at < len(starts) and starts[at] < ends[i]:
             return owners[at], i
-        starts.insert(at, offsets[i])
+        starts.insert(at, first)
         owners.insert(at, i)
     return None
 
