@@ -69,9 +69,9 @@ class Problem:
         """True when buffers i and j (i != j) may not share a byte."""
         return i != j and bool(self.conflicts_with(i, np.array([j]))[0])
 
-    def max_live(self) -> int:
-        """The most aligned bytes live at one time (counting only active buffers)."""
-        act = self.active
+    def max_live(self, among: np.ndarray | None = None) -> int:
+        """The most aligned bytes live at one time (counting only active buffers, and only those `among` a mask)."""
+        act = self.active if among is None else self.active & among
         if not act.any():
             return 0
         times = np.concatenate([self.free[act], self.alloc[act]])

@@ -3,7 +3,9 @@ with best fit and first fit, run side by side in the native kernel; the smallest
 
 A placement stops once it has spent its steps or passed a wall-clock ceiling. One cut short is dropped,
 unless no placement has finished yet: then the sweep (an allocator's rule, O(n log n) however the buffers
-overlap) places the items it had not reached above those it had, so a plan always comes back in time.
+overlap) places the items it had not reached above those it had, or every item, whichever is smaller, so a
+plan always comes back in time. When even the fewest steps a placement can take exceed the work, the sweep
+places every item without a greedy placement being tried.
 """
 
 from __future__ import annotations
@@ -165,8 +167,9 @@ def greedy(
     """Best of every order x {best fit, first fit}; stops early once the arena reaches `stop_at`, once the
     placements have spent `work` steps (the deterministic budget), or when time.monotonic() passes `deadline`
     (a wall-clock ceiling). Both stop a placement midway: it is dropped, or, when it is the first, the sweep
-    places the items it had not reached, so there is always a plan (named "...+sweep"). When no placement
-    can finish within `work` (least_work), the sweep places every item (named "sweep")."""
+    places the items it had not reached (named "...+sweep") or every item ("sweep"), whichever gives the
+    smaller arena, so there is always a plan. When no placement can finish within `work` (least_work), the
+    sweep places every item."""
     items, preset = make_items(p)
     limit = UNLIMITED if work is None else work
     least = least_work(p, items)
@@ -180,9 +183,12 @@ def greedy(
             spent += steps
             name_of_fit = f"greedy-{name}-{'best' if best_fit else 'first'}-fit"
             stopped = arena is None
-            if stopped and best is None:
+            if stopped and best is None:  # the sweep finishes it, or places every item if that is better
                 offsets, arena, steps = sweep(p, items, offsets)
-                spent, name_of_fit = spent + steps, f"{name_of_fit}+sweep"
+                fresh, fresh_arena, fresh_steps = sweep(p, items, preset)
+                spent, name_of_fit = spent + steps + fresh_steps, f"{name_of_fit}+sweep"
+                if fresh_arena < arena:
+                    offsets, arena, name_of_fit = fresh, fresh_arena, "sweep"
             if arena is not None and (best is None or arena < best.arena):
                 best = GreedyResult(offsets, arena, name_of_fit, order, best_fit, 0, least)
             best.work = spent

@@ -184,15 +184,17 @@ Bytes sweep(const GreedyProblem& problem, Bytes* offsets, Work* work) {
     }
     left.push_back(entry);
   }
-  // Events in time order, frees before allocations at the same time (a span ending at t frees its block
-  // for one starting at t); the item index breaks ties so the result does not depend on the sort.
-  std::vector<std::pair<std::pair<Time, int>, int64_t>> events;  // ((time, 0 free | 1 alloc), position in left)
-  events.reserve(2 * left.size());
+  // Allocations in order of their start, frees in order of their end (the position in `left` breaks ties, so
+  // the result does not depend on the sort), merged with frees first at equal times: a span ending at t
+  // frees its block for one starting at t.
+  std::vector<std::pair<Time, size_t>> starts(left.size()), ends(left.size());
   for (size_t k = 0; k < left.size(); ++k) {
-    events.push_back({{left[k].start, 1}, (int64_t)k});
-    events.push_back({{left[k].end, 0}, (int64_t)k});
+    starts[k] = {left[k].start, k};
+    ends[k] = {left[k].end, k};
   }
-  std::sort(events.begin(), events.end());
+  std::sort(starts.begin(), starts.end());
+  std::sort(ends.begin(), ends.end());
+  *work += SWEEP_STEPS * (Work)left.size();
   std::map<Bytes, Bytes> free_at;                 // free blocks: offset -> length (disjoint, never adjacent)
   std::set<std::pair<Bytes, Bytes>> free_by_size;  // the same blocks: (length, offset)
   std::vector<Bytes> base(left.size(), -1);
@@ -220,26 +222,26 @@ Bytes sweep(const GreedyProblem& problem, Bytes* offsets, Work* work) {
     free_at[at] = length;
     free_by_size.insert({length, at});
   };
-  for (const auto& event : events) {
-    Left& entry = left[event.second];
-    *work += SWEEP_STEPS / 2;
-    if (event.first.second == 0) {
-      add_free(base[event.second], entry.extent);
+  for (size_t next_start = 0, next_end = 0; next_start < starts.size();) {
+    if (ends[next_end].first <= starts[next_start].first) {  // every span ends after it starts: never past the end
+      const size_t k = ends[next_end++].second;
+      add_free(base[k], left[k].extent);
       continue;
     }
-    auto fit = free_by_size.lower_bound({entry.extent, INT64_MIN});
+    const size_t k = starts[next_start++].second;
+    auto fit = free_by_size.lower_bound({left[k].extent, INT64_MIN});
     if (fit != free_by_size.end()) {
       const Bytes at = fit->second, length = fit->first;
       free_by_size.erase(fit);
       free_at.erase(at);
-      if (length > entry.extent) {
-        free_at[at + entry.extent] = length - entry.extent;
-        free_by_size.insert({length - entry.extent, at + entry.extent});
+      if (length > left[k].extent) {
+        free_at[at + left[k].extent] = length - left[k].extent;
+        free_by_size.insert({length - left[k].extent, at + left[k].extent});
       }
-      base[event.second] = at;
+      base[k] = at;
     } else {
-      base[event.second] = top;
-      top += entry.extent;
+      base[k] = top;
+      top += left[k].extent;
     }
   }
   for (size_t k = 0; k < left.size(); ++k)
