@@ -162,11 +162,16 @@ class Improvement:
 
 
 def greedy(
-    p: Problem, stop_at: int | None = None, deadline: float | None = None, work: int | None = None
+    p: Problem,
+    stop_at: int | None = None,
+    deadline: float | None = None,
+    work: int | None = None,
+    first_deadline: float | None = None,
 ) -> GreedyResult:
     """Best of every order x {best fit, first fit}; stops early once the arena reaches `stop_at`, once the
     placements have spent `work` steps (the deterministic budget), or when time.monotonic() passes `deadline`
-    (a wall-clock ceiling). Both stop a placement midway: it is dropped, or, when it is the first, the sweep
+    (a wall-clock ceiling; `first_deadline` for the first placement, if later). Both stop a placement midway:
+    it is dropped, or, when it is the first, the sweep
     places the items it had not reached (named "...+sweep") or every item ("sweep"), whichever gives the
     smaller arena, so there is always a plan. When no placement can finish within `work` (least_work), the
     sweep places every item."""
@@ -179,7 +184,10 @@ def greedy(
     best, spent = None, 0
     for name, order in orders(p, items):
         for best_fit in (True, False):
-            offsets, arena, steps = place(p, items, preset, order, best_fit, limit - spent, deadline)
+            ceiling = deadline
+            if best is None and deadline is not None and first_deadline is not None:
+                ceiling = max(deadline, first_deadline)
+            offsets, arena, steps = place(p, items, preset, order, best_fit, limit - spent, ceiling)
             spent += steps
             name_of_fit = f"greedy-{name}-{'best' if best_fit else 'first'}-fit"
             stopped = arena is None

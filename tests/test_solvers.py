@@ -282,7 +282,7 @@ def test_somas_instance_near_bound(shared):
 def test_a_greedy_placement_cut_short_still_ends_in_a_valid_plan(data):
     """Stopped by its work (any limit, none included) or by a ceiling already passed, the first placement is
     finished by the sweep, or the sweep places every item; on streams, groups and fixed offsets alike. The cut
-    is deterministic: the same work gives the same plan."""
+    is deterministic: the same work gives the same plan. The first placement may have a later ceiling."""
     p = data.draw(instances(**KINDS[data.draw(st.sampled_from(sorted(KINDS)))]))
     work = data.draw(st.integers(0, 300))
     result = greedy(p, work=work)
@@ -291,6 +291,8 @@ def test_a_greedy_placement_cut_short_still_ends_in_a_valid_plan(data):
     late = greedy(p, deadline=time.monotonic() - 1.0)
     verify_plan(p, late.offsets, late.arena)
     assert late.name == "sweep" or late.name.endswith("+sweep") or len(make_items(p)[0]) == 0
+    first_only = greedy(p, deadline=time.monotonic() - 1.0, first_deadline=time.monotonic() + 60.0)
+    assert first_only.name == "greedy-pressure-late-best-fit"  # its own ceiling, later: then the others' passed
 
 
 @settings(max_examples=25, deadline=None)
