@@ -75,8 +75,9 @@ def orders(p: Problem, items: Items) -> Iterator[tuple[str, np.ndarray]]:
     yield "alloc", np.lexsort((-size, alloc))
 
 
-def _kernel_call(kernel, p: Problem, items: Items, offsets: np.ndarray, order: np.ndarray, best_fit: bool,
-                 work: int, seconds: float) -> tuple[int, int]:  # fmt: skip
+def _kernel_call(
+    kernel, p: Problem, items: Items, offsets: np.ndarray, order: np.ndarray, best_fit: bool, work: int, seconds: float
+) -> tuple[int, int]:
     """Run mp_greedy or mp_sweep on `offsets` in place; returns (its answer, steps spent)."""
     release = np.ascontiguousarray(p.release)  # named, like every array below, so it outlives the call
     order = np.ascontiguousarray(order, dtype=np.int32)
@@ -171,10 +172,9 @@ def greedy(
     """Best of every order x {best fit, first fit}; stops early once the arena reaches `stop_at`, once the
     placements have spent `work` steps (the deterministic budget), or when time.monotonic() passes `deadline`
     (a wall-clock ceiling; `first_deadline` for the first placement, if later). Both stop a placement midway:
-    it is dropped, or, when it is the first, the sweep
-    places the items it had not reached (named "...+sweep") or every item ("sweep"), whichever gives the
-    smaller arena, so there is always a plan. When no placement can finish within `work` (least_work), the
-    sweep places every item."""
+    it is dropped, or, when it is the first, the sweep places the items it had not reached ("...+sweep") or
+    every item ("sweep"), whichever gives the smaller arena, so there is always a plan. When no placement can
+    finish within `work` (least_work), the sweep places every item."""
     items, preset = make_items(p)
     limit = UNLIMITED if work is None else work
     least = least_work(p, items)
@@ -221,7 +221,7 @@ def squeaky_wheel(
 ) -> Improvement:
     """Improve a greedy placement by moving the items that end above the bound earlier, round after round;
     stops at the bound, after `work` steps, at a fixed point, after `patience` rounds without gain, or at
-    the wall-clock ceiling `deadline` (a placement either stops midway and is dropped)."""
+    the wall-clock ceiling `deadline`; a placement either of them stops midway is dropped."""
     if start.least_work > work:  # no placement can finish within the work
         return Improvement(start.offsets, start.arena, 0)
     items, preset = make_items(p)
