@@ -19,9 +19,9 @@
 
 namespace {
 
-// mp_sweep's steps per item: what placing one item costs in mp_greedy's steps on a machine (its tree and
-// free-list updates against greedy's neighbour visits, measured with benchmarks/solvers.py --calibrate).
-constexpr Work SWEEP_STEPS = 16;
+// mp_sweep's steps per item, counted as mp_greedy's are: a million items take about a second on the project's
+// machine, where the budget counts 3e7 greedy steps a second (solvers/budget.py).
+constexpr Work SWEEP_STEPS = 32;
 // How many steps mp_greedy takes between two looks at the clock (a look costs about 20 ns).
 constexpr Work CLOCK_STEPS = 1 << 16;
 
