@@ -301,6 +301,7 @@ class Recording:
                 "optimizer": type(workload.optimizer).__name__,
                 "internal_marked": marked,
                 **({"patch": workload.patch} if workload.patch is not None else {}),
+                **({"loss_patch": workload.loss_patch.to_dict()} if workload.loss_patch is not None else {}),
                 **self._meta,
             },
         )

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from memplan.modes import AS_BUILT
 from memplan.traces.format import CATEGORIES, Trace
 
 
@@ -49,6 +50,8 @@ class TraceSummary:
     largest: list[BufferSummary]
     cuda_measured: dict  # what PyTorch itself counted over a CUDA step ({} elsewhere)
     patch: dict | None  # what the layer mode changed (planner.layers.PatchReport's dict), None when no mode ran
+    loss: str = AS_BUILT  # the step's loss (modes.LOSSES)
+    loss_patch: dict | None = None  # what the loss choice changed (planner.layers.LossPatch's dict), None when none ran
 
     def to_dict(self) -> dict[str, Any]:
         """The summary as plain data (the JSON of `memplan trace --json`)."""
@@ -113,4 +116,6 @@ def summarize(trace: Trace, top: int = 5) -> TraceSummary:
         largest=[_buffer(trace, int(i)) for i in largest],
         cuda_measured=trace.meta.get("cuda_measured", {}),
         patch=trace.meta.get("patch"),
+        loss=trace.meta.get("loss", AS_BUILT),
+        loss_patch=trace.meta.get("loss_patch"),
     )
