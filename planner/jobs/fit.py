@@ -142,6 +142,7 @@ class FitResult:
             "gpu": None if self.budget is None else self.budget.as_dict(),
             "seq": self.step.seq,
             "dtype": self.step.dtype,
+            "loss": self.step.loss,
             "alloc_conf": self.alloc_conf,
             "tie_break": self.tie_break,
             "capture": self.capture.name,

@@ -3,7 +3,7 @@ fp32 (ignore_index, the mean over the labelled tokens or a sum over num_items_in
 ForCausalLMLoss and memplan's TokenLoss compute it) without ever holding the logits whole.
 
 Forward computes the loss and every gradient at once, in two passes over chunks whose logits hold no more elements
-than the hidden states (`chunk_sizes`):
+than the hidden states or a sixteenth of the logits, whichever is more (`chunk_sizes`):
 1. rows of the hidden states: their logits, log-sum-exp and loss, and the gradient of those rows,
    ((softmax - one-hot) x the row's share of the loss) @ W;
 2. columns of the vocabulary, when the weight needs a gradient: the logits of every row for those columns made again,
@@ -28,6 +28,7 @@ from torch.nn import functional as F
 
 IGNORE_INDEX = -100  # the label of a token without a loss, as in torch's and HuggingFace's cross-entropy
 DEFERRED = "_memplan_deferred_logits"  # the stand-in's attribute holding its Deferred
+CHUNKS = 16  # a chunk's logits may hold a CHUNKS-th of the whole logits' elements (or the hidden states', if more)
 
 
 def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -39,10 +40,11 @@ def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 
 def chunk_sizes(tokens: int, hidden: int, vocab: int) -> tuple[int, int]:
-    """(rows per chunk of pass 1, vocabulary columns per block of pass 2): each chunk's logits hold at most as many
-    elements as the hidden states (tokens x hidden), and at least one row or column; so the loss holds, on top of
-    its gradients, a few bytes per hidden-state element whatever the vocabulary."""
-    budget = tokens * hidden
+    """(rows per chunk of pass 1, vocabulary columns per block of pass 2): each chunk's logits hold at most the larger
+    of the hidden states' elements (tokens x hidden) and a CHUNKS-th of the logits', and at least one row or column.
+    So the loss holds, on top of its gradients, a few bytes per element of that budget whatever the vocabulary, and a
+    pass runs at most about CHUNKS matmuls (none too small to run well)."""
+    budget = max(tokens * hidden, -(-tokens * vocab // CHUNKS))
     return max(1, min(tokens, budget // max(vocab, 1))), max(1, min(vocab, budget // max(tokens, 1)))
 
 

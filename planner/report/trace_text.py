@@ -37,6 +37,12 @@ def describe_loss(report: dict) -> str:
     return "; ".join([text, *report["notes"]])
 
 
+def loss_words(summary: dict) -> str:
+    """`, loss fused` for a command's summary whose step's loss is not as built, else ''."""
+    loss = summary.get("loss", AS_BUILT)
+    return "" if loss == AS_BUILT else f", loss {loss}"
+
+
 def no_change_mark(mode: str, changed: bool) -> str:
     """' (changes nothing)' for a layer mode (not as-built) that left the model as built, else ''."""
     return "" if changed or mode == AS_BUILT else " (changes nothing)"
