@@ -22,13 +22,13 @@ from memplan.cli import main
 from memplan.errors import PatchError
 from memplan.modes import AS_BUILT, FUSED
 from memplan.planner.layers import linear_cross_entropy, patch_loss, unpatch_loss
-from memplan.planner.layers.fused_loss import CHUNKS, TokenLoss, chunk_sizes
+from memplan.planner.layers.fused_loss import CHUNKS, chunk_sizes
 from memplan.planner.layers.memory import LossShape, loss_bytes
 from memplan.planner.workloads import bert, gpt2, llama
+from memplan.planner.workloads.lm_head import head_workload
 from memplan.step import StepError, StepSpec
 from memplan.traces.capture import capture_step
 from memplan.traces.trace_model import trace_step
-from memplan.traces.workload import Workload
 
 PRECISIONS = {  # name -> (parameters' dtype, autocast dtype)
     "fp32": (torch.float32, None),
@@ -246,40 +246,16 @@ def test_where_it_cannot_apply_it_says_why():
 # 3. Bytes: the formulas, and the step's peak.
 
 
-class HeadOnly(nn.Module):
-    """A model that is its head: the hidden states are a parameter, so a step's bytes above its start are the loss's."""
-
-    def __init__(self, n: int, h: int, v: int):
-        super().__init__()
-        self.hidden = nn.Parameter(torch.randn(1, n, h))
-        self.head = nn.Linear(h, v, bias=False)
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.head
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.hidden)
-
-
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("shape", [(256, 64, 4000), (64, 128, 3000), (1000, 16, 5000)], ids=str)
 def test_the_loss_holds_what_its_formula_says(precision, shape):
     torch.set_num_threads(1)
     n, h, v = shape
     dtype, cast = PRECISIONS[precision]
-    measured = {}
-    for loss in (AS_BUILT, FUSED):
-
-        def build(loss=loss):
-            torch.manual_seed(0)
-            model = HeadOnly(n, h, v).to(dtype)
-            labels = torch.randint(0, v, (1, n), generator=torch.Generator().manual_seed(0))
-            workload = Workload(model, (labels,), torch.optim.SGD(model.parameters(), lr=0.0), TokenLoss(labels))
-            assert patch_loss(model, loss, workload.loss_fn).patched == (loss == FUSED)
-            workload.autocast = cast
-            return workload
-
-        measured[loss] = loss_bytes(capture_step(build))
+    measured = {
+        loss: loss_bytes(capture_step(lambda loss=loss: head_workload(n, h, v, dtype, cast, loss)))
+        for loss in (AS_BUILT, FUSED)
+    }
     p, pw = (2 if cast or dtype == torch.bfloat16 else 4), torch.finfo(dtype).bits // 8
     shape = LossShape(n, h, v, p, pw, pw)
     # As built: log-softmax's backward holds the logits and three fp32 tensors of their size (a head wider than
