@@ -117,11 +117,15 @@ def test_the_fused_loss_and_gradients_equal_the_unfused(precision, items, bias):
 def test_a_frozen_head_gets_no_gradient_and_backward_runs_once():
     hidden = torch.randn(8, 4, requires_grad=True)
     weight = torch.randn(50, 4)  # frozen: the vocabulary pass is skipped
-    loss = linear_cross_entropy(hidden, weight, None, torch.randint(0, 50, (8,)))
+    labels = torch.randint(0, 50, (8,))
+    loss = linear_cross_entropy(hidden, weight, None, labels)
     loss.backward(retain_graph=True)
     assert hidden.grad is not None and weight.grad is None
     with pytest.raises(RuntimeError, match="once"):
         loss.backward()
+    with torch.no_grad():  # an evaluation loss: the same value (and no gradient computed)
+        evaluated = linear_cross_entropy(hidden, weight, None, labels)
+    torch.testing.assert_close(evaluated, F.cross_entropy(hidden.detach() @ weight.T, labels))
 
 
 def test_chunks_hold_at_most_the_hidden_states_or_a_sixteenth_of_the_logits():

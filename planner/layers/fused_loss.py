@@ -131,10 +131,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """The fused loss as one autograd node: forward computes the gradients, backward scales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, divisor, ignore_index, dtype, sizes):
+    def forward(ctx, hidden, weight, bias, labels, divisor, ignore_index, dtype, sizes, grads):
+        needs = tuple(grads and need for need in ctx.needs_input_grad[:3])  # none without grad mode (evaluation)
         with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are explicit here
             loss, ctx.grads = _loss_and_gradients(
-                hidden, weight, bias, labels, divisor, ignore_index, dtype, sizes, tuple(ctx.needs_input_grad[:3])
+                hidden, weight, bias, labels, divisor, ignore_index, dtype, sizes, needs
             )
         return loss
 
@@ -144,7 +145,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             raise RuntimeError("the fused loss hands its gradients to backward once (no retain_graph)")
         grads, ctx.grads = ctx.grads, None  # no reference kept: autograd takes the tensors as the .grad
         scaled = [None if g is None else g.mul_(grad) for g in grads]
-        return (*scaled, None, None, None, None, None)
+        return (*scaled, None, None, None, None, None, None)
 
 
 def linear_cross_entropy(
@@ -170,7 +171,8 @@ def linear_cross_entropy(
     if use is not None:
         use.calls += 1
         use.tokens, (use.rows, use.columns) = h.shape[0], sizes
-    return _LinearCrossEntropy.apply(h, weight, bias, y, divisor, ignore_index, compute_dtype(h, weight), sizes)
+    dtype, grads = compute_dtype(h, weight), torch.is_grad_enabled()
+    return _LinearCrossEntropy.apply(h, weight, bias, y, divisor, ignore_index, dtype, sizes, grads)
 
 
 @dataclass
