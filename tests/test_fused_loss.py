@@ -370,4 +370,6 @@ def test_fit_takes_the_loss(tmp_path):
          "--loss", "fused", "--capture", "fake", "--json"],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["loss"] == FUSED
+    summary = json.loads(result.stdout)
+    assert summary["loss"] == FUSED
+    assert summary["modes"][0]["loss_patch"].startswith("loss fused: Llama.head + TokenLoss -> fused linear")

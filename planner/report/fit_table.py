@@ -34,6 +34,8 @@ def render_fit(summary: dict) -> str:
             )
         )
     lines = [head] + ([] if s["gpu"] is None else [render_budget(s["gpu"])]) + text_table([cols, *rows])
+    if loss_words(s):  # the loss is the same under every mode: what it did, once
+        lines.append(next((m["loss_patch"] for m in s["modes"] if m["loss_patch"]), ""))
     lines.append(
         "each batch b is checked by direct traces: b fits and b+1 does not (caching: simulated OOM "
         "at capacity; plan: no plan within the memory, proven by the lower bound or the solver)\n"
