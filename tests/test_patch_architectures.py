@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_tiny import architectures, build, step  # noqa: E402  (needs transformers)
+from hf_tiny import architectures, build, inputs, step  # noqa: E402  (needs transformers)
 from lanes import some  # noqa: E402
 
 from memplan.planner.layers import patch  # noqa: E402
@@ -37,3 +37,29 @@ def test_tempo_equals_the_model_as_built_and_holds_no_more(kind):
     # 2. No layer holds more for backward.
     raised = {path: (reference[3].get(path, 0), n) for path, n in held.items() if n > reference[3].get(path, 0)}
     assert not raised, f"{kind}: tempo holds more in {raised}; {report}"
+
+
+@pytest.mark.parametrize(
+    "kind, note",
+    [
+        ("mamba", "InplaceSiLU never called in the step"),  # its mixer calls F.silu, not its activation module
+        ("phi3", "InplaceSiLU kept its input in every call"),  # the gate is half of a fused gate-and-up projection
+    ],
+)
+def test_the_traced_report_says_which_swaps_saved_nothing(kind, note):
+    from memplan.traces.capture import capture_step
+
+    torch.set_num_threads(1)
+    notes = capture_step(lambda: workload_of(kind)).meta["patch"]["notes"]
+    assert any(note in n for n in notes), notes
+    assert not any("saves nothing" in n for n in capture_step(lambda: workload_of("llama")).meta["patch"]["notes"])
+
+
+def workload_of(kind: str):
+    """`kind` tiny under tempo as a Workload with its patch report."""
+    from memplan.traces.workload import Workload
+
+    model = build(kind)
+    report = patch(model, "tempo")
+    optimizer = torch.optim.AdamW(model.parameters())
+    return Workload(model, inputs(), optimizer, lambda out, _: out.loss, kind, report.to_dict())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -9,8 +11,11 @@ from torch import nn
 
 import memplan
 from memplan.errors import MemplanError
+from memplan.planner.report.trace_text import render_trace
 from memplan.planner.workloads import gpt2
 from memplan.traces.capture import capture_step
+from memplan.traces.summary import summarize
+from memplan.traces.unrecorded import UnrecordedWarning
 
 COLUMNS = ("size", "alloc", "free", "category", "phase")
 
@@ -45,10 +50,13 @@ def test_a_built_models_step_is_recorded_as_capture_step_records_it():
     expected = capture_step(build)
     workload = build()
     workload.step()  # the warm-up capture_step runs
-    with memplan.record(workload.model, workload.optimizer, inputs=workload.inputs) as recording:
-        workload.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnrecordedWarning)  # the model, its optimizer and inputs are all adopted
+        with memplan.record(workload.model, workload.optimizer, inputs=workload.inputs) as recording:
+            workload.step()
     assert columns(recording.trace) == columns(expected)
     assert recording.trace.meta["source"] == "memplan.record"
+    assert "unrecorded" not in recording.trace.meta and summarize(recording.trace).unrecorded == {}
 
 
 def test_an_existing_loop_with_accumulation_autocast_clipping_and_a_scheduler(tmp_path):
@@ -127,3 +135,51 @@ def test_every_micro_batch_of_gradient_accumulation_is_a_forward_with_its_activa
     assert len(hidden) == 2  # the first linear's output, once per micro-batch
     assert [trace.phase[i] for i in hidden] == ["forward", "forward"]
     assert [trace.category[i] for i in hidden] == ["activation", "activation"]
+
+
+def tiny_lm() -> nn.Module:
+    return nn.Sequential(nn.Embedding(100, 32), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 100))
+
+
+def log_prob(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(model(ids), -1).gather(-1, ids.unsqueeze(-1)).sum()
+
+
+def test_a_frozen_reference_model_built_before_the_block_is_named_in_a_warning():
+    """A DPO step: the policy and its optimizer are given to record, the frozen reference model built beside them
+    is not. The trace lacks the reference's weights (its peak low by their bytes): record warns, the trace's meta,
+    summary, text and --json name them; given as inputs, they are in the trace and nothing is said."""
+    torch.manual_seed(0)
+    policy, reference = tiny_lm(), tiny_lm().requires_grad_(False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    chosen, rejected = torch.randint(0, 100, (4, 16)), torch.randint(0, 100, (4, 16))
+
+    def dpo_step():
+        with torch.no_grad():
+            ref = log_prob(reference, chosen) - log_prob(reference, rejected)
+        margin = log_prob(policy, chosen) - log_prob(policy, rejected) - ref
+        nn.functional.logsigmoid(0.1 * margin).neg().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    dpo_step()  # AdamW's state
+    reference_bytes = sum(p.nbytes for p in reference.parameters())
+    with pytest.warns(UnrecordedWarning, match=f"5 storages .*{reference_bytes:,} bytes.*Sequential.0.weight"):
+        with memplan.record(policy, optimizer, inputs=[chosen, rejected]) as recording:
+            dpo_step()
+    missing = recording.trace.meta["unrecorded"]
+    assert missing["storages"] == 5 and missing["bytes"] == reference_bytes  # the policy's own are all there
+    assert sorted(m["name"] for m in missing["largest"]) == sorted(
+        f"Sequential.{n}" for n, _ in reference.named_parameters()
+    )
+    assert [m["bytes"] for m in missing["largest"]] == sorted((p.nbytes for p in reference.parameters()), reverse=True)
+    summary = summarize(recording.trace)
+    assert summary.to_dict()["unrecorded"] == missing  # memplan trace --json
+    assert f"warning: the step read 5 storages ({reference_bytes / 1024:,.2f} KiB" in render_trace(summary)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnrecordedWarning)
+        with memplan.record(policy, optimizer, inputs=[chosen, rejected, reference.state_dict()]) as whole:
+            dpo_step()
+    assert "unrecorded" not in whole.trace.meta
+    assert whole.trace.peak()[0] == recording.trace.peak()[0] + reference_bytes

@@ -31,6 +31,7 @@ SUMMARY_KEYS = {
     "timeline",
     "verdict",
     "repeated",
+    "unrecorded",
 }
 CACHING_KEYS = {
     "alloc_conf",
@@ -90,7 +91,7 @@ def test_json_summary_keys_and_figures(files):
     assert r.exit_code == 0, r.output
     s = json.loads(r.stdout)
     assert set(s) == SUMMARY_KEYS and set(s["caching"]) == CACHING_KEYS
-    assert s["plan"] is None and s["caching"]["oom"] is None
+    assert s["plan"] is None and s["caching"]["oom"] is None and s["unrecorded"] is None
     live = [sum(int(z) for z, al, fr in zip(a.size, a.alloc, a.free) if al <= t < fr) for t in range(a.end)]
     assert s["peak_live"] == max(live) and s["peak_live_time"] == live.index(max(live))
     assert s["bound"] == brute_max_live(a)

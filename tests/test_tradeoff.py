@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -11,8 +12,10 @@ from click.testing import CliRunner
 from matplotlib.image import imread
 
 from memplan.cli import main
-from memplan.planner.jobs.tradeoff import TradeoffPoint, mark_frontiers
+from memplan.planner.jobs.tradeoff import WARMUP_ROUNDS, TradeoffPoint, mark_alike, mark_frontiers
 from memplan.planner.layers import MODES
+from memplan.planner.report.tradeoff_table import render_tradeoff
+from memplan.step import StepSpec
 
 MODEL = (
     Path(__file__).resolve().parents[1] / "examples" / "llama.py"
@@ -82,3 +85,100 @@ def test_frontier_marks_exactly_the_undominated():
     mark_frontiers(points)
     assert [p.pareto_flops for p in points] == [True, True, False, False]  # c: b has less of both; d: b is cheaper
     assert [p.pareto_time for p in points] == [True, True, True, False]
+
+
+LOGGED_MODEL = """
+import uuid
+from pathlib import Path
+
+import torch
+from torch import nn
+
+LOG = Path(__file__).with_name("steps.log")
+
+
+def build(batch_size, seq_len, dtype, device):
+    tag = uuid.uuid4().hex  # this build's workload; its loss logs the tag once per training step
+    with LOG.open("a") as f:
+        f.write(f"build {tag}\\n")
+
+    def loss(output, inputs):
+        with LOG.open("a") as f:
+            f.write(f"step {tag}\\n")
+        return output.float().pow(2).mean()
+
+    model = nn.Sequential(nn.Linear(seq_len, 64), nn.GELU(), nn.Linear(64, seq_len))
+    return {"model": model, "inputs": torch.randn(batch_size, seq_len), "loss": loss}
+"""
+
+
+def test_every_configuration_is_timed_in_interleaved_rounds_with_its_spread(tmp_path):
+    """The configurations' workloads are built, then their steps run one of each in turn (warm-up rounds, then the
+    timed ones), as the model file's own log of its steps shows; each point keeps its runs, their range and its
+    ratio to the model as built round by round, and the text shows the range and which points cannot be told apart."""
+    model = tmp_path / "logged.py"
+    model.write_text(LOGGED_MODEL)
+    repeats = 3
+    args = ["tradeoff", str(model), "--seq", "16", "--budgets", "", "--repeats", str(repeats), "--json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.stderr
+    log = [line.split() for line in (tmp_path / "steps.log").read_text().splitlines()]
+    builds = [tag for what, tag in log if what == "build"]
+    timed = builds[-len(MODES) :]  # the last builds are the timed workloads, one per configuration, in order
+    last_build = max(i for i, (what, _) in enumerate(log) if what == "build")
+    steps = [tag for what, tag in log[last_build + 1 :]]
+    assert steps == timed * (WARMUP_ROUNDS + repeats)  # round after round, one step of each in turn
+    summary = json.loads(result.stdout)
+    assert summary["timing"] == "interleaved" and summary["repeats"] == repeats
+
+    points = summary["points"]
+    reference = points[0]
+    for p in points:
+        runs = p["step_runs"]
+        assert len(runs) == repeats and p["step_seconds"] == statistics.median(runs)
+        assert p["step_seconds_low"] == min(runs) <= p["step_seconds"] <= max(runs) == p["step_seconds_high"]
+        ratios = [run / ref for run, ref in zip(runs, reference["step_runs"])]  # run i of each ran in round i
+        assert (p["time_ratio_low"], p["time_ratio"], p["time_ratio_high"]) == (
+            min(ratios),
+            statistics.median(ratios),
+            max(ratios),
+        )
+    assert (reference["time_ratio_low"], reference["time_ratio"], reference["time_ratio_high"]) == (1.0, 1.0, 1.0)
+    text = render_tradeoff(summary)
+    ref_row = next(line for line in text.splitlines() if line.startswith("as-built"))
+    assert "1.00x [1.00-1.00]" in ref_row
+    assert f"median of {repeats} rounds timed interleaved" in text
+    for p in points:
+        if p["time_like"]:
+            assert f"  {p['name']} ~ {', '.join(p['time_like'])}" in text
+
+
+def test_points_whose_ratio_ranges_overlap_are_alike():
+    points = [point(n, 10, 0, 1.0) for n in "abcd"]
+    for p, (low, high) in zip(points, [(1.0, 1.0), (0.9, 1.1), (1.05, 1.3), (1.4, 1.5)]):
+        p.time_ratio_low, p.time_ratio_high = low, high
+    mark_alike(points)
+    assert [p.time_like for p in points] == [["b"], ["a", "c"], ["b"], []]
+
+
+def test_configurations_that_do_not_fit_together_are_timed_one_after_another(tmp_path, monkeypatch):
+    """When every workload held at once would not fit the RAM available, each is timed alone (the log shows each
+    build's steps in a row), the ratio's range is its fastest over the reference's slowest and back, and a note
+    says so."""
+    import memplan.planner.jobs.tradeoff as job
+
+    monkeypatch.setattr(job, "host_memory_available", lambda: 1)  # a machine with one byte free
+    model = tmp_path / "logged.py"
+    model.write_text(LOGGED_MODEL)
+    result = job.tradeoff(job.TradeoffOptions(StepSpec(str(model), batch=2, seq=16), budgets=(), repeats=2))
+    log = [line.split() for line in (tmp_path / "steps.log").read_text().splitlines()]
+    builds = [i for i, (what, _) in enumerate(log) if what == "build"][-len(MODES) :]
+    for start in builds:  # each timed workload is built, then runs all its steps before the next is built
+        tag = log[start][1]
+        assert [t for _, t in log[start + 1 : start + 1 + WARMUP_ROUNDS + 2]] == [tag] * (WARMUP_ROUNDS + 2)
+    summary = result.summary()
+    assert summary["timing"] == "one after another" and "not interleaved" in " ".join(summary["notes"])
+    reference = summary["points"][0]
+    for p in summary["points"]:
+        assert p["time_ratio_low"] == p["step_seconds_low"] / reference["step_seconds_high"]
+        assert p["time_ratio_high"] == p["step_seconds_high"] / reference["step_seconds_low"]

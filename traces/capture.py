@@ -8,7 +8,8 @@ requests are not served and not recorded). Every storage alive when the step beg
 allocation time 0, freed where the program drops its last reference (an optimizer that replaces its
 state, a module that rebinds a buffer), or at the end. A model built before `record` began is adopted:
 what its parameters, optimizer and inputs hold counts from then on; other tensors made before it are
-not seen.
+not seen, and those the step reads are named in the trace's meta "unrecorded" (traces/unrecorded.py;
+`record` warns of them).
 
 With `fake=True` the workload is built and stepped under fake tensors (traces/fake.py): nothing is
 allocated or computed, and the trace holds every storage the program's ops return, with the same
@@ -24,6 +25,7 @@ import contextlib
 import gc
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -34,12 +36,15 @@ from torch import nn
 from memplan.errors import MemplanError
 from memplan.gpus import GPU, planned_gpu
 from memplan.modes import AS_BUILT
+from memplan.planner.layers.patch import idle_notes
 from memplan.traces.fake import DATA_RULE, FakeCapture
 from memplan.traces.fake_cuda import fake_cuda_runtime
 from memplan.traces.format import PHASES, Trace, make_trace, save
+from memplan.traces.progress import CaptureProgress, progress_interval
 from memplan.traces.recorder import Events, Recorder, recording
 from memplan.traces.resident import resident_storages, resident_tensors
 from memplan.traces.step_marks import StepMarks, marked_step
+from memplan.traces.unrecorded import UnrecordedWarning, unrecorded, unrecorded_text
 from memplan.traces.workload import Workload
 
 SCALAR_OP = "python scalar"  # an allocation outside any op: a Python number wrapped as a tensor
@@ -228,9 +233,22 @@ class Recording:
     """One capture in progress (see `record`): the recorder is installed, fake mode entered if asked;
     `step(...)` marks the one step it records, and `trace` is that step's Trace once the block ends."""
 
-    def __init__(self, recorder: Recorder, device: torch.device, fake: FakeCapture | None, meta: dict):
+    def __init__(
+        self,
+        recorder: Recorder,
+        device: torch.device,
+        fake: FakeCapture | None,
+        meta: dict,
+        progress: CaptureProgress | None = None,
+    ):
         self.trace: Trace | None = None  # set when the step's block ends
         self._recorder, self._device, self._fake, self._meta = recorder, device, fake, meta
+        self._progress = progress
+
+    def announce(self, stage: str) -> None:
+        """Name what runs now, before the recorded step (building the model, a warm-up step), in progress lines."""
+        if self._progress is not None:
+            self._progress.stage = stage
 
     @contextlib.contextmanager
     def step(
@@ -279,6 +297,7 @@ class Recording:
             events = self._recorder.end_step()
         finally:
             gc.enable()
+        missing = unrecorded(self._recorder.unseen(), self._recorder.names(), self._recorder.storage_key)
         # 3. Buffers: the storages alive at the start and the step's events, categorized, sizes as requested.
         marked = self._recorder.outputs_marked()
         buffers = _assemble(live, events, self._recorder.names(), resident, marked)
@@ -297,14 +316,29 @@ class Recording:
             len(events),
             {
                 "model": workload.name,
+                **({"unrecorded": missing.to_dict()} if missing is not None else {}),
                 "dtype": dtype,
                 "optimizer": type(workload.optimizer).__name__,
                 "internal_marked": marked,
-                **({"patch": workload.patch} if workload.patch is not None else {}),
+                **(
+                    {"patch": with_idle_notes(workload.patch, workload.model, "compile" in self._meta)}
+                    if workload.patch is not None
+                    else {}
+                ),
                 **({"loss_patch": workload.loss_patch.to_dict()} if workload.loss_patch is not None else {}),
                 **self._meta,
             },
         )
+
+
+def with_idle_notes(report: dict, model: nn.Module, compiled: bool) -> dict:
+    """The patch report (`PatchReport.to_dict()`) with notes on what the step showed saved nothing (a compiled
+    step runs no Python of the modules: nothing to say)."""
+    compiled = compiled or any(
+        type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
+        for m in model.modules()
+    )
+    return report if compiled else {**report, "notes": [*report["notes"], *idle_notes(model)]}
 
 
 def _trace(buffers: list[_Buffer], device: torch.device, fake: FakeCapture | None, events: int, meta: dict) -> Trace:
@@ -338,23 +372,32 @@ def _trace(buffers: list[_Buffer], device: torch.device, fake: FakeCapture | Non
 
 @contextlib.contextmanager
 def recording_session(
-    device: str | torch.device = "cpu", *, fake: bool = False, meta: dict | None = None, gpu: GPU | str | None = None
+    device: str | torch.device = "cpu",
+    *,
+    fake: bool = False,
+    meta: dict | None = None,
+    gpu: GPU | str | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Iterator[Recording]:
     """Install the step recorder on `device` (and, with `fake`, fake tensors) for the block; what is built
     inside is seen from its first allocation, and `Recording.step` marks the step to record. A fake CUDA step
-    follows the rules of `gpu` (gpus.py; default gpus.DEFAULT_GPU)."""
+    follows the rules of `gpu` (gpus.py; default gpus.DEFAULT_GPU). With `progress`, a block that runs long is
+    reported through it every few seconds (traces/progress.py)."""
     device = torch.device(device)
     fake_cuda = fake and device.type == "cuda"
     gpu = planned_gpu(gpu)
+    interval = progress_interval() if progress is not None else 0.0  # a bad setting fails before the work
     with one_cpu_thread(device), fake_cuda_runtime(gpu) if fake_cuda else contextlib.nullcontext():
         with recording(device, fake=fake) as recorder:
-            workspace = gpu.cublas_workspace_bytes if fake_cuda else 0
-            lt_workspace = gpu.cublaslt_workspace_bytes if fake_cuda else 0
-            fake_mode = FakeCapture(recorder, device.type, workspace, lt_workspace) if fake else None
-            planned = {"gpu": gpu.name, "cublas_workspace": workspace, "cublaslt_workspace": lt_workspace}
-            planned = planned if fake_cuda else {}
-            with fake_mode or contextlib.nullcontext():
-                yield Recording(recorder, device, fake_mode, {**planned, **(meta or {})})
+            reporting = CaptureProgress(recorder, progress, interval) if progress is not None else None
+            with reporting or contextlib.nullcontext():
+                workspace = gpu.cublas_workspace_bytes if fake_cuda else 0
+                lt_workspace = gpu.cublaslt_workspace_bytes if fake_cuda else 0
+                fake_mode = FakeCapture(recorder, device.type, workspace, lt_workspace) if fake else None
+                planned = {"gpu": gpu.name, "cublas_workspace": workspace, "cublaslt_workspace": lt_workspace}
+                planned = planned if fake_cuda else {}
+                with fake_mode or contextlib.nullcontext():
+                    yield Recording(recorder, device, fake_mode, {**planned, **(meta or {})}, reporting)
 
 
 def capture_step(
@@ -365,13 +408,18 @@ def capture_step(
     warmup: bool = True,
     meta: dict | None = None,
     gpu: GPU | str | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Trace:
     """Build a workload with `build()` and record one `workload.step()` (after a warm-up step unless
-    `warmup=False`) on `device` as a labelled Trace; with `fake`, under fake tensors (on CUDA, `gpu`'s rules)."""
-    with recording_session(device, fake=fake, meta={"warmup": warmup, **(meta or {})}, gpu=gpu) as session:
+    `warmup=False`) on `device` as a labelled Trace; with `fake`, under fake tensors (on CUDA, `gpu`'s rules).
+    A capture that runs long reports through `progress` every few seconds, when given."""
+    meta = {"warmup": warmup, **(meta or {})}
+    with recording_session(device, fake=fake, meta=meta, gpu=gpu, progress=progress) as session:
+        session.announce("building the model")
         workload = build()
         device = session.check_device(workload)
         if warmup:
+            session.announce("the warm-up step")
             run_user_code("warm-up step", workload.name, workload.step)
         real_cuda = device.type == "cuda" and not fake
         with (
@@ -414,11 +462,15 @@ def record(
     output: str | os.PathLike | None = None,
     meta: dict | None = None,
     gpu: GPU | str | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Iterator[Recording]:
     """Record one training step of your own loop. With `model` and `optimizer` (built before, real tensors)
     the block is the step; with neither, build them inside and mark the step with `recording.step(model,
     optimizer)` (so under `fake=True` too; a fake CUDA step follows `gpu`'s rules, gpus.py). The trace is
-    `recording.trace`, written to `output` if given; nothing is written when the block raises."""
+    `recording.trace`, written to `output` if given; nothing is written when the block raises. An
+    UnrecordedWarning says when the step read tensors made before the block that it was not given (a frozen
+    reference model): the trace lacks them. With `progress` (print, say), a block that runs long is reported
+    through it every few seconds."""
     if (model is None) != (optimizer is None):
         raise CaptureError("record: give both the model and its optimizer, or neither")
     if model is not None and fake:
@@ -428,7 +480,8 @@ def record(
         )
     if device is None:
         device = next(model.parameters()).device if model is not None else "cpu"
-    with recording_session(device, fake=fake, meta={"source": "memplan.record", **(meta or {})}, gpu=gpu) as session:
+    meta = {"source": "memplan.record", **(meta or {})}
+    with recording_session(device, fake=fake, meta=meta, gpu=gpu, progress=progress) as session:
         if model is None:
             yield session
         else:
@@ -436,5 +489,7 @@ def record(
                 yield session
     if session.trace is None:
         raise CaptureError("record: no step was recorded: mark one with `with recording.step(model, optimizer):`")
+    if "unrecorded" in session.trace.meta:
+        warnings.warn(unrecorded_text(session.trace.meta["unrecorded"]), UnrecordedWarning, stacklevel=3)
     if output is not None:
         save(session.trace, output)

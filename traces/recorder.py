@@ -3,7 +3,9 @@
 `Recorder` installs it for a whole capture: from before the workload is built, so every storage
 alive when the step begins is known with its size and its free is seen wherever it happens. Real
 tensors report through c10's memory reporter (every allocator of the thread calls it); fake tensors
-through a meta allocator that reports the creation and death of each storage.
+through a meta allocator that reports the creation and death of each storage. A real step's ops that read
+a storage the recorder never saw allocated are noted (`unseen`), and a capture's counters so far can be read
+from another thread (`progress`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,29 @@ class Events:
 
     def __len__(self) -> int:
         return int(self.key.shape[0])
+
+
+@dataclass(frozen=True)
+class Unseen:
+    """Storages the recorded step's ops read that the capture lacks, largest first, as columns; labels are ids into
+    `Recorder.names()` (the op and module that read each first)."""
+
+    key: list[int]
+    size: list[int]
+    op: list[int]
+    module: list[int]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A capture's counters so far (read from another thread while it runs)."""
+
+    ops: int  # ops fake tensors see, run by the program since recording began
+    events: int  # allocations and frees of the step recorded so far (0 before the step)
+    live_bytes: int  # bytes live in the capture now
+    phase: str  # traces.format.PHASES: forward, backward, optimizer or other
+    stepping: bool  # whether the recorded step is running
+    module: str  # the module of the latest allocation or free ("" when none)
 
 
 class Recorder:
@@ -119,6 +144,16 @@ class Recorder:
 
     def end_step(self) -> Events:
         return Events.from_columns(self._native.end_step())
+
+    def unseen(self) -> Unseen:
+        """Storages the step's ops read that were never seen allocated (made before recording began, not adopted):
+        what the trace lacks. Real captures only; a fake one is empty."""
+        return Unseen(*self._native.unseen())
+
+    def progress(self) -> Progress:
+        """The capture's counters now; safe to call from another thread."""
+        ops, events, live, phase, stepping, module = self._native.progress()
+        return Progress(ops, events, live, PHASES[phase], stepping, module)
 
     def outputs_marked(self) -> bool:
         """Whether the step's `Events.output` marks hold: no torch.compile code ran (it allocates outside ops)."""

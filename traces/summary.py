@@ -3,7 +3,7 @@ text is planner/report/trace_text.py)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -52,6 +52,8 @@ class TraceSummary:
     patch: dict | None  # what the layer mode changed (planner.layers.PatchReport's dict), None when no mode ran
     loss: str = AS_BUILT  # the step's loss (modes.LOSSES)
     loss_patch: dict | None = None  # what the loss choice changed (planner.layers.LossPatch's dict), None when none ran
+    # storages the step read that the trace lacks (made before recording: traces.unrecorded.Unrecorded's dict), {}
+    unrecorded: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """The summary as plain data (the JSON of `memplan trace --json`)."""
@@ -118,4 +120,5 @@ def summarize(trace: Trace, top: int = 5) -> TraceSummary:
         patch=trace.meta.get("patch"),
         loss=trace.meta.get("loss", AS_BUILT),
         loss_patch=trace.meta.get("loss_patch"),
+        unrecorded=trace.meta.get("unrecorded") or {},
     )

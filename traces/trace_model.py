@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,12 +18,12 @@ from memplan.traces.model_file import build_workload, import_model_file, require
 from memplan.units import human_bytes
 
 
-def trace_step(step: StepSpec, meta: dict | None = None) -> Trace:
+def trace_step(step: StepSpec, meta: dict | None = None, progress: Callable[[str], None] | None = None) -> Trace:
     """Build the step's workload (its shape, device and layer mode) and record one training step (after a warm-up
     step unless `step.warmup` is off); under fake tensors when `step.fake` (nothing allocated or computed, any
     size, also a CUDA device on a CPU); compiled by torch.compile when `step.compile` is a budget (the warm-up
     step compiles it, so the compiler's own allocations are not the recorded step's; a recorded step that
-    compiles again is a CompileError)."""
+    compiles again is a CompileError). A trace that runs long reports through `progress` every few seconds."""
     require_device(step.device, step.fake)
     require_real_tensors(step)
     compiled = None if step.compile is None else Compile(step.compile)
@@ -46,7 +47,9 @@ def trace_step(step: StepSpec, meta: dict | None = None) -> Trace:
         **({"compile": compiled.meta()} if compiled is not None else {}),
     }
     meta = {**info, **(meta or {})}
-    trace = capture_step(build, step.device, fake=step.fake, warmup=step.warmup, meta=meta, gpu=step.gpu)
+    trace = capture_step(
+        build, step.device, fake=step.fake, warmup=step.warmup, meta=meta, gpu=step.gpu, progress=progress
+    )
     for compilation in compilations:
         compilation.require_steady(step.model_file, steps=2 if step.warmup else 1)
     return trace
@@ -82,13 +85,13 @@ class CaptureChoice:
         return "fake" if self.fake else "real"
 
 
-def sized_capture(capture: str, step: StepSpec) -> CaptureChoice:
+def sized_capture(capture: str, step: StepSpec, progress: Callable[[str], None] | None = None) -> CaptureChoice:
     """`choose_capture` for a model file's step: auto sizes it on a fake, eager trace of the model as built (only
-    auto traces anything)."""
+    auto traces anything; a long one reports through `progress`)."""
     if capture != "auto":
         return choose_capture(capture, 0, step.device)
     sizing = step.replace(mode=AS_BUILT, fake=True, compile=None)
-    return choose_capture(capture, trace_step(sizing).peak()[0], step.device)
+    return choose_capture(capture, trace_step(sizing, progress=progress).peak()[0], step.device)
 
 
 def choose_capture(capture: str, need: int, device: str = "cpu") -> CaptureChoice:

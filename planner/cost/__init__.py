@@ -2,6 +2,14 @@
 its measured time, for every layer mode, full checkpointing and compile budget."""
 
 from memplan.planner.cost.flops import CostError, StepFlops, count_step_flops
-from memplan.planner.cost.timing import StepTime, time_step, time_workloads
+from memplan.planner.cost.timing import StepTime, time_step, time_workloads, timed_workload
 
-__all__ = ["CostError", "StepFlops", "StepTime", "count_step_flops", "time_step", "time_workloads"]
+__all__ = [
+    "CostError",
+    "StepFlops",
+    "StepTime",
+    "count_step_flops",
+    "time_step",
+    "time_workloads",
+    "timed_workload",
+]

@@ -218,7 +218,7 @@ class BatchProbe:
 
     def _measure(self, batch: int) -> Point:
 
-        trace = trace_step(self.step.replace(batch=batch))
+        trace = trace_step(self.step.replace(batch=batch), progress=self.progress)
         self.patch, self.loss_patch = trace.meta["patch"], trace.meta.get("loss_patch")
         measured = measure(trace, self.mode, time_limit=self.time_limit, alloc_conf=self.alloc_conf,
                            tie_break=self.tie_break)  # fmt: skip

@@ -147,7 +147,7 @@ def measure_batch(opts: OptimizeOptions, layers: tuple[str, ...], batch: int, fa
     """The model at `batch`: the traces of terms.assignments_to_trace, and one FLOP count per mode."""
     to_trace = assignments_to_trace(OPTIMIZE_MODES, len(layers))
     progress(f"[batch {batch}] tracing {len(to_trace)} assignments and counting the FLOPs of {len(OPTIMIZE_MODES)}")
-    traces = {a: trace_step(step_of(opts, layers, a, batch, fake)) for a in to_trace}
+    traces = {a: trace_step(step_of(opts, layers, a, batch, fake), progress=progress) for a in to_trace}
     flops = {m: count_step_flops(step_of(opts, layers, every_layer(layers, m), batch, fake)) for m in OPTIMIZE_MODES}
     cost = {
         (j, mode): flops[mode].by_module[path] - flops[AS_BUILT].by_module[path]
@@ -165,7 +165,7 @@ def trace_candidate(
     if trace is None:
         step = step_of(opts, layers, candidate.assignment, measured.batch, fake)
         progress(f"[batch {measured.batch}] tracing {candidate.name}: {step.mode_name}")
-        trace = trace_step(step)
+        trace = trace_step(step, progress=progress)
         measured.traces[candidate.assignment] = trace
     figures = measure(trace, candidate.name, time_limit=opts.time_limit).figures()
     candidate.peak_live, candidate.plan_arena, candidate.status = (
@@ -249,7 +249,7 @@ def optimize(opts: OptimizeOptions, progress: Callable[[str], None] = lambda m: 
     layers = model_layers(opts)
     if not layers:
         raise OptimizeError(f"{opts.step.model_file}: no list of Transformer layers found to choose modes for")
-    capture = sized_capture(opts.capture, opts.step.replace(batch=1) if opts.max_batch else opts.step)
+    capture = sized_capture(opts.capture, opts.step.replace(batch=1) if opts.max_batch else opts.step, progress)
     progress(f"{len(layers)} layers; {capture.name} traces ({capture.reason})")
     # 2. The model at the batch asked, or at the largest batch it fits.
     if opts.max_batch:

@@ -146,7 +146,7 @@ def choose_run_capture(opts: RunOptions, progress: Callable[[str], None]) -> tup
     if opts.capture != "auto":
         return choose_capture(opts.capture, 0, opts.step.device), {}
     progress(f"[{opts.modes[0]}] sizing the step on a fake trace")
-    sizing = trace_step(opts.step.replace(mode=opts.modes[0], fake=True, compile=None))
+    sizing = trace_step(opts.step.replace(mode=opts.modes[0], fake=True, compile=None), progress=progress)
     choice = choose_capture("auto", sizing.peak()[0], opts.step.device)
     if choice.fake and opts.step.compile is not None:
         raise CompileError(
@@ -177,7 +177,7 @@ def run_mode(
     if traced is None:
         progress(f"[{mode}] tracing one training step ({'fake' if fake else 'real'} tensors)")
     step = opts.step.replace(mode=mode, fake=fake)
-    trace = traced or trace_step(step)
+    trace = traced or trace_step(step, progress=progress)
     save(trace, work / trace_rel)
     progress(f"[{mode}] solving {len(trace):,} buffers and simulating the caching allocator")
     measured = measure(trace, mode, plan_name=str(plan_file), time_limit=opts.time_limit, gpu=opts.gpu)

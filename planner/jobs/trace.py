@@ -34,7 +34,7 @@ def trace_to_file(
         f"building {step.model_file} ({step.describe()}{how}) and recording {step.window}"
         + (" (which compiles it)" if step.compile is not None else "")
     )
-    trace = trace_step(step)
+    trace = trace_step(step, progress=progress)
     save(trace, output)
     progress(f"wrote {output}")
     meta = trace.meta.get("compile")

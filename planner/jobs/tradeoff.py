@@ -4,28 +4,36 @@ Every layer mode (memplan.modes: as built, Megatron's baseline accounting, Tempo
 full recomputation), torch.compile at each memory budget and each variant (another model file of the same model
 built another way, such as examples/gpt2_reversible.py, as built) is traced, planned (the solver's verified
 arena), simulated through PyTorch's caching allocator (its peak reserved), counted (planner.cost: the
-step's FLOPs) and, on real tensors, timed (median CPU step). Extra compute is counted against the model
-as built, eager. A point is on the Pareto frontier when no other point needs no more memory (plan
-arena) and no more compute with one of the two strictly less; FLOPs and time each have their frontier.
+step's FLOPs) and, on real tensors, timed: every configuration's workload built, then their steps run
+interleaved (one of each in turn, planner.cost.time_workloads), so a drift in the machine's speed falls on
+all alike. Each point keeps its runs, their range, and its time ratio to the model as built round by round
+(median and range); points whose ratio ranges overlap are named as not distinguishable by time. Extra
+compute is counted against the model as built, eager. A point is on the Pareto frontier when no other
+point needs no more memory (plan arena) and no more compute with one of the two strictly less; FLOPs and
+time each have their frontier.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from memplan.modes import AS_BUILT, MODES
-from memplan.planner.cost import count_step_flops, time_step
+from memplan.planner.cost import StepTime, count_step_flops, time_workloads, timed_workload
 from memplan.planner.report.plots import figure_format
 from memplan.planner.report.tradeoff_plot import plot_tradeoff
 from memplan.planner.simulate.measure import measure
 from memplan.step import StepSpec, check_budget
+from memplan.traces.format import Trace
 from memplan.traces.model_file import import_model_file
-from memplan.traces.trace_model import CaptureChoice, sized_capture, trace_step
+from memplan.traces.trace_model import HOST_SHARE, CaptureChoice, host_memory_available, sized_capture, trace_step
+from memplan.units import format_size
 
 DEFAULT_BUDGETS = (1.0, 0.5, 0.2, 0.0)
+WARMUP_ROUNDS = 2  # untimed rounds before the timed ones: the optimizer state made, a compiled model compiled
 
 
 @dataclass(frozen=True)
@@ -36,7 +44,7 @@ class TradeoffOptions:
     step: StepSpec
     budgets: tuple[float, ...] = DEFAULT_BUDGETS  # torch.compile activation memory budgets (empty: no compile)
     time_limit: float = 5.0  # the plan solver's, per point
-    repeats: int = 5  # timed steps per point (the median is kept)
+    repeats: int = 5  # timed steps per point (rounds of one step of each; the median and the range are kept)
     capture: str = "auto"  # real or fake traces: auto, real, fake
     output: str | None = None  # the figure (.png or .svg); None draws none
     variants: tuple[str, ...] = ()  # other model files of the same model (reversible, ...), measured as built
@@ -64,10 +72,16 @@ class TradeoffPoint:
     flops: int  # matmul + elementwise
     extra_flops: int  # over the model as built, eager (< 0: less)
     step_seconds: float | None  # median CPU step time on real tensors; None on fake traces
-    time_ratio: float | None  # step_seconds / the model as built's
+    time_ratio: float | None  # median over the rounds of its step time / the model as built's in the same round
     pareto_flops: bool = False  # on the frontier of plan arena against extra FLOPs
     pareto_time: bool = False  # ... against step time (real traces only)
     variant: str | None = None  # the variant's model file; None for the model file's own points
+    step_runs: list[float] | None = None  # every timed step in seconds, in round order; None on fake traces
+    step_seconds_low: float | None = None  # the fastest and the slowest of them
+    step_seconds_high: float | None = None
+    time_ratio_low: float | None = None  # the range of the ratio to the model as built over the rounds
+    time_ratio_high: float | None = None
+    time_like: list[str] = field(default_factory=list)  # points whose ratio range overlaps this one's
 
 
 @dataclass
@@ -80,6 +94,7 @@ class TradeoffResult:
     notes: list[str] = field(default_factory=list)  # what was not measured, and why
     figure: str | None = None
     seconds: float = 0.0
+    timing: str | None = None  # how the steps were timed: "interleaved", "one after another"; None on fake traces
 
     def summary(self) -> dict:
         return {
@@ -95,6 +110,8 @@ class TradeoffResult:
             "notes": self.notes,
             "figure": self.figure,
             "seconds": round(self.seconds, 1),
+            "timing": self.timing,
+            "repeats": self.options.repeats,
         }
 
 
@@ -113,20 +130,41 @@ def mark_frontiers(points: list[TradeoffPoint]) -> None:
         p.pareto_time = p.step_seconds is not None and not dominated((p.plan_arena, p.step_seconds), timed)
 
 
-def measure_point(
-    opts: TradeoffOptions, mode: str, budget: float | None, fake: bool, progress, variant: str | None = None
-) -> TradeoffPoint:
-    """Trace, measure, count and time one configuration: the step's model file in `mode` compiled at `budget`
-    (None: eager), or the model file `variant` as built."""
+@dataclass(frozen=True)
+class Configuration:
+    """One configuration measured: its point's name and the step that makes it."""
+
+    name: str
+    step: StepSpec
+    variant: str | None  # the variant's model file, None for the model file's own
+
+
+def configuration(
+    opts: TradeoffOptions, mode: str, budget: float | None, fake: bool, variant: str | None = None
+) -> Configuration:
+    """The step's model file in `mode` compiled at `budget` (None: eager), or the model file `variant` as built."""
     name = Path(variant).stem if variant else mode if budget is None else f"compile@{budget:g}"
     step = opts.step.replace(model_file=variant or opts.step.model_file, mode=mode, compile=budget, fake=fake)
+    return Configuration(name, step, variant)
+
+
+def held_between_steps(trace: Trace) -> int:
+    """Bytes a workload holds between its steps: those alive as its recorded step begins (parameters, optimizer
+    state, inputs)."""
+    return int(trace.size[trace.alloc == 0].sum())
+
+
+def measure_point(opts: TradeoffOptions, config: Configuration, progress) -> tuple[TradeoffPoint, int]:
+    """Trace, measure and count one configuration; returns its point (untimed) and the bytes its workload holds
+    between steps."""
+    name, step, variant, fake = config.name, config.step, config.variant, config.step.fake
+    budget, mode = step.compile, step.mode_name
     progress(f"[{name}] tracing one training step ({'fake' if fake else 'real'} tensors)")
-    trace = trace_step(step)
+    trace = trace_step(step, progress=progress)
     measured = measure(trace, name, time_limit=opts.time_limit)
-    progress(f"[{name}] counting FLOPs{'' if fake else ' and timing the step'}")
+    progress(f"[{name}] counting FLOPs")
     flops = count_step_flops(step)
-    seconds = None if fake else time_step(step, repeats=opts.repeats).median
-    return TradeoffPoint(
+    point = TradeoffPoint(
         name=name,
         layers=mode,
         compile_budget=budget,
@@ -136,10 +174,62 @@ def measure_point(
         elementwise_flops=flops.elementwise,
         flops=flops.total,
         extra_flops=0,
-        step_seconds=seconds,
+        step_seconds=None,
         time_ratio=None,
         variant=variant,
     )
+    return point, held_between_steps(trace)
+
+
+def time_configurations(
+    opts: TradeoffOptions, configs: list[Configuration], held: list[int], peaks: list[int], progress
+) -> tuple[list[StepTime], bool, str | None]:
+    """Every configuration's step timed on real tensors: their workloads built, then interleaved rounds (one step
+    of each in turn) when they fit this machine's RAM together, else each alone. Returns the times in the
+    configurations' order, whether they were interleaved, and a note when they were not."""
+    need = sum(held) + max(p - h for p, h in zip(peaks, held))  # every workload held, one step running
+    available = host_memory_available()
+    runs = {"repeats": opts.repeats, "warmup": WARMUP_ROUNDS, "device": opts.step.device}
+    if available is None or need <= HOST_SHARE * available:
+        progress(f"timing {len(configs)} configurations, {opts.repeats} interleaved rounds after {WARMUP_ROUNDS}")
+        workloads = {str(i): timed_workload(c.step) for i, c in enumerate(configs)}  # names may repeat (variants)
+        times = time_workloads(workloads, **runs)
+        return [times[str(i)] for i in range(len(configs))], True, None
+    progress(f"timing {len(configs)} configurations one after another: together they would not fit this machine")
+    times = [time_workloads({"step": timed_workload(c.step)}, **runs)["step"] for c in configs]
+    note = (
+        f"step times taken one configuration after another, not interleaved: the {len(configs)} workloads held "
+        f"together would need about {format_size(need)} of the {format_size(available)} available"
+    )
+    return times, False, note
+
+
+def set_times(points: list[TradeoffPoint], times: list[StepTime], interleaved: bool) -> None:
+    """Each point's runs (`times`, in the points' order), their range, and its ratio to the first point (the model
+    as built): per round when the runs were interleaved (run i of each ran side by side), else from the ranges
+    (fastest over slowest and back); then the points whose ratio ranges overlap (mark_alike)."""
+    reference = times[0]
+    for p, t in zip(points, times):
+        p.step_seconds, p.step_runs, p.step_seconds_low, p.step_seconds_high = t.median, t.runs, t.low, t.high
+        if interleaved:
+            ratios = [run / ref for run, ref in zip(t.runs, reference.runs)]
+            p.time_ratio, p.time_ratio_low, p.time_ratio_high = statistics.median(ratios), min(ratios), max(ratios)
+        else:
+            p.time_ratio = t.median / reference.median
+            p.time_ratio_low, p.time_ratio_high = t.low / reference.high, t.high / reference.low
+    mark_alike(points)
+
+
+def mark_alike(points: list[TradeoffPoint]) -> None:
+    """Set each timed point's time_like: the other timed points whose ratio range overlaps its own, so that their
+    step times cannot be told apart at this many runs."""
+    timed = [p for p in points if p.time_ratio_low is not None]
+    for p in timed:
+        p.time_like = [
+            q.name
+            for q in timed
+            if q is not p and q.time_ratio_low <= p.time_ratio_high and p.time_ratio_low <= q.time_ratio_high
+        ]
 
 
 def tradeoff(opts: TradeoffOptions, progress: Callable[[str], None] = lambda m: None) -> TradeoffResult:
@@ -152,25 +242,33 @@ def tradeoff(opts: TradeoffOptions, progress: Callable[[str], None] = lambda m: 
     if opts.output:
         figure_format(opts.output)  # a figure it cannot write fails before the work
     # 1. Real or fake traces; compiled steps need real ones.
-    capture = sized_capture(opts.capture, opts.step)
+    capture = sized_capture(opts.capture, opts.step, progress)
     budgets, notes = opts.budgets, []
     if capture.fake and budgets:
         budgets = ()
         notes.append("torch.compile not measured: it runs on real tensors, and these traces are fake")
     if capture.fake:
         notes.append("no step times: fake tensors compute nothing")
-    # 2. Every layer mode eager, the model as built compiled at each budget, then each variant as built.
-    points = [measure_point(opts, mode, None, capture.fake, progress) for mode in MODES]
-    points += [measure_point(opts, AS_BUILT, budget, capture.fake, progress) for budget in budgets]
-    points += [measure_point(opts, AS_BUILT, None, capture.fake, progress, variant) for variant in opts.variants]
-    # 3. Compute against the model as built, eager; the frontiers; the figure.
+    # 2. Every layer mode eager, the model as built compiled at each budget, then each variant as built: traced,
+    #    measured and counted one by one.
+    configs = [configuration(opts, mode, None, capture.fake) for mode in MODES]
+    configs += [configuration(opts, AS_BUILT, budget, capture.fake) for budget in budgets]
+    configs += [configuration(opts, AS_BUILT, None, capture.fake, variant) for variant in opts.variants]
+    measured = [measure_point(opts, c, progress) for c in configs]
+    points, held = [p for p, _ in measured], [h for _, h in measured]
+    # 3. On real tensors, every configuration timed in interleaved rounds.
+    timing = None
+    if not capture.fake:
+        times, interleaved, note = time_configurations(opts, configs, held, [p.peak_live for p in points], progress)
+        set_times(points, times, interleaved)
+        timing = "interleaved" if interleaved else "one after another"
+        notes += [note] if note else []
+    # 4. Compute against the model as built, eager; the frontiers; the figure.
     reference = points[0]
     for p in points:
         p.extra_flops = p.flops - reference.flops
-        if p.step_seconds is not None:
-            p.time_ratio = p.step_seconds / reference.step_seconds
     mark_frontiers(points)
-    result = TradeoffResult(opts, capture, points, notes)
+    result = TradeoffResult(opts, capture, points, notes, timing=timing)
     if opts.output:
         progress(f"drawing {opts.output}")
         plot_tradeoff(result.summary(), opts.output)

@@ -73,7 +73,7 @@ class InplaceGELU(nn.Module):
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return InplaceGELUFunction.apply(x, self.approximate, inverse.kept_by_producer(x))
+        return InplaceGELUFunction.apply(x, self.approximate, inverse.keeps_input(self, x))
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"

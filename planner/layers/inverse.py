@@ -10,13 +10,13 @@ one activation's bytes.
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 from torch._guards import detect_fake_mode
 
 TINY = 2.0**-149  # the smallest positive fp32 number (a subnormal): the tail table reaches every fp32 output
@@ -66,6 +66,7 @@ class Activation:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tables", build_tables(self))
+        TABLES.append(self.tables.joined)
 
 
 def invert(activation: Activation, y: torch.Tensor, lo: float, hi: float, increasing: bool) -> torch.Tensor:
@@ -117,11 +118,21 @@ def build_tables(activation: Activation) -> InverseTables:
 
 
 FAKE_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fake mode -> its copies of the tables
+TABLES: list[torch.Tensor] = []  # every activation's joined table (CPU, made at import)
+COPIES: dict[tuple[Activation, str, torch.device], torch.Tensor] = {}  # the real tables copied to a device
 
 
-@functools.cache
 def _copied(activation: Activation, which: str, device: torch.device) -> torch.Tensor:
-    return getattr(activation.tables, which).to(device)
+    if (activation, which, device) not in COPIES:
+        COPIES[activation, which, device] = getattr(activation.tables, which).to(device)
+    return COPIES[activation, which, device]
+
+
+def shared_tables() -> list[torch.Tensor]:
+    """The real tables the process keeps (each activation's, and its copies on devices): constants every layer
+    shares, made once at import or on first use, so a later capture never sees them allocated. A trace leaves them
+    out and does not warn of them (traces/unrecorded.py; docs/limits.md)."""
+    return [*TABLES, *COPIES.values()]
 
 
 def table_on(activation: Activation, which: str, device: torch.device) -> torch.Tensor:
@@ -202,20 +213,33 @@ def input_gradient(
 
 
 def kept_by_producer(x: torch.Tensor) -> bool:
-    """Whether `x`'s bytes stay alive for backward whatever the activation keeps: the op that made it keeps it, as
-    the in-place LayerNorm and RMSNorm keep their output (their nodes say so with `keeps_output`), or it is a view
-    of a larger tensor (a gated MLP's fused gate-and-up projection, split in two: the other half, kept by the
-    product, holds the storage). An activation then keeps `x` too, at no cost, rather than its output and a mask,
-    which would be bytes on top. Read from the node, never unpacking what it saved (under checkpointing that would
-    recompute); while torch.compile traces, no (it has no nodes yet)."""
-    if torch.compiler.is_compiling():
-        return False
-    return getattr(x.grad_fn, "keeps_output", False) or (x._base is not None and x.numel() < x._base.numel())
+    """Whether the op that made `x` keeps `x` itself for its backward, as the in-place LayerNorm and RMSNorm keep
+    their output (their nodes say so with `keeps_output`). Read from the node, never unpacking what it saved
+    (under checkpointing that would recompute); while torch.compile traces, no (it has no nodes yet)."""
+    return not torch.compiler.is_compiling() and getattr(x.grad_fn, "keeps_output", False)
+
+
+def part_of_larger(x: torch.Tensor) -> bool:
+    """Whether `x` is a view of a larger tensor (a fused gate-and-up projection split in two, a slice), whose
+    storage something else (the other half, kept by the product) holds; while torch.compile traces, no."""
+    return not torch.compiler.is_compiling() and x._base is not None and x.numel() < x._base.numel()
+
+
+def keeps_input(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether an in-place activation keeps its input `x` rather than its output and a mask, which would be bytes
+    on top: when the op before keeps `x` anyway, or `x` is part of a larger tensor. Counts, on `module`, its calls
+    and those that kept a view (`calls`, `kept_views`: the patch report says when it saved nothing)."""
+    kept = kept_by_producer(x)
+    view = not kept and part_of_larger(x)
+    if not torch.compiler.is_compiling():
+        module.calls = getattr(module, "calls", 0) + 1
+        module.kept_views = getattr(module, "kept_views", 0) + view
+    return kept or view
 
 
 class InplaceActivationFunction(torch.autograd.Function):
     """An activation whose backward needs only its output and a bool mask (x ≥ x*), not its input; or its
-    input, when `keep_input` says another op keeps that anyway (see `kept_by_producer`)."""
+    input, when `keep_input` says another op keeps that anyway (see `keeps_input`)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, activation: Activation, keep_input: bool = False) -> torch.Tensor:

@@ -125,7 +125,7 @@ class InplaceLayerNormFunction(torch.autograd.Function):
         keep, exact = exact_part(x.reshape(-1, n), weight, bias, x.dtype, rstd, mean)
         ctx.n, ctx.dtype = n, x.dtype
         ctx.save_for_backward(y, rstd, weight, bias, keep, exact)
-        ctx.keeps_output = True  # an activation right after may keep y too (inverse.kept_by_producer)
+        ctx.keeps_output = True  # an activation right after may keep y too (inverse.keeps_input)
         return y
 
     @staticmethod

@@ -355,6 +355,22 @@ def patch(model: nn.Module, modes: str | Mapping[str, str]) -> PatchReport:
     return LayerModesReport(PER_LAYER, swapped, left, notes, layers)
 
 
+def idle_notes(model: nn.Module) -> list[str]:
+    """Notes, after a step has run uncompiled, on tempo's activations that saved nothing: never called (Mamba's
+    mixer calls F.silu, not its activation module), or every call kept its input, a view of a larger tensor that
+    stays alive anyway (`inverse.keeps_input` counts)."""
+    swapped = [m for m in model.modules() if isinstance(m, (InplaceGELU, InplaceSiLU))]
+    never = sorted({type(m).__name__ for m in swapped if not getattr(m, "calls", 0)})
+    views = sorted({type(m).__name__ for m in swapped if getattr(m, "calls", 0) and m.kept_views == m.calls})
+    notes = [f"tempo: {', '.join(never)} never called in the step (the model computes it otherwise)"] if never else []
+    if views:
+        notes.append(
+            f"tempo: {', '.join(views)} kept its input in every call (a view of a larger tensor, alive anyway), "
+            "so it saves nothing in this model"
+        )
+    return notes
+
+
 def unpatch(model: nn.Module) -> int:
     """Put back every module `patch` replaced, the checkpointing and HuggingFace's attention setting (and the
     function each attention module named); returns how many modules."""

@@ -128,7 +128,7 @@ class InplaceRMSNormFunction(torch.autograd.Function):
         keep, exact = exact_part(x_rows, scale_of(weight, flavour), None, y.dtype, rstd)
         ctx.n, ctx.dtype, ctx.shape, ctx.flavour = n, x.dtype, x.shape, flavour
         ctx.save_for_backward(y, rstd, weight, keep, exact)
-        ctx.keeps_output = True  # an activation right after may keep y too (inverse.kept_by_producer)
+        ctx.keeps_output = True  # an activation right after may keep y too (inverse.keeps_input)
         return y
 
     @staticmethod

@@ -50,4 +50,4 @@ class InplaceSiLU(nn.Module):
     input where the op before keeps that anyway (after the in-place RMSNorm)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return InplaceSiLUFunction.apply(x, inverse.kept_by_producer(x))
+        return InplaceSiLUFunction.apply(x, inverse.keeps_input(self, x))

@@ -60,7 +60,7 @@ def replay_model_file(
             )
         else:
             progress(f"capturing one step of {step.model_file} to find the plan's allocation order")
-            trace = capture_step(make_workload)
+            trace = capture_step(make_workload, progress=progress)
         traces.append(trace)
         return trace
 

@@ -16,6 +16,7 @@ from memplan.planner.simulate.caching_allocator import OutOfMemory
 from memplan.planner.simulate.measure import Measurement
 from memplan.planner.simulate.verdict import Verdict
 from memplan.traces.format import PHASES, Trace
+from memplan.traces.unrecorded import unrecorded_text
 from memplan.units import human_bytes
 
 
@@ -107,6 +108,7 @@ class SimulateSummary:
     timeline: str | None  # the timeline CSV written, if any
     verdict: Verdict | None = None  # whether the step fits the GPU of --gpu; None without it
     repeated: RepeatedSummary | None = None  # with --steps N > 1: the peaks of the step's N-th run in a row
+    unrecorded: dict | None = None  # storages the step read that the trace lacks (its meta "unrecorded"), if any
 
     def to_dict(self) -> dict:
         """The JSON document of `memplan simulate --json` (keys documented in docs/cli.md)."""
@@ -154,6 +156,7 @@ def report_summary(report: Measurement, timeline: str | None = None) -> Simulate
         ),
         timeline=timeline,
         verdict=report.verdict,
+        unrecorded=trace.meta.get("unrecorded"),
     )
 
 
@@ -165,6 +168,8 @@ def report_text(s: SimulateSummary) -> str:
         f"peak live          {human_bytes(s.peak_live)} at event {s.peak_live_time:,} ({s.peak_live_phase})",
         f"max-live bound     {human_bytes(s.bound)}",
     ]
+    if s.unrecorded:
+        lines.append(f"warning: {unrecorded_text(s.unrecorded)}")
     p = s.plan
     if p is None:
         lines.append("plan arena         - (pass --plan PLAN)")

@@ -6,6 +6,7 @@ from memplan.modes import AS_BUILT
 from memplan.planner.layers.patch import PatchReport
 from memplan.traces.compile import describe_compile
 from memplan.traces.summary import TraceSummary
+from memplan.traces.unrecorded import unrecorded_text
 from memplan.units import human_bytes
 
 
@@ -49,14 +50,16 @@ def no_change_mark(mode: str, changed: bool) -> str:
 
 
 def render_trace(s: TraceSummary) -> str:
-    """The summary as a few lines of text for the terminal: what the step is, what it holds that a fake trace
-    cannot, what was taken by rule, what its mode changed, its peak, and what is live then."""
+    """The summary as a few lines of text for the terminal: what the step is, what it read and lacks, what it holds
+    that a fake trace cannot, what was taken by rule, what its mode changed, its peak, and what is live then."""
     tensors = ", fake tensors" if s.fake else ""
     loss = "" if s.loss == AS_BUILT else f", loss {s.loss}"
     lines = [
         f"trace of {s.model} ({s.layers}{loss}, {s.device}, {s.dtype}{tensors}): {s.buffers} buffers, "
         f"{s.recorded} allocated during the step, {s.end - 1} events"
     ]
+    if s.unrecorded:
+        lines.append(f"warning: {unrecorded_text(s.unrecorded)}")
     if s.internal:
         lines.append(
             f"{s.internal:,} buffers are kernels' own (internal: scratch, wrapped Python numbers; a --fake trace "

@@ -1,9 +1,10 @@
 """The trade-off figure of `memplan tradeoff`: memory against extra compute, one point per configuration.
 
 Left panel: plan arena (filled) and the caching allocator's peak reserved (hollow) against extra FLOPs in
-percent of the model as built; right panel: the same against step time relative to it (real traces only).
-Layer modes are blue, compile budgets orange, variant model files green. The Pareto frontier of each panel
-is a dashed staircase through its points; every point is named, points close together by one label.
+percent of the model as built; right panel: the same against step time relative to it (real traces only),
+each point's ratio with a bar over its range across the timed rounds. Layer modes are blue, compile
+budgets orange, variant model files green. The Pareto frontier of each panel is a dashed staircase
+through its points; every point is named, points close together by one label.
 Drawn from `TradeoffResult.summary()`, plain data.
 """
 
@@ -18,7 +19,8 @@ from memplan.planner.report.plots import figure_format, write_figure
 from memplan.units import byte_unit
 
 POINT_COLOR, COMPILE_COLOR, VARIANT_COLOR, FRONTIER_COLOR = "#4c72b0", "#dd8452", "#55a868", "#d62728"
-FLOPS_AXIS, TIME_AXIS = "extra FLOPs (% of the model as built)", "step time (x the model as built, CPU median)"
+FLOPS_AXIS = "extra FLOPs (% of the model as built)"
+TIME_AXIS = "step time (x the model as built, CPU; median and range over interleaved rounds)"
 LEADER = {"arrowstyle": "-", "lw": 0.4, "color": "0.55", "shrinkA": 0, "shrinkB": 3}  # a label's line to its point
 NEAR = 0.02  # points this close (a fraction of the panel) are named by one label
 LABEL_OFFSETS = tuple((dx, dy) for dy in (-9, 9, -22, 22, -35, 35) for dx in (6, -6))  # points, tried in order
@@ -79,14 +81,26 @@ def place_labels(ax, labels: list[tuple[float, float, str]]) -> None:
         taken.append(box)
 
 
-def draw_panel(ax, points: list[dict], compute: str, frontier: str, xlabel: str, unit: tuple[str, int]) -> list:
-    """One panel: every point at (its compute, its arena), hollow reserved markers, the frontier; returns the
-    labels to place once the layout is final."""
+def draw_panel(
+    ax,
+    points: list[dict],
+    compute: str,
+    frontier: str,
+    xlabel: str,
+    unit: tuple[str, int],
+    spread: tuple[str, str] | None = None,
+) -> list:
+    """One panel: every point at (its compute, its arena), hollow reserved markers, the frontier, and with `spread`
+    (the keys of the compute's low and high) a bar over each point's range; returns the labels to place once the
+    layout is final."""
     name, scale = unit
     spots = []
     for p in points:
         color = point_color(p)
         x, y = p[compute], p["plan_arena"] / scale
+        if spread is not None:
+            low, high = p[spread[0]], p[spread[1]]
+            ax.errorbar([x], [y], xerr=[[x - low], [high - x]], fmt="none", ecolor=color, elinewidth=1.0, capsize=3)
         ax.plot([x, x], [y, p["caching_peak_reserved"] / scale], color=color, lw=0.8, alpha=0.5)
         ax.scatter([x], [p["caching_peak_reserved"] / scale], facecolors="none", edgecolors=color, s=28, zorder=3)
         ax.scatter([x], [y], color=color, s=36, zorder=4)
@@ -115,7 +129,8 @@ def plot_tradeoff(summary: dict, path: str | os.PathLike) -> None:
     panels = fig.subplots(1, 2 if timed else 1, squeeze=False)[0]
     labels = [draw_panel(panels[0], flops_points, "extra_percent", "pareto_flops", FLOPS_AXIS, unit)]
     if timed:
-        labels.append(draw_panel(panels[1], timed, "time_ratio", "pareto_time", TIME_AXIS, unit))
+        spread = ("time_ratio_low", "time_ratio_high")
+        labels.append(draw_panel(panels[1], timed, "time_ratio", "pareto_time", TIME_AXIS, unit, spread))
     fig.suptitle(
         f"{os.path.basename(summary['model_file'])}: batch {summary['batch']}, seq {summary['seq']}, "
         f"{summary['dtype']}, {summary['capture']} traces",

@@ -12,21 +12,47 @@ def point_label(point: dict) -> str:
     return point["name"] + no_change_mark(point["layers"], point["changed"]) if plain else point["name"]
 
 
+def time_cell(point: dict) -> str:
+    """A point's step time against the model as built: the median ratio and its range over the rounds, or "-"."""
+    if point["time_ratio"] is None:
+        return "-"
+    return f"{point['time_ratio']:.2f}x [{point['time_ratio_low']:.2f}-{point['time_ratio_high']:.2f}]"
+
+
+def alike_lines(summary: dict) -> list[str]:
+    """The points whose step times cannot be told apart (their ratio ranges overlap), one line each."""
+    alike = [p for p in summary["points"] if p["time_like"]]
+    if not alike:
+        return []
+    lines = [
+        f"step times not distinguishable at {summary['repeats']} timed steps each (their ratio ranges overlap; "
+        "more --repeats narrows them):"
+    ]
+    lines += [f"  {p['name']} ~ {', '.join(p['time_like'])}" for p in alike]
+    return lines
+
+
 def render_tradeoff(summary: dict) -> str:
-    """The trade-off table for the terminal, each point's frontiers named."""
+    """The trade-off table for the terminal, each point's frontiers named, its step time with its range; then the
+    points whose step times cannot be told apart."""
     points = summary["points"]
     lines = [
         f"{'configuration':<28}{'peak live':>12}{'plan arena':>12}{'caching res.':>14}"
-        f"{'extra FLOPs':>13}{'step time':>11}  frontier",
+        f"{'extra FLOPs':>13}{'step time [range]':>22}  frontier",
     ]
     for p in points:
         percent = 100 * p["extra_flops"] / points[0]["flops"]
-        ratio = "-" if p["time_ratio"] is None else f"{p['time_ratio']:.2f}x"
         frontier = " ".join(k for k, on in (("FLOPs", p["pareto_flops"]), ("time", p["pareto_time"])) if on)
         lines.append(
             f"{point_label(p):<28}{human_bytes(p['peak_live']):>12}{human_bytes(p['plan_arena']):>12}"
-            f"{human_bytes(p['caching_peak_reserved']):>14}{percent:>+12.1f}%{ratio:>11}  {frontier}"
+            f"{human_bytes(p['caching_peak_reserved']):>14}{percent:>+12.1f}%{time_cell(p):>22}  {frontier}"
         )
+    if summary["timing"]:
+        lines.append(
+            f"step time: x the model as built, median of {summary['repeats']} rounds timed {summary['timing']} "
+            "[the range of the ratio over the rounds]"
+        )
+    lines += alike_lines(summary)
     lines.append(f"traces: {summary['capture']} ({summary['capture_reason']})")
     lines += [f"note: {n}" for n in summary["notes"]]
     if summary["figure"]:

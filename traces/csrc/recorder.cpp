@@ -8,7 +8,15 @@
 // sequence number; the record around Inductor's generated code) and from the module and phase the Python
 // side sets. Nothing here allocates tensor memory, so a recorded step allocates exactly what an unrecorded
 // one does. Each allocation is also marked when that op returns its storage; the rest is kernels' own
-// (scratch, wrapped Python numbers, a process group's staging buffers).
+// (scratch, wrapped Python numbers, a process group's staging buffers). A real step's op that reads a storage the
+// recorder never saw allocated (made before recording began and not adopted: a frozen model built outside
+// `record`, a tensor cached in a global) is noted once per storage, so the trace can say what it lacks. Counters of
+// ops run and the latest allocation's module let another thread report a long capture's progress.
+// libtorch is a release build (NDEBUG): RecordFunction's debug-only members and its check that inputs() is read in a
+// start callback must be compiled as libtorch's are, or the check fails on every op (it is never armed there).
+#ifndef NDEBUG
+#define NDEBUG
+#endif
 #include <ATen/record_function.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/Allocator.h>
@@ -24,6 +32,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -52,6 +61,13 @@ struct Live {
   int64_t order;       // allocation counter, so live storages list in allocation order
   Event event;
   int64_t step_index;  // its allocation's index in the step's events, -1 if made before the step
+};
+
+// A storage a step's op read that is not in the capture: its bytes, and the op and module that read it first.
+struct Unseen {
+  int64_t nbytes;
+  LabelId op;
+  LabelId module;
 };
 
 // One aten op (or region of Inductor code) being run on this thread.
@@ -156,9 +172,12 @@ class Recorder {
     live_.clear();
     events_.clear();
     module_of_node_.clear();
+    unseen_.clear();
     stepping_ = false;
     compiled_ = false;
     order_ = 0;
+    ops_.store(0);
+    last_module_.store(0);
     phase_.store(kOther);
     active_.store(true);
   }
@@ -235,6 +254,41 @@ class Recorder {
     if (!active() || nbytes <= 0) return;
     std::lock_guard<std::mutex> guard(mutex_);
     if (live_.count(key) == 0) live_[key] = Live{order_++, Event{key, nbytes, 0, 0, kOther, true}, -1};
+  }
+
+  // An op of the step read this storage: noted once if the recorder never saw it allocated (not in the capture).
+  void read(StorageKey key, int64_t nbytes) {
+    if (!active() || nbytes <= 0) return;
+    std::lock_guard<std::mutex> guard(mutex_);
+    if (!stepping_ || live_.count(key) > 0 || unseen_.count(key) > 0) return;
+    Event e = labelled(key, nbytes);
+    unseen_[key] = Unseen{nbytes, e.op, e.module};
+  }
+
+  // The storages the step read and the capture lacks, largest first: (key, bytes, op, module) each.
+  std::vector<std::tuple<StorageKey, int64_t, LabelId, LabelId>> unseen() {
+    std::lock_guard<std::mutex> guard(mutex_);
+    std::vector<std::tuple<StorageKey, int64_t, LabelId, LabelId>> out;
+    for (const auto& kv : unseen_) out.emplace_back(kv.first, kv.second.nbytes, kv.second.op, kv.second.module);
+    std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+      return std::get<1>(a) != std::get<1>(b) ? std::get<1>(a) > std::get<1>(b) : std::get<0>(a) < std::get<0>(b);
+    });
+    return out;
+  }
+
+  void ran_op() { ops_.fetch_add(1, std::memory_order_relaxed); }
+
+  // A capture's progress so far, for another thread: ops run, the step's events, bytes live in the capture, the
+  // phase, and the module of the latest allocation.
+  py::tuple progress() {
+    std::lock_guard<std::mutex> guard(mutex_);
+    int64_t live_bytes = 0;
+    for (const auto& kv : live_)
+      if (kept(kv.second.event)) live_bytes += kv.second.event.size;
+    LabelId module = last_module_.load(std::memory_order_relaxed);
+    std::string name = module >= 0 && static_cast<size_t>(module) < names_.size() ? names_[module] : "";
+    return py::make_tuple(ops_.load(std::memory_order_relaxed), static_cast<int64_t>(events_.size()), live_bytes,
+                          static_cast<int>(phase_.load()), stepping_, name);
   }
 
   void freed(StorageKey key) {
@@ -324,6 +378,7 @@ class Recorder {
       module = found == module_of_node_.end() ? 0 : found->second;
       phase = kBackward;
     }
+    last_module_.store(module, std::memory_order_relaxed);
     return Event{key, size, op, module, phase, false};
   }
 
@@ -333,6 +388,7 @@ class Recorder {
   std::unordered_map<SequenceNumber, LabelId> module_of_node_;
   std::unordered_map<StorageKey, Live> live_;
   std::unordered_set<StorageKey> claimed_;
+  std::unordered_map<StorageKey, Unseen> unseen_;  // storages the step read that the capture lacks
   bool claimed_only_ = false;
   std::vector<Event> events_;
   c10::DeviceType device_ = c10::DeviceType::CPU;
@@ -344,6 +400,8 @@ class Recorder {
   int64_t order_ = 0;
   std::atomic<int8_t> phase_{kOther};
   std::atomic<bool> active_{false};
+  std::atomic<int64_t> ops_{0};         // ops fake tensors see, run by the program since start()
+  std::atomic<LabelId> last_module_{0};  // the module of the latest allocation or free
 };
 
 Recorder& recorder() {
@@ -408,6 +466,29 @@ constexpr SequenceNumber kUnknownNode = -1;
 
 bool is_node(const char* name) { return std::strncmp(name, kEvaluateFunction, sizeof(kEvaluateFunction) - 1) == 0; }
 
+// Whether ops' inputs are checked for storages the capture lacks (a real capture: fake tensors are all made inside).
+bool checks_reads = false;
+
+// Note a read of the tensor's storage (a plain tensor of the recorded device; a Python subclass has none of its own).
+void note_read(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage() || t.key_set().has(c10::DispatchKey::Python) || !recorder().wants(t.device()))
+    return;
+  const c10::Storage& storage = t.storage();
+  if (storage.data() == nullptr) return;
+  recorder().read(storage_key(t), static_cast<int64_t>(storage.nbytes()));
+}
+
+// Note the storages an op fake tensors see reads: its tensor and tensor-list inputs.
+void note_reads(const at::RecordFunction& fn) {
+  for (const c10::IValue& value : fn.inputs()) {
+    if (value.isTensor()) {
+      note_read(value.toTensor());
+    } else if (value.isTensorList()) {
+      for (const at::Tensor& t : value.toTensorVector()) note_read(t);
+    }
+  }
+}
+
 std::unique_ptr<at::ObserverContext> on_enter(const at::RecordFunction& fn) {
   ThreadState& t = this_thread;
   if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION) {  // a node's apply: number its evaluate frame
@@ -430,6 +511,10 @@ std::unique_ptr<at::ObserverContext> on_enter(const at::RecordFunction& fn) {
     bool seen = t.seen_frames == 0 && !is_composite(fn, recorder().backend());
     t.ops.push_back(OpFrame{name, is_helper(name), seen, seen ? recorder().allocations() : 0});
     t.seen_frames += seen;
+    if (seen && recorder().programs(t)) {
+      recorder().ran_op();
+      if (checks_reads) note_reads(fn);
+    }
   } else if (is_compiled_region(name)) {
     recorder().saw_compiled_region();
     t.ops.push_back(OpFrame{kInductor, false, false, 0});
@@ -498,9 +583,11 @@ void start(const std::string& device_type, int64_t device_index, bool fake) {
     c10::ThreadLocalDebugInfo::_push(c10::DebugInfoKind::PROFILER_STATE, std::make_shared<Reporter>());
     installed.reporter = true;
   }
+  checks_reads = !fake;
   installed.callback = at::addThreadLocalCallback(
       at::RecordFunctionCallback(&on_enter, &on_exit)
           .needsIds(true)
+          .needsInputs(!fake)
           .needsOutputs(true)
           .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION, at::RecordScope::USER_SCOPE}));
 }
@@ -571,6 +658,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("resized", [](const at::Tensor& t, int64_t old_nbytes) {
           recorder().resized(storage_key(t), old_nbytes, static_cast<int64_t>(t.storage().nbytes()));
         }, "A fake tensor's storage was resized in place from old_nbytes to its size now");
+  m.def("unseen", []() {
+    std::vector<int64_t> key, size;
+    std::vector<int32_t> op, module;
+    for (const auto& u : recorder().unseen()) {
+      key.push_back(std::get<0>(u));
+      size.push_back(std::get<1>(u));
+      op.push_back(std::get<2>(u));
+      module.push_back(std::get<3>(u));
+    }
+    return py::make_tuple(key, size, op, module);
+  }, "Storages the step's ops read that the capture lacks, largest first: columns key, bytes, op, module");
+  m.def("progress", []() { return recorder().progress(); },
+        "Ops run, the step's events, bytes live, phase, whether the step is recording, the latest allocation's module");
   m.def("claim", [](const at::Tensor& t) { recorder().claim(storage_key(t)); },
         "Keep the storage of this fake tensor in the capture");
 }
