@@ -70,12 +70,14 @@ def trace_model_file(
     fake: bool = False,
     compile: float | None = None,
     warmup: bool = True,
+    loss: str = AS_BUILT,
 ) -> Trace:
     """One training step of a model file (docs/capture.md) with memplan's `layers` mode (or a mode per
     Transformer layer: {"layers.0": "full", ...}), as `memplan trace` records it; `fake` runs it under fake
     tensors (any size, nothing allocated); `compile` under torch.compile at that activation memory budget;
-    `warmup=False` records the first step (the optimizer creates its state inside it), not the steady one."""
-    step = StepSpec(path, batch, seq, dtype, device, layers, fake, compile, warmup)
+    `warmup=False` records the first step (the optimizer creates its state inside it), not the steady one;
+    `loss="fused"` computes a causal LM's loss fused with its head, the logits never whole."""
+    step = StepSpec(path, batch, seq, dtype, device, layers, fake, compile, warmup, loss=loss)
     return trace_step(step)
 
 
@@ -157,11 +159,12 @@ def fit(
     seq: int = 128,
     dtype: str = "float32",
     capture: str = "auto",
+    loss: str = AS_BUILT,
 ) -> FitResult:
     """The largest batch of `model_file` whose step fits `memory` bytes (or `gpu`: its memory less what it holds
-    outside the caching allocator) under each layer mode, under the caching allocator and under a plan, each
-    proven by direct traces (real or fake, as `capture` says)."""
-    step = StepSpec(model_file, seq=seq, dtype=dtype)
+    outside the caching allocator) under each layer mode (with the step's `loss`), under the caching allocator and
+    under a plan, each proven by direct traces (real or fake, as `capture` says)."""
+    step = StepSpec(model_file, seq=seq, dtype=dtype, loss=loss)
     return fit_model(step, memory, gpu=as_gpu(gpu), modes=tuple(layers), capture=capture)
 
 

@@ -11,7 +11,7 @@ import click
 
 from memplan.errors import MemplanError
 from memplan.gpus import GPU, GPUS, gpu
-from memplan.modes import modes_help
+from memplan.modes import LOSSES, losses_help, modes_help
 from memplan.planner.simulate.alloc_conf import TIE_BREAKS
 from memplan.step import DTYPES, StepSpec
 from memplan.units import SizeError, parse_size
@@ -59,6 +59,7 @@ class Size(click.ParamType):
 
 SIZE = Size()
 LAYERS_HELP = f"Layer mode (memplan.modes). {modes_help()} The trace says what was swapped and what was left as built."
+LOSS_HELP = f"The step's loss (memplan.modes). {losses_help()} The trace says what it changed, or why nothing."
 
 
 # A model file (.py), a HuggingFace config.json, or a folder holding one (docs/capture.md).
@@ -72,14 +73,18 @@ def shape_option(name: str, what: str):
     return click.option(name, type=click.IntRange(min=1), default=default, show_default=True, help=help_text)
 
 
-def step_options(*, batch: bool = False, layers: bool = False):
+def step_options(*, batch: bool = False, layers: bool = False, loss: bool = False):
     """The options that shape a model file's step, declared once for every command that builds one: --seq and
-    --dtype, and --batch and --layers where the command takes them; choices and defaults are StepSpec's."""
+    --dtype, and --batch, --layers and --loss where the command takes them; choices and defaults are StepSpec's."""
     options = [shape_option("--batch", "Batch size")] if batch else []
     options += [shape_option("--seq", "Sequence length")]
     options += [click.option("--dtype", type=click.Choice(DTYPES), default=STEP_DEFAULTS["dtype"], show_default=True)]
     layers_option = click.option("--layers", default=STEP_DEFAULTS["mode"], show_default=True, help=LAYERS_HELP)
     options += [layers_option] if layers else []
+    loss_option = click.option(
+        "--loss", type=click.Choice(tuple(LOSSES)), default=STEP_DEFAULTS["loss"], show_default=True, help=LOSS_HELP
+    )
+    options += [loss_option] if loss else []
 
     def decorate(command):
         for option in reversed(options):
@@ -164,7 +169,7 @@ def main() -> None:
     type=click.Path(dir_okay=False),
     help="Trace file to write (default: <model>.<layers>.trace.json.gz).",
 )
-@step_options(batch=True, layers=True)
+@step_options(batch=True, layers=True, loss=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
 @click.option(
     "--fake",
@@ -196,7 +201,7 @@ def main() -> None:
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def trace_command(
-    model_file, output, batch, seq, dtype, layers, device, fake, gpu_name, top, warmup, nproc, compile, as_json
+    model_file, output, batch, seq, dtype, layers, loss, device, fake, gpu_name, top, warmup, nproc, compile, as_json
 ):
     """Record one training step of MODEL_FILE and write its trace.
 
@@ -217,7 +222,8 @@ def trace_command(
     from memplan.planner.jobs.trace import trace_to_file
     from memplan.planner.report.trace_text import render_trace_file
 
-    step = StepSpec(model_file, batch, seq, dtype, device, layers, fake, compile, bool(warmup)).on_gpu(gpu_name)
+    step = StepSpec(model_file, batch, seq, dtype, device, layers, fake, compile, bool(warmup), loss=loss)
+    step = step.on_gpu(gpu_name)
     summary = trace_to_file(step, output, top=top, nproc=nproc, progress=progress)
     emit(summary, as_json, render_trace_file(summary))
 
@@ -442,10 +448,10 @@ def compare_command(trace_files, plan_files, method, time_limit, alloc_conf, tie
 )
 @click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True, help="Consecutive steps to replay.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@step_options(batch=True, layers=True)
+@step_options(batch=True, layers=True, loss=True)
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq, dtype, layers, compile, as_json):
+def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq, dtype, layers, loss, compile, as_json):
     """Run a model's training steps with the plan allocator and check them bitwise against the default one.
 
     Moves the parameters, optimizer state and inputs into their planned slots first, then reports the
@@ -458,7 +464,7 @@ def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq,
     from memplan.planner.replay.model_replay import replay_model_file
     from memplan.planner.report.replay_text import render_replay
 
-    step = StepSpec(model_file, batch, seq, dtype, device, layers, compile=compile)
+    step = StepSpec(model_file, batch, seq, dtype, device, layers, compile=compile, loss=loss)
     report = replay_model_file(plan_file, step, trace_file=trace_file, steps=steps, progress=progress)
     summary = report.summary()
     emit(summary, as_json, render_replay(summary))
@@ -541,7 +547,7 @@ def solve_command(source, output, time_limit, capacity, method, alignment, scope
     show_default=True,
     help="Folder for report.md, timeline.png, address_space.png, traces/ and plans/.",
 )
-@step_options(batch=True)
+@step_options(batch=True, loss=True)
 @click.option(
     "--time-limit",
     type=click.FloatRange(min=0, min_open=True),
@@ -560,7 +566,9 @@ def solve_command(source, output, time_limit, capacity, method, alignment, scope
 @gpu_option("each mode's verdict: whether its step fits the GPU, or where it runs out of memory.")
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps, capture, gpu_name, compile, as_json):
+def run_command(
+    model_file, out_dir, batch, seq, dtype, loss, time_limit, replay_steps, capture, gpu_name, compile, as_json
+):
     """The main job: trace MODEL_FILE under every layer mode (as-built, baseline, tempo, selective,
     tempo+selective, full, tempo+full), solve and simulate each, replay the tempo plan on the CPU, and
     write a report with two pictures. With fake traces there is no replay (it runs the real step).
@@ -574,7 +582,7 @@ def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps
     from memplan.planner.jobs.run import DEFAULT_MODEL, RunOptions, run
     from memplan.planner.report.run_report import render_text
 
-    step = StepSpec(model_file or os.path.relpath(DEFAULT_MODEL), batch, seq, dtype, compile=compile)
+    step = StepSpec(model_file or os.path.relpath(DEFAULT_MODEL), batch, seq, dtype, compile=compile, loss=loss)
     opts = RunOptions(step, out_dir, time_limit=time_limit, replay_steps=replay_steps, capture=capture,
                       gpu=find_gpu(gpu_name))  # fmt: skip
     result = run(opts, progress=progress)
@@ -592,7 +600,7 @@ def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps
     multiple=True,
     help="Layer mode to fit; repeat for several [default: every mode]. " + LAYERS_HELP,
 )
-@step_options()
+@step_options(loss=True)
 @click.option("--alloc-conf", default="", help=ALLOC_CONF_HELP)
 @tie_break_option
 @click.option(
@@ -606,7 +614,7 @@ def run_command(model_file, out_dir, batch, seq, dtype, time_limit, replay_steps
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def fit_command(
-    model_file, memory, gpu_name, modes, seq, dtype, alloc_conf, tie_break, time_limit, capture, compile, as_json
+    model_file, memory, gpu_name, modes, seq, dtype, loss, alloc_conf, tie_break, time_limit, capture, compile, as_json
 ):
     """The largest batch size whose training step fits --memory (or --gpu), under the caching allocator and under
     a plan.
@@ -624,7 +632,7 @@ def fit_command(
 
     memory_or_gpu(memory, gpu_name)
     result = fit_model(
-        StepSpec(model_file, seq=seq, dtype=dtype, compile=compile),
+        StepSpec(model_file, seq=seq, dtype=dtype, compile=compile, loss=loss),
         memory,
         gpu=find_gpu(gpu_name),
         modes=tuple(modes) or MODES,
