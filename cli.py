@@ -11,7 +11,7 @@ import click
 
 from memplan.errors import MemplanError
 from memplan.gpus import GPU, GPUS, gpu
-from memplan.modes import modes_help
+from memplan.modes import LOSSES, losses_help, modes_help
 from memplan.planner.simulate.alloc_conf import TIE_BREAKS
 from memplan.step import DTYPES, StepSpec, require_fake_for_routing
 from memplan.units import SizeError, parse_size
@@ -59,6 +59,7 @@ class Size(click.ParamType):
 
 SIZE = Size()
 LAYERS_HELP = f"Layer mode (memplan.modes). {modes_help()} The trace says what was swapped and what was left as built."
+LOSS_HELP = f"The step's loss (memplan.modes). {losses_help()} The trace says what it changed, or why nothing."
 
 
 # A model file (.py), a HuggingFace config.json, or a folder holding one (docs/capture.md).
@@ -72,30 +73,29 @@ def shape_option(name: str, what: str):
     return click.option(name, type=click.IntRange(min=1), default=default, show_default=True, help=help_text)
 
 
-def step_options(*, batch: bool = False, layers: bool = False, routing: bool = True):
+def step_options(*, batch: bool = False, layers: bool = False, loss: bool = False, routing: bool = True):
     """The options that shape a model file's step, declared once for every command that builds one: --seq and
-    --dtype, and --batch, --layers and --routing (fake steps) where the command takes them; choices and defaults are
-    StepSpec's."""
+    --dtype, and --batch, --layers, --loss and --routing (fake steps) where the command takes them; choices and
+    defaults are StepSpec's."""
     options = [shape_option("--batch", "Batch size")] if batch else []
     options += [shape_option("--seq", "Sequence length")]
     options += [click.option("--dtype", type=click.Choice(DTYPES), default=STEP_DEFAULTS["dtype"], show_default=True)]
     layers_option = click.option("--layers", default=STEP_DEFAULTS["mode"], show_default=True, help=LAYERS_HELP)
     options += [layers_option] if layers else []
-    options += (
-        []
-        if not routing
-        else [
-            click.option(
-                "--routing",
-                default=STEP_DEFAULTS["routing"],
-                show_default=True,
-                metavar="RULE",
-                help="How a fake step's mixture of experts routes its tokens (fake router scores have no values): "
-                "balanced (every expert the same share of the token choices), worst (every token to the same top-k "
-                "experts) or loads=W0,W1,... (a weight per expert). Fake tensors only (docs/capture.md).",
-            )
-        ]
+    loss_option = click.option(
+        "--loss", type=click.Choice(tuple(LOSSES)), default=STEP_DEFAULTS["loss"], show_default=True, help=LOSS_HELP
     )
+    options += [loss_option] if loss else []
+    routing_option = click.option(
+        "--routing",
+        default=STEP_DEFAULTS["routing"],
+        show_default=True,
+        metavar="RULE",
+        help="How a fake step's mixture of experts routes its tokens (fake router scores have no values): "
+        "balanced (every expert the same share of the token choices), worst (every token to the same top-k "
+        "experts) or loads=W0,W1,... (a weight per expert). Fake tensors only (docs/capture.md).",
+    )
+    options += [routing_option] if routing else []
 
     def decorate(command):
         for option in reversed(options):
@@ -180,7 +180,7 @@ def main() -> None:
     type=click.Path(dir_okay=False),
     help="Trace file to write (default: <model>.<layers>.trace.json.gz).",
 )
-@step_options(batch=True, layers=True)
+@step_options(batch=True, layers=True, loss=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
 @click.option(
     "--fake",
@@ -212,7 +212,22 @@ def main() -> None:
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def trace_command(
-    model_file, output, batch, seq, dtype, layers, routing, device, fake, gpu_name, top, warmup, nproc, compile, as_json
+    model_file,
+    output,
+    batch,
+    seq,
+    dtype,
+    layers,
+    loss,
+    routing,
+    device,
+    fake,
+    gpu_name,
+    top,
+    warmup,
+    nproc,
+    compile,
+    as_json,
 ):
     """Record one training step of MODEL_FILE and write its trace.
 
@@ -234,7 +249,8 @@ def trace_command(
     from memplan.planner.report.trace_text import render_trace_file
 
     require_fake_for_routing(routing, fake)
-    step = StepSpec(model_file, batch, seq, dtype, device, layers, fake, compile, bool(warmup), routing=routing)
+    step = StepSpec(model_file, batch, seq, dtype, device, layers, fake, compile, bool(warmup), loss=loss,
+                    routing=routing)  # fmt: skip
     step = step.on_gpu(gpu_name)
     summary = trace_to_file(step, output, top=top, nproc=nproc, progress=progress)
     emit(summary, as_json, render_trace_file(summary))
@@ -460,10 +476,10 @@ def compare_command(trace_files, plan_files, method, time_limit, alloc_conf, tie
 )
 @click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True, help="Consecutive steps to replay.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@step_options(batch=True, layers=True, routing=False)
+@step_options(batch=True, layers=True, loss=True, routing=False)
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq, dtype, layers, compile, as_json):
+def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq, dtype, layers, loss, compile, as_json):
     """Run a model's training steps with the plan allocator and check them bitwise against the default one.
 
     Moves the parameters, optimizer state and inputs into their planned slots first, then reports the
@@ -476,7 +492,7 @@ def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq,
     from memplan.planner.replay.model_replay import replay_model_file
     from memplan.planner.report.replay_text import render_replay
 
-    step = StepSpec(model_file, batch, seq, dtype, device, layers, compile=compile)
+    step = StepSpec(model_file, batch, seq, dtype, device, layers, compile=compile, loss=loss)
     report = replay_model_file(plan_file, step, trace_file=trace_file, steps=steps, progress=progress)
     summary = report.summary()
     emit(summary, as_json, render_replay(summary))
@@ -559,7 +575,7 @@ def solve_command(source, output, time_limit, capacity, method, alignment, scope
     show_default=True,
     help="Folder for report.md, timeline.png, address_space.png, traces/ and plans/.",
 )
-@step_options(batch=True)
+@step_options(batch=True, loss=True)
 @click.option(
     "--time-limit",
     type=click.FloatRange(min=0, min_open=True),
@@ -579,7 +595,7 @@ def solve_command(source, output, time_limit, capacity, method, alignment, scope
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def run_command(
-    model_file, out_dir, batch, seq, dtype, routing, time_limit, replay_steps, capture, gpu_name, compile, as_json
+    model_file, out_dir, batch, seq, dtype, loss, routing, time_limit, replay_steps, capture, gpu_name, compile, as_json
 ):
     """The main job: trace MODEL_FILE under every layer mode (as-built, baseline, tempo, selective,
     tempo+selective, full, tempo+full), solve and simulate each, replay the tempo plan on the CPU, and
@@ -595,7 +611,8 @@ def run_command(
     from memplan.planner.report.run_report import render_text
 
     require_fake_for_routing(routing, capture != "real")
-    step = StepSpec(model_file or os.path.relpath(DEFAULT_MODEL), batch, seq, dtype, compile=compile, routing=routing)
+    step = StepSpec(model_file or os.path.relpath(DEFAULT_MODEL), batch, seq, dtype, compile=compile, loss=loss,
+                    routing=routing)  # fmt: skip
     opts = RunOptions(step, out_dir, time_limit=time_limit, replay_steps=replay_steps, capture=capture,
                       gpu=find_gpu(gpu_name))  # fmt: skip
     result = run(opts, progress=progress)
@@ -613,7 +630,7 @@ def run_command(
     multiple=True,
     help="Layer mode to fit; repeat for several [default: every mode]. " + LAYERS_HELP,
 )
-@step_options()
+@step_options(loss=True)
 @click.option("--alloc-conf", default="", help=ALLOC_CONF_HELP)
 @tie_break_option
 @click.option(
@@ -627,8 +644,8 @@ def run_command(
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def fit_command(
-    model_file, memory, gpu_name, modes, seq, dtype, routing, alloc_conf, tie_break, time_limit, capture, compile,
-    as_json
+    model_file, memory, gpu_name, modes, seq, dtype, loss, routing, alloc_conf, tie_break, time_limit, capture,
+    compile, as_json
 ):  # fmt: skip
     """The largest batch size whose training step fits --memory (or --gpu), under the caching allocator and under
     a plan.
@@ -647,7 +664,7 @@ def fit_command(
     memory_or_gpu(memory, gpu_name)
     require_fake_for_routing(routing, capture != "real")
     result = fit_model(
-        StepSpec(model_file, seq=seq, dtype=dtype, compile=compile, routing=routing),
+        StepSpec(model_file, seq=seq, dtype=dtype, compile=compile, loss=loss, routing=routing),
         memory,
         gpu=find_gpu(gpu_name),
         modes=tuple(modes) or MODES,

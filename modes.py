@@ -144,3 +144,26 @@ def describe_assignment(modes: Mapping[str, str]) -> str:
 def modes_help() -> str:
     """Every mode and what it does, for the command line's help."""
     return " ".join(f"{name}: {mode.replaces}." for name, mode in REGISTRY.items())
+
+
+# The loss of a step, chosen once per step (not per layer): as built, or the fused linear cross-entropy of
+# planner/layers/fused_loss.py, which never holds a causal LM's whole logits (planner/layers/loss_patch.py applies
+# it). As built is the same AS_BUILT as the layer modes': nothing patched.
+FUSED = "fused"
+LOSSES: dict[str, str] = {
+    AS_BUILT: "the model's own loss: the head's logits whole, then cross-entropy",
+    FUSED: "the head and cross-entropy fused in chunks of rows: the logits never exist whole (HuggingFace causal "
+    "LMs called with labels, and memplan's own decoders)",
+}
+
+
+def check_loss(name: str) -> str:
+    """`name` if it is a registered loss; PatchError naming the choices otherwise."""
+    if not isinstance(name, str) or name not in LOSSES:
+        raise PatchError(f"unknown loss {name!r}; choose one of {', '.join(LOSSES)}")
+    return name
+
+
+def losses_help() -> str:
+    """Every loss and what it does, for the command line's help."""
+    return " ".join(f"{name}: {what}." for name, what in LOSSES.items())

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from memplan.errors import CompileError, MemplanError
 from memplan.gpus import GPU, gpu
-from memplan.modes import AS_BUILT, check_layer_modes, describe_assignment, mode
+from memplan.modes import AS_BUILT, check_layer_modes, check_loss, describe_assignment, mode
 from memplan.routing import DEFAULT as DEFAULT_ROUTING
 from memplan.routing import Routing
 
@@ -40,6 +40,7 @@ class StepSpec:
     warmup: bool = True  # a warm-up step before the recorded one (the steady state; else the optimizer's first)
     gpu: GPU | None = None  # the GPU (gpus.py; a name is looked up) a CUDA step is planned for: a fake one
     #                         takes its rules
+    loss: str = AS_BUILT  # one of modes.LOSSES: the model's loss as built, or fused (planner/layers/loss_patch.py)
     routing: str = DEFAULT_ROUTING  # the rule a fake step's mixture of experts routes its tokens by (memplan.routing:
     #                                 balanced, worst, loads=W0,W1,...); a real step routes by its router's values
 
@@ -61,6 +62,8 @@ class StepSpec:
             check_budget(self.compile)
         if isinstance(self.gpu, str):
             object.__setattr__(self, "gpu", gpu(self.gpu))
+        if check_loss(self.loss) != AS_BUILT and self.compile is not None:
+            raise StepError(f"--loss {self.loss} does not take --compile: Dynamo does not trace its deferred head")
         object.__setattr__(self, "routing", str(Routing.parse(self.routing)))
 
     def replace(self, **changes) -> StepSpec:
@@ -92,6 +95,7 @@ class StepSpec:
         parts = [f"--batch {self.batch}", f"--seq {self.seq}", f"--dtype {self.dtype}"]
         parts += [] if self.device == "cpu" else [f"--device {self.device}"]
         parts += [f"--layers {shlex.quote(self.mode_name)}"] if not self.per_layer else []
+        parts += [] if self.loss == AS_BUILT else [f"--loss {self.loss}"]
         parts += ["--fake"] if self.fake else []
         parts += [f"--routing {self.routing}"] if self.fake and self.routing != DEFAULT_ROUTING else []
         parts += [] if self.gpu is None else [f"--gpu {shlex.quote(self.gpu.name)}"]
@@ -104,6 +108,11 @@ class StepSpec:
         if target is None:
             return self
         return self.replace(device=self.device if self.device.startswith("cuda") else "cuda", gpu=target)
+
+    @property
+    def name(self) -> str:
+        """The step's layer mode and its loss when not as built, as trace files name it: `tempo`, `tempo.loss-fused`."""
+        return self.mode_name if self.loss == AS_BUILT else f"{self.mode_name}.loss-{self.loss}"
 
     @property
     def parameters_dtype(self) -> str:
@@ -126,7 +135,8 @@ class StepSpec:
         tensors = "fake tensors" if self.fake else "real tensors"
         tensors += f", routing {self.routing}" if self.fake and self.routing != DEFAULT_ROUTING else ""
         where = self.device if self.gpu is None else f"{self.device} ({self.gpu.name})"
-        return f"batch {self.batch}, seq {self.seq}, {self.dtype}, {where}, layers {self.mode_name}, {tensors}"
+        losses = "" if self.loss == AS_BUILT else f", loss {self.loss}"
+        return f"batch {self.batch}, seq {self.seq}, {self.dtype}, {where}, layers {self.mode_name}{losses}, {tensors}"
 
 
 def require_fake_for_routing(routing: str, fake: bool) -> None:

@@ -10,27 +10,23 @@ from __future__ import annotations
 
 import argparse
 import resource
+import sys
 import tempfile
 import time
 from pathlib import Path
-
-import numpy as np
 
 from memplan.planner.simulate.snapshot_export import make_snapshot, snapshot_summary, write_snapshot
 from memplan.traces.format import Trace, load, make_trace
 from memplan.traces.snapshot import import_snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from large_trace import step_like  # noqa: E402  the generated trace the solver's large tests use
 
 
 def synthetic(n: int, seed: int = 0) -> Trace:
     """A step-like trace of `n` buffers: one allocation per two events, log-normal sizes, geometric lifetimes."""
-    rng = np.random.default_rng(seed)
-    size = (rng.lognormal(11, 2.5, n).astype(np.int64) + 1).clip(1, 1 << 30)
-    alloc = np.arange(1, n + 1) * 2 - 1
-    free = np.minimum(alloc + rng.geometric(1 / 200, n) * 2, 2 * n + 1)
-    category = np.array(["activation", "temporary", "gradient"])[rng.integers(0, 3, n)].tolist()
-    return make_trace({"size": size, "alloc": alloc, "free": free, "category": category, "op": ["aten::mm"] * n})
+    return make_trace(step_like(n, seed))
 
 
 def row(name: str, trace: Trace, folder: Path) -> str:

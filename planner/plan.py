@@ -11,7 +11,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 from memplan.errors import PlanError
 from memplan.files import atomic_write, decode_json, read_bytes
@@ -51,8 +51,9 @@ class PlanMismatchError(PlanError):
 
 
 def plan_to_dict(plan: Plan) -> dict:
-    """The JSON-ready memplan-plan/1 document."""
-    return {"format": FORMAT, **asdict(plan)}
+    """The JSON-ready memplan-plan/1 document (its offsets the plan's own list, not a copy: a million of them
+    would take longer to copy than to write)."""
+    return {"format": FORMAT, **{f.name: getattr(plan, f.name) for f in fields(plan)}}
 
 
 def plan_problem(plan: Plan, trace: Trace) -> Problem:
@@ -77,6 +78,12 @@ def check_plan(plan: Plan, problem: Problem) -> None:
 def save_plan(plan: Plan, problem: Problem, path: str | os.PathLike) -> None:
     """Verify the plan against its problem, then write it atomically (gzipped if the name ends in .gz)."""
     check_plan(plan, problem)
+    write_plan(plan, path)
+
+
+def write_plan(plan: Plan, path: str | os.PathLike) -> None:
+    """Write a plan the verifier has just accepted against its problem (the plan solve() returns) atomically,
+    without verifying it again; any other plan goes through save_plan."""
     atomic_write(path, json.dumps(plan_to_dict(plan), separators=(",", ":")))
 
 

@@ -69,14 +69,14 @@ class Problem:
         """True when buffers i and j (i != j) may not share a byte."""
         return i != j and bool(self.conflicts_with(i, np.array([j]))[0])
 
-    def max_live(self) -> int:
-        """The most aligned bytes live at one time (counting only active buffers)."""
-        act = self.active
+    def max_live(self, among: np.ndarray | None = None) -> int:
+        """The most aligned bytes live at one time (counting only active buffers, and only those `among` a mask)."""
+        act = self.active if among is None else self.active & among
         if not act.any():
             return 0
-        times = np.concatenate([self.alloc[act], self.free[act]])
-        deltas = np.concatenate([self.size[act], -self.size[act]])
-        order = np.lexsort((deltas, times))  # at equal times frees (negative) come first
+        times = np.concatenate([self.free[act], self.alloc[act]])
+        deltas = np.concatenate([-self.size[act], self.size[act]])
+        order = np.argsort(times, kind="stable")  # at equal times frees (listed first) come first
         return int(max(0, np.cumsum(deltas[order]).max()))
 
 
@@ -98,15 +98,16 @@ def build_problem(
     n = len(requested)
     _check_ranges(requested, alloc, free, alignment)
     raw_stream = np.zeros(n, dtype=np.int64) if stream is None else np.asarray(stream, dtype=np.int64)
-    names = sorted({int(s) for s in raw_stream} | {int(s[k]) for s in syncs for k in (1, 2)}) or [0]
+    used = np.unique(raw_stream)
+    names = sorted(set(used.tolist()) | {int(s[k]) for s in syncs for k in (1, 2)}) or [0]
     if len(names) > MAX_STREAMS:  # reuse safety keeps buffers x streams and streams x streams matrices
         raise ProblemError(f"{len(names):,} distinct streams; memplan handles at most {MAX_STREAMS} (limits.py)")
     dense = {s: k for k, s in enumerate(names)}
-    dstream = np.array([dense[int(s)] for s in raw_stream], dtype=np.int64)
+    dstream = np.array([dense[s] for s in used.tolist()], dtype=np.int64)[np.searchsorted(used, raw_stream)]
     dsyncs = [(int(t), dense[int(a)], dense[int(b)]) for t, a, b in syncs]
     never = int(max(free.max(initial=0), alloc.max(initial=0)) + 1)
     release = release_matrix(alloc, free, dstream, len(names), dsyncs, never)
-    ids = [str(i) for i in range(n)] if ids is None else [str(x) for x in ids]
+    ids = list(map(str, range(n))) if ids is None else [str(x) for x in ids]
     problem = Problem(
         size=align_up(requested, alignment),
         requested=requested,

@@ -62,7 +62,9 @@ def verify_plan(problem: Problem, offsets, arena: int, capacity: int | None = No
         for a, b in zip(members, members[1:]):
             if off[b] != off[a] + p.size[a]:
                 raise PlanError(f"contiguous group {g}: {_name(p, b)} does not start where {_name(p, a)} ends")
-    pair = _sharing_pair(p, off, end) if p.nstreams == 1 else _sharing_pair_streams(p, off, end)
+    pair = _sharing_pair(p, off, end)
+    if pair is not None and p.nstreams > 1:  # maybe not a conflict: check every pair that shares bytes
+        pair = _sharing_pair_streams(p, off, end)
     if pair is not None:
         i, j = sorted(pair, key=lambda k: (int(off[k]), k))
         lo, top = max(off[i], off[j]), min(end[i], end[j])
@@ -70,30 +72,35 @@ def verify_plan(problem: Problem, offsets, arena: int, capacity: int | None = No
 
 
 def _sharing_pair(p: Problem, off: np.ndarray, end: np.ndarray) -> tuple[int, int] | None:
-    """On one stream, two buffers conflict exactly when their lifetimes intersect: sweep the events in time order
-    (frees before allocations at the same time), keeping the live buffers' byte ranges sorted and disjoint, and
-    return the first pair whose ranges meet (O(n log n), however much the plan reuses its bytes)."""
+    """Two buffers that share bytes while each is allocated before the other's latest release (on any stream),
+    or None. On one stream that is exactly a conflict (their lifetimes intersect); on several, every conflict is
+    such a pair, but not every such pair a conflict. Sweeps the events in time order (frees before allocations
+    at the same time), keeping the live buffers' byte ranges sorted and disjoint, and returns the first pair
+    whose ranges meet (O(n log n), however much the plan reuses its bytes)."""
     idx = np.nonzero(p.active)[0]
-    times = np.concatenate([p.free[idx], p.alloc[idx]])
+    times = np.concatenate([p.release.max(axis=1)[idx], p.alloc[idx]])
     kinds = np.concatenate([np.zeros(len(idx), dtype=np.int64), np.ones(len(idx), dtype=np.int64)])
-    who = np.concatenate([idx, idx])
+    order = np.lexsort((kinds, times))
+    events = np.concatenate([idx, idx])[order].tolist()
+    frees = (kinds[order] == 0).tolist()
     starts: list[int] = []  # the live buffers' first bytes, ascending (their ranges are disjoint)
     owners: list[int] = []
     offsets, ends = off.tolist(), end.tolist()
-    for k in np.lexsort((kinds, times)).tolist():
-        i = int(who[k])
-        if kinds[k] == 0:  # a free: drop its range (it was inserted at its own start)
-            at = bisect.bisect_left(starts, offsets[i])
+    left, right = bisect.bisect_left, bisect.bisect_right
+    for i, is_free in zip(events, frees):
+        first = offsets[i]
+        if is_free:  # drop its range (it was inserted at its own start)
+            at = left(starts, first)
             while owners[at] != i:
                 at += 1
             del starts[at], owners[at]
             continue
-        at = bisect.bisect_right(starts, offsets[i])
-        if at > 0 and ends[owners[at - 1]] > offsets[i]:
+        at = right(starts, first)
+        if at > 0 and ends[owners[at - 1]] > first:
             return owners[at - 1], i
         if at < len(starts) and starts[at] < ends[i]:
             return owners[at], i
-        starts.insert(at, offsets[i])
+        starts.insert(at, first)
         owners.insert(at, i)
     return None
 

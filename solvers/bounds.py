@@ -5,8 +5,10 @@ the pairs not ordered by happens-before, so the bound is the heaviest set of mut
 Such a set is exactly the set of buffers allocated but not yet freed at some consistent cut of the event
 graph (per-stream program order plus sync edges), so the bound is a maximum-weight closure: +size on each
 allocation event, -size on each free event, solved as a minimum cut with OR-Tools' max flow.
-Fixed offsets, the largest buffer and the largest contiguous group bound the arena too. Each bound says
-where it came from; the portfolio raises it further with proofs (solvers/portfolio.py).
+The max flow takes seconds past MAX_FLOW_BUFFERS active buffers (2.7 s at 100,000, 76 s at a million, on
+this machine); above it the bound is the busiest stream's max-live instead (buffers of one stream that are
+live together always conflict). Fixed offsets, the largest buffer and the largest contiguous group bound the
+arena too. Each bound says where it came from; the portfolio raises it further with proofs (portfolio.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 
 from memplan.planner.problem import Problem
 
+MAX_FLOW_BUFFERS = 50_000  # active buffers on several streams beyond which the max flow is not tried
 # Ranks of same-time events on one stream: frees, then allocations, then sync sends, then sync receives.
 FREE, ALLOC, SEND, RECV = 0, 1, 2, 3
 
@@ -73,11 +76,15 @@ class Bound:
 
 def cheap_bound(p: Problem) -> Bound:
     """The best of the bounds that cost no search: most bytes live at once (or the heaviest set of mutually
-    unordered buffers on several streams), the top of a fixed offset, the largest buffer or group."""
+    unordered buffers on several streams, or the busiest stream's max-live on many buffers), the top of a fixed
+    offset, the largest buffer or group."""
     if p.nstreams == 1:
         live = Bound(p.max_live(), "max-live")
-    else:
+    elif int(p.active.sum()) <= MAX_FLOW_BUFFERS:
         live = Bound(heaviest_unordered(p, p.syncs), "max-live across streams (heaviest unordered set)")
+    else:
+        busiest = max(p.max_live(p.stream == s) for s in range(p.nstreams))
+        live = Bound(busiest, "max-live of the busiest stream (too many buffers for the max flow)")
     fixed_top = max((off + int(p.size[i]) for i, off in p.fixed.items() if p.size[i] > 0), default=0)
     candidates = [
         live,

@@ -87,6 +87,8 @@ def _cliques(problem: Problem, buffers: np.ndarray) -> list[np.ndarray]:
 def model_terms(problem: Problem) -> int:
     """Clique memberships the model would hold (a size estimate, to skip hopeless models)."""
     buffers = np.nonzero(problem.active)[0]
+    if len(buffers) > MAX_TERMS:  # every buffer is in at least one clique
+        return MAX_TERMS + 1
     times = np.concatenate([problem.alloc[buffers], problem.free[buffers]])
     change = np.concatenate([np.ones(len(buffers)), -np.ones(len(buffers))])
     order = np.lexsort((change, times))

@@ -44,16 +44,16 @@ def make_items(p: Problem) -> tuple[Items, np.ndarray]:
     for i, off in p.fixed.items():
         if not grouped[i]:
             preset[i] = off
-    singles = [[i] for i in np.nonzero((preset < 0) & ~grouped)[0].tolist()]
-    blocks = blocks + singles
-    members = np.array([i for b in blocks for i in b], dtype=np.int32)
-    start = np.zeros(len(blocks) + 1, dtype=np.int32)
-    start[1:] = np.cumsum([len(b) for b in blocks])
+    singles = np.nonzero((preset < 0) & ~grouped)[0]  # every other buffer is an item of its own
+    lengths = np.concatenate([np.array([len(b) for b in blocks], dtype=np.int64), np.ones(len(singles), np.int64)])
+    members = np.concatenate([np.array([i for b in blocks for i in b], dtype=np.int64), singles]).astype(np.int32)
+    start = np.zeros(len(lengths) + 1, dtype=np.int32)
+    start[1:] = np.cumsum(lengths)
     sizes = p.size[members] if len(members) else np.zeros(0, dtype=np.int64)
     csum = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     rel = (csum[:-1] - np.repeat(csum[start[:-1]], np.diff(start))).astype(np.int64)
     size = (csum[start[1:]] - csum[start[:-1]]).astype(np.int64)
-    if len(blocks):
+    if len(lengths):
         alloc = np.minimum.reduceat(p.alloc[members], start[:-1]) if len(members) else np.zeros(0, np.int64)
         free = np.maximum.reduceat(p.release.max(axis=1)[members], start[:-1])
     else:

@@ -28,12 +28,13 @@ MemberIndex = ctypes.c_int32  # a position in GreedyProblem.members (an item's m
 SectionIndex = ctypes.c_int32  # a section: the span between two consecutive distinct times of the problem
 Work = ctypes.c_int64  # elementary steps of a kernel: the deterministic measure of effort (busy or idle machine)
 
+GREEDY_INTERRUPTED = -1  # mp_greedy's answer when work_limit or the ceiling stopped it before the last item
 # SearchOutcome: what mp_search decided.
 SEARCH_TIMEOUT, SEARCH_INFEASIBLE, SEARCH_FITS = -2, 0, 1
 
 
 class GreedyProblem(ctypes.Structure):
-    """mp_greedy's input: the buffers of a problem on any number of streams, and the items to place over them."""
+    """mp_greedy's and mp_sweep's input: the buffers of a problem on any number of streams, and the items to place."""
 
     _fields_ = [
         ("buffers", ctypes.c_int32),  # how many buffers
@@ -48,6 +49,8 @@ class GreedyProblem(ctypes.Structure):
         ("member_offset", ctypes.POINTER(Bytes)),  # member_offset[j]: where members[j] starts inside its item
         ("order", ctypes.POINTER(ItemIndex)),  # order[q]: the q-th item to place
         ("best_fit", ctypes.c_int32),  # 1: the tightest gap that fits (best fit); 0: the lowest one (first fit)
+        ("work_limit", Work),  # mp_greedy stops before an item once it has spent more steps than this
+        ("seconds", ctypes.c_double),  # a wall-clock ceiling for the call: mp_greedy stops when it passes too
     ]
 
 
@@ -91,6 +94,8 @@ def library() -> ctypes.CDLL:
     offsets = np.ctypeslib.ndpointer(dtype=np.int64, flags="C_CONTIGUOUS")
     lib.mp_greedy.restype = Bytes
     lib.mp_greedy.argtypes = [ctypes.POINTER(GreedyProblem), offsets, ctypes.POINTER(Work)]
+    lib.mp_sweep.restype = Bytes
+    lib.mp_sweep.argtypes = [ctypes.POINTER(GreedyProblem), offsets, ctypes.POINTER(Work)]
     lib.mp_search.restype = ctypes.c_int32
     lib.mp_search.argtypes = [ctypes.POINTER(SearchProblem), offsets, ctypes.POINTER(Work)]
     return lib

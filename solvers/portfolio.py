@@ -101,7 +101,7 @@ class _Best:
         return Plan(
             digest=self.p.digest,
             alignment=self.p.alignment,
-            offsets=[int(x) for x in offsets],
+            offsets=offsets.tolist(),
             arena=arena,
             bound=bound,
             status="optimal" if arena == bound else "feasible",
@@ -229,8 +229,11 @@ def solve(
         """What the solve stops at: the capacity, or the best bound so far."""
         return capacity if capacity is not None else best.bound
 
-    # 2. Greedy orders, stopping at the goal; the wall ceiling applies at half the time limit.
-    first = greedy(p, stop_at=goal(), deadline=start + time_limit / 2)
+    # 2. Greedy orders, stopping at the goal or when the work is spent (the first placement cut short is
+    #    finished by the sweep); the wall ceiling applies at half the time limit, the first placement's at
+    #    the time limit (without it there is no plan).
+    work = budget.greedy_steps(budget.seconds)
+    first = greedy(p, stop_at=goal(), deadline=start + time_limit / 2, work=work, first_deadline=budget.deadline)
     budget.spend_greedy(first.work)
     best.offer(first.offsets, first.arena, first.name)
     if method == "greedy" or best.arena <= goal():

@@ -232,7 +232,7 @@ def test_the_step_holds_its_output_until_it_ends():
     """A loop's `output = model(x)` keeps the logits through backward and the optimizer's step."""
     trace = fake_step("cuda")
     logits = 2 * 64 * 1024 * 4  # batch x seq x vocabulary (examples/gpt2.py's tiny default) in fp32
-    output = next(i for i in range(len(trace)) if trace.size[i] == logits and trace.module[i] == "model")
+    output = next(i for i in range(len(trace)) if trace.size[i] == logits and trace.module[i] == "model.head")
     optimizer_end = max(int(trace.free[i]) for i in range(len(trace)) if trace.phase[i] == "optimizer")
     assert trace.free[output] > optimizer_end
 

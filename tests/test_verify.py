@@ -179,3 +179,28 @@ def test_the_sweep_finds_a_sharing_pair_exactly_when_the_pairwise_check_does(see
     assert (found is None) == (pairwise is None)
     if found is not None:
         assert p.conflict(*found) and max(off[list(found)]) < min(end[list(found)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(2, 30))
+def test_across_streams_the_verdict_is_the_pairwise_checks(seed, n):
+    """On several streams the sweep over each buffer's latest release finds every conflict that shares bytes (and
+    some pairs that are no conflict): a placement it passes has no sharing pair; one it does not pass is refused
+    exactly when the pairwise check finds a pair."""
+    rng = np.random.default_rng(seed)
+    alloc = rng.integers(0, 30, n)
+    syncs = [(int(t), int(a), int(b)) for t, a, b in rng.integers(0, [40, 3, 3], (int(rng.integers(0, 6)), 3))]
+    p = build_problem(
+        rng.integers(0, 4, n) * 512, alloc, alloc + rng.integers(0, 10, n), stream=rng.integers(0, 3, n),
+        syncs=syncs, alignment=512,
+    )  # fmt: skip
+    off = rng.integers(0, 8, n) * 512
+    end = off + p.size
+    pairwise = _sharing_pair_streams(p, off, end)
+    if _sharing_pair(p, off, end) is None:
+        assert pairwise is None
+    if pairwise is None:
+        verify_plan(p, off.tolist(), int(end.max()))
+    else:
+        with pytest.raises(PlanError, match="may be live together but share bytes"):
+            verify_plan(p, off.tolist(), int(end.max()))

@@ -328,6 +328,7 @@ class Recording:
                     if workload.patch is not None
                     else {}
                 ),
+                **({"loss_patch": workload.loss_patch.to_dict()} if workload.loss_patch is not None else {}),
                 **self._meta,
             },
         )

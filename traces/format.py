@@ -125,6 +125,11 @@ def _int_column(name: str, values: Any, n: int | None) -> np.ndarray:
         raise TraceError(f"buffers.{name}: expected a list, got {type(values).__name__}")
     if n is not None and len(values) != n:
         raise TraceError(f"buffers.{name}: has {len(values)} entries but buffers.size has {n}")
+    if set(map(type, values)) <= {int}:  # the usual case, checked at C speed (a bool's type is not int)
+        try:
+            return np.array(values, dtype=np.int64) if values else np.zeros(0, dtype=np.int64)
+        except OverflowError:
+            pass  # the loop below names the entry
     for i, v in enumerate(values):
         if not isinstance(v, int) or isinstance(v, bool):
             raise TraceError(f"buffers.{name}[{i}]: expected an integer, got {short_repr(v)}")
@@ -138,6 +143,8 @@ def _str_column(name: str, values: Any, n: int) -> list[str]:
         raise TraceError(f"buffers.{name}: expected a list, got {type(values).__name__}")
     if len(values) != n:
         raise TraceError(f"buffers.{name}: has {len(values)} entries but buffers.size has {n}")
+    if set(map(type, values)) <= {str}:  # the usual case, checked at C speed
+        return list(values)
     for i, v in enumerate(values):
         if not isinstance(v, str):
             raise TraceError(f"buffers.{name}[{i}]: expected a string, got {short_repr(v)}")
@@ -193,6 +200,8 @@ def from_dict(data: Any) -> Trace:
         i = int(bad[0])
         raise TraceError(f"buffers.internal[{i}]: {int(cols['internal'][i])} is not 0 or 1")
     for name, allowed in (("category", CATEGORIES), ("phase", PHASES)):
+        if set(cols[name]) <= set(allowed):
+            continue
         for i, v in enumerate(cols[name]):
             if v not in allowed:
                 raise TraceError(

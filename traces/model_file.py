@@ -13,8 +13,8 @@ A model file defines
 or returns a `traces.workload.Workload` (its `name` left at the default is the file's name too). The
 name is the workload's everywhere: the trace's meta "model" and replay's report. `inputs` is a tensor,
 a tuple (passed positionally) or a dict (passed by keyword). memplan seeds torch with 0 before calling
-build(), casts a dict's model to `dtype` and `device`, and applies the step's layer mode (planner.layers.patch)
-before the optimizer is made.
+build(), casts a dict's model to `dtype` and `device`, and applies the step's layer mode (planner.layers.patch) and
+loss (planner.layers.patch_loss) before the optimizer is made.
 Every breach of the protocol raises ModelFileError with one line naming what is wrong. The file is
 imported with its own folder first on sys.path, so it can import its sibling modules (`_model_folder_on_path`).
 """
@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from memplan.errors import MemplanError, ModelFileError
+from memplan.planner.layers.loss_patch import patch_loss
 from memplan.planner.layers.patch import patch
 from memplan.step import StepSpec
 from memplan.traces.fake import module_to
@@ -157,12 +158,15 @@ def _from_dict(path: Path, built: dict, dtype: torch.dtype, device: torch.device
         raise ModelFileError(f"{path}: {BUILD}()['loss'] is {type(loss).__name__}, not callable")
     module_to(model, device=device, dtype=dtype)
     report = patch(model, step.assignment).to_dict()
+    loss_patch = patch_loss(model, step.loss, built.get("loss"))
     optimizer = _optimizer(path, built.get("optimizer"), model)
     name = str(built.get("name") or path.stem)
     holds = built.get("holds_output", True)
     if not isinstance(holds, bool):
         raise ModelFileError(f"{path}: {BUILD}()['holds_output'] is {type(holds).__name__}, not True or False")
-    return Workload(model, built["inputs"], optimizer, loss, name, report, holds)
+    workload = Workload(model, built["inputs"], optimizer, loss, name, report, holds)
+    workload.loss_patch = loss_patch
+    return workload
 
 
 def _check_placement(path: Path, workload: Workload, dtype: torch.dtype, device: torch.device) -> None:
@@ -188,7 +192,7 @@ def import_model_file(path: str | os.PathLike) -> Callable[..., Any]:
 
 def build_workload(step: StepSpec, build: Callable[..., Any]) -> Workload:
     """Call the step's model file's build() (imported by `import_model_file`) and return the Workload with the
-    step's layer mode applied; under fake tensors when `step.fake` (a CUDA device then needs no GPU, but a CUDA
+    step's layer mode and loss applied; under fake tensors when `step.fake` (a CUDA device then needs no GPU, but a CUDA
     build of torch)."""
     path, dtype = Path(step.model_file), getattr(torch, step.parameters_dtype)
     dev = require_device(step.device, step.fake)
@@ -203,6 +207,7 @@ def build_workload(step: StepSpec, build: Callable[..., Any]) -> Workload:
         if built.name == DEFAULT_NAME:  # the file gave no name: the file's, as for a dict
             built.name = path.stem
         built.patch = patch(built.model, step.assignment).to_dict()
+        built.loss_patch = patch_loss(built.model, step.loss, built.loss_fn)
         workload = built
     elif isinstance(built, dict):
         workload = _from_dict(path, built, dtype, dev, step)

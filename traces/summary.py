@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from memplan.modes import AS_BUILT
 from memplan.traces.format import CATEGORIES, Trace
 
 
@@ -50,6 +51,8 @@ class TraceSummary:
     largest: list[BufferSummary]
     cuda_measured: dict  # what PyTorch itself counted over a CUDA step ({} elsewhere)
     patch: dict | None  # what the layer mode changed (planner.layers.PatchReport's dict), None when no mode ran
+    loss: str = AS_BUILT  # the step's loss (modes.LOSSES)
+    loss_patch: dict | None = None  # what the loss choice changed (planner.layers.LossPatch's dict), None when none ran
     # storages the step read that the trace lacks (made before recording: traces.unrecorded.Unrecorded's dict), {}
     unrecorded: dict = field(default_factory=dict)
 
@@ -117,5 +120,7 @@ def summarize(trace: Trace, top: int = 5) -> TraceSummary:
         largest=[_buffer(trace, int(i)) for i in largest],
         cuda_measured=trace.meta.get("cuda_measured", {}),
         patch=trace.meta.get("patch"),
+        loss=trace.meta.get("loss", AS_BUILT),
+        loss_patch=trace.meta.get("loss_patch"),
         unrecorded=trace.meta.get("unrecorded") or {},
     )

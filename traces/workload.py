@@ -38,6 +38,8 @@ class Workload:
     patch: dict | None = None  # what the layer mode applied to the model changed (meta "patch"), when one was
     holds_output: bool = True  # the step keeps its output and loss until it ends, as a training loop's variables do
     autocast: torch.dtype | None = None  # forward and loss under torch.autocast in this dtype (mixed precision)
+    loss_patch: Any = None  # what the step's loss choice changed (planner.layers.LossPatch, meta "loss_patch" as it
+    #                         stands when the step ends: how the fused loss ran), when one was applied
 
     def forward(self) -> Any:
         if isinstance(self.inputs, tuple):

@@ -17,8 +17,8 @@ import numpy as np
 
 from memplan.errors import MemplanError
 from memplan.gpus import GPU
-from memplan.modes import MODES
-from memplan.planner.report.trace_text import describe_patch
+from memplan.modes import AS_BUILT, MODES
+from memplan.planner.report.trace_text import describe_loss, describe_patch
 from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.planner.simulate.measure import measure
@@ -85,6 +85,7 @@ class ModeFit:
     batch: dict[str, int]  # allocator -> largest batch that fits
     predicted: dict[str, int]  # allocator -> the first prediction from the measured batches
     points: dict[int, Point] = field(default_factory=dict)
+    loss_patch: dict | None = None  # what the step's loss choice changed (the traces' meta "loss_patch")
 
     @property
     def traces(self) -> int:
@@ -100,6 +101,9 @@ class ModeFit:
             "mode": self.mode,
             "changed": self.patch["changed"],
             "patch": describe_patch(self.patch),
+            "loss_patch": None
+            if self.loss_patch is None or self.loss_patch["loss"] == AS_BUILT
+            else describe_loss(self.loss_patch),
             "traces": self.traces,
             "points": [p.as_dict() for _, p in sorted(self.points.items())],
         }
@@ -142,6 +146,7 @@ class FitResult:
             "gpu": None if self.budget is None else self.budget.as_dict(),
             "seq": self.step.seq,
             "dtype": self.step.dtype,
+            "loss": self.step.loss,
             "alloc_conf": self.alloc_conf,
             "tie_break": self.tie_break,
             "capture": self.capture.name,
@@ -181,6 +186,7 @@ class BatchProbe:
         self.conf = parse_alloc_conf(alloc_conf, tie_break)
         self.points: dict[int, Point] = {}
         self.patch: dict = {}  # the traces' meta "patch", once one is traced
+        self.loss_patch: dict | None = None  # and their meta "loss_patch"
 
     @property
     def mode(self) -> str:
@@ -213,7 +219,7 @@ class BatchProbe:
     def _measure(self, batch: int) -> Point:
 
         trace = trace_step(self.step.replace(batch=batch), progress=self.progress)
-        self.patch = trace.meta["patch"]
+        self.patch, self.loss_patch = trace.meta["patch"], trace.meta.get("loss_patch")
         measured = measure(trace, self.mode, time_limit=self.time_limit, alloc_conf=self.alloc_conf,
                            tie_break=self.tie_break)  # fmt: skip
         figures, problem = measured.figures(), measured.problem
@@ -296,7 +302,7 @@ def fit_mode(probe: BatchProbe) -> ModeFit:
     if not (first.caching_fits or first.plan_fits):  # no batch fits: an answer, 0, with batch 1's figures
         probe.progress(f"{probe.mode}: batch 1 does not fit {format_size(probe.memory)}")
         none = dict.fromkeys(ALLOCATORS, 0)
-        return ModeFit(probe.mode, probe.patch, none, dict(none), probe.points)
+        return ModeFit(probe.mode, probe.patch, none, dict(none), probe.points, probe.loss_patch)
     for b in MEASURE_BATCHES[1:]:
         if not (probe(b).caching_fits or probe(b).plan_fits):
             break
@@ -312,7 +318,7 @@ def fit_mode(probe: BatchProbe) -> ModeFit:
             f"{probe.mode}: {allocator} batch {batch[allocator]} "
             f"(predicted {predicted[allocator]}, {len(probe.points)} traces so far)"
         )
-    return ModeFit(probe.mode, probe.patch, batch, predicted, probe.points)
+    return ModeFit(probe.mode, probe.patch, batch, predicted, probe.points, probe.loss_patch)
 
 
 def fit_model(

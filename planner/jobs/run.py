@@ -27,7 +27,7 @@ from memplan.planner.replay.report import ReplayReport
 from memplan.planner.report.html_report import render_html
 from memplan.planner.report.plots import plot_reports
 from memplan.planner.report.run_report import render_markdown
-from memplan.planner.report.trace_text import describe_patch
+from memplan.planner.report.trace_text import describe_loss, describe_patch
 from memplan.planner.simulate.measure import Measurement, measure
 from memplan.step import StepSpec
 from memplan.traces.compile import Compile, CompileError, require_real_tensors
@@ -105,6 +105,7 @@ class RunResult:
             "batch": self.options.step.batch,
             "seq": self.options.step.seq,
             "dtype": self.options.step.dtype,
+            "loss": self.options.step.loss,
             "capture": self.capture.name,
             "capture_reason": self.capture.reason,
             "optimizer": self.optimizer,
@@ -130,6 +131,12 @@ def reproduce_command(step: StepSpec, time_limit: float, trace_file: str, plan_f
         f"--time-limit {time_limit:g} && memplan simulate {q(trace_file)} --plan {q(plan_file)}"
         + ("" if gpu is None else f" --gpu {gpu.name}")
     )
+
+
+def loss_lines(meta: dict) -> list[str]:
+    """What a trace's loss choice did, in a line, when the step's loss is not as built; none otherwise."""
+    report = meta.get("loss_patch")
+    return [] if report is None or report["loss"] == AS_BUILT else [describe_loss(report)]
 
 
 def choose_run_capture(opts: RunOptions, progress: Callable[[str], None]) -> tuple[CaptureChoice, dict[str, Trace]]:
@@ -181,7 +188,7 @@ def run_mode(
         plan_file=str(plan_file),
         **measured.figures(),
         changed=bool(trace.meta["patch"]["changed"]),
-        patch=describe_patch(trace.meta["patch"]),
+        patch="; ".join([describe_patch(trace.meta["patch"]), *loss_lines(trace.meta)]),
         saving=None,
         command=reproduce_command(step, opts.time_limit, str(trace_file), str(plan_file), opts.gpu),
         verdict=None if measured.verdict is None else measured.verdict.to_dict(),

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from memplan.planner.minimalloc_csv import read_csv, write_csv
-from memplan.planner.plan import Plan, save_plan
+from memplan.planner.plan import Plan, write_plan
 from memplan.planner.problem import DEFAULT_ALIGNMENT, Problem, ProblemError, problem_from_trace
 from memplan.solvers.portfolio import Progress, solve
 from memplan.traces.format import load
@@ -91,8 +91,8 @@ def solve_file(
         progress=throttled(progress) if progress else None,
     )
     if output is not None:
-        if to_csv:
-            write_csv(output, problem, plan.offsets)  # solve() verified the plan
+        if to_csv:  # solve() verified the plan against this problem: writing it does not again
+            write_csv(output, problem, plan.offsets)
         else:
-            save_plan(plan, problem, output)
+            write_plan(plan, output)
     return SolveReport(os.fspath(path), plan, None if output is None else os.fspath(output))

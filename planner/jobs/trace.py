@@ -18,16 +18,17 @@ from memplan.traces.trace_model import trace_step
 def trace_to_file(
     step: StepSpec, output: str | None, *, top: int, nproc: int | None, progress: Callable[[str], None]
 ) -> dict:
-    """Trace `step` and write it to `output` (default: <model>.<layers>.trace.json.gz,
-    <model>.<layers>.compiled-<budget>.trace.json.gz for a compiled step); returns the summary (the JSON of
-    `memplan trace --json`; planner.report.trace_text.render_trace_file is its text)."""
+    """Trace `step` and write it to `output` (default: <model>.<step name>.trace.json.gz, the step's name its layer
+    mode and any loss but as-built, `tempo.loss-fused`; <model>.<step name>.compiled-<budget>.trace.json.gz for a
+    compiled step); returns the summary (the JSON of `memplan trace --json`;
+    planner.report.trace_text.render_trace_file is its text)."""
     require_real_tensors(step)  # before anything is said or built
     if nproc is not None:
         if step.compile is not None:
             raise CompileError("--compile traces one process: it does not take --nproc")
         return {**trace_command_ranks(step, output, nproc, top=top, progress=progress), "compile": None}
     variant = "" if step.compile is None else f".compiled-{step.compile:g}"
-    output = output or f"{Path(step.model_file).stem}.{step.mode_name}{variant}.trace.json.gz"
+    output = output or f"{Path(step.model_file).stem}.{step.name}{variant}.trace.json.gz"
     how = "" if step.compile is None else f", compiled: {describe_compile(Compile(step.compile).meta())}"
     progress(
         f"building {step.model_file} ({step.describe()}{how}) and recording {step.window}"
@@ -45,11 +46,11 @@ def trace_command_ranks(
 ) -> dict:
     """`memplan trace --nproc N`: trace every rank and return the summary (JSON keys: world_size, ranks,
     each rank's summary with rank and output)."""
-    output = output or f"{Path(step.model_file).stem}.{step.mode_name}.trace.json.gz"
+    output = output or f"{Path(step.model_file).stem}.{step.name}.trace.json.gz"
     backend = "fake process group, fake tensors" if step.fake else "nccl" if step.device == "cuda" else "gloo"
     progress(
         f"{'tracing' if step.fake else 'starting'} {nproc} ranks ({backend}): {step.model_file} (batch {step.batch}, "
-        f"seq {step.seq}, {step.dtype}, layers {step.mode_name}), {step.window} on each"
+        f"seq {step.seq}, {step.dtype}, layers {step.name}), {step.window} on each"
     )
     results = trace_ranks(step, output, nproc, top=top)
     ranks = []

@@ -1,9 +1,12 @@
 """Memory-saving Transformer layers (Tempo's in-place GELU, LayerNorm, RMSNorm and SiLU, gated MLPs that rebuild
 their product, dropout and selective recomputation, whole-layer checkpointing) and the patcher that swaps
-them into a model, for the whole model or per Transformer layer, and reports what it changed."""
+them into a model, for the whole model or per Transformer layer, and reports what it changed; and the fused linear
+cross-entropy a step's loss can be (`patch_loss`)."""
 
 from memplan.errors import PatchError
-from memplan.modes import MODES, PER_LAYER_MODES
+from memplan.modes import LOSSES, MODES, PER_LAYER_MODES
+from memplan.planner.layers.fused_loss import linear_cross_entropy
+from memplan.planner.layers.loss_patch import LossPatch, patch_loss, unpatch_loss
 from memplan.planner.layers.patch import (
     LayerModesReport,
     PatchReport,
@@ -14,13 +17,18 @@ from memplan.planner.layers.patch import (
 )
 
 __all__ = [
+    "LOSSES",
     "MODES",
     "PER_LAYER_MODES",
     "LayerModesReport",
+    "LossPatch",
     "PatchError",
     "PatchReport",
     "Swap",
+    "linear_cross_entropy",
     "patch",
+    "patch_loss",
     "transformer_layers",
     "unpatch",
+    "unpatch_loss",
 ]

@@ -10,6 +10,7 @@ from torch import nn
 
 from memplan.errors import MemplanError
 from memplan.modes import BASELINE, REGISTRY, TEMPO, Mode, mode
+from memplan.planner.layers.fused_loss import chunk_sizes
 
 
 class MeasureError(MemplanError):
@@ -161,3 +162,48 @@ def held_for_backward(trace) -> int:
     forward = [i for i, phase in enumerate(trace.phase) if phase == "forward"]
     live = [i for i in forward if trace.alloc[i] < start < trace.free[i]]
     return int(trace.size[live].sum())
+
+
+@dataclass(frozen=True)
+class LossShape:
+    """A language model's loss: n tokens, hidden size h, vocabulary v, and bytes per element of the logits as computed
+    (p: autocast's dtype under autocast, else the model's), of the hidden states (ph) and of the head's weight (pw)."""
+
+    n: int
+    h: int
+    v: int
+    p: int
+    ph: int
+    pw: int
+
+    @property
+    def casts(self) -> int:
+        """Bytes of autocast's copies of the weight and the hidden states in p (none when they are in p already)."""
+        return self.v * self.h * self.p * (self.pw != self.p) + self.n * self.h * self.p * (self.ph != self.p)
+
+    def unfused(self) -> int:
+        """The most bytes the unfused loss (head, fp32 upcast, cross-entropy) holds above the step's before it: the
+        logits, and when log-softmax's backward runs its fp32 output, the gradient coming in and the one going out,
+        nv(p + 12); with autocast's copies of the weight and the hidden states."""
+        return self.n * self.v * (self.p + 12) + self.casts
+
+    def fused(self) -> int:
+        """The most bytes the fused loss (planner/layers/fused_loss.py) holds above the step's before it, in its second
+        pass: the gradients of the hidden states and the weight, autocast's copies, and one vocabulary block of
+        logits (n x c columns, c = max(h, v / 16): fused_loss.chunk_sizes; in fp32, and in p when p is not fp32); and
+        34 bytes a token (the labels' masks and int64 copies, each row's share of the loss, the log-sum-exp)."""
+        block = self.n * chunk_sizes(self.n, self.h, self.v)[1] * (4 + self.p * (self.p != 4))
+        return self.n * self.h * self.ph + self.v * self.h * self.pw + self.casts + block + 34 * self.n
+
+
+def loss_bytes(trace) -> int:
+    """The most bytes a captured step holds in its forward and backward above those it held when it began, kernels'
+    own scratch (internal: a CPU matmul's) left out: a step of a model that is only its head and loss
+    (tests/test_fused_loss.py) gives the loss's own."""
+    steps = [i for i, phase in enumerate(trace.phase) if phase in ("forward", "backward")]
+    if not steps:
+        raise MeasureError("the trace has no forward or backward phase")
+    start, end = int(trace.alloc[steps].min()), int(trace.alloc[steps].max())
+    size = trace.size * (trace.internal == 0)
+    held = int(size[(trace.alloc < start) & (trace.free > start)].sum())
+    return max(int(size[(trace.alloc <= t) & (trace.free > t)].sum()) for t in range(start, end + 1)) - held

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from memplan.planner.report.tables import text_table
-from memplan.planner.report.trace_text import no_change_mark
+from memplan.planner.report.trace_text import loss_words, no_change_mark
 from memplan.planner.report.verdict_text import render_budget
 from memplan.traces.compile import describe_compile
 from memplan.units import format_size
@@ -14,7 +14,7 @@ def render_fit(summary: dict) -> str:
     s = summary
     head = (
         f"largest batch fitting {format_size(s['memory'])} ({s['memory']} bytes), "
-        f"{s['model_file']}, seq {s['seq']}, {s['dtype']}; {s['capture']} traces ({s['capture_reason']})"
+        f"{s['model_file']}, seq {s['seq']}, {s['dtype']}{loss_words(s)}; {s['capture']} traces ({s['capture_reason']})"
         + ("" if s["compile"] is None else f"; compiled: {describe_compile(s['compile'])}")
     )
     cols = ("mode", "caching batch", "reserved* b / b+1", "plan batch", "arena b / b+1", "traces")
@@ -34,6 +34,8 @@ def render_fit(summary: dict) -> str:
             )
         )
     lines = [head] + ([] if s["gpu"] is None else [render_budget(s["gpu"])]) + text_table([cols, *rows])
+    if loss_words(s):  # the loss is the same under every mode: what it did, once
+        lines.append(next((m["loss_patch"] for m in s["modes"] if m["loss_patch"]), ""))
     lines.append(
         "each batch b is checked by direct traces: b fits and b+1 does not (caching: simulated OOM "
         "at capacity; plan: no plan within the memory, proven by the lower bound or the solver)\n"

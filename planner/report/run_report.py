@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from memplan.planner.report.tables import markdown_table, text_table
-from memplan.planner.report.trace_text import no_change_mark
+from memplan.planner.report.trace_text import loss_words, no_change_mark
 from memplan.planner.report.verdict_text import render_verdict
 from memplan.traces.compile import describe_compile
 from memplan.units import human_bytes
@@ -71,7 +71,8 @@ def step_sentence(summary: dict) -> str:
     compiled = "" if s["compile"] is None else f", the forward compiled by {describe_compile(s['compile'])}"
     return (
         f"One training step ({step}) of `{s['model_file']}` at batch {s['batch']}, sequence {s['seq']}, "
-        f"{s['dtype']}{compiled}, traced under each layer mode with {s['capture']} tensors ({s['capture_reason']})."
+        f"{s['dtype']}{loss_words(s)}{compiled}, traced under each layer mode with {s['capture']} tensors "
+        f"({s['capture_reason']})."
     )
 
 

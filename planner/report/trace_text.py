@@ -25,6 +25,25 @@ def describe_patch(report: dict) -> str:
     return "; ".join([text, *patch.notes])
 
 
+def describe_loss(report: dict) -> str:
+    """What the step's loss choice did, in one line (a trace's meta "loss_patch": LossPatch's data)."""
+    if not report["patched"]:
+        return "; ".join(report["notes"]) or f"loss {report['loss']}: the model's own loss"
+    text = f"loss {report['loss']}: {report['replaced']}"
+    if report["calls"]:
+        text += (
+            f" ({report['tokens']:,} tokens: chunks of {report['chunk_rows']:,} rows, then vocabulary blocks of "
+            f"{report['block_columns']:,} columns)"
+        )
+    return "; ".join([text, *report["notes"]])
+
+
+def loss_words(summary: dict) -> str:
+    """`, loss fused` for a command's summary whose step's loss is not as built, else ''."""
+    loss = summary.get("loss", AS_BUILT)
+    return "" if loss == AS_BUILT else f", loss {loss}"
+
+
 def no_change_mark(mode: str, changed: bool) -> str:
     """' (changes nothing)' for a layer mode (not as-built) that left the model as built, else ''."""
     return "" if changed or mode == AS_BUILT else " (changes nothing)"
@@ -53,8 +72,9 @@ def render_trace(s: TraceSummary) -> str:
     """The summary as a few lines of text for the terminal: what the step is, what it read and lacks, what it holds
     that a fake trace cannot, what was taken by rule, what its mode changed, its peak, and what is live then."""
     tensors = ", fake tensors" if s.fake else ""
+    loss = "" if s.loss == AS_BUILT else f", loss {s.loss}"
     lines = [
-        f"trace of {s.model} ({s.layers}, {s.device}, {s.dtype}{tensors}): {s.buffers} buffers, "
+        f"trace of {s.model} ({s.layers}{loss}, {s.device}, {s.dtype}{tensors}): {s.buffers} buffers, "
         f"{s.recorded} allocated during the step, {s.end - 1} events"
     ]
     if s.unrecorded:
@@ -76,6 +96,8 @@ def render_trace(s: TraceSummary) -> str:
         )
     if s.patch:
         lines.append(describe_patch(s.patch))
+    if s.loss_patch and s.loss != AS_BUILT:
+        lines.append(describe_loss(s.loss_patch))
     lines.append(
         f"peak live: {human_bytes(s.peak_bytes, grouped=True)} ({s.peak_bytes:,} bytes) at time {s.peak_time}, "
         f"phase {s.peak_phase}, module {s.peak_module or '-'}, op {s.peak_op or '-'}"

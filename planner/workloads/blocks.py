@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from memplan.errors import MemplanError
 from memplan.planner.layers.baseline import AttentionCore, Dropout
+from memplan.planner.layers.fused_loss import TokenLoss
 from memplan.traces.fake import module_to
 from memplan.traces.workload import Workload
 
@@ -131,13 +131,3 @@ def language_model_workload(
         loss_fn=TokenLoss(tokens[:, 1:].to(device)),
         name=name,
     )
-
-
-class TokenLoss:
-    """Cross-entropy of logits (batch, seq, vocab) against labels, ignoring label -100; computed in fp32."""
-
-    def __init__(self, labels: torch.Tensor):
-        self.labels = labels
-
-    def __call__(self, logits: torch.Tensor, inputs) -> torch.Tensor:
-        return F.cross_entropy(logits.float().flatten(0, 1), self.labels.flatten(), ignore_index=-100)

@@ -53,7 +53,8 @@ class GPT2Layer(PreLNLayer):
 
 
 class GPT2(nn.Module):
-    """Token and position embeddings with dropout, the causal layers, a final LayerNorm and the tied LM head.
+    """Token and position embeddings with dropout, the causal layers, a final LayerNorm and the LM head tied to the
+    token embedding.
     A variant (workloads.reversible) changes only `make_layers` and `run_layers`."""
 
     NAME = "gpt2"  # the workload's name begins with it
@@ -67,6 +68,8 @@ class GPT2(nn.Module):
         self.layers = self.make_layers(c)
         self.ln_f = nn.LayerNorm(c.hidden, eps=c.eps)
         self.apply(init_weights)
+        self.head = nn.Linear(c.hidden, c.vocab_size, bias=False, device="meta")  # tied: the token embedding's weight
+        self.head.weight = self.wte.weight
 
     def make_layers(self, c: GPT2Config) -> nn.Module:
         return nn.ModuleList(GPT2Layer(c) for _ in range(c.layers))
@@ -82,7 +85,11 @@ class GPT2(nn.Module):
         positions = torch.arange(s, device=input_ids.device)
         x = self.dropout(self.wte(input_ids) + self.wpe(positions))
         causal = torch.full((s, s), float("-inf"), device=x.device, dtype=x.dtype).triu(1)
-        return nn.functional.linear(self.ln_f(self.run_layers(x, causal)), self.wte.weight)
+        return self.head(self.ln_f(self.run_layers(x, causal)))
+
+    def get_output_embeddings(self) -> nn.Linear:
+        """The language-model head (HuggingFace's name for it), tied to the token embedding."""
+        return self.head
 
 
 def build_workload(

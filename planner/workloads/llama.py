@@ -108,6 +108,10 @@ class Llama(nn.Module):
             h = layer(h, cos, sin)
         return self.head(self.norm(h))
 
+    def get_output_embeddings(self) -> nn.Linear:
+        """The language-model head (HuggingFace's name for it)."""
+        return self.head
+
 
 def build_workload(
     batch_size: int = 2,

@@ -1,5 +1,6 @@
 // Native placement kernels for memplan's solvers (the interface, its vocabulary and its structs: place.h).
 //   mp_greedy: place items (single buffers or rigid contiguous blocks) in a given order, best or first fit.
+//   mp_sweep: place the items left unplaced in time order, best fit over a free list, above the placed ones.
 //   mp_search: decide "fits in capacity?" for interval buffers by a canonical depth-first search
 //              (each buffer at the lowest offset its placed neighbours allow, offsets nondecreasing),
 //              with section inference, gap dominance and dynamic decomposition into independent parts,
@@ -10,11 +11,33 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <map>
+#include <set>
 #include <thread>
 #include <utility>
 #include <vector>
 
 namespace {
+
+// mp_sweep's steps per item, counted as mp_greedy's are: a million items take about a second on the project's
+// machine, where the budget counts 3e7 greedy steps a second (solvers/budget.py).
+constexpr Work SWEEP_STEPS = 32;
+// How many steps mp_greedy takes between two looks at the clock (a look costs about 20 ns).
+constexpr Work CLOCK_STEPS = 1 << 16;
+
+// A wall-clock ceiling `seconds` from now (none past a billion seconds: a 30-year one).
+std::chrono::steady_clock::time_point ceiling(double seconds) {
+  return std::chrono::steady_clock::now() +
+         std::chrono::microseconds((int64_t)(std::min(std::max(seconds, 0.0), 1e9) * 1e6));
+}
+
+// The latest time `buffer` blocks any stream: it conflicts with no buffer allocated from then on.
+inline Time latest_release(const GreedyProblem& problem, BufferIndex buffer) {
+  Time latest = 0;
+  for (int s = 0; s < problem.streams; ++s)
+    latest = std::max(latest, problem.release[(int64_t)buffer * problem.streams + s]);
+  return latest;
+}
 
 // When `blocker` stops blocking the stream that allocates `buffer`.
 inline Time release_for(const GreedyProblem& problem, BufferIndex blocker, BufferIndex buffer) {
@@ -38,19 +61,18 @@ Bytes greedy(const GreedyProblem& problem, Bytes* offsets, Work* work) {
   // Conflicting buffers overlap on [alloc, latest release). Placed buffers are indexed twice: a segment
   // tree over time finds those live at a point, per-time lists those allocated within a window.
   // Times are compressed to ranks so the index size follows the buffer count, not the time values.
-  std::vector<Time> latest_release(buffers, 0), times;
+  std::vector<Time> until(buffers, 0), times;
   for (int i = 0; i < buffers; ++i) {
-    for (int s = 0; s < problem.streams; ++s)
-      latest_release[i] = std::max(latest_release[i], problem.release[(int64_t)i * problem.streams + s]);
+    until[i] = latest_release(problem, i);
     times.push_back(problem.alloc[i]);
-    times.push_back(latest_release[i]);
+    times.push_back(until[i]);
   }
   std::sort(times.begin(), times.end());
   times.erase(std::unique(times.begin(), times.end()), times.end());
   std::vector<int64_t> start_rank(buffers), end_rank(buffers);
   for (int i = 0; i < buffers; ++i) {
     start_rank[i] = std::lower_bound(times.begin(), times.end(), problem.alloc[i]) - times.begin();
-    end_rank[i] = std::lower_bound(times.begin(), times.end(), latest_release[i]) - times.begin();
+    end_rank[i] = std::lower_bound(times.begin(), times.end(), until[i]) - times.begin();
   }
   const int64_t horizon = (int64_t)times.size() + 1;
   int64_t leaves = 1;
@@ -83,7 +105,14 @@ Bytes greedy(const GreedyProblem& problem, Bytes* offsets, Work* work) {
     if (offsets[i] >= 0) index_placed(i);
   // The item bases [low, high) that would put a member on bytes of a conflicting placed buffer.
   std::vector<std::pair<Bytes, Bytes>> forbidden;
+  const auto deadline = ceiling(problem.seconds);
+  Work next_look = 0;  // the step count at which to look at the clock again
   for (int q = 0; q < problem.items; ++q) {
+    if (*work > problem.work_limit) return GREEDY_INTERRUPTED;
+    if (*work >= next_look) {
+      if (std::chrono::steady_clock::now() > deadline) return GREEDY_INTERRUPTED;
+      next_look = *work + CLOCK_STEPS;
+    }
     const ItemIndex item = problem.order[q];
     forbidden.clear();
     for (MemberIndex k = problem.item_start[item]; k < problem.item_start[item + 1]; ++k) {
@@ -119,6 +148,109 @@ Bytes greedy(const GreedyProblem& problem, Bytes* offsets, Work* work) {
   for (int i = 0; i < buffers; ++i)
     if (problem.size[i] > 0 && offsets[i] + problem.size[i] > arena) arena = offsets[i] + problem.size[i];
   return arena;
+}
+
+// mp_sweep's body (see place.h).
+Bytes sweep(const GreedyProblem& problem, Bytes* offsets, Work* work) {
+  // Everything placed already lies below `floor`; the items left go above it.
+  Bytes floor = 0;
+  for (int i = 0; i < problem.buffers; ++i)
+    if (offsets[i] >= 0 && problem.size[i] > 0) floor = std::max(floor, offsets[i] + problem.size[i]);
+  // Each item left: its extent, and the span [start, end) over which one of its members blocks another
+  // buffer; buffers whose spans are disjoint never conflict (conflicts() implies the spans overlap).
+  struct Left {
+    Time start, end;
+    Bytes extent;
+    ItemIndex item;
+  };
+  std::vector<Left> left;
+  *work = 0;
+  for (ItemIndex item = 0; item < problem.items; ++item) {
+    const MemberIndex first = problem.item_start[item], last = problem.item_start[item + 1];
+    if (first == last || offsets[problem.members[first]] >= 0) continue;
+    Left entry{0, 0, 0, item};
+    bool active = false;
+    for (MemberIndex k = first; k < last; ++k) {
+      const BufferIndex member = problem.members[k];
+      entry.extent = std::max(entry.extent, problem.member_offset[k] + problem.size[member]);
+      if (!is_active(problem, member)) continue;
+      entry.start = active ? std::min(entry.start, problem.alloc[member]) : problem.alloc[member];
+      entry.end = std::max(entry.end, latest_release(problem, member));
+      active = true;
+    }
+    if (!active) {  // takes no bytes at any time: at the bottom, like mp_greedy puts it
+      for (MemberIndex k = first; k < last; ++k) offsets[problem.members[k]] = problem.member_offset[k];
+      continue;
+    }
+    left.push_back(entry);
+  }
+  // Allocations in order of their start, frees in order of their end (the position in `left` breaks ties, so
+  // the result does not depend on the sort), merged with frees first at equal times: a span ending at t
+  // frees its block for one starting at t.
+  std::vector<std::pair<Time, size_t>> starts(left.size()), ends(left.size());
+  for (size_t k = 0; k < left.size(); ++k) {
+    starts[k] = {left[k].start, k};
+    ends[k] = {left[k].end, k};
+  }
+  std::sort(starts.begin(), starts.end());
+  std::sort(ends.begin(), ends.end());
+  *work += SWEEP_STEPS * (Work)left.size();
+  std::map<Bytes, Bytes> free_at;                 // free blocks: offset -> length (disjoint, never adjacent)
+  std::set<std::pair<Bytes, Bytes>> free_by_size;  // the same blocks: (length, offset)
+  std::vector<Bytes> base(left.size(), -1);
+  Bytes top = floor;  // where the heap ends: free blocks lie below it
+  auto add_free = [&](Bytes at, Bytes length) {
+    auto next = free_at.lower_bound(at);
+    if (next != free_at.end() && next->first == at + length) {  // merge with the block above
+      length += next->second;
+      free_by_size.erase({next->second, next->first});
+      next = free_at.erase(next);
+    }
+    if (next != free_at.begin()) {
+      auto below = std::prev(next);
+      if (below->first + below->second == at) {  // merge with the block below
+        free_by_size.erase({below->second, below->first});
+        at = below->first;
+        length += below->second;
+        free_at.erase(below);
+      }
+    }
+    if (at + length == top) {  // the top of the heap: give it back
+      top = at;
+      return;
+    }
+    free_at[at] = length;
+    free_by_size.insert({length, at});
+  };
+  for (size_t next_start = 0, next_end = 0; next_start < starts.size();) {
+    if (ends[next_end].first <= starts[next_start].first) {  // every span ends after it starts: never past the end
+      const size_t k = ends[next_end++].second;
+      add_free(base[k], left[k].extent);
+      continue;
+    }
+    const size_t k = starts[next_start++].second;
+    auto fit = free_by_size.lower_bound({left[k].extent, INT64_MIN});
+    if (fit != free_by_size.end()) {
+      const Bytes at = fit->second, length = fit->first;
+      free_by_size.erase(fit);
+      free_at.erase(at);
+      if (length > left[k].extent) {
+        free_at[at + left[k].extent] = length - left[k].extent;
+        free_by_size.insert({length - left[k].extent, at + left[k].extent});
+      }
+      base[k] = at;
+    } else {
+      base[k] = top;
+      top += left[k].extent;
+    }
+  }
+  for (size_t k = 0; k < left.size(); ++k)
+    for (MemberIndex m = problem.item_start[left[k].item]; m < problem.item_start[left[k].item + 1]; ++m)
+      offsets[problem.members[m]] = base[k] + problem.member_offset[m];
+  Bytes top_of_all = 0;
+  for (int i = 0; i < problem.buffers; ++i)
+    if (problem.size[i] > 0 && offsets[i] + problem.size[i] > top_of_all) top_of_all = offsets[i] + problem.size[i];
+  return top_of_all;
 }
 
 // One worker of mp_search: a depth-first search over canonical placements with one static buffer order.
@@ -374,9 +506,7 @@ SearchOutcome search(const SearchProblem& problem, Bytes* offsets, Work* work) {
   all.end_section = sections;
   for (BufferIndex b = 0; b < buffers; ++b) all.buffers.push_back(b);
   std::atomic<Work> decided(INT64_MAX);
-  const auto deadline =
-      std::chrono::steady_clock::now() +
-      std::chrono::microseconds((int64_t)(std::min(problem.seconds, 1e9) * 1e6));  // no ceiling: a 30-year one
+  const auto deadline = ceiling(problem.seconds);
   std::vector<Search> workers(problem.heuristics);
   std::vector<SearchOutcome> outcomes(problem.heuristics, SEARCH_TIMEOUT);
   std::vector<std::thread> threads;
@@ -431,6 +561,10 @@ SearchOutcome search(const SearchProblem& problem, Bytes* offsets, Work* work) {
 
 extern "C" Bytes mp_greedy(const GreedyProblem* problem, Bytes* offsets, Work* work) {
   return greedy(*problem, offsets, work);
+}
+
+extern "C" Bytes mp_sweep(const GreedyProblem* problem, Bytes* offsets, Work* work) {
+  return sweep(*problem, offsets, work);
 }
 
 extern "C" SearchOutcome mp_search(const SearchProblem* problem, Bytes* offsets, Work* work) {

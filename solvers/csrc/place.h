@@ -1,6 +1,7 @@
 // Native placement kernels for memplan's solvers, called through ctypes (solvers/native.py mirrors every
 // struct here field by field, in the same order):
 //   mp_greedy: place items (single buffers or rigid contiguous blocks) in a given order, best or first fit.
+//   mp_sweep: place the items mp_greedy left unplaced, in time order, above every placed buffer (linear-ish time).
 //   mp_search: decide "fits in capacity?" for interval buffers by a canonical depth-first search.
 #pragma once
 
@@ -34,7 +35,12 @@ struct GreedyProblem {
   const Bytes* member_offset;      // member_offset[j]: where members[j] starts inside its item
   const ItemIndex* order;          // order[q]: the q-th item to place (items entries)
   int32_t best_fit;                // 1: the tightest gap that fits (best fit); 0: the lowest one (first fit)
+  Work work_limit;                 // mp_greedy stops before an item once it has spent more steps than this
+  double seconds;                  // a wall-clock ceiling for the call: mp_greedy stops when it passes too
 };
+
+// mp_greedy's answer when it stopped before placing every item (work_limit or the ceiling).
+constexpr int64_t GREEDY_INTERRUPTED = -1;
 
 // Buffers live on one stream over [lower, upper), as section ranges too. Every buffer is active (positive
 // size, nonempty lifetime); two buffers conflict exactly when their section ranges overlap.
@@ -66,11 +72,22 @@ enum SearchOutcome : int32_t {
 
 // Places problem->items in problem->order, each at the lowest or tightest offset where none of its
 // members shares a byte with a conflicting placed buffer. Returns the arena: the top of every buffer of
-// positive size.
+// positive size; or GREEDY_INTERRUPTED when it passed work_limit or the ceiling first (checked before each
+// item, the clock every 2**16 steps): the items placed so far keep their offsets, the others stay at -1.
 Bytes mp_greedy(const GreedyProblem* problem,  // the buffers and the items; read only
                 Bytes* offsets,                // in: each buffer's preset offset, -1 for those the items place;
                                                // out: every placed member's offset (problem->buffers entries)
                 Work* work);                   // out: steps spent (placed neighbours visited, gaps swept)
+
+// Places every item whose members are still at -1 (order, best_fit, work_limit and seconds are not read),
+// above the top of every buffer already placed, as an allocator would: the items in order of their
+// first allocation, each in the smallest free block that holds it (the lowest of equals), freed blocks
+// merged with their free neighbours, at the latest release of any member. O(items log items) however the
+// buffers overlap, so it finishes a placement that mp_greedy could not. Returns the arena.
+Bytes mp_sweep(const GreedyProblem* problem,  // the buffers and the items; read only
+               Bytes* offsets,                // in: placed buffers' offsets, -1 for those still to place;
+                                              // out: every buffer's offset
+               Work* work);                   // out: steps spent (place.cpp's SWEEP_STEPS per item placed)
 
 // Decides whether problem's buffers fit in problem->capacity by a canonical depth-first search (each
 // buffer at the lowest offset its placed neighbours allow, offsets nondecreasing), with section inference,
