@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from memplan.errors import MemplanError
+
+if TYPE_CHECKING:  # torch only where choices are dealt: the command line's start loads no torch
+    import torch
 
 RULES = ("balanced", "worst", "loads=W0,W1,...")
 DEFAULT = "balanced"
@@ -87,6 +89,8 @@ class Routing:
     def choices(self, leading: tuple[int, ...], k: int, experts: int) -> torch.Tensor:
         """The experts chosen for each token of a router whose scores have shape (*leading, experts): an int64
         tensor of shape (*leading, k), dealt as the module docstring says."""
+        import torch
+
         tokens = math.prod(leading)
         counts = self.counts(tokens, k, experts)
         deck = torch.repeat_interleave(torch.arange(experts), torch.tensor(counts, dtype=torch.long))

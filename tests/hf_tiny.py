@@ -137,4 +137,5 @@ def step(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict, dict
             hook.remove()
     out.loss.backward()
     gradients = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    return out.loss.detach(), out.logits.detach(), gradients, held
+    logits = None if out.logits is None else out.logits.detach()  # None under the fused loss
+    return out.loss.detach(), logits, gradients, held

@@ -61,8 +61,9 @@ def test_fake_ranks_match_gloo_ranks(tmp_path, monkeypatch, model_file):
     """The same program on two real gloo processes and on the fake process group: the same state when the step
     begins, every allocation of the fake rank made, in order and with its size, by the real one (which also holds
     gloo's own staging buffers), and the fake peak never above the real one (gloo's CPU scalars aside). The real
-    FSDP2 peak moves from run to run: gloo's ranks finish a reduce-scatter when their threads do, so FSDP2 may
-    still hold a step's reduce-scatter buffers when the next begins; on NCCL (tests/test_cuda_snapshots.py) the
+    peaks move from run to run: gloo's ranks finish a reduce-scatter or an all-reduce when their threads do, so
+    FSDP2 may still hold a step's reduce-scatter buffers when the next begins, and DDP a bucket (925 KB more on a
+    loaded machine, equal when idle); on NCCL (tests/test_cuda_snapshots.py) the
     fake FSDP2 and DDP ranks' peaks equal the real ones."""
     monkeypatch.setenv("MEMPLAN_PRESET", "tiny")
     fake, real = ranks(model_file, 2, tmp_path, fake=True), ranks(model_file, 2, tmp_path, fake=False)
@@ -73,8 +74,6 @@ def test_fake_ranks_match_gloo_ranks(tmp_path, monkeypatch, model_file):
         fake_sizes = sizes_in_order(predicted)
         assert reproduced(sizes_in_order(measured), fake_sizes) == len(fake_sizes)
         assert predicted.peak()[0] <= measured.peak()[0] + SCALARS
-        if model_file == DDP:
-            assert abs(predicted.peak()[0] - measured.peak()[0]) <= SCALARS
 
 
 def test_a_mesh_made_from_a_fake_tensor_is_refused(tmp_path):

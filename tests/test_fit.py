@@ -226,9 +226,9 @@ def test_fit_of_gpt2_gives_the_answer_of_stepping_batch_by_batch(monkeypatch):
     traced: list[int] = []
     trace = fit_job.trace_step
 
-    def counted(step):
+    def counted(step, **options):
         traced.append(step.batch)
-        return trace(step)
+        return trace(step, **options)
 
     monkeypatch.setattr(fit_job, "trace_step", counted)
     memory, seq = 8 << 20, 16

@@ -12,31 +12,58 @@ pytest.importorskip("transformers")
 from hf_tiny import architectures, build, inputs, step  # noqa: E402  (needs transformers)
 from lanes import some  # noqa: E402
 
-from memplan.planner.layers import patch  # noqa: E402
+from memplan.modes import FUSED  # noqa: E402
+from memplan.planner.layers import patch, patch_loss, unpatch  # noqa: E402
 
-FAST = ("llama", "qwen3", "gemma2", "gpt_oss", "olmo2", "phi3", "bert", "gpt2")  # the fast lane's sample
+FAST = (
+    "llama",
+    "qwen3",
+    "gemma2",
+    "gpt_oss",
+    "olmo2",
+    "phi3",
+    "bert",
+    "gpt2",
+)  # the fast lane's sample
 
 
 @pytest.mark.parametrize("kind", some(architectures(), fast=FAST))
-def test_tempo_equals_the_model_as_built_and_holds_no_more(kind):
+def test_tempo_and_the_fused_loss_equal_the_model_as_built(kind):
+    """One build per architecture for both sweeps: tempo holds no more per layer, and `--loss fused` is exact or
+    says why it changes nothing."""
     torch.set_num_threads(1)
     try:
         model = build(kind, attention="eager")
         reference = step(model)
     except Exception as error:  # noqa: BLE001 - the model itself does not run at the sweep's sizes
         pytest.skip(f"{kind} does not run as built at the sweep's sizes: {type(error).__name__}: {error}"[:300])
+    # 1. Tempo: the same function (loss, logits, every gradient), and no layer holds more for backward.
     report = patch(model, "tempo")
     loss, logits, gradients, held = step(model)
-    # 1. The same function: loss, logits and every gradient.
     torch.testing.assert_close(loss, reference[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(logits, reference[1], rtol=1e-4, atol=1e-5 * reference[1].abs().max().item())
-    assert gradients.keys() == reference[2].keys()
-    scale = max(g.abs().max().item() for g in reference[2].values())
-    worst = max((gradients[k] - g).abs().max().item() for k, g in reference[2].items())
-    assert worst <= 1e-4 * scale, f"{kind}: gradients differ by {worst / scale:.2e} of their scale; {report}"
-    # 2. No layer holds more for backward.
+    assert_same_gradients(gradients, reference[2], f"{kind} under tempo; {report}")
     raised = {path: (reference[3].get(path, 0), n) for path, n in held.items() if n > reference[3].get(path, 0)}
     assert not raised, f"{kind}: tempo holds more in {raised}; {report}"
+    unpatch(model)
+    # 2. The fused loss: the same loss and gradients, its one call, or the note saying why it changes nothing.
+    loss_report = patch_loss(model, FUSED)
+    if not loss_report.patched:
+        (note,) = loss_report.notes
+        assert note.startswith("--loss fused changes nothing in this model: ")
+        return
+    loss, _, gradients, _ = step(model)
+    assert loss_report.use.calls == 1
+    torch.testing.assert_close(loss, reference[0], rtol=1e-5, atol=1e-6)
+    assert_same_gradients(gradients, reference[2], f"{kind} with the fused loss")
+
+
+def assert_same_gradients(got: dict, want: dict, what: str) -> None:
+    """The same parameters have gradients, each within 1e-4 of the largest gradient's magnitude."""
+    assert got.keys() == want.keys(), what
+    scale = max(g.abs().max().item() for g in want.values())
+    worst = max((got[k] - g).abs().max().item() for k, g in want.items())
+    assert worst <= 1e-4 * scale, f"gradients differ by {worst / scale:.2e} of their scale: {what}"
 
 
 @pytest.mark.parametrize(
