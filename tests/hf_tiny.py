@@ -118,7 +118,8 @@ def step(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict, dict
     named = dict(model.named_modules())
     held, seen, current, hooks = {}, set(), [], []
     for path in transformer_layers(model):
-        hooks.append(named[path].register_forward_pre_hook(lambda m, a, path=path: current.append(path) and None))
+        hooks.append(named[path].register_forward_pre_hook(lambda m, a, path=path: current.append(path)))
+        # `and None`: a forward hook's result would replace the layer's output
         hooks.append(named[path].register_forward_hook(lambda m, a, out: current.pop() and None))
 
     def pack(tensor):

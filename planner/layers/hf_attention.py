@@ -34,15 +34,15 @@ class AttentionPatchError(MemplanError):
     """An attention module asks for something memplan's cores do not compute."""
 
 
-def unwrapped_forward(module: nn.Module) -> Callable:
-    """The function behind `module`'s forward, unwrapped from decorators (transformers 5.24 wraps T5's in
+def unwrapped_forward(module_type: type) -> Callable:
+    """The function behind `module_type`'s forward, unwrapped from decorators (transformers 5.24 wraps T5's in
     `deprecate_kwarg`), whose code names what the forward calls."""
-    return inspect.unwrap(type(module).forward)
+    return inspect.unwrap(module_type.forward)
 
 
 def uses_registry(module: nn.Module) -> bool:
     """Whether `module` is a HuggingFace attention module that computes its core through the registry."""
-    code = getattr(unwrapped_forward(module), "__code__", None)
+    code = getattr(unwrapped_forward(type(module)), "__code__", None)
     return (
         type(module).__module__.startswith("transformers.")
         and code is not None
@@ -139,7 +139,7 @@ def attention_function(module: nn.Module, name: str) -> Callable:
 
 def eager_function(module_type: type) -> Callable | None:
     """`module_type`'s own modeling file's eager attention function (`eager_attention_forward`), None when none."""
-    forward = inspect.unwrap(module_type.forward)
+    forward = unwrapped_forward(module_type)
     eager = [forward.__globals__[n] for n in forward.__code__.co_names if n.endswith("eager_attention_forward")]
     return eager[0] if eager else None
 

@@ -38,7 +38,7 @@ def call_keywords(module: nn.Module) -> dict[str, object]:
 def keyword_nodes(module_type: type) -> tuple[tuple[str, ast.expr], ...]:
     """The keywords (name, expression) `module_type`'s forward passes the function it takes from the registry."""
     try:
-        source = textwrap.dedent(inspect.getsource(inspect.unwrap(module_type.forward)))
+        source = textwrap.dedent(inspect.getsource(hf_attention.unwrapped_forward(module_type)))
     except (OSError, TypeError):
         return ()
     tree = ast.parse(source)
