@@ -657,7 +657,7 @@ def fit_command(
     Example: MEMPLAN_PRESET=tiny memplan fit examples/bert.py --memory 64MiB --seq 64 --layers baseline --layers tempo
     Example: MEMPLAN_PRESET=small memplan fit examples/gpt2.py --gpu L4 --seq 1024 --layers tempo --capture fake
     """
-    from memplan.modes import MODES
+    from memplan.modes import SWEPT_MODES
     from memplan.planner.jobs.fit import fit_model
     from memplan.planner.report.fit_table import render_fit
 
@@ -667,7 +667,7 @@ def fit_command(
         StepSpec(model_file, seq=seq, dtype=dtype, compile=compile, loss=loss, routing=routing),
         memory,
         gpu=find_gpu(gpu_name),
-        modes=tuple(modes) or MODES,
+        modes=tuple(modes) or SWEPT_MODES,
         alloc_conf=alloc_conf,
         time_limit=time_limit,
         tie_break=tie_break,

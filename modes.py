@@ -16,7 +16,8 @@ BASELINE = "baseline"  # Megatron's reference accounting: 1-byte dropout masks, 
 TEMPO = "tempo"  # Tempo's in-place activations and norms, gated MLPs rebuilt in backward, dropout recomputed
 SELECTIVE = "selective"  # Megatron's selective recomputation: the attention core recomputed in backward
 FULL = "full"  # every Transformer layer checkpointed
-PARTS = (BASELINE, TEMPO, SELECTIVE, FULL)
+OFFLOAD = "offload"  # the tensors a Transformer layer saves for backward moved to host memory, brought back in backward
+PARTS = (BASELINE, TEMPO, SELECTIVE, FULL, OFFLOAD)
 
 AS_BUILT = "as-built"  # the model as its file builds it: no part, nothing patched
 PER_LAYER = "per-layer"  # the name of an assignment giving each Transformer layer its own mode
@@ -33,6 +34,7 @@ class Mode:
     replaces: str  # what it swaps, and how, in a sentence (the command line's help and the patch report)
     per_layer: bool  # whether one Transformer layer may have it alone (baseline accounts for a whole model)
     optimize: bool  # whether `memplan optimize` offers it per layer
+    swept: bool  # whether `memplan run`, `fit` and `tradeoff` try it when no mode is named
 
     @property
     def patches(self) -> bool:
@@ -55,6 +57,11 @@ class Mode:
         return FULL in self.parts
 
     @property
+    def offloads(self) -> bool:
+        """Whether each Transformer layer's saved tensors go to host memory between its forward and its backward."""
+        return OFFLOAD in self.parts
+
+    @property
     def core(self) -> str | None:
         """The attention core the mode computes with (one of BASELINE, TEMPO, SELECTIVE; selective recomputation
         makes dropout recomputation moot), None for the model as built."""
@@ -65,7 +72,8 @@ class Mode:
 
 def _mode(parts: tuple[str, ...], replaces: str, per_layer: bool = True, optimize: bool = True) -> Mode:
     name = JOIN.join(p for p in parts if p != BASELINE) or (BASELINE if parts else AS_BUILT)
-    return Mode(name, frozenset(parts), replaces, per_layer, optimize)
+    swept = OFFLOAD not in parts  # offload's time is the host link's: named, not swept, until tradeoff adds it
+    return Mode(name, frozenset(parts), replaces, per_layer, optimize and swept, swept)
 
 
 REGISTRY: dict[str, Mode] = {
@@ -89,11 +97,24 @@ REGISTRY: dict[str, Mode] = {
         _mode((BASELINE, TEMPO, SELECTIVE), "tempo and selective together"),
         _mode((BASELINE, FULL), "baseline plus every Transformer layer checkpointed"),
         _mode((BASELINE, TEMPO, FULL), "tempo plus every Transformer layer checkpointed", optimize=False),
+        # Offload composes with the parts that change what a layer saves (less to move), not with full: a
+        # checkpointed layer saves its input in checkpoint's own frame, out of reach of the layer's hooks.
+        _mode(
+            (BASELINE, OFFLOAD),
+            "baseline plus each Transformer layer's saved tensors (not its parameters) moved to host memory after "
+            "its forward and brought back for its backward",
+        ),
+        _mode((BASELINE, TEMPO, OFFLOAD), "tempo plus each Transformer layer's saved tensors offloaded to the host"),
+        _mode(
+            (BASELINE, SELECTIVE, OFFLOAD),
+            "selective plus each Transformer layer's saved tensors offloaded to the host",
+        ),
     )
 }
 MODES = tuple(REGISTRY)  # every mode, in the order tables list them
 PER_LAYER_MODES = tuple(name for name, mode in REGISTRY.items() if mode.per_layer)
 OPTIMIZE_MODES = tuple(name for name, mode in REGISTRY.items() if mode.optimize)  # a layer's choices in optimize
+SWEPT_MODES = tuple(name for name, mode in REGISTRY.items() if mode.swept)  # run, fit and tradeoff's default
 REPLAYED_MODE = REGISTRY[TEMPO].name  # the mode whose plan `memplan run` replays
 
 

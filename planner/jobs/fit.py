@@ -17,7 +17,7 @@ import numpy as np
 
 from memplan.errors import MemplanError
 from memplan.gpus import GPU
-from memplan.modes import AS_BUILT, MODES
+from memplan.modes import AS_BUILT, MODES, SWEPT_MODES
 from memplan.planner.report.trace_text import describe_loss, describe_patch
 from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.caching_allocator import simulate_caching
@@ -326,7 +326,7 @@ def fit_model(
     memory: int | None = None,
     *,
     gpu: GPU | None = None,
-    modes: tuple[str, ...] = MODES,
+    modes: tuple[str, ...] = SWEPT_MODES,
     alloc_conf: str = "",
     time_limit: float = 5.0,
     tie_break: str = "lowest_address",

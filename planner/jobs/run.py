@@ -20,7 +20,7 @@ from pathlib import Path
 from memplan.errors import MemplanError
 from memplan.files import atomic_write
 from memplan.gpus import GPU
-from memplan.modes import AS_BUILT, MODES, REPLAYED_MODE
+from memplan.modes import AS_BUILT, REPLAYED_MODE, SWEPT_MODES
 from memplan.planner.plan import save_plan
 from memplan.planner.replay.model_replay import replay_model_file
 from memplan.planner.replay.report import ReplayReport
@@ -44,7 +44,7 @@ class RunOptions:
 
     step: StepSpec
     out_dir: str
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = SWEPT_MODES
     time_limit: float = 10.0
     replay_mode: str = REPLAYED_MODE
     replay_steps: int = 2

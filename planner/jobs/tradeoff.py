@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from memplan.modes import AS_BUILT, MODES
+from memplan.modes import AS_BUILT, SWEPT_MODES
 from memplan.planner.cost import StepTime, count_step_flops, time_workloads, timed_workload
 from memplan.planner.report.plots import figure_format
 from memplan.planner.report.tradeoff_plot import plot_tradeoff
@@ -251,7 +251,7 @@ def tradeoff(opts: TradeoffOptions, progress: Callable[[str], None] = lambda m: 
         notes.append("no step times: fake tensors compute nothing")
     # 2. Every layer mode eager, the model as built compiled at each budget, then each variant as built: traced,
     #    measured and counted one by one.
-    configs = [configuration(opts, mode, None, capture.fake) for mode in MODES]
+    configs = [configuration(opts, mode, None, capture.fake) for mode in SWEPT_MODES]
     configs += [configuration(opts, AS_BUILT, budget, capture.fake) for budget in budgets]
     configs += [configuration(opts, AS_BUILT, None, capture.fake, variant) for variant in opts.variants]
     measured = [measure_point(opts, c, progress) for c in configs]

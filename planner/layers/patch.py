@@ -6,7 +6,8 @@ HuggingFace attention that keeps an s x s tensor is computed written out by memp
 (the same arithmetic, with that 1-byte mask); attention that keeps none (SDPA's fused kernels) stays.
 `tempo` adds Tempo's layers (in-place GELU, LayerNorm, RMSNorm, SiLU, gated MLPs rebuilding their
 product, attention-dropout recomputation); `selective` recomputes the attention core in backward;
-`full` checkpoints every Transformer layer. Parameters are moved, never copied or re-initialised, so an
+`full` checkpoints every Transformer layer; `offload` moves what each Transformer layer saves for backward to
+host memory (planner/layers/offload.py). Parameters are moved, never copied or re-initialised, so an
 optimizer built before patching keeps working and a patched model in eval mode computes the same outputs.
 
 Per layer, `patch(model, {layer path: mode})` does to each Transformer layer named (`transformer_layers`) what
@@ -26,6 +27,7 @@ from memplan.errors import PatchError
 from memplan.modes import (
     AS_BUILT,
     BASELINE,
+    OFFLOAD,
     PER_LAYER,
     SELECTIVE,
     Mode,
@@ -33,7 +35,7 @@ from memplan.modes import (
     mode,
     spans,
 )
-from memplan.planner.layers import activations, checkpoint, hf_attention, hf_attention_check
+from memplan.planner.layers import activations, checkpoint, hf_attention, hf_attention_check, offload
 from memplan.planner.layers.attention import PatchedAttentionCore
 from memplan.planner.layers.baseline import AttentionCore, Dropout
 from memplan.planner.layers.gated_mlp import GatedMLP
@@ -126,6 +128,8 @@ class PatchState:
     checkpointing: list[tuple[nn.Module, dict]] = field(default_factory=list)  # checkpoint.restore's argument
     hf_attention: list[tuple[object, str]] = field(default_factory=list)  # (HF config, its _attn_implementation)
     routed: list[nn.Module] = field(default_factory=list)  # attention modules with an hf_attention.CHOICE
+    offloading: list[tuple[nn.Module, object]] = field(default_factory=list)  # offload.restore's argument
+    host: offload.HostLedger | None = None  # the host copies of the offloaded layers, when any is
 
 
 def replacement(module: nn.Module, chosen: Mode) -> nn.Module | None:
@@ -330,6 +334,28 @@ def checkpoint_layers(model: nn.Module, modes: dict[int, str], state: PatchState
     return []
 
 
+def offload_layers(model: nn.Module, modes: dict[int, str], state: PatchState, swaps: Counter) -> list[str]:
+    """Offload the saved tensors of the Transformer layers whose mode offloads (around whatever else their mode
+    did); a note when the model's mode asks for it and it has no layer list."""
+    paths = {id(module): path for path, module in model.named_modules()}
+    layers = [layer for layers in checkpoint.layer_lists(model) for layer in layers]
+    asked = {paths[id(layer)]: layer for layer in layers if mode(modes[id(layer)]).offloads}
+    if not layers and mode(modes[id(model)]).offloads:
+        return [f"{OFFLOAD}: no list of Transformer layers found, nothing offloaded"]
+    if asked:
+        state.host = offload.HostLedger()
+        state.offloading = offload.enable(asked, state.host)
+    for layer in asked.values():
+        swaps[type(layer).__name__, OFFLOAD] += 1
+    return []
+
+
+def host_ledger(model: nn.Module) -> offload.HostLedger | None:
+    """The ledger of host copies of `model`'s offloaded layers; None when `patch` offloaded none."""
+    state: PatchState | None = model.__dict__.get(STATE)
+    return state.host if state is not None else None
+
+
 def patch(model: nn.Module, modes: str | Mapping[str, str]) -> PatchReport:
     """Swap `model`'s layers in place and say what changed; undoes any earlier patch first. `modes` is one of MODES
     for the whole model, or {Transformer layer path (`transformer_layers`): one of PER_LAYER_MODES}, the layers not
@@ -343,6 +369,7 @@ def patch(model: nn.Module, modes: str | Mapping[str, str]) -> PatchReport:
     # 3. Leaf modules and gated MLPs; 4. whole layers checkpointed.
     swap_modules(model, by_module, state, swaps, {})
     notes += checkpoint_layers(model, by_module, state, swaps)
+    notes += offload_layers(model, by_module, state, swaps)
     object.__setattr__(model, STATE, state)
     # 5. The report: every swap, and the types of the modules that keep activations as built.
     left = sorted({type(m).__name__ for m in model.modules() if keeps_activations(m) and core_of(m) is None})
@@ -380,9 +407,10 @@ def unpatch(model: nn.Module) -> int:
     for parent, name, original in reversed(state.replaced):
         original.train(getattr(parent, name).training)
         setattr(parent, name, original)
+    offload.restore(state.offloading)
     checkpoint.restore(state.checkpointing)
     for config, implementation in state.hf_attention:
         config._attn_implementation = implementation
     for module in state.routed:
         module.__dict__.pop(hf_attention.CHOICE, None)
-    return len(state.replaced) + len(state.checkpointing)
+    return len(state.replaced) + len(state.checkpointing) + len(state.offloading)

@@ -1,0 +1,186 @@
+"""Activation offload: the tensors a Transformer layer saves for backward moved to host memory as its forward saves
+them, and brought back to the device when its backward needs them (torch.autograd.graph.save_on_cpu's mechanism,
+scoped by saved-tensor hooks to one layer's forward); the layer's parameters stay.
+
+A tensor saved twice in one forward is moved once. Where nothing else holds the device tensor (the layer's
+input, its intermediate results) its device bytes are freed as soon as the op that saved it returns; backward
+allocates a copy again. A real CUDA step copies into pinned host memory without blocking, a real CPU step into
+numpy arrays (memory the trace's recorder does not count as the device's), and a fake step keeps only the
+tensor's shape: there is nothing to copy. Every host copy is entered in the model's `HostLedger` with the
+capture's logical times, so a trace records the host bytes beside the device ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+AS_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # numpy holds any dtype as these
+
+
+@dataclass
+class HostBuffer:
+    """One host copy: its bytes, when it was made and freed (the capture's logical time) and the layer's path."""
+
+    size: int
+    alloc: int
+    free: int | None  # None while it lives
+    module: str
+
+
+@dataclass
+class HostLedger:
+    """The host copies offloaded layers made, timed by `clock` (a capture sets it to the step's event count)."""
+
+    buffers: list[HostBuffer] = field(default_factory=list)
+    clock: Callable[[], int] = lambda: 0
+
+    def opened(self, size: int, module: str) -> HostBuffer:
+        """Enter a host copy of `size` bytes made now; live from the next device event on."""
+        buffer = HostBuffer(size, self.clock() + 1, None, module)
+        self.buffers.append(buffer)
+        return buffer
+
+    def closed(self, buffer: HostBuffer) -> None:
+        """Mark `buffer` freed now (stamped like `opened`: by the next device event)."""
+        buffer.free = self.clock() + 1
+
+    def begin(self, clock: Callable[[], int]) -> None:
+        """Start a step timed by `clock`: copies freed before are forgotten, live ones count from time 0."""
+        self.clock = clock
+        self.buffers = [HostBuffer(b.size, 0, None, b.module) for b in self.buffers if b.free is None]
+
+    def columns(self, end: int) -> dict[str, list]:
+        """The copies as a trace's columns (size, alloc, free, module); one still live is freed at `end`."""
+        return {
+            "size": [b.size for b in self.buffers],
+            "alloc": [b.alloc for b in self.buffers],
+            "free": [end if b.free is None else min(b.free, end) for b in self.buffers],
+            "module": [b.module for b in self.buffers],
+        }
+
+
+def dense_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """`t`'s strides when its elements fill their span exactly once (a permuted contiguous tensor), else the
+    contiguous ones: the layout a copy of it is made in."""
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expected:
+            return contiguous_strides(tuple(t.shape))
+        expected *= size
+    return tuple(t.stride())
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape`."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+class Packed:
+    """A saved tensor moved to the host: its copy (None under fake tensors), its layout, and its host ledger entry."""
+
+    def __init__(self, t: torch.Tensor, ledger: HostLedger, module: str):
+        self.size, self.stride, self.dtype, self.device = t.shape, dense_strides(t), t.dtype, t.device
+        self.nbytes = t.numel() * t.element_size()
+        self.host = self.copy_out(t)
+        self.restored: weakref.ref | None = None  # the device copy backward is using, while it lives
+        self.entry = ledger.opened(self.nbytes, module)
+        weakref.finalize(self, ledger.closed, self.entry)
+
+    def copy_out(self, t: torch.Tensor) -> torch.Tensor | np.ndarray | None:
+        """The host copy of `t`: pinned memory from CUDA (without blocking), a numpy array from the CPU (no device
+        allocator sees it), nothing from a fake tensor."""
+        if isinstance(t, FakeTensor):
+            return None
+        if t.device.type == "cuda":
+            host = torch.empty_strided(self.size, self.stride, dtype=self.dtype, device="cpu", pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+        values = t.detach().view(AS_INTEGERS[t.element_size()]).numpy()
+        return np.array(values, copy=True, order="K")
+
+    def copy_in(self) -> torch.Tensor:
+        """The tensor back on its device (one copy while backward holds it, however many saved it)."""
+        restored = self.restored() if self.restored is not None else None
+        if restored is not None:
+            return restored
+        if isinstance(self.host, torch.Tensor):
+            restored = self.host.to(self.device, non_blocking=True)
+        else:
+            restored = torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
+            if self.host is not None:
+                restored.copy_(torch.from_numpy(self.host).view(self.dtype))
+        self.restored = weakref.ref(restored)
+        return restored
+
+
+def offloadable(t: torch.Tensor, kept: set[int]) -> bool:
+    """Whether a saved tensor goes to the host: a strided tensor with elements, on an accelerator or the CPU, whose
+    storage is not one of `kept` (the layer's parameters and buffers)."""
+    if t.layout != torch.strided or t.numel() == 0 or t.device.type not in ("cpu", "cuda"):
+        return False
+    return t.untyped_storage()._cdata not in kept
+
+
+@contextlib.contextmanager
+def offloading(layer: nn.Module, ledger: HostLedger, module: str):
+    """Within the block, tensors autograd saves (`layer`'s parameters and buffers excepted) are moved to the host
+    and brought back when backward unpacks them; each host copy is entered in `ledger` under `module`."""
+    kept = {t.untyped_storage()._cdata for t in (*layer.parameters(), *layer.buffers())}
+    moved: dict[int, tuple[weakref.ref, Packed]] = {}  # id of a tensor saved -> (the tensor, its copy)
+
+    def pack(t: torch.Tensor) -> torch.Tensor | Packed:
+        if not offloadable(t, kept):
+            return t
+        seen = moved.get(id(t))
+        if seen is not None and seen[0]() is t:
+            return seen[1]
+        packed = Packed(t, ledger, module)
+        moved[id(t)] = (weakref.ref(t), packed)
+        return packed
+
+    def unpack(saved: torch.Tensor | Packed) -> torch.Tensor:
+        return saved.copy_in() if isinstance(saved, Packed) else saved
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        moved.clear()
+
+
+def offloaded_forward(forward, layer: nn.Module, ledger: HostLedger, module: str, *args, **kwargs):
+    """`forward` with its saved tensors offloaded while training with gradients, plain otherwise."""
+    if not (layer.training and torch.is_grad_enabled()):
+        return forward(*args, **kwargs)
+    with offloading(layer, ledger, module):
+        return forward(*args, **kwargs)
+
+
+def enable(layers: dict[str, nn.Module], ledger: HostLedger) -> list[tuple[nn.Module, object]]:
+    """Offload each of `layers` (path -> layer) into `ledger`; returns what `restore` puts back (each layer's
+    instance `forward`, or None)."""
+    saved = [(layer, layer.__dict__.get("forward")) for layer in layers.values()]
+    for path, layer in layers.items():
+        inner = layer.forward  # an instance forward set before (checkpointing's) stays inside
+        layer.forward = functools.partial(offloaded_forward, inner, layer, ledger, path)
+    return saved
+
+
+def restore(saved: list[tuple[nn.Module, object]]) -> None:
+    """Undo `enable`: every layer's instance `forward` as it was."""
+    for layer, forward in saved:
+        layer.__dict__.pop("forward", None)
+        if forward is not None:
+            layer.forward = forward
