@@ -14,7 +14,7 @@ from memplan.gpus import GPU, GPUS, gpu
 from memplan.modes import LOSSES, losses_help, modes_help
 from memplan.planner.simulate.alloc_conf import TIE_BREAKS
 from memplan.step import DTYPES, StepSpec, require_fake_for_routing
-from memplan.units import SizeError, parse_size
+from memplan.units import SizeError, parse_bandwidth, parse_size
 
 
 class MemplanGroup(click.Group):
@@ -192,6 +192,14 @@ def main() -> None:
     "the GPU a --fake CUDA step is planned for (implies --device cuda): its compute capability picks "
     "the attention backend and the cuBLAS workspace, torch.cuda answers for it [default: H100-80GB]."
 )
+@click.option(
+    "--host-bandwidth",
+    "host_bandwidth",
+    default=None,
+    metavar="RATE",
+    help="The host link's bandwidth one way (25GB/s, 64GiB/s) for the time an offload mode's transfers add, "
+    "where --gpu does not name it (it wins over the GPU's).",
+)
 @click.option("--top", type=click.IntRange(min=0), default=5, show_default=True, help="Largest buffers to list.")
 @click.option(
     "--warmup",
@@ -223,6 +231,7 @@ def trace_command(
     device,
     fake,
     gpu_name,
+    host_bandwidth,
     top,
     warmup,
     nproc,
@@ -252,7 +261,8 @@ def trace_command(
     step = StepSpec(model_file, batch, seq, dtype, device, layers, fake, compile, bool(warmup), loss=loss,
                     routing=routing)  # fmt: skip
     step = step.on_gpu(gpu_name)
-    summary = trace_to_file(step, output, top=top, nproc=nproc, progress=progress)
+    bandwidth = None if host_bandwidth is None else parse_bandwidth(host_bandwidth)
+    summary = trace_to_file(step, output, top=top, nproc=nproc, progress=progress, host_bandwidth=bandwidth)
     emit(summary, as_json, render_trace_file(summary))
 
 

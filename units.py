@@ -38,6 +38,16 @@ def parse_size(text: str) -> int:
     return size
 
 
+def parse_bandwidth(text: str) -> int:
+    """Bytes per second in a bandwidth such as '25GB/s', '31.5 GB/s' or '64GiB/s' (a size, '/s' optional);
+    SizeError otherwise."""
+    size = re.sub(r"\s*/\s*s\s*$", "", str(text))
+    try:
+        return parse_size(size)
+    except SizeError:
+        raise SizeError(f"{text!r} is not a bandwidth (use e.g. 25GB/s, 64GiB/s or bytes per second)") from None
+
+
 def byte_unit(n: int | float, smallest: str = "B") -> tuple[str, int]:
     """(unit, bytes per unit): the largest unit, down to `smallest`, in which |n| reads at least 1 (else `smallest`)."""
     units = list(SCALES)

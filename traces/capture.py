@@ -36,7 +36,7 @@ from torch import nn
 from memplan.errors import MemplanError
 from memplan.gpus import GPU, planned_gpu
 from memplan.modes import AS_BUILT
-from memplan.planner.layers.patch import idle_notes
+from memplan.planner.layers.patch import host_ledger, idle_notes
 from memplan.routing import DEFAULT as DEFAULT_ROUTING
 from memplan.routing import Routing
 from memplan.step import require_fake_for_routing
@@ -289,6 +289,9 @@ class Recording:
         gc.collect(_garbage_generation())
         live = self._recorder.begin_step()
         resident = _resident_at_start(workload, self._recorder, live, device, adopt)
+        host = host_ledger(workload.model)  # offloaded layers' host copies, timed by the step's events
+        if host is not None:
+            host.begin(self._recorder.step_events)
         gc.disable()
         try:
             # 2. The step, with module, phase and optimizer marks (and on CUDA the allocator's history).
@@ -329,6 +332,7 @@ class Recording:
                     else {}
                 ),
                 **({"loss_patch": workload.loss_patch.to_dict()} if workload.loss_patch is not None else {}),
+                **({"host": host.columns(len(events) + 1)} if host is not None else {}),
                 **self._meta,
             },
         )

@@ -132,6 +132,10 @@ class Recorder:
         """Enter `phase`; returns the number of step events recorded before it (its start time)."""
         return self._native.set_phase(phase)
 
+    def step_events(self) -> int:
+        """The step's events so far that the trace keeps: the logical time now (between ops)."""
+        return self._native.step_events()
+
     def enter_module(self, label: int) -> None:
         self._native.enter_module(label)
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from memplan.modes import AS_BUILT
 from memplan.traces.format import CATEGORIES, Trace
+from memplan.traces.host import host_summary
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class TraceSummary:
     loss_patch: dict | None = None  # what the loss choice changed (planner.layers.LossPatch's dict), None when none ran
     # storages the step read that the trace lacks (made before recording: traces.unrecorded.Unrecorded's dict), {}
     unrecorded: dict = field(default_factory=dict)
+    # offloaded layers' host copies (traces.host.host_summary: copies, moved, peak_bytes, at_device_peak), {} if none
+    host: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """The summary as plain data (the JSON of `memplan trace --json`)."""
@@ -123,4 +126,5 @@ def summarize(trace: Trace, top: int = 5) -> TraceSummary:
         loss=trace.meta.get("loss", AS_BUILT),
         loss_patch=trace.meta.get("loss_patch"),
         unrecorded=trace.meta.get("unrecorded") or {},
+        host=host_summary(trace, t),
     )

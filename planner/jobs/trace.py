@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from memplan.errors import CompileError
+from memplan.planner.cost.transfer import host_transfer
 from memplan.step import StepSpec
 from memplan.traces.compile import Compile, describe_compile, require_real_tensors
 from memplan.traces.distributed import trace_ranks
@@ -16,12 +17,20 @@ from memplan.traces.trace_model import trace_step
 
 
 def trace_to_file(
-    step: StepSpec, output: str | None, *, top: int, nproc: int | None, progress: Callable[[str], None]
+    step: StepSpec,
+    output: str | None,
+    *,
+    top: int,
+    nproc: int | None,
+    progress: Callable[[str], None],
+    host_bandwidth: int | None = None,
 ) -> dict:
     """Trace `step` and write it to `output` (default: <model>.<step name>.trace.json.gz, the step's name its layer
     mode and any loss but as-built, `tempo.loss-fused`; <model>.<step name>.compiled-<budget>.trace.json.gz for a
     compiled step); returns the summary (the JSON of `memplan trace --json`;
-    planner.report.trace_text.render_trace_file is its text)."""
+    planner.report.trace_text.render_trace_file is its text), with `host_transfer`, the time offloaded layers' host
+    copies take over the host link of the step's GPU or at `host_bandwidth` bytes/s, when there are copies and a
+    link (else None)."""
     require_real_tensors(step)  # before anything is said or built
     if nproc is not None:
         if step.compile is not None:
@@ -38,7 +47,11 @@ def trace_to_file(
     save(trace, output)
     progress(f"wrote {output}")
     meta = trace.meta.get("compile")
-    return {**summarize(trace, top=top).to_dict(), "compile": meta, "output": str(output)}
+    summary = summarize(trace, top=top)
+    transfer = None
+    if summary.host and (step.gpu is not None or host_bandwidth is not None):
+        transfer = host_transfer(summary.host["moved"], step.gpu, host_bandwidth).to_dict()
+    return {**summary.to_dict(), "compile": meta, "output": str(output), "host_transfer": transfer}
 
 
 def trace_command_ranks(

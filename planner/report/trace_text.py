@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from memplan.modes import AS_BUILT
+from memplan.planner.cost.transfer import GIVEN
 from memplan.planner.layers.patch import PatchReport
 from memplan.traces.compile import describe_compile
 from memplan.traces.summary import TraceSummary
@@ -102,6 +103,12 @@ def render_trace(s: TraceSummary) -> str:
         f"peak live: {human_bytes(s.peak_bytes, grouped=True)} ({s.peak_bytes:,} bytes) at time {s.peak_time}, "
         f"phase {s.peak_phase}, module {s.peak_module or '-'}, op {s.peak_op or '-'}"
     )
+    if s.host:
+        lines.append(
+            f"host memory (offloaded layers): {s.host['copies']:,} copies, {human_bytes(s.host['moved'], grouped=True)}"
+            f" moved each way, {human_bytes(s.host['peak_bytes'], grouped=True)} at the host's peak, "
+            f"{human_bytes(s.host['at_device_peak'], grouped=True)} at the device's peak (not in the device's figures)"
+        )
     if s.cuda_measured:
         measured = s.cuda_measured["peak_requested"]
         lines.append(
@@ -131,7 +138,18 @@ def render_trace_file(summary: dict) -> str:
             for r in summary["ranks"]
         )
     compiled = "" if summary["compile"] is None else f"\ncompiled: {describe_compile(summary['compile'])}"
-    return f"{render_trace(TraceSummary.from_dict(summary))}{compiled}\nwritten to {summary['output']}"
+    transfer = describe_transfer(summary["host_transfer"]) if summary.get("host_transfer") else ""
+    return f"{render_trace(TraceSummary.from_dict(summary))}{compiled}{transfer}\nwritten to {summary['output']}"
+
+
+def describe_transfer(transfer: dict) -> str:
+    """A line (after a newline) on the time offload's host transfers add (planner.cost.transfer.HostTransfer's dict)."""
+    link = "the bandwidth given" if transfer["link"] == GIVEN else transfer["link"]
+    rate = human_bytes(transfer["bandwidth"])
+    return (
+        f"\noffload's transfers over {link} ({rate}/s one way): {transfer['seconds_each_way'] * 1e3:.3f} ms each way, "
+        f"{transfer['seconds'] * 1e3:.3f} ms a step where nothing overlaps them"
+    )
 
 
 def render_import(s: dict) -> str:

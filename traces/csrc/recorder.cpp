@@ -172,6 +172,7 @@ class Recorder {
     inside_.clear();
     live_.clear();
     events_.clear();
+    counted_ = kept_events_ = 0;
     module_of_node_.clear();
     unseen_.clear();
     stepping_ = false;
@@ -331,16 +332,19 @@ class Recorder {
     for (const Live* l : alive)
       if (kept(l->event)) out.push_back(l->event);
     events_.clear();
+    counted_ = kept_events_ = 0;
     stepping_ = true;
     return out;
   }
 
   // Events of the step so far that the trace keeps (claims are made as each op returns, so between
-  // ops this is final).
+  // ops this is final, and the events counted once need no counting again: called between ops only).
   int64_t step_events() {
     std::lock_guard<std::mutex> guard(mutex_);
     if (!claimed_only_) return static_cast<int64_t>(events_.size());
-    return std::count_if(events_.begin(), events_.end(), [this](const Event& e) { return kept(e); });
+    for (; counted_ < events_.size(); ++counted_)
+      if (kept(events_[counted_])) ++kept_events_;
+    return kept_events_;
   }
 
   std::vector<Event> end_step() {
@@ -353,6 +357,7 @@ class Recorder {
     if (claimed_only_)  // fake: a claimed storage is the output of the op that claimed it, unless run inside another
       for (Event& e : out) e.output = inside_.count(e.key) == 0;
     events_.clear();
+    counted_ = kept_events_ = 0;
     return out;
   }
 
@@ -398,6 +403,8 @@ class Recorder {
   std::unordered_set<StorageKey> inside_;  // claimed by an op run inside another op fake tensors see
   std::unordered_map<StorageKey, Unseen> unseen_;  // storages the step read that the capture lacks
   bool claimed_only_ = false;
+  size_t counted_ = 0;  // step events step_events() has looked at, of which kept_events_ are kept
+  int64_t kept_events_ = 0;
   std::vector<Event> events_;
   c10::DeviceType device_ = c10::DeviceType::CPU;
   c10::DispatchKey backend_ = c10::DispatchKey::CPU;  // the kernels of the device recorded (faked)
@@ -642,6 +649,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("begin_step", []() { return columns(recorder().begin_step()); },
         "Storages alive now as columns; later events belong to the step");
   m.def("end_step", []() { return columns(recorder().end_step()); }, "The step's events as columns");
+  m.def("step_events", []() { return recorder().step_events(); },
+        "Events of the step so far that the trace keeps (call between ops)");
   m.def("storage_key", &storage_key);
   m.def("accumulating", []() {
     const ThreadState& t = this_thread;
