@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from memplan import __all__ as PUBLIC_API
 from memplan.errors import MemplanError
 from memplan.gpus import GPU, GPUS, gpu
-from memplan.modes import AS_BUILT, SWEPT_MODES
+from memplan.modes import AS_BUILT, MODES, SWEPT_MODES
 from memplan.planner.jobs.fit import FitResult, fit_model
 from memplan.planner.jobs.optimize import OptimizeOptions, OptimizeResult
 from memplan.planner.jobs.optimize import optimize as optimize_job

@@ -62,6 +62,12 @@ class Mode:
         return OFFLOAD in self.parts
 
     @property
+    def resident(self) -> str:
+        """The name of the mode without offload: what a layer saves, kept on the device (itself if it offloads
+        nothing)."""
+        return _name(tuple(sorted(self.parts - {OFFLOAD}, key=PARTS.index)))
+
+    @property
     def core(self) -> str | None:
         """The attention core the mode computes with (one of BASELINE, TEMPO, SELECTIVE; selective recomputation
         makes dropout recomputation moot), None for the model as built."""
@@ -70,8 +76,12 @@ class Mode:
         return SELECTIVE if self.recomputes_attention else TEMPO if self.tempo else BASELINE
 
 
+def _name(parts: tuple[str, ...]) -> str:
+    return JOIN.join(p for p in parts if p != BASELINE) or (BASELINE if parts else AS_BUILT)
+
+
 def _mode(parts: tuple[str, ...], replaces: str, per_layer: bool = True, optimize: bool = True) -> Mode:
-    name = JOIN.join(p for p in parts if p != BASELINE) or (BASELINE if parts else AS_BUILT)
+    name = _name(parts)
     swept = OFFLOAD not in parts  # offload's time is the host link's: named, not swept, until tradeoff adds it
     return Mode(name, frozenset(parts), replaces, per_layer, optimize and swept, swept)
 

@@ -10,8 +10,8 @@ from click.testing import CliRunner
 from PIL import Image
 
 from memplan.cli import main
+from memplan.modes import SWEPT_MODES as MODES  # what run and tradeoff sweep
 from memplan.planner.jobs.run import RunOptions, RunResult
-from memplan.planner.layers import MODES
 from memplan.planner.plan import load_plan
 from memplan.planner.report.run_report import step_sentence
 from memplan.step import StepSpec

@@ -165,7 +165,8 @@ def test_a_mode_that_changes_nothing_says_so():
     for mode in MODES:
         report = patch(model, mode)
         assert not report.changed and report.left_alone == ["BatchNorm2d", "ReLU"]
-    assert report.notes == ["full: no list of Transformer layers found, nothing checkpointed"]
+    assert patch(model, "full").notes == ["full: no list of Transformer layers found, nothing checkpointed"]
+    assert patch(model, "offload").notes == ["offload: no list of Transformer layers found, nothing offloaded"]
     assert patch(model, "selective").notes[0].startswith("selective: nothing to recompute")
 
 

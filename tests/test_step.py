@@ -15,10 +15,12 @@ from memplan.modes import (
     BASELINE,
     FULL,
     MODES,
+    OFFLOAD,
     OPTIMIZE_MODES,
     PER_LAYER_MODES,
     REGISTRY,
     SELECTIVE,
+    SWEPT_MODES,
     TEMPO,
     describe_assignment,
     mode,
@@ -27,15 +29,18 @@ from memplan.step import StepError, StepSpec
 
 
 def test_every_mode_is_named_by_its_parts_and_computes_with_the_core_they_imply():
-    assert MODES == ("as-built", "baseline", "tempo", "selective", "tempo+selective", "full", "tempo+full")
+    offloading = ("offload", "tempo+offload", "selective+offload")
+    assert MODES == ("as-built", "baseline", "tempo", "selective", "tempo+selective", "full", "tempo+full", *offloading)
     for name, m in REGISTRY.items():
-        beyond = sorted(m.parts - {BASELINE}, key=[TEMPO, SELECTIVE, FULL].index)
+        beyond = sorted(m.parts - {BASELINE}, key=[TEMPO, SELECTIVE, FULL, OFFLOAD].index)
         assert name == ("+".join(beyond) or (BASELINE if m.parts else AS_BUILT))
         assert m.patches == (name != AS_BUILT) and (not m.parts or BASELINE in m.parts)
-    assert [mode(n).core for n in MODES] == [None, BASELINE, TEMPO, SELECTIVE, SELECTIVE, BASELINE, TEMPO]
+    cores = [None, BASELINE, TEMPO, SELECTIVE, SELECTIVE, BASELINE, TEMPO, BASELINE, TEMPO, SELECTIVE]
+    assert [mode(n).core for n in MODES] == cores
     assert [n for n in MODES if mode(n).checkpoints] == ["full", "tempo+full"]
     assert PER_LAYER_MODES == tuple(n for n in MODES if n != BASELINE)  # baseline accounts for a whole model
     assert OPTIMIZE_MODES == ("as-built", "tempo", "selective", "tempo+selective", "full")
+    assert SWEPT_MODES == MODES[: -len(offloading)]  # offload's time is the host link's: asked for by name
 
 
 def test_a_step_is_checked_once_when_made_and_again_when_changed():

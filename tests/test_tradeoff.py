@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from matplotlib.image import imread
 
 from memplan.cli import main
+from memplan.modes import SWEPT_MODES as MODES  # what run and tradeoff sweep
 from memplan.planner.jobs.tradeoff import WARMUP_ROUNDS, TradeoffPoint, mark_alike, mark_frontiers
-from memplan.planner.layers import MODES
 from memplan.planner.report.tradeoff_table import render_tradeoff
 from memplan.step import StepSpec
 

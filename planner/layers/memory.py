@@ -56,16 +56,26 @@ class LayerShape:
         """Activation bytes one Transformer layer holds for backward under the mode `name` (Megatron's accounting,
         REFERENCE §1), from the mode's parts: full keeps the layer's input; tempo keeps sbh(10p + 6) where the
         baseline keeps sbh(16p + 2) outside the attention core; the core keeps as²b(2p + 1), tempo's as²b(p + 1)
-        (the dropped-out probabilities rebuilt), and nothing when selective recomputes it."""
+        (the dropped-out probabilities rebuilt), and nothing when selective recomputes it. An offloading mode keeps
+        nothing on the device: its layer's bytes are on the host (`host_formula`)."""
         chosen = mode(name)
         sbh, as2b, p = self.s * self.b * self.h, self.a * self.s * self.s * self.b, self.p
         if not chosen.patches:
             raise MeasureError(f"no formula for layers mode {name!r}: it is whatever the model file builds")
+        if chosen.offloads:
+            return 0
         if chosen.checkpoints:
             return sbh * p  # the layer's input; everything else is recomputed in backward
         outside_core = sbh * (10 * p + 6) if chosen.tempo else sbh * (16 * p + 2)
         core = 0 if chosen.recomputes_attention else as2b * (p + 1) if chosen.tempo else as2b * (2 * p + 1)
         return outside_core + core
+
+
+def host_formula(shape: LayerShape | LlamaLayerShape, name: str) -> int:
+    """Bytes one layer of `shape` moves to the host (each way) under the mode `name`: what the mode without offload
+    keeps on the device; 0 for a mode that offloads nothing."""
+    chosen = mode(name)
+    return shape.formula(chosen.resident) if chosen.offloads else 0
 
 
 GENERATOR_STATE = {"cpu": 5056, "cuda": 16}  # bytes of the RNG state a checkpoint keeps (CPU MT19937; CUDA Philox)
@@ -108,8 +118,10 @@ class LlamaLayerShape:
 
     def formula(self, name: str) -> int:
         """Activation bytes one layer holds for backward under the mode `name` (memplan's derivation, docs/layers.md:
-        "Formulas"); as built, the layer is HuggingFace's."""
+        "Formulas"); as built, the layer is HuggingFace's. An offloading mode keeps nothing on the device."""
         chosen = mode(name)
+        if chosen.offloads:
+            return 0
         s, b, h, p = self.s, self.b, self.h, self.p
         sbh, sbf = s * b * h, s * b * self.f
         # 1. Per RMSNorm: HuggingFace keeps the fp32 input (4 B), the normalised input and the output (p each)

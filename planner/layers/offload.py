@@ -2,12 +2,14 @@
 them, and brought back to the device when its backward needs them (torch.autograd.graph.save_on_cpu's mechanism,
 scoped by saved-tensor hooks to one layer's forward); the layer's parameters stay.
 
-A tensor saved twice in one forward is moved once. Where nothing else holds the device tensor (the layer's
-input, its intermediate results) its device bytes are freed as soon as the op that saved it returns; backward
-allocates a copy again. A real CUDA step copies into pinned host memory without blocking, a real CPU step into
-numpy arrays (memory the trace's recorder does not count as the device's), and a fake step keeps only the
-tensor's shape: there is nothing to copy. Every host copy is entered in the model's `HostLedger` with the
-capture's logical times, so a trace records the host bytes beside the device ones.
+What moves is each storage a saved tensor lies in, once however many saved tensors share it (Tempo's layers
+save views of one another's storages), and backward gets them back as views of one restored storage, as they
+were. Where nothing else holds the device storage (the layer's input, its intermediate results) its device
+bytes are freed as soon as the op that saved it returns; backward allocates a copy again. A real CUDA step
+copies into pinned host memory without blocking, a real CPU step into numpy arrays (memory the trace's
+recorder does not count as the device's), and a fake step keeps only the storage's size: there is nothing to
+copy. Every host copy is entered in the model's `HostLedger` with the capture's logical times, so a trace
+records the host bytes beside the device ones.
 """
 
 from __future__ import annotations
@@ -68,61 +70,64 @@ class HostLedger:
         }
 
 
-def dense_strides(t: torch.Tensor) -> tuple[int, ...]:
-    """`t`'s strides when its elements fill their span exactly once (a permuted contiguous tensor), else the
-    contiguous ones: the layout a copy of it is made in."""
-    expected = 1
-    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):
-        if stride != expected:
-            return contiguous_strides(tuple(t.shape))
-        expected *= size
-    return tuple(t.stride())
-
-
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of `shape`."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
-class Packed:
-    """A saved tensor moved to the host: its copy (None under fake tensors), its layout, and its host ledger entry."""
+class Stored:
+    """One device storage moved to the host: its copy (None under fake tensors) as a flat tensor of the dtype of the
+    first tensor saved on it, and its host ledger entry. Saved tensors that share the storage share the copy, as they
+    shared the storage, and backward gets them back on one restored storage."""
 
     def __init__(self, t: torch.Tensor, ledger: HostLedger, module: str):
-        self.size, self.stride, self.dtype, self.device = t.shape, dense_strides(t), t.dtype, t.device
-        self.nbytes = t.numel() * t.element_size()
-        self.host = self.copy_out(t)
-        self.restored: weakref.ref | None = None  # the device copy backward is using, while it lives
+        self.dtype, self.device = t.dtype, t.device
+        self.nbytes = t.untyped_storage().nbytes()
+        self.host = self.copy_out(flat(t))
+        self.restored: weakref.ref | None = None  # the flat device copy backward is using, while it lives
         self.entry = ledger.opened(self.nbytes, module)
         weakref.finalize(self, ledger.closed, self.entry)
 
-    def copy_out(self, t: torch.Tensor) -> torch.Tensor | np.ndarray | None:
-        """The host copy of `t`: pinned memory from CUDA (without blocking), a numpy array from the CPU (no device
-        allocator sees it), nothing from a fake tensor."""
-        if isinstance(t, FakeTensor):
+    def copy_out(self, whole: torch.Tensor) -> torch.Tensor | np.ndarray | None:
+        """The host copy of the storage (`whole` spans it): pinned memory from CUDA (without blocking), a numpy array
+        from the CPU (no device allocator sees it), nothing from a fake tensor."""
+        if isinstance(whole, FakeTensor):
             return None
-        if t.device.type == "cuda":
-            host = torch.empty_strided(self.size, self.stride, dtype=self.dtype, device="cpu", pin_memory=True)
-            return host.copy_(t, non_blocking=True)
-        values = t.detach().view(AS_INTEGERS[t.element_size()]).numpy()
-        return np.array(values, copy=True, order="K")
+        if whole.device.type == "cuda":
+            host = torch.empty(whole.shape, dtype=self.dtype, device="cpu", pin_memory=True)
+            return host.copy_(whole, non_blocking=True)
+        return whole.view(AS_INTEGERS[whole.element_size()]).numpy().copy()
 
     def copy_in(self) -> torch.Tensor:
-        """The tensor back on its device (one copy while backward holds it, however many saved it)."""
+        """The storage back on its device, flat (one copy while backward holds any tensor on it)."""
         restored = self.restored() if self.restored is not None else None
         if restored is not None:
             return restored
         if isinstance(self.host, torch.Tensor):
             restored = self.host.to(self.device, non_blocking=True)
         else:
-            restored = torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
+            restored = torch.empty(self.nbytes // self.dtype.itemsize, dtype=self.dtype, device=self.device)
             if self.host is not None:
                 restored.copy_(torch.from_numpy(self.host).view(self.dtype))
         self.restored = weakref.ref(restored)
         return restored
+
+
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s whole storage as a flat tensor of `t`'s dtype (no copy)."""
+    return t.detach().as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A saved tensor offloaded: its storage's host copy and where the tensor lies in that storage."""
+
+    stored: Stored
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    def unpack(self) -> torch.Tensor:
+        """The tensor again, a view of its storage brought back to the device."""
+        whole = self.stored.copy_in()
+        whole = whole if whole.dtype == self.dtype else whole.view(self.dtype)
+        return whole.as_strided(self.size, self.stride, self.offset)
 
 
 def offloadable(t: torch.Tensor, kept: set[int]) -> bool:
@@ -138,20 +143,21 @@ def offloading(layer: nn.Module, ledger: HostLedger, module: str):
     """Within the block, tensors autograd saves (`layer`'s parameters and buffers excepted) are moved to the host
     and brought back when backward unpacks them; each host copy is entered in `ledger` under `module`."""
     kept = {t.untyped_storage()._cdata for t in (*layer.parameters(), *layer.buffers())}
-    moved: dict[int, tuple[weakref.ref, Packed]] = {}  # id of a tensor saved -> (the tensor, its copy)
+    moved: dict[int, tuple[weakref.ref, Stored]] = {}  # a storage saved -> (a tensor on it, its host copy)
 
     def pack(t: torch.Tensor) -> torch.Tensor | Packed:
         if not offloadable(t, kept):
             return t
-        seen = moved.get(id(t))
-        if seen is not None and seen[0]() is t:
-            return seen[1]
-        packed = Packed(t, ledger, module)
-        moved[id(t)] = (weakref.ref(t), packed)
-        return packed
+        key = t.untyped_storage()._cdata
+        seen = moved.get(key)
+        first = seen[0]() if seen is not None else None
+        if first is None or first.untyped_storage()._cdata != key:  # the first tensor's storage gone: a new one
+            seen = (weakref.ref(t), Stored(t, ledger, module))
+            moved[key] = seen
+        return Packed(seen[1], t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
     def unpack(saved: torch.Tensor | Packed) -> torch.Tensor:
-        return saved.copy_in() if isinstance(saved, Packed) else saved
+        return saved.unpack() if isinstance(saved, Packed) else saved
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
