@@ -8,6 +8,7 @@ import pytest
 import torch
 from lanes import diagonal, named
 
+from memplan.modes import mode as registered
 from memplan.planner.layers import MODES, patch
 from memplan.planner.layers.memory import LlamaLayerShape, held_for_backward
 from memplan.traces.capture import capture_step
@@ -49,11 +50,17 @@ def held(
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def near_formula(measured: int, shape: LlamaLayerShape, name: str) -> bool:
+    """`measured` within 2% of the formula of the mode `name`; for an offloading mode (which keeps 0 bytes a layer on
+    the device) within 2% of what the layer keeps without offload (the 8-byte scalar attention dropout keeps stays)."""
+    return abs(measured - shape.formula(name)) <= 0.02 * shape.formula(registered(name).resident)
+
+
 @pytest.mark.parametrize("mode, dtype, kv_heads", diagonal(named(MODES), DTYPES, {"gqa": 2, "mha": 4}))
 def test_llama_layer_bytes_within_2_percent_of_formula(mode, dtype, kv_heads):
     shape = LlamaLayerShape(s=S, b=B, h=H, a=A, k=kv_heads, f=F, p=torch.finfo(dtype).bits // 8)
     measured = held(mode, 2, kv_heads, dtype) - held(mode, 1, kv_heads, dtype)
-    assert abs(measured - shape.formula(mode)) <= 0.02 * shape.formula(mode)
+    assert near_formula(measured, shape, mode)
 
 
 SQUARE = [("eager", 0.0), ("eager", 0.1), ("sdpa", 0.1)]
@@ -69,7 +76,7 @@ def test_llama_layer_bytes_with_a_square_tensor_within_2_percent_of_formula(mode
         s=S, b=B, h=H, a=A, k=2, f=F, p=torch.finfo(dtype).bits // 8, attention=attention, dropout=dropout > 0
     )
     measured = held(mode, 2, 2, dtype, attention, dropout) - held(mode, 1, 2, dtype, attention, dropout)
-    assert abs(measured - shape.formula(mode)) <= 0.02 * shape.formula(mode)
+    assert near_formula(measured, shape, mode)
 
 
 def test_tempo_formula_saving_at_the_7b_shape():
