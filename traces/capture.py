@@ -301,8 +301,11 @@ class Recording:
                 marks = stack.enter_context(marked_step(workload, self._recorder))
                 yield
             events = self._recorder.end_step()
+            host_columns = host.end(len(events) + 1) if host is not None else None
         finally:
             gc.enable()
+            if host is not None:
+                host.stop()  # a step that raised records no more
         missing = unrecorded(self._recorder.unseen(), self._recorder.names(), self._recorder.storage_key)
         # 3. Buffers: the storages alive at the start and the step's events, categorized, sizes as requested.
         marked = self._recorder.outputs_marked()
@@ -332,7 +335,7 @@ class Recording:
                     else {}
                 ),
                 **({"loss_patch": workload.loss_patch.to_dict()} if workload.loss_patch is not None else {}),
-                **({"host": host.columns(len(events) + 1)} if host is not None else {}),
+                **({"host": host_columns} if host is not None else {}),
                 **self._meta,
             },
         )

@@ -40,33 +40,48 @@ class HostBuffer:
 
 @dataclass
 class HostLedger:
-    """The host copies offloaded layers made, timed by `clock` (a capture sets it to the step's event count)."""
+    """The host copies offloaded layers hold now (`live`) and, while a capture records a step (`begin` to `end`),
+    every copy live in it, timed by `clock` (the step's device events so far); outside a capture nothing is kept
+    of a copy once it is freed."""
 
-    buffers: list[HostBuffer] = field(default_factory=list)
+    live: dict[int, HostBuffer] = field(default_factory=dict)  # by id
+    recorded: list[HostBuffer] | None = None
     clock: Callable[[], int] = lambda: 0
 
     def opened(self, size: int, module: str) -> HostBuffer:
         """Enter a host copy of `size` bytes made now; live from the next device event on."""
         buffer = HostBuffer(size, self.clock() + 1, None, module)
-        self.buffers.append(buffer)
+        self.live[id(buffer)] = buffer
+        if self.recorded is not None:
+            self.recorded.append(buffer)
         return buffer
 
     def closed(self, buffer: HostBuffer) -> None:
         """Mark `buffer` freed now (stamped like `opened`: by the next device event)."""
+        self.live.pop(id(buffer), None)
         buffer.free = self.clock() + 1
 
     def begin(self, clock: Callable[[], int]) -> None:
-        """Start a step timed by `clock`: copies freed before are forgotten, live ones count from time 0."""
+        """Record a step timed by `clock`: the copies live now count from time 0."""
         self.clock = clock
-        self.buffers = [HostBuffer(b.size, 0, None, b.module) for b in self.buffers if b.free is None]
+        for buffer in self.live.values():
+            buffer.alloc = 0
+        self.recorded = list(self.live.values())
 
-    def columns(self, end: int) -> dict[str, list]:
-        """The copies as a trace's columns (size, alloc, free, module); one still live is freed at `end`."""
+    def stop(self) -> None:
+        """Stop recording (nothing is kept of a copy once freed); the clock back to 0."""
+        self.recorded, self.clock = None, HostLedger.clock
+
+    def end(self, end: int) -> dict[str, list]:
+        """Stop recording; the step's copies as a trace's columns (size, alloc, free, module), one still live freed
+        at `end`."""
+        recorded = self.recorded or []
+        self.stop()
         return {
-            "size": [b.size for b in self.buffers],
-            "alloc": [b.alloc for b in self.buffers],
-            "free": [end if b.free is None else min(b.free, end) for b in self.buffers],
-            "module": [b.module for b in self.buffers],
+            "size": [b.size for b in recorded],
+            "alloc": [b.alloc for b in recorded],
+            "free": [end if b.free is None else min(b.free, end) for b in recorded],
+            "module": [b.module for b in recorded],
         }
 
 
