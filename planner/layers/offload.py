@@ -158,16 +158,16 @@ def offloading(layer: nn.Module, ledger: HostLedger, module: str):
     """Within the block, tensors autograd saves (`layer`'s parameters and buffers excepted) are moved to the host
     and brought back when backward unpacks them; each host copy is entered in `ledger` under `module`."""
     kept = {t.untyped_storage()._cdata for t in (*layer.parameters(), *layer.buffers())}
-    moved: dict[int, tuple[weakref.ref, Stored]] = {}  # a storage saved -> (a tensor on it, its host copy)
+    moved: dict[int, tuple[weakref.ref, Stored]] = {}  # a storage saved -> (the base of a view on it, its copy)
 
     def pack(t: torch.Tensor) -> torch.Tensor | Packed:
         if not offloadable(t, kept):
             return t
         key = t.untyped_storage()._cdata
         seen = moved.get(key)
-        first = seen[0]() if seen is not None else None
-        if first is None or first.untyped_storage()._cdata != key:  # the first tensor's storage gone: a new one
-            seen = (weakref.ref(t), Stored(t, ledger, module))
+        base = seen[0]() if seen is not None else None  # a view's base lives while any view of it does
+        if base is None or base.untyped_storage()._cdata != key:  # not moved yet, or that storage gone: a new one
+            seen = (weakref.ref(t if t._base is None else t._base), Stored(t, ledger, module))
             moved[key] = seen
         return Packed(seen[1], t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
