@@ -203,3 +203,30 @@ def test_trace_reports_host_bytes_and_transfer_time(tmp_path):
     bad = CliRunner().invoke(main, [*args, "--host-bandwidth", "fast", "-o", str(tmp_path / "u.json.gz")])
     assert bad.exit_code == 1 and bad.output.strip().splitlines()[-1].startswith("Error: 'fast' is not a bandwidth")
     assert not (tmp_path / "u.json.gz").exists()
+
+
+class TiedLayer(torch.nn.Module):
+    """A layer that multiplies by a parameter of a module outside it (a tied weight)."""
+
+    def __init__(self, shared: torch.nn.Linear):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.shared = [shared]  # not registered: the weight is the model's, not the layer's
+
+    def forward(self, x):
+        return self.proj(x) @ self.shared[0].weight
+
+
+def test_parameters_stay_on_the_device_even_another_modules():
+    shared = torch.nn.Linear(8, 8)
+    model = torch.nn.Sequential(shared, torch.nn.ModuleList([TiedLayer(shared), TiedLayer(shared)]))
+    patch(model, "offload")
+    ledger = host_ledger(model)
+    ledger.begin(lambda: 0)
+    x = torch.randn(4, 8)
+    for layer in model[1]:
+        x = layer(x)
+    x.sum().backward()
+    copies = ledger.end(1)
+    assert set(copies["module"]) == {"1.0", "1.1"}
+    assert set(copies["size"]) == {4 * 8 * 4}  # activations of 4 x 8; no 8 x 8 weight

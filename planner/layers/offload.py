@@ -146,9 +146,12 @@ class Packed:
 
 
 def offloadable(t: torch.Tensor, kept: set[int]) -> bool:
-    """Whether a saved tensor goes to the host: a strided tensor with elements, on an accelerator or the CPU, whose
-    storage is not one of `kept` (the layer's parameters and buffers)."""
+    """Whether a saved tensor goes to the host: a strided tensor with elements, on an accelerator or the CPU, that is
+    no parameter nor a view of one (another module's, tied) and whose storage is not one of `kept` (the layer's
+    parameters and buffers)."""
     if t.layout != torch.strided or t.numel() == 0 or t.device.type not in ("cpu", "cuda"):
+        return False
+    if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
         return False
     return t.untyped_storage()._cdata not in kept
 
