@@ -1,7 +1,7 @@
 """Memory-saving Transformer layers (Tempo's in-place GELU, LayerNorm, RMSNorm and SiLU, gated MLPs that rebuild
-their product, dropout and selective recomputation, whole-layer checkpointing) and the patcher that swaps
-them into a model, for the whole model or per Transformer layer, and reports what it changed; and the fused linear
-cross-entropy a step's loss can be (`patch_loss`)."""
+their product, dropout and selective recomputation, whole-layer checkpointing, activation offload to the host) and
+the patcher that swaps them into a model, for the whole model or per Transformer layer, and reports what it changed;
+and the fused linear cross-entropy a step's loss can be (`patch_loss`)."""
 
 from memplan.errors import PatchError
 from memplan.modes import LOSSES, MODES, PER_LAYER_MODES
