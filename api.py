@@ -14,6 +14,8 @@ import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 
+from torch import nn
+
 from memplan import __all__ as PUBLIC_API
 from memplan.errors import MemplanError
 from memplan.gpus import GPU, GPUS, gpu
@@ -26,6 +28,8 @@ from memplan.planner.jobs.run import run as run_job
 from memplan.planner.jobs.tradeoff import TradeoffOptions, TradeoffResult
 from memplan.planner.jobs.tradeoff import tradeoff as tradeoff_job
 from memplan.planner.layers import patch, transformer_layers, unpatch
+from memplan.planner.optimize.apply import apply_choice
+from memplan.planner.optimize.choice_file import StepChoice, load_choice, save_choice
 from memplan.planner.plan import Plan, check_plan, load_plan, plan_problem
 from memplan.planner.plan import save_plan as save_checked_plan
 from memplan.planner.problem import problem_from_trace
@@ -188,11 +192,18 @@ def optimize(
     """A mode per Transformer layer (`memplan optimize`) so the step's plan fits `memory` bytes (or `gpu`: its
     memory less what it holds outside the caching allocator) with the least recompute, proven within the model by
     CP-SAT and checked by a trace; OptimizeOptions names the options (batch=None chooses the largest batch too).
-    `patch(model, dict(zip(result.layers, result.chosen.assignment)))` applies the answer."""
+    `result.step_choice()` is the answer, for `save_choice` and `apply`."""
     choose_batch = "batch" in options and options["batch"] is None
     step, rest = split_step(model_file, {**options, "batch": 1} if choose_batch else options)
     max_batch = rest.pop("max_batch", False) or choose_batch
     return optimize_job(OptimizeOptions(step, memory, max_batch=max_batch, gpu=as_gpu(gpu), **rest))
+
+
+def apply(model: nn.Module, optimizer: object, choice: PathLike | StepChoice, *, loss: object = None) -> tuple:
+    """Put a choice (`memplan optimize -o FILE`, or a StepChoice) on your own model in place: its mode per
+    Transformer layer and its loss (`loss`: the one you train on where it is not the model's own, as a model file's
+    `loss`). Returns (model, optimizer) to train with; ChoiceError where the choice is not this model's."""
+    return apply_choice(model, optimizer, choice if isinstance(choice, StepChoice) else load_choice(choice), loss)
 
 
 def run(model_file: PathLike | None = None, output: PathLike = "memplan-out", **options) -> RunResult:

@@ -14,7 +14,7 @@ from memplan.gpus import GPU, GPUS, gpu
 from memplan.modes import LOSSES, losses_help, modes_help
 from memplan.planner.simulate.alloc_conf import TIE_BREAKS
 from memplan.step import DTYPES, StepSpec, require_fake_for_routing
-from memplan.units import SizeError, parse_bandwidth, parse_size
+from memplan.units import SizeError, human_bytes, parse_bandwidth, parse_size
 
 
 class MemplanGroup(click.Group):
@@ -746,7 +746,7 @@ def tradeoff_command(
 @gpu_option("fit its memory less what it holds outside the caching allocator (instead of --memory).")
 @click.option("--batch", type=click.IntRange(min=1), default=None, help="Batch size passed to build() [default: 2].")
 @click.option("--max-batch", is_flag=True, help="Choose the largest batch that fits too.")
-@step_options()
+@step_options(loss=True)
 @click.option(
     "--time-limit",
     type=click.FloatRange(min=0.1),
@@ -755,8 +755,17 @@ def tradeoff_command(
     help="Seconds for CP-SAT and per plan.",
 )
 @capture_option
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Choice file to write (memplan-choice/1): memplan.apply(model, optimizer, FILE) puts it on your model.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
-def optimize_command(model_file, memory, gpu_name, batch, max_batch, seq, dtype, routing, time_limit, capture, as_json):
+def optimize_command(
+    model_file, memory, gpu_name, batch, max_batch, seq, dtype, loss, routing, time_limit, capture, output, as_json
+):
     """A mode per Transformer layer (as-built, tempo, selective, tempo+selective, full) so the step fits --memory
     (or --gpu) with the least recompute, chosen by CP-SAT on a model measured from traces and checked by tracing it.
 
@@ -764,17 +773,24 @@ def optimize_command(model_file, memory, gpu_name, batch, max_batch, seq, dtype,
     Example: memplan optimize examples/gpt2.py --memory 7MiB --batch 2 --seq 128
     Example: MEMPLAN_PRESET=medium memplan optimize examples/gpt2.py --gpu A100-40GB --max-batch --seq 1024
     """
-    from memplan.planner.jobs.optimize import OptimizeOptions, optimize
+    from memplan.planner.jobs.optimize import OptimizeError, OptimizeOptions, optimize
+    from memplan.planner.optimize.choice_file import save_choice
     from memplan.planner.report.optimize_text import render_optimize
 
     if max_batch and batch is not None:
         raise click.UsageError("--batch and --max-batch exclude each other", ctx=click.get_current_context())
     memory_or_gpu(memory, gpu_name)
     require_fake_for_routing(routing, capture != "real")
-    step = StepSpec(model_file, 1 if max_batch else batch or 2, seq, dtype, routing=routing)
+    step = StepSpec(model_file, 1 if max_batch else batch or 2, seq, dtype, loss=loss, routing=routing)
     opts = OptimizeOptions(step, memory, max_batch, capture, time_limit, gpu=find_gpu(gpu_name))
     result = optimize(opts, progress=progress)
     summary = result.summary()
+    if output is not None:
+        choice = result.step_choice()
+        if choice is None:
+            raise OptimizeError(f"no assignment's traced plan fits {human_bytes(opts.memory)}: {output} not written")
+        save_choice(choice, output)
+        summary["choice_file"] = output
     emit(summary, as_json, render_optimize(summary))
 
 

@@ -149,11 +149,20 @@ def _search_down(best: _Best, budget: Budget, share: float) -> None:
         return
     sizes = best.p.size[best.p.active]
     unit = int(np.gcd.reduce(sizes)) if len(sizes) else 1
-    if _search_at(best, budget, best.bound, FIRST_PROBE_SHARE * share, unit) == FITS:
+    first_probe = FIRST_PROBE_SHARE * share
+    if _search_at(best, budget, best.bound, first_probe, unit) == FITS:
         return
     probe, descent_probe, whole = PROBE_SHARE * share, DESCENT_PROBE_SHARE * share, True
     while best.arena > best.bound and not budget.exhausted(floor):
+        arena = best.arena
         _bisect(best, budget, probe, floor, unit, whole)
+        if whole and best.arena == arena:
+            # Nothing fits between the bound and the best arena at the first pass's work: the targets above
+            # the bound are no easier than the bound itself, whose tight capacity prunes hardest (memplan's own
+            # traces: the greedy within 1% of max-live, and max-live reachable), so the bound gets twice the
+            # first probe's work instead of a descent from a placement the search could not improve.
+            if _search_at(best, budget, best.bound, min(2 * first_probe, budget.seconds - floor), unit) == FITS:
+                return
         _descend(best, budget, descent_probe, floor, unit)
         probe, descent_probe, whole = 2 * probe, 2 * descent_probe, False
 

@@ -7,16 +7,22 @@ import itertools
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
 
+import memplan
 import memplan.planner.jobs.optimize as optimize_job
 from memplan.cli import main
 from memplan.planner.cost import count_step_flops
 from memplan.planner.jobs.optimize import OPTIMIZE_MODES, OptimizeError, OptimizeOptions, optimize
+from memplan.planner.layers.patch import STATE as PATCHED
+from memplan.planner.optimize.choice_file import ChoiceError
 from memplan.planner.optimize.choose import recompute_of
 from memplan.planner.problem import problem_from_trace
 from memplan.solvers import solve
 from memplan.step import StepSpec
+from memplan.traces.format import trace_digest
+from memplan.traces.model_file import import_model_file
 from memplan.traces.trace_model import trace_step
 
 LAYERS = tuple(f"layers.{i}" for i in range(3))
@@ -146,3 +152,45 @@ def test_max_batch_json(model_file):
     # one more sample does not fit with any assignment, by the model
     with pytest.raises(OptimizeError, match=f"no assignment of modes fits batch {batch + 1}"):
         optimize(OptimizeOptions(StepSpec(model_file, batch=batch + 1, seq=32), memory=memory, capture="real"))
+
+
+def step_columns(trace) -> tuple[list, list]:
+    """The step's buffers in allocation order, and those alive at its start in no particular order."""
+    rows = list(zip(trace.size.tolist(), trace.alloc.tolist(), trace.free.tolist(), trace.category, trace.phase))
+    return [r for r in rows if r[1] > 0], sorted(r for r in rows if r[1] == 0)
+
+
+@pytest.mark.slow
+def test_apply_of_the_choice_file_gives_the_trace_optimize_verified(model_file, tmp_path):
+    """Issue 34's acceptance: `memplan optimize -o FILE` writes the chosen modes with their verified trace's
+    digest, and `memplan.apply` of FILE on a fresh model gives the trace optimize verified (the same buffers in
+    the same order; those alive at the step's start, adopted by `record`, in any order)."""
+    # 1. A memory size between the two smallest uniform plans, where the choice mixes modes.
+    loose = optimize(OptimizeOptions(StepSpec(model_file, **SHAPE), memory=1 << 40, capture="real", time_limit=2))
+    smallest, next_smallest = sorted(c.plan_arena for c in loose.uniform)[:2]
+    memory = (smallest + next_smallest) // 2
+    choice_path = tmp_path / "choice.json"
+    args = ["optimize", model_file, "--memory", str(memory), "--batch", "1", "--seq", "128", "--capture", "real"]
+    result = CliRunner().invoke(main, [*args, "--time-limit", "2", "-o", str(choice_path), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    choice = memplan.load_choice(choice_path)
+    assert [mode for _, mode in choice.layers] == summary["chosen"]["assignment"]
+    assert choice.plan_arena == summary["chosen"]["plan_arena"] <= memory == choice.memory
+    # 2. The user's own loop: a fresh model from the same file, the choice applied in one line, a step recorded.
+    torch.manual_seed(0)
+    workload = import_model_file(model_file)(batch_size=1, seq_len=128, dtype=torch.float32, device="cpu")
+    model, optimizer = memplan.apply(workload.model, workload.optimizer, choice_path, loss=workload.loss_fn)
+    assert model is workload.model and optimizer is workload.optimizer
+    workload.step()  # the warm-up step optimize's traces run
+    with memplan.record(model, optimizer, inputs=workload.inputs) as recording:
+        workload.step()
+    verified = trace_step(choice.step())  # the step the choice describes is the one optimize verified
+    assert trace_digest(verified) == choice.trace_digest
+    assert step_columns(recording.trace) == step_columns(verified)
+    # 3. A choice for another model is refused, the model unchanged.
+    other = import_model_file(model_file)(batch_size=1, seq_len=128, dtype=torch.float32, device="cpu")
+    del other.model.layers[2]
+    with pytest.raises(ChoiceError, match="this model has layers.0, layers.1"):
+        memplan.apply(other.model, other.optimizer, choice_path)
+    assert PATCHED not in vars(other.model)

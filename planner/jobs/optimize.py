@@ -20,13 +20,14 @@ from memplan.gpus import GPU
 from memplan.modes import AS_BUILT, FULL, OPTIMIZE_MODES
 from memplan.planner.cost import count_step_flops
 from memplan.planner.layers import transformer_layers
+from memplan.planner.optimize.choice_file import StepChoice
 from memplan.planner.optimize.choose import Assignment, Choice, Flops, choose_modes, recompute_of
 from memplan.planner.optimize.terms import MemoryTerms, assignments_to_trace, memory_terms
 from memplan.planner.simulate.measure import measure
 from memplan.planner.simulate.verdict import Budget, device_memory
 from memplan.step import StepSpec
 from memplan.traces.capture import recording_session
-from memplan.traces.format import Trace
+from memplan.traces.format import Trace, trace_digest
 from memplan.traces.model_file import build_workload, import_model_file
 from memplan.traces.trace_model import CaptureChoice, sized_capture, trace_step
 from memplan.units import human_bytes
@@ -74,6 +75,7 @@ class Candidate:
     plan_arena: int | None = None  # of its plan, when traced
     status: str | None = None  # its plan's proof, when traced
     fits: bool | None = None  # plan arena <= the memory size, when traced
+    digest: str | None = None  # its trace's digest (traces.format.trace_digest), when traced
 
 
 @dataclass
@@ -92,6 +94,26 @@ class OptimizeResult:
     step_flops: Flops  # FLOPs of the step with every layer as built
     seconds: float
 
+    def step_choice(self) -> StepChoice | None:
+        """The chosen actions with their verified figures, as `memplan optimize -o` writes them; None when
+        nothing fits."""
+        if self.chosen is None:
+            return None
+        step = self.options.step
+        return StepChoice(
+            step.model_file,
+            self.batch,
+            step.seq,
+            step.dtype,
+            tuple(zip(self.layers, self.chosen.assignment)),
+            step.loss,
+            self.options.memory,
+            self.chosen.peak_live,
+            self.chosen.plan_arena,
+            self.chosen.status,
+            self.chosen.digest,
+        )
+
     def summary(self) -> dict:
         return {
             "model_file": self.options.step.model_file,
@@ -100,6 +122,7 @@ class OptimizeResult:
             "batch": self.batch,
             "seq": self.options.step.seq,
             "dtype": self.options.step.dtype,
+            "loss": self.options.step.loss,
             "max_batch": self.options.max_batch,
             "capture": self.capture.name,
             "capture_reason": self.capture.reason,
@@ -174,6 +197,7 @@ def trace_candidate(
         figures["status"],
     )
     candidate.fits = candidate.plan_arena <= opts.memory
+    candidate.digest = trace_digest(trace)
     return candidate
 
 
