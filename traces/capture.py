@@ -329,6 +329,11 @@ class Recording:
                     else {}
                 ),
                 **({"loss_patch": workload.loss_patch.to_dict()} if workload.loss_patch is not None else {}),
+                **(
+                    {"optimizer_state": workload.optimizer_choice.to_dict()}
+                    if workload.optimizer_choice is not None
+                    else {}
+                ),
                 **self._meta,
             },
         )
