@@ -2,8 +2,8 @@
 parameter groups and hyperparameters, as one whose state is smaller on the device: quantized moments in torchao's
 8-bit or 4-bit layout (planner/layers/lowbit_adamw.py), or the state and the step on the host
 (planner/layers/host_adamw.py). Any other optimizer, or one that cannot be converted as it is set up (amsgrad,
-maximize, state already made), is refused in one line. Gradients are untouched: only the update changes, the
-quantized ones within their blocks' rounding.
+maximize for the quantized ones; state already made), is refused in one line. Gradients are untouched: only the
+update changes, the quantized ones' within their blocks' rounding.
 """
 
 from __future__ import annotations
@@ -50,9 +50,10 @@ def _refuse(choice: str, optimizer: torch.optim.Optimizer) -> None:
         raise PatchError(f"--optimizer {choice}: the model file's optimizer is {name}; only AdamW and Adam convert")
     if optimizer.state:
         raise PatchError(f"--optimizer {choice}: the model file's {name} has state already (it has stepped)")
-    for flag in ("amsgrad", "maximize", "differentiable"):
+    for flag in ("amsgrad", "maximize", "differentiable") if choice in BITS else ():  # the host steps the class itself
         if any(group.get(flag) for group in optimizer.param_groups):
-            raise PatchError(f"--optimizer {choice}: the model file's {name} is set with {flag}=True, which it lacks")
+            raise PatchError(f"--optimizer {choice}: the model file's {name} is set with {flag}=True, which the "
+                             "quantized AdamW lacks")  # fmt: skip
 
 
 def choose_optimizer(
