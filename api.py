@@ -73,15 +73,19 @@ def trace_model_file(
     warmup: bool = True,
     loss: str = AS_BUILT,
     routing: str = DEFAULT_ROUTING,
+    optimizer: str = AS_BUILT,
 ) -> Trace:
     """One training step of a model file (docs/capture.md) with memplan's `layers` mode (or a mode per
     Transformer layer: {"layers.0": "full", ...}), as `memplan trace` records it; `fake` runs it under fake
     tensors (any size, nothing allocated; a mixture of experts routes its tokens by `routing`: balanced, worst or
     loads=W0,W1,...); `compile` under torch.compile at that activation memory budget; `warmup=False` records the
     first step (the optimizer creates its state inside it), not the steady one; `loss="fused"` computes a causal
-    LM's loss fused with its head, the logits never whole."""
+    LM's loss fused with its head, the logits never whole; `optimizer` rebuilds the model file's AdamW with smaller
+    state (memplan.modes.OPTIMIZERS: adamw-8bit, adamw-4bit, adamw-host)."""
     require_fake_for_routing(routing, fake)
-    step = StepSpec(path, batch, seq, dtype, device, layers, fake, compile, warmup, loss=loss, routing=routing)
+    step = StepSpec(
+        path, batch, seq, dtype, device, layers, fake, compile, warmup, loss=loss, routing=routing, optimizer=optimizer
+    )
     return trace_step(step)
 
 
@@ -165,13 +169,14 @@ def fit(
     capture: str = "auto",
     loss: str = AS_BUILT,
     routing: str = DEFAULT_ROUTING,
+    optimizer: str = AS_BUILT,
 ) -> FitResult:
     """The largest batch of `model_file` whose step fits `memory` bytes (or `gpu`: its memory less what it holds
-    outside the caching allocator) under each layer mode (with the step's `loss`), under the caching allocator and
-    under a plan, each proven by direct traces (real or fake, as `capture` says; fake ones route a mixture of
-    experts by `routing`)."""
+    outside the caching allocator) under each layer mode (with the step's `loss` and `optimizer`), under the caching
+    allocator and under a plan, each proven by direct traces (real or fake, as `capture` says; fake ones route a
+    mixture of experts by `routing`)."""
     require_fake_for_routing(routing, capture != "real")
-    step = StepSpec(model_file, seq=seq, dtype=dtype, loss=loss, routing=routing)
+    step = StepSpec(model_file, seq=seq, dtype=dtype, loss=loss, routing=routing, optimizer=optimizer)
     return fit_model(step, memory, gpu=as_gpu(gpu), modes=tuple(layers), capture=capture)
 
 

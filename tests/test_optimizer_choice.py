@@ -18,7 +18,9 @@ from memplan.modes import ADAMW_4BIT, ADAMW_8BIT, ADAMW_HOST, AS_BUILT, OPTIMIZE
 from memplan.planner.layers import choose_optimizer
 from memplan.planner.layers.host_adamw import HostAdamW
 from memplan.planner.layers.lowbit_adamw import LAYOUTS, LowBitAdamW
+from memplan.planner.report.trace_text import render_trace
 from memplan.step import StepSpec
+from memplan.traces.summary import summarize
 from memplan.traces.trace_model import trace_step
 
 torch.set_num_threads(1)
@@ -90,6 +92,8 @@ def test_the_host_choice_leaves_no_state_on_the_device_and_states_the_hosts(tmp_
     numel = sum(math.prod(shape) for shape in SHAPES.values())  # fp32 master, gradient and moments, a step each
     assert trace.meta["optimizer_state"]["host_bytes"] == 16 * numel + 4 * len(SHAPES)
     assert trace.meta["optimizer_state"]["device_bytes"] == 0
+    text = render_trace(summarize(trace))
+    assert "optimizer adamw-host: the model file's AdamW rebuilt over 5 parameters; state on the device 0 B" in text
 
 
 def test_the_chosen_optimizer_keeps_the_groups_and_hyperparameters():

@@ -24,7 +24,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 MIN_QUANTIZED = 4096  # torchao quantizes a moment of at least this many elements that its block divides
-CHUNK = 1 << 20  # elements updated at once (a multiple of every block)
+CHUNK = 1 << 24  # elements updated at once (a multiple of every block): a few fp32 temporaries of 64 MiB at most
 MOMENTS = ("exp_avg", "exp_avg_sq")  # the first moment's map is signed, the second's unsigned
 
 
