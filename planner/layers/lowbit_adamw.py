@@ -24,7 +24,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 MIN_QUANTIZED = 4096  # torchao quantizes a moment of at least this many elements that its block divides
-CHUNK = 1 << 24  # elements updated at once (a multiple of every block): a few fp32 temporaries of 64 MiB at most
+CHUNK = 1 << 24  # elements updated at once (a multiple of every block): temporaries of 64 MiB a tensor
 MOMENTS = ("exp_avg", "exp_avg_sq")  # the first moment's map is signed, the second's unsigned
 
 
@@ -105,17 +105,17 @@ LAYOUTS = {8: Layout(8, 256), 4: Layout(4, 128)}
 
 def _codes(x: Tensor, qmap: Tensor) -> Tensor:
     """The nearest map entry's index for each value of `x` (scaled into the map's range): torchao's branchless
-    binary search and rounding, so ties go the same way."""
+    binary search and rounding, so ties go the same way (in int32 rather than its int64: the same indices, half the
+    temporaries)."""
     top = qmap.numel()
-    codes = torch.where(x >= qmap[top // 2], top // 2, 0)
+    codes = (x >= qmap[top // 2]).int().mul_(top // 2)
     step = top // 4
     while step:
-        codes += torch.where(x >= qmap[codes + step], step, 0)
+        codes.add_((x >= qmap[codes + step]).int(), alpha=step)
         step //= 2
-    codes_up = (codes + 1).clip(max=top - 1)
+    codes_up = (codes + 1).clamp_(max=top - 1)
     val_down, val_up = qmap[codes], qmap[codes_up]
-    codes = torch.where(x - val_down >= (val_up - val_down) * 0.5, codes_up, codes)
-    return codes.to(torch.uint8)
+    return torch.where(x - val_down >= (val_up - val_down) * 0.5, codes_up, codes).to(torch.uint8)
 
 
 def quantize(x: Tensor, layout: Layout, qmap: Tensor) -> tuple[Tensor, Tensor]:
