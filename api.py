@@ -77,15 +77,19 @@ def trace_model_file(
     warmup: bool = True,
     loss: str = AS_BUILT,
     routing: str = DEFAULT_ROUTING,
+    optimizer: str = AS_BUILT,
 ) -> Trace:
     """One training step of a model file (docs/capture.md) with memplan's `layers` mode (or a mode per
     Transformer layer: {"layers.0": "full", ...}), as `memplan trace` records it; `fake` runs it under fake
     tensors (any size, nothing allocated; a mixture of experts routes its tokens by `routing`: balanced, worst or
     loads=W0,W1,...); `compile` under torch.compile at that activation memory budget; `warmup=False` records the
     first step (the optimizer creates its state inside it), not the steady one; `loss="fused"` computes a causal
-    LM's loss fused with its head, the logits never whole."""
+    LM's loss fused with its head, the logits never whole; `optimizer` rebuilds the model file's AdamW with smaller
+    state (memplan.modes.OPTIMIZERS: adamw-8bit, adamw-4bit, adamw-host)."""
     require_fake_for_routing(routing, fake)
-    step = StepSpec(path, batch, seq, dtype, device, layers, fake, compile, warmup, loss=loss, routing=routing)
+    step = StepSpec(
+        path, batch, seq, dtype, device, layers, fake, compile, warmup, loss=loss, routing=routing, optimizer=optimizer
+    )
     return trace_step(step)
 
 
@@ -169,13 +173,14 @@ def fit(
     capture: str = "auto",
     loss: str = AS_BUILT,
     routing: str = DEFAULT_ROUTING,
+    optimizer: str = AS_BUILT,
 ) -> FitResult:
     """The largest batch of `model_file` whose step fits `memory` bytes (or `gpu`: its memory less what it holds
-    outside the caching allocator) under each layer mode (with the step's `loss`), under the caching allocator and
-    under a plan, each proven by direct traces (real or fake, as `capture` says; fake ones route a mixture of
-    experts by `routing`)."""
+    outside the caching allocator) under each layer mode (with the step's `loss` and `optimizer`), under the caching
+    allocator and under a plan, each proven by direct traces (real or fake, as `capture` says; fake ones route a
+    mixture of experts by `routing`)."""
     require_fake_for_routing(routing, capture != "real")
-    step = StepSpec(model_file, seq=seq, dtype=dtype, loss=loss, routing=routing)
+    step = StepSpec(model_file, seq=seq, dtype=dtype, loss=loss, routing=routing, optimizer=optimizer)
     return fit_model(step, memory, gpu=as_gpu(gpu), modes=tuple(layers), capture=capture)
 
 
@@ -202,7 +207,8 @@ def optimize(
 def apply(model: nn.Module, optimizer: object, choice: PathLike | StepChoice, *, loss: object = None) -> tuple:
     """Put a choice (`memplan optimize -o FILE`, or a StepChoice) on your own model in place: its mode per
     Transformer layer and its loss (`loss`: the one you train on where it is not the model's own, as a model file's
-    `loss`). Returns (model, optimizer) to train with; ChoiceError where the choice is not this model's."""
+    `loss`), and your optimizer rebuilt as its optimizer choice. Returns (model, optimizer) to train with;
+    ChoiceError where the choice is not this model's."""
     return apply_choice(model, optimizer, choice if isinstance(choice, StepChoice) else load_choice(choice), loss)
 
 

@@ -11,7 +11,7 @@ import click
 
 from memplan.errors import MemplanError
 from memplan.gpus import GPU, GPUS, gpu
-from memplan.modes import LOSSES, losses_help, modes_help
+from memplan.modes import LOSSES, OPTIMIZERS, losses_help, modes_help, optimizers_help
 from memplan.planner.simulate.alloc_conf import TIE_BREAKS
 from memplan.step import DTYPES, StepSpec, require_fake_for_routing
 from memplan.units import SizeError, human_bytes, parse_bandwidth, parse_size
@@ -60,6 +60,10 @@ class Size(click.ParamType):
 SIZE = Size()
 LAYERS_HELP = f"Layer mode (memplan.modes). {modes_help()} The trace says what was swapped and what was left as built."
 LOSS_HELP = f"The step's loss (memplan.modes). {losses_help()} The trace says what it changed, or why nothing."
+OPTIMIZER_HELP = (
+    f"The step's optimizer (memplan.modes), the model file's AdamW or Adam rebuilt with its groups and "
+    f"hyperparameters; any other is refused. {optimizers_help()} The trace states its state's bytes."
+)
 
 
 # A model file (.py), a HuggingFace config.json, or a folder holding one (docs/capture.md).
@@ -74,9 +78,9 @@ def shape_option(name: str, what: str):
 
 
 def step_options(*, batch: bool = False, layers: bool = False, loss: bool = False, routing: bool = True):
-    """The options that shape a model file's step, declared once for every command that builds one: --seq and
-    --dtype, and --batch, --layers, --loss and --routing (fake steps) where the command takes them; choices and
-    defaults are StepSpec's."""
+    """The options that shape a model file's step, declared once for every command that builds one: --seq, --dtype
+    and --optimizer, and --batch, --layers, --loss and --routing (fake steps) where the command takes them; choices
+    and defaults are StepSpec's."""
     options = [shape_option("--batch", "Batch size")] if batch else []
     options += [shape_option("--seq", "Sequence length")]
     options += [click.option("--dtype", type=click.Choice(DTYPES), default=STEP_DEFAULTS["dtype"], show_default=True)]
@@ -86,6 +90,15 @@ def step_options(*, batch: bool = False, layers: bool = False, loss: bool = Fals
         "--loss", type=click.Choice(tuple(LOSSES)), default=STEP_DEFAULTS["loss"], show_default=True, help=LOSS_HELP
     )
     options += [loss_option] if loss else []
+    options += [
+        click.option(
+            "--optimizer",
+            type=click.Choice(tuple(OPTIMIZERS)),
+            default=STEP_DEFAULTS["optimizer"],
+            show_default=True,
+            help=OPTIMIZER_HELP,
+        )
+    ]
     routing_option = click.option(
         "--routing",
         default=STEP_DEFAULTS["routing"],
@@ -227,6 +240,7 @@ def trace_command(
     dtype,
     layers,
     loss,
+    optimizer,
     routing,
     device,
     fake,
@@ -259,7 +273,7 @@ def trace_command(
 
     require_fake_for_routing(routing, fake)
     step = StepSpec(model_file, batch, seq, dtype, device, layers, fake, compile, bool(warmup), loss=loss,
-                    routing=routing)  # fmt: skip
+                    routing=routing, optimizer=optimizer)  # fmt: skip
     step = step.on_gpu(gpu_name)
     bandwidth = None if host_bandwidth is None else parse_bandwidth(host_bandwidth)
     summary = trace_to_file(step, output, top=top, nproc=nproc, progress=progress, host_bandwidth=bandwidth)
@@ -489,7 +503,9 @@ def compare_command(trace_files, plan_files, method, time_limit, alloc_conf, tie
 @step_options(batch=True, layers=True, loss=True, routing=False)
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq, dtype, layers, loss, compile, as_json):
+def replay_command(
+    plan_file, model_file, trace_file, steps, device, batch, seq, dtype, layers, loss, optimizer, compile, as_json
+):
     """Run a model's training steps with the plan allocator and check them bitwise against the default one.
 
     Moves the parameters, optimizer state and inputs into their planned slots first, then reports the
@@ -502,7 +518,7 @@ def replay_command(plan_file, model_file, trace_file, steps, device, batch, seq,
     from memplan.planner.replay.model_replay import replay_model_file
     from memplan.planner.report.replay_text import render_replay
 
-    step = StepSpec(model_file, batch, seq, dtype, device, layers, compile=compile, loss=loss)
+    step = StepSpec(model_file, batch, seq, dtype, device, layers, compile=compile, loss=loss, optimizer=optimizer)
     report = replay_model_file(plan_file, step, trace_file=trace_file, steps=steps, progress=progress)
     summary = report.summary()
     emit(summary, as_json, render_replay(summary))
@@ -605,8 +621,9 @@ def solve_command(source, output, time_limit, capacity, method, alignment, scope
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def run_command(
-    model_file, out_dir, batch, seq, dtype, loss, routing, time_limit, replay_steps, capture, gpu_name, compile, as_json
-):
+    model_file, out_dir, batch, seq, dtype, loss, optimizer, routing, time_limit, replay_steps, capture, gpu_name,
+    compile, as_json
+):  # fmt: skip
     """The main job: trace MODEL_FILE under every layer mode (as-built, baseline, tempo, selective,
     tempo+selective, full, tempo+full), solve and simulate each, replay the tempo plan on the CPU, and
     write a report with two pictures. With fake traces there is no replay (it runs the real step).
@@ -622,7 +639,7 @@ def run_command(
 
     require_fake_for_routing(routing, capture != "real")
     step = StepSpec(model_file or os.path.relpath(DEFAULT_MODEL), batch, seq, dtype, compile=compile, loss=loss,
-                    routing=routing)  # fmt: skip
+                    routing=routing, optimizer=optimizer)  # fmt: skip
     opts = RunOptions(step, out_dir, time_limit=time_limit, replay_steps=replay_steps, capture=capture,
                       gpu=find_gpu(gpu_name))  # fmt: skip
     result = run(opts, progress=progress)
@@ -654,8 +671,8 @@ def run_command(
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def fit_command(
-    model_file, memory, gpu_name, modes, seq, dtype, loss, routing, alloc_conf, tie_break, time_limit, capture,
-    compile, as_json
+    model_file, memory, gpu_name, modes, seq, dtype, loss, optimizer, routing, alloc_conf, tie_break, time_limit,
+    capture, compile, as_json
 ):  # fmt: skip
     """The largest batch size whose training step fits --memory (or --gpu), under the caching allocator and under
     a plan.
@@ -674,7 +691,7 @@ def fit_command(
     memory_or_gpu(memory, gpu_name)
     require_fake_for_routing(routing, capture != "real")
     result = fit_model(
-        StepSpec(model_file, seq=seq, dtype=dtype, compile=compile, loss=loss, routing=routing),
+        StepSpec(model_file, seq=seq, dtype=dtype, compile=compile, loss=loss, routing=routing, optimizer=optimizer),
         memory,
         gpu=find_gpu(gpu_name),
         modes=tuple(modes) or SWEPT_MODES,
@@ -723,7 +740,7 @@ def budget_list(_ctx, _param, value: str) -> tuple[float, ...]:
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Figure to write: .png or .svg.")
 @click.option("--json", "as_json", is_flag=True, help="Print every point as JSON.")
 def tradeoff_command(
-    model_file, batch, seq, dtype, routing, budgets, time_limit, repeats, variants, capture, output, as_json
+    model_file, batch, seq, dtype, optimizer, routing, budgets, time_limit, repeats, variants, capture, output, as_json
 ):
     """Peak memory against extra compute for every layer mode and torch.compile budget, Pareto frontier marked.
 
@@ -733,7 +750,7 @@ def tradeoff_command(
     from memplan.planner.report.tradeoff_table import render_tradeoff
 
     require_fake_for_routing(routing, capture != "real")
-    step = StepSpec(model_file, batch, seq, dtype, routing=routing)
+    step = StepSpec(model_file, batch, seq, dtype, routing=routing, optimizer=optimizer)
     opts = TradeoffOptions(step, budgets, time_limit, repeats, capture, output, variants)
     result = tradeoff(opts, progress=progress)
     summary = result.summary()
@@ -764,7 +781,20 @@ def tradeoff_command(
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 def optimize_command(
-    model_file, memory, gpu_name, batch, max_batch, seq, dtype, loss, routing, time_limit, capture, output, as_json
+    model_file,
+    memory,
+    gpu_name,
+    batch,
+    max_batch,
+    seq,
+    dtype,
+    loss,
+    optimizer,
+    routing,
+    time_limit,
+    capture,
+    output,
+    as_json,
 ):
     """A mode per Transformer layer (as-built, tempo, selective, tempo+selective, full) so the step fits --memory
     (or --gpu) with the least recompute, chosen by CP-SAT on a model measured from traces and checked by tracing it.
@@ -781,7 +811,9 @@ def optimize_command(
         raise click.UsageError("--batch and --max-batch exclude each other", ctx=click.get_current_context())
     memory_or_gpu(memory, gpu_name)
     require_fake_for_routing(routing, capture != "real")
-    step = StepSpec(model_file, 1 if max_batch else batch or 2, seq, dtype, loss=loss, routing=routing)
+    step = StepSpec(
+        model_file, 1 if max_batch else batch or 2, seq, dtype, loss=loss, routing=routing, optimizer=optimizer
+    )
     opts = OptimizeOptions(step, memory, max_batch, capture, time_limit, gpu=find_gpu(gpu_name))
     result = optimize(opts, progress=progress)
     summary = result.summary()

@@ -198,3 +198,30 @@ def check_loss(name: str) -> str:
 def losses_help() -> str:
     """Every loss and what it does, for the command line's help."""
     return " ".join(f"{name}: {what}." for name, what in LOSSES.items())
+
+
+# The optimizer of a step, chosen once per step: the model file's as built, or its AdamW (or Adam) rebuilt with the
+# same parameter groups and hyperparameters as one that keeps its state smaller on the device
+# (planner/layers/optimizer_choice.py converts it). As built is the same AS_BUILT as the layer modes'.
+ADAMW_8BIT, ADAMW_4BIT, ADAMW_HOST = "adamw-8bit", "adamw-4bit", "adamw-host"
+OPTIMIZERS: dict[str, str] = {
+    AS_BUILT: "the model file's optimizer as built()",
+    ADAMW_8BIT: "AdamW with both moments block-wise quantized to 8 bits (torchao's AdamW8bit layout: blocks of 256, "
+    "an fp32 scale per block, a dynamic-tree map)",
+    ADAMW_4BIT: "AdamW with both moments block-wise quantized to 4 bits, two per byte (torchao's AdamW4bit layout: "
+    "blocks of 128, an fp32 scale per block)",
+    ADAMW_HOST: "AdamW with its state and its fp32 step on the host (CPU offload): the device holds the parameters "
+    "and gradients only",
+}
+
+
+def check_optimizer(name: str) -> str:
+    """`name` if it is a registered optimizer choice; PatchError naming the choices otherwise."""
+    if not isinstance(name, str) or name not in OPTIMIZERS:
+        raise PatchError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    return name
+
+
+def optimizers_help() -> str:
+    """Every optimizer choice and what it does, for the command line's help."""
+    return " ".join(f"{name}: {what}." for name, what in OPTIMIZERS.items())

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from memplan.errors import CompileError, MemplanError
 from memplan.gpus import GPU, gpu
-from memplan.modes import AS_BUILT, check_layer_modes, check_loss, describe_assignment, mode
+from memplan.modes import AS_BUILT, check_layer_modes, check_loss, check_optimizer, describe_assignment, mode
 from memplan.routing import DEFAULT as DEFAULT_ROUTING
 from memplan.routing import Routing
 
@@ -43,6 +43,8 @@ class StepSpec:
     loss: str = AS_BUILT  # one of modes.LOSSES: the model's loss as built, or fused (planner/layers/loss_patch.py)
     routing: str = DEFAULT_ROUTING  # the rule a fake step's mixture of experts routes its tokens by (memplan.routing:
     #                                 balanced, worst, loads=W0,W1,...); a real step routes by its router's values
+    optimizer: str = AS_BUILT  # one of modes.OPTIMIZERS: the model file's optimizer as built, or its AdamW rebuilt
+    #                            with smaller state (planner/layers/optimizer_choice.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_file", os.fspath(self.model_file))
@@ -65,6 +67,7 @@ class StepSpec:
         if check_loss(self.loss) != AS_BUILT and self.compile is not None:
             raise StepError(f"--loss {self.loss} does not take --compile: Dynamo does not trace its deferred head")
         object.__setattr__(self, "routing", str(Routing.parse(self.routing)))
+        check_optimizer(self.optimizer)
 
     def replace(self, **changes) -> StepSpec:
         """This step with `changes` (checked again)."""
@@ -96,6 +99,7 @@ class StepSpec:
         parts += [] if self.device == "cpu" else [f"--device {self.device}"]
         parts += [f"--layers {shlex.quote(self.mode_name)}"] if not self.per_layer else []
         parts += [] if self.loss == AS_BUILT else [f"--loss {self.loss}"]
+        parts += [] if self.optimizer == AS_BUILT else [f"--optimizer {self.optimizer}"]
         parts += ["--fake"] if self.fake else []
         parts += [f"--routing {self.routing}"] if self.fake and self.routing != DEFAULT_ROUTING else []
         parts += [] if self.gpu is None else [f"--gpu {shlex.quote(self.gpu.name)}"]
@@ -111,8 +115,10 @@ class StepSpec:
 
     @property
     def name(self) -> str:
-        """The step's layer mode and its loss when not as built, as trace files name it: `tempo`, `tempo.loss-fused`."""
-        return self.mode_name if self.loss == AS_BUILT else f"{self.mode_name}.loss-{self.loss}"
+        """The step's layer mode, and its loss and optimizer when not as built, as trace files name it: `tempo`,
+        `tempo.loss-fused`, `tempo.loss-fused.adamw-8bit` (the optimizer choices' names say what they are)."""
+        name = self.mode_name if self.loss == AS_BUILT else f"{self.mode_name}.loss-{self.loss}"
+        return name if self.optimizer == AS_BUILT else f"{name}.{self.optimizer}"
 
     @property
     def parameters_dtype(self) -> str:
@@ -136,6 +142,7 @@ class StepSpec:
         tensors += f", routing {self.routing}" if self.fake and self.routing != DEFAULT_ROUTING else ""
         where = self.device if self.gpu is None else f"{self.device} ({self.gpu.name})"
         losses = "" if self.loss == AS_BUILT else f", loss {self.loss}"
+        losses += "" if self.optimizer == AS_BUILT else f", optimizer {self.optimizer}"
         return f"batch {self.batch}, seq {self.seq}, {self.dtype}, {where}, layers {self.mode_name}{losses}, {tensors}"
 
 

@@ -15,7 +15,9 @@ from memplan.planner.optimize.choice_file import FORMAT, ChoiceError, StepChoice
 from memplan.planner.workloads import gpt2
 
 LAYERS = (("layers.0", "full"), ("layers.1", "tempo"))
-CHOICE = StepChoice("examples/gpt2.py", 2, 64, "float32", LAYERS, "as-built", 1000, 900, 950, "optimal", "sha256:0")
+CHOICE = StepChoice(
+    "examples/gpt2.py", 2, 64, "float32", LAYERS, "as-built", "as-built", 1000, 900, 950, "optimal", "sha256:0"
+)
 
 
 def tiny():
@@ -53,6 +55,7 @@ def broken(data: dict, path: str, value) -> dict:
         ("actions/layers", ["layers.0"], "actions.layers is not an object"),
         ("actions/layers/layers.0", "baseline", "is not a per-layer mode"),
         ("actions/loss", "chunked", "unknown loss 'chunked'"),
+        ("actions/optimizer", "lion", "unknown optimizer 'lion'"),
         ("verified/plan_arena", 2000, "larger than its memory"),
         ("verified/trace_digest", ..., "missing 'trace_digest'"),
         ("verified", [], "verified is not an object"),
@@ -92,3 +95,17 @@ def test_a_loss_that_cannot_apply_leaves_the_model_as_it_was():
     assert PATCHED not in vars(workload.model)
     model, _ = memplan.apply(workload.model, workload.optimizer, fused, loss=workload.loss_fn)
     assert vars(model)[PATCHED] is not None
+
+
+def test_the_optimizer_choice_rebuilds_the_optimizer_or_refuses_before_anything_changes():
+    workload = tiny()
+    model, optimizer = memplan.apply(
+        workload.model, workload.optimizer, dataclasses.replace(CHOICE, optimizer="adamw-8bit")
+    )
+    assert optimizer is not workload.optimizer and type(optimizer).__name__ == "LowBitAdamW"
+    assert optimizer.param_groups[0]["lr"] == workload.optimizer.param_groups[0]["lr"]
+    fresh = tiny()
+    sgd = torch.optim.SGD(fresh.model.parameters(), lr=0.1)
+    with pytest.raises(ChoiceError, match="the choice's optimizer cannot apply: .*only AdamW and Adam convert"):
+        memplan.apply(fresh.model, sgd, dataclasses.replace(CHOICE, optimizer="adamw-4bit"))
+    assert PATCHED not in vars(fresh.model)

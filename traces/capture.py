@@ -336,6 +336,11 @@ class Recording:
                 ),
                 **({"loss_patch": workload.loss_patch.to_dict()} if workload.loss_patch is not None else {}),
                 **({"host": host_columns} if host is not None else {}),
+                **(
+                    {"optimizer_state": workload.optimizer_choice.to_dict()}
+                    if workload.optimizer_choice is not None
+                    else {}
+                ),
                 **self._meta,
             },
         )

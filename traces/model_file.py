@@ -14,7 +14,8 @@ or returns a `traces.workload.Workload` (its `name` left at the default is the f
 name is the workload's everywhere: the trace's meta "model" and replay's report. `inputs` is a tensor,
 a tuple (passed positionally) or a dict (passed by keyword). memplan seeds torch with 0 before calling
 build(), casts a dict's model to `dtype` and `device`, and applies the step's layer mode (planner.layers.patch) and
-loss (planner.layers.patch_loss) before the optimizer is made.
+loss (planner.layers.patch_loss) before the optimizer is made, and then its optimizer choice
+(planner.layers.choose_optimizer: the optimizer rebuilt with smaller state, when not as built).
 Every breach of the protocol raises ModelFileError with one line naming what is wrong. The file is
 imported with its own folder first on sys.path, so it can import its sibling modules (`_model_folder_on_path`).
 """
@@ -35,6 +36,7 @@ from torch import nn
 
 from memplan.errors import MemplanError, ModelFileError
 from memplan.planner.layers.loss_patch import patch_loss
+from memplan.planner.layers.optimizer_choice import choose_optimizer
 from memplan.planner.layers.patch import patch
 from memplan.step import StepSpec
 from memplan.traces.fake import module_to
@@ -192,8 +194,8 @@ def import_model_file(path: str | os.PathLike) -> Callable[..., Any]:
 
 def build_workload(step: StepSpec, build: Callable[..., Any]) -> Workload:
     """Call the step's model file's build() (imported by `import_model_file`) and return the Workload with the
-    step's layer mode and loss applied; under fake tensors when `step.fake` (a CUDA device then needs no GPU, but a CUDA
-    build of torch)."""
+    step's layer mode, loss and optimizer choice applied; under fake tensors when `step.fake` (a CUDA device then
+    needs no GPU, but a CUDA build of torch)."""
     path, dtype = Path(step.model_file), getattr(torch, step.parameters_dtype)
     dev = require_device(step.device, step.fake)
     torch.manual_seed(0)
@@ -217,6 +219,7 @@ def build_workload(step: StepSpec, build: Callable[..., Any]) -> Workload:
             "'model' and 'inputs', or a traces.workload.Workload"
         )
     _check_placement(path, workload, dtype, dev)
+    workload.optimizer, workload.optimizer_choice = choose_optimizer(workload.optimizer, step.optimizer)
     workload.autocast = getattr(torch, step.autocast) if step.autocast else None
     return workload
 

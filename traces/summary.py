@@ -54,6 +54,8 @@ class TraceSummary:
     patch: dict | None  # what the layer mode changed (planner.layers.PatchReport's dict), None when no mode ran
     loss: str = AS_BUILT  # the step's loss (modes.LOSSES)
     loss_patch: dict | None = None  # what the loss choice changed (planner.layers.LossPatch's dict), None when none ran
+    optimizer_state: dict | None = None  # what the optimizer choice made (planner.layers.OptimizerChoice's dict), None
+    #                                      for the model file's optimizer as built
     # storages the step read that the trace lacks (made before recording: traces.unrecorded.Unrecorded's dict), {}
     unrecorded: dict = field(default_factory=dict)
     # offloaded layers' host copies (traces.host.host_summary: copies, moved, peak_bytes, at_device_peak), {} if none
@@ -125,6 +127,7 @@ def summarize(trace: Trace, top: int = 5) -> TraceSummary:
         patch=trace.meta.get("patch"),
         loss=trace.meta.get("loss", AS_BUILT),
         loss_patch=trace.meta.get("loss_patch"),
+        optimizer_state=trace.meta.get("optimizer_state"),
         unrecorded=trace.meta.get("unrecorded") or {},
         host=host_summary(trace, t),
     )

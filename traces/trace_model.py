@@ -40,6 +40,7 @@ def trace_step(step: StepSpec, meta: dict | None = None, progress: Callable[[str
     info = {  # meta "model" is capture_step's: the workload's name (the model file's "name", else its file name)
         "layers": step.mode_name,
         "loss": step.loss,
+        "optimizer_choice": step.optimizer,
         "batch": step.batch,
         "seq": step.seq,
         "dtype": step.dtype,

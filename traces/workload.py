@@ -40,6 +40,8 @@ class Workload:
     autocast: torch.dtype | None = None  # forward and loss under torch.autocast in this dtype (mixed precision)
     loss_patch: Any = None  # what the step's loss choice changed (planner.layers.LossPatch, meta "loss_patch" as it
     #                         stands when the step ends: how the fused loss ran), when one was applied
+    optimizer_choice: Any = None  # what the step's optimizer choice made of the model file's optimizer
+    #                               (planner.layers.OptimizerChoice, meta "optimizer_state"), when not as built
 
     def forward(self) -> Any:
         if isinstance(self.inputs, tuple):

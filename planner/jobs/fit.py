@@ -147,6 +147,7 @@ class FitResult:
             "seq": self.step.seq,
             "dtype": self.step.dtype,
             "loss": self.step.loss,
+            "optimizer": self.step.optimizer,
             "alloc_conf": self.alloc_conf,
             "tie_break": self.tie_break,
             "capture": self.capture.name,

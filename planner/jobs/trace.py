@@ -26,11 +26,11 @@ def trace_to_file(
     host_bandwidth: int | None = None,
 ) -> dict:
     """Trace `step` and write it to `output` (default: <model>.<step name>.trace.json.gz, the step's name its layer
-    mode and any loss but as-built, `tempo.loss-fused`; <model>.<step name>.compiled-<budget>.trace.json.gz for a
-    compiled step); returns the summary (the JSON of `memplan trace --json`;
-    planner.report.trace_text.render_trace_file is its text), with `host_transfer`, the time offloaded layers' host
-    copies take over the host link of the step's GPU or at `host_bandwidth` bytes/s, when there are copies and a
-    link (else None)."""
+    mode and any loss and optimizer but as-built, `tempo.loss-fused.adamw-8bit`;
+    <model>.<step name>.compiled-<budget>.trace.json.gz for a compiled step); returns the summary (the JSON of
+    `memplan trace --json`; planner.report.trace_text.render_trace_file is its text), with `host_transfer`, the time
+    offloaded layers' host copies take over the host link of the step's GPU or at `host_bandwidth` bytes/s, when
+    there are copies and a link (else None)."""
     require_real_tensors(step)  # before anything is said or built
     if nproc is not None:
         if step.compile is not None:

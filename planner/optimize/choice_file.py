@@ -1,5 +1,5 @@
-"""The choice file: what `memplan optimize -o FILE` chose for one step (a mode per Transformer layer and the
-step's loss), with the figures of the trace and plan that verified it, for `memplan.apply` to put on the
+"""The choice file: what `memplan optimize -o FILE` chose for one step (a mode per Transformer layer, the step's
+loss and optimizer), with the figures of the trace and plan that verified it, for `memplan.apply` to put on the
 user's own model. Format memplan-choice/1, JSON (docs/formats.md: Choice files)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 from memplan.errors import MemplanError
 from memplan.files import atomic_write, decode_json, read_bytes
-from memplan.modes import AS_BUILT, check_layer_modes, check_loss
+from memplan.modes import AS_BUILT, check_layer_modes, check_loss, check_optimizer
 from memplan.step import StepSpec
 
 FORMAT = "memplan-choice/1"
@@ -31,6 +31,7 @@ class StepChoice:
     dtype: str
     layers: tuple[tuple[str, str], ...]  # (Transformer layer path, its mode), in the model's order
     loss: str  # of modes.LOSSES, chosen once per step
+    optimizer: str  # of modes.OPTIMIZERS, chosen once per step
     memory: int  # bytes the step's plan was asked to fit
     peak_live: int  # the verified trace's peak live bytes
     plan_arena: int  # its plan's arena: at most `memory`
@@ -40,7 +41,15 @@ class StepChoice:
 
     def step(self) -> StepSpec:
         """The step the choice was verified on, as memplan traces it (`memplan trace` of the model file)."""
-        return StepSpec(self.model_file, self.batch, self.seq, self.dtype, mode=self.layers, loss=self.loss)
+        return StepSpec(
+            self.model_file,
+            self.batch,
+            self.seq,
+            self.dtype,
+            mode=self.layers,
+            loss=self.loss,
+            optimizer=self.optimizer,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The file's JSON object."""
@@ -48,7 +57,7 @@ class StepChoice:
             "format": FORMAT,
             "model_file": self.model_file,
             "step": {"batch": self.batch, "seq": self.seq, "dtype": self.dtype},
-            "actions": {"layers": dict(self.layers), "loss": self.loss},
+            "actions": {"layers": dict(self.layers), "loss": self.loss, "optimizer": self.optimizer},
             "verified": {
                 "memory": self.memory,
                 "peak_live": self.peak_live,
@@ -97,6 +106,7 @@ def _parse(data: Any) -> StepChoice:
         dtype=_text(step, "dtype"),
         layers=tuple(check_layer_modes(layers).items()),
         loss=check_loss(actions.get("loss", AS_BUILT)),
+        optimizer=check_optimizer(actions.get("optimizer", AS_BUILT)),
         memory=_count(verified, "memory", 0),
         peak_live=_count(verified, "peak_live", 0),
         plan_arena=_count(verified, "plan_arena", 0),

@@ -39,6 +39,16 @@ def describe_loss(report: dict) -> str:
     return "; ".join([text, *report["notes"]])
 
 
+def describe_optimizer(report: dict) -> str:
+    """What the step's optimizer choice made, in one line (a trace's meta "optimizer_state": OptimizerChoice's data)."""
+    text = (
+        f"optimizer {report['optimizer']}: the model file's {report['built']} rebuilt over {report['parameters']:,} "
+        f"parameters; state on the device {human_bytes(report['device_bytes'], grouped=True)} (as built: "
+        f"{human_bytes(report['built_bytes'], grouped=True)})"
+    )
+    return text + (f", on the host {human_bytes(report['host_bytes'], grouped=True)}" if report["host_bytes"] else "")
+
+
 def loss_words(summary: dict) -> str:
     """`, loss fused` for a command's summary whose step's loss is not as built, else ''."""
     loss = summary.get("loss", AS_BUILT)
@@ -74,6 +84,7 @@ def render_trace(s: TraceSummary) -> str:
     that a fake trace cannot, what was taken by rule, what its mode changed, its peak, and what is live then."""
     tensors = ", fake tensors" if s.fake else ""
     loss = "" if s.loss == AS_BUILT else f", loss {s.loss}"
+    loss += f", optimizer {s.optimizer_state['optimizer']}" if s.optimizer_state else ""
     lines = [
         f"trace of {s.model} ({s.layers}{loss}, {s.device}, {s.dtype}{tensors}): {s.buffers} buffers, "
         f"{s.recorded} allocated during the step, {s.end - 1} events"
@@ -99,6 +110,8 @@ def render_trace(s: TraceSummary) -> str:
         lines.append(describe_patch(s.patch))
     if s.loss_patch and s.loss != AS_BUILT:
         lines.append(describe_loss(s.loss_patch))
+    if s.optimizer_state:
+        lines.append(describe_optimizer(s.optimizer_state))
     lines.append(
         f"peak live: {human_bytes(s.peak_bytes, grouped=True)} ({s.peak_bytes:,} bytes) at time {s.peak_time}, "
         f"phase {s.peak_phase}, module {s.peak_module or '-'}, op {s.peak_op or '-'}"
