@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,16 @@ class Workload:
     autocast: torch.dtype | None = None  # forward and loss under torch.autocast in this dtype (mixed precision)
     loss_patch: Any = None  # what the step's loss choice changed (planner.layers.LossPatch, meta "loss_patch" as it
     #                         stands when the step ends: how the fused loss ran), when one was applied
+
+    def roots(self) -> list[nn.Module]:
+        """The modules the step calls from outside the model: a call of one of them outside backward is a forward (a
+        pipeline's stages; else the model)."""
+        return [self.model]
+
+    def held(self) -> Iterator[tuple[torch.Tensor, str, str]]:
+        """(tensor, category, module) for what the step's own machinery keeps between steps beyond the model,
+        optimizer and inputs (a pipeline's receive buffers): labelled so when a step begins. None here."""
+        return iter(())
 
     def forward(self) -> Any:
         if isinstance(self.inputs, tuple):
