@@ -4,7 +4,8 @@ stages.
 
 MEMPLAN_PIPELINE_SCHEDULE picks the schedule: 1f1b (default), gpipe or interleaved-1f1b. MEMPLAN_MICROBATCHES cuts
 the batch into that many equal micro-batches (default: one sample each). The shape comes from MEMPLAN_PRESET: tiny
-(default: examples/llama.py's tiny Llama with 8 layers, enough for 4 ranks of two stages), 7b or 8b.
+(default: examples/llama.py's tiny Llama with 8 layers, enough for 4 ranks of two stages), 7b or 8b; MEMPLAN_LAYERS
+sets its number of layers (at least one a stage).
 Example: MEMPLAN_PIPELINE_SCHEDULE=1f1b memplan trace examples/llama_pipeline.py --nproc 2 --batch 4 -o pp.json.gz
 """
 
@@ -22,18 +23,23 @@ def build(batch_size, seq_len, dtype, device):
     preset = os.environ.get("MEMPLAN_PRESET", "tiny")
     schedule = os.environ.get("MEMPLAN_PIPELINE_SCHEDULE", "1f1b")
     microbatches = os.environ.get("MEMPLAN_MICROBATCHES")
+    layers = os.environ.get("MEMPLAN_LAYERS")
     if preset not in PIPELINE_PRESETS:
         raise ValueError(f"MEMPLAN_PRESET={preset!r} is not one of {', '.join(PIPELINE_PRESETS)}")
     if schedule not in SCHEDULES:
         raise ValueError(f"MEMPLAN_PIPELINE_SCHEDULE={schedule!r} is not one of {', '.join(SCHEDULES)}")
-    if microbatches is not None and not microbatches.isdigit():
-        raise ValueError(f"MEMPLAN_MICROBATCHES={microbatches!r} is not a whole number")
+    for name, value in (("MEMPLAN_MICROBATCHES", microbatches), ("MEMPLAN_LAYERS", layers)):
+        if value is not None and not value.isdigit():
+            raise ValueError(f"{name}={value!r} is not a whole number")
+    config = PIPELINE_PRESETS[preset]
+    if layers is not None:
+        config = dataclasses.replace(config, layers=int(layers))
     return build_workload(
         batch_size,
         seq_len,
         dtype,
         device,
-        config=PIPELINE_PRESETS[preset],
+        config=config,
         schedule=schedule,
         microbatches=int(microbatches) if microbatches is not None else None,
     )

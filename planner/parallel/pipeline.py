@@ -84,14 +84,13 @@ class PipelineWorkload(Workload):
 
     def held(self) -> Iterator[tuple[torch.Tensor, str, str]]:
         """The stages' P2P receive buffers (activations from the previous stage, gradients from the next, one per
-        micro-batch, made once and kept across steps) and the input gradients left on them by the last step."""
+        micro-batch, made on the first step and kept across steps; named by pipelining's names for them) and the
+        targets."""
         for stage in self.stages:
             infos = [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
             for info in (i for chunk in infos for i in chunk):
                 if isinstance(info.buffer, torch.Tensor):
                     yield info.buffer, COMMUNICATION, info.input_name
-                    if info.buffer.grad is not None:
-                        yield info.buffer.grad, COMMUNICATION, info.input_name
         if self.targets is not None:
             yield self.targets, "input", ""
 
