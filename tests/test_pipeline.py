@@ -18,24 +18,29 @@ torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = str(ROOT / "examples" / "llama_pipeline.py")
 SEQ = 16
+SCALARS = 16  # bytes of CPU scalars (internal) a gloo rank may hold at its peak beside the fake rank's buffers
 
 
 def ranks(folder: Path, nproc: int, batch: int, fake: bool) -> list[Trace]:
     """Each rank's trace of the pipelined step on `nproc` ranks: fake (one process) or real gloo processes. The
-    tests' Llama has one layer a stage (MEMPLAN_LAYERS, set by each test)."""
+    tests' Llama is short (MEMPLAN_LAYERS, set by each test): two layers a stage, or one for the interleaved one."""
     output = folder / ("fake" if fake else "gloo") / "trace.json.gz"
     trace_ranks(StepSpec(PIPELINE, batch, SEQ, fake=fake), output, nproc)
     return [load(rank_path(output, rank)) for rank in range(nproc)]
 
 
-def in_flight(trace: Trace, microbatches: int) -> float:
-    """Micro-batches whose activations the stage holds when its first backward begins: the activation bytes live
-    then over one micro-batch's (every micro-batch's forward allocates the same, so the step's total over their
-    number)."""
+def activations_in_flight(trace: Trace) -> int:
+    """Activation bytes the stage holds when its first backward begins."""
     first_backward = min(int(a) for a, phase in zip(trace.alloc, trace.phase) if a > 0 and phase == "backward")
     activations = [i for i in range(len(trace)) if trace.category[i] == "activation"]
-    live = sum(int(trace.size[i]) for i in activations if trace.alloc[i] < first_backward <= trace.free[i])
-    return live / (sum(int(trace.size[i]) for i in activations) / microbatches)
+    return sum(int(trace.size[i]) for i in activations if trace.alloc[i] < first_backward <= trace.free[i])
+
+
+def in_flight(trace: Trace, microbatches: int) -> float:
+    """Micro-batches whose activations the stage holds when its first backward begins: the bytes then over one
+    micro-batch's activation bytes (every micro-batch's forward keeps the same: the step's total over their number)."""
+    total = sum(int(size) for size, category in zip(trace.size, trace.category) if category == "activation")
+    return activations_in_flight(trace) / (total / microbatches)
 
 
 def receive_buffers(trace: Trace) -> list[int]:
@@ -50,16 +55,17 @@ def receive_buffers(trace: Trace) -> list[int]:
 def test_fake_ranks_equal_gloo_ranks_buffer_for_buffer(tmp_path, monkeypatch, world):
     """A 1F1B pipeline of 8 micro-batches on real gloo processes and on the fake process group: every rank holds the
     same buffers when the step begins and allocates and frees the same ones, in the same order, with the same sizes
-    and labels (gloo's staging buffers and kernels' scratch aside: internal), so the peaks are equal. Stage k keeps
-    world - k micro-batches in flight, stage 0 the most."""
+    and labels (gloo's staging buffers, kernels' scratch and CPU scalars aside: internal), so the peaks are equal
+    but for those scalars. Stage k keeps world - k micro-batches in flight, stage 0 the most."""
     monkeypatch.setenv("MEMPLAN_PIPELINE_SCHEDULE", "1f1b")
     monkeypatch.setenv("MEMPLAN_MICROBATCHES", "8")
-    monkeypatch.setenv("MEMPLAN_LAYERS", str(world))
+    monkeypatch.setenv("MEMPLAN_LAYERS", str(2 * world))
     fake, real = ranks(tmp_path, world, 8, fake=True), ranks(tmp_path, world, 8, fake=False)
     for predicted, measured in zip(fake, real):
         assert buffer_events(predicted) == buffer_events(measured)
-        assert predicted.peak()[0] == measured.peak()[0]
+        assert predicted.peak()[0] <= measured.peak()[0] <= predicted.peak()[0] + SCALARS
     assert [in_flight(trace, 8) for trace in fake] == [world - k for k in range(world)]
+    assert activations_in_flight(fake[0]) > max(activations_in_flight(trace) for trace in fake[1:])
 
 
 @pytest.mark.parametrize(("schedule", "held"), [("1f1b", [2, 1]), ("gpipe", [4, 4])])
@@ -70,11 +76,13 @@ def test_a_schedule_s_micro_batches_in_flight(tmp_path, monkeypatch, schedule, h
     stage, gradients from the next: (batch / micro-batches) x seq x hidden fp32 each)."""
     monkeypatch.setenv("MEMPLAN_PIPELINE_SCHEDULE", schedule)
     monkeypatch.setenv("MEMPLAN_MICROBATCHES", "4")
-    monkeypatch.setenv("MEMPLAN_LAYERS", "2")
+    monkeypatch.setenv("MEMPLAN_LAYERS", "4")
     traces = ranks(tmp_path, 2, 4, fake=True)
     assert [in_flight(trace, 4) for trace in traces] == held
     for trace in traces:
         assert receive_buffers(trace) == [1 * SEQ * 64 * 4] * 4
+    if schedule == "1f1b":  # the stages' traces differ: stage 0 holds more, though the last holds the logits too
+        assert activations_in_flight(traces[0]) > activations_in_flight(traces[1])
 
 
 @pytest.mark.slow
