@@ -137,3 +137,16 @@ def test_a_stage_without_its_shapes_is_refused_under_fake(tmp_path):
     )
     with pytest.raises(RankError, match="pipeline stage 0 was given no input_args and output_args"):
         trace_ranks(StepSpec(str(model_file), 2, SEQ, fake=True), tmp_path / "t.json.gz", 2)
+
+
+def test_fake_cuda_ranks(tmp_path, monkeypatch):
+    """--fake --device cuda: every rank runs in turn on this process's one (fake) CUDA device, rank 1 included; its
+    receive buffers are on the device."""
+    monkeypatch.setenv("MEMPLAN_MICROBATCHES", "2")
+    monkeypatch.setenv("MEMPLAN_LAYERS", "2")
+    output = tmp_path / "cuda.json.gz"
+    trace_ranks(StepSpec(PIPELINE, 2, SEQ, fake=True, device="cuda"), output, 2)
+    for rank in range(2):
+        trace = load(rank_path(output, rank))
+        assert trace.meta["device"] == "cuda" and trace.meta["rank"] == rank
+        assert len(receive_buffers(trace)) == 2
