@@ -57,15 +57,31 @@ def test_fake_ranks_equal_gloo_ranks_buffer_for_buffer(tmp_path, monkeypatch, wo
     same buffers when the step begins and allocates and frees the same ones, in the same order, with the same sizes
     and labels (gloo's staging buffers, kernels' scratch and CPU scalars aside: internal), so the peaks are equal
     but for those scalars. Stage k keeps world - k micro-batches in flight, stage 0 the most."""
-    monkeypatch.setenv("MEMPLAN_PIPELINE_SCHEDULE", "1f1b")
-    monkeypatch.setenv("MEMPLAN_MICROBATCHES", "8")
-    monkeypatch.setenv("MEMPLAN_LAYERS", str(2 * world))
-    fake, real = ranks(tmp_path, world, 8, fake=True), ranks(tmp_path, world, 8, fake=False)
+    fake = same_on_gloo(tmp_path, monkeypatch, "1f1b", world, layers=2 * world, microbatches=8)
+    assert [in_flight(trace, 8) for trace in fake] == [world - k for k in range(world)]
+    assert activations_in_flight(fake[0]) > max(activations_in_flight(trace) for trace in fake[1:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("schedule", "layers"), [("gpipe", 4), ("interleaved-1f1b", 4)])
+def test_other_schedules_equal_gloo_ranks(tmp_path, monkeypatch, schedule, layers):
+    """GPipe and interleaved 1F1B (two stages a rank) on two ranks, four micro-batches: the fake ranks equal the gloo
+    ranks buffer for buffer too."""
+    same_on_gloo(tmp_path, monkeypatch, schedule, 2, layers=layers, microbatches=4)
+
+
+def same_on_gloo(tmp_path, monkeypatch, schedule: str, world: int, layers: int, microbatches: int) -> list[Trace]:
+    """The fake ranks' traces of the schedule's step (batch = micro-batches), each asserted equal to the gloo rank's
+    buffer for buffer, its peak within the gloo rank's CPU scalars."""
+    monkeypatch.setenv("MEMPLAN_PIPELINE_SCHEDULE", schedule)
+    monkeypatch.setenv("MEMPLAN_MICROBATCHES", str(microbatches))
+    monkeypatch.setenv("MEMPLAN_LAYERS", str(layers))
+    fake = ranks(tmp_path, world, microbatches, fake=True)
+    real = ranks(tmp_path, world, microbatches, fake=False)
     for predicted, measured in zip(fake, real):
         assert buffer_events(predicted) == buffer_events(measured)
         assert predicted.peak()[0] <= measured.peak()[0] <= predicted.peak()[0] + SCALARS
-    assert [in_flight(trace, 8) for trace in fake] == [world - k for k in range(world)]
-    assert activations_in_flight(fake[0]) > max(activations_in_flight(trace) for trace in fake[1:])
+    return fake
 
 
 @pytest.mark.parametrize(("schedule", "held"), [("1f1b", [2, 1]), ("gpipe", [4, 4])])
