@@ -76,6 +76,16 @@ def test_fake_ranks_match_gloo_ranks(tmp_path, monkeypatch, model_file):
         assert predicted.peak()[0] <= measured.peak()[0] + SCALARS
 
 
+def test_fsdp2_fake_cuda_ranks(tmp_path, monkeypatch):
+    """--fake --device cuda: the ranks run in turn on this process's one (fake) CUDA device, so FSDP2 finds every
+    rank's parameters on the device its mesh names (rank 1 included), and the ranks hold the same shards."""
+    monkeypatch.setenv("MEMPLAN_PRESET", "tiny")
+    output = tmp_path / "fsdp2.json.gz"
+    trace_ranks(StepSpec(FSDP2, 2, 16, fake=True, device="cuda"), output, 2)
+    traces = [load(rank_path(output, rank)) for rank in range(2)]
+    assert state_bytes(traces[0]) == state_bytes(traces[1])
+
+
 def test_a_mesh_made_from_a_fake_tensor_is_refused(tmp_path):
     """A DeviceMesh given a tensor built under fake tensors has no rank numbers to read: a clear error."""
     model_file = tmp_path / "mesh.py"

@@ -137,7 +137,8 @@ def _launcher_quiet() -> Iterator[None]:
 def _trace_rank(work: Path, step: StepSpec, top: int) -> dict:
     """One rank of `memplan trace --nproc`: build the workload, capture its step, save, summarise."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = f"cuda:{rank}" if step.device == "cuda" else "cpu"
+    # a real rank has its own GPU; fake ranks run in turn in one process whose (fake) device is cuda:0
+    device = f"cuda:{rank}" if step.device == "cuda" and not step.fake else step.device
     meta = {"rank": rank, "world_size": world, "backend": dist.get_backend()}
     trace = trace_step(step.replace(device=device), meta=meta)
     save(trace, work / f"rank{rank}.json.gz")

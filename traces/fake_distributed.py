@@ -8,15 +8,27 @@ from a collective's result, answered as the real ranks' would be, so a user's FS
   ranks are one program here: skipped), and the fake process group's all-reduce gives its gradient reducer no
   result, so a DDP model without a communication hook of its own gets DDP's default one (the bucket divided by the
   world size, then all-reduced, in place) written in Python, with the bucket as the result.
+- torch.distributed.pipelining: a schedule's first step has its stages vote, over P2P, whether every stage was given
+  its shapes (static metadata) or they must be sent between stages; the fake process group's receives move nothing
+  (the vote would read 0: send the shapes, which cannot arrive), so each stage decides from its own metadata, and a
+  stage given none is refused with a one-line error. Its receive buffers are then made from that metadata, as on
+  real ranks, and hold nothing.
+- isend and irecv: a real backend's request holds its tensor until the request is dropped (a 1F1B schedule keeps its
+  last activation send's request through the steady phase, so the activation outlives its backward); the fake process
+  group's holds nothing, so each is wrapped in a request that does.
 """
 
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 import torch.nn.parallel.distributed as ddp
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._utils import InferenceMode
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from memplan.errors import MemplanError
 
@@ -75,6 +87,44 @@ def _no_runtime_stats(logger) -> None:
     """Logger.set_runtime_stats_and_log: DDP's sampled timing needs a device timer a fake device does not have."""
 
 
+class FakePipelineError(MemplanError):
+    """A pipeline stage without its shapes under fake tensors: what it receives cannot be sent to it."""
+
+
+def _own_metadata(original):
+    def _warmup_p2p(self, stages, has_backward, p2p_done):
+        if not all(isinstance(stage, PipelineStage) for stage in stages):
+            return original(self, stages, has_backward, p2p_done)
+        for stage in stages:
+            if InferenceMode.needs_dynamic(stage._user_meta, has_backward):
+                raise FakePipelineError(
+                    f"pipeline stage {stage.stage_index} was given no input_args and output_args: on the fake process "
+                    "group the shapes it receives cannot be sent to it; give PipelineStage both"
+                )
+            stage._inference_mode = InferenceMode.STATIC
+        return None
+
+    return _warmup_p2p
+
+
+class HeldWork:
+    """A point-to-point request that keeps its tensor, as a real backend's does, until it is dropped."""
+
+    def __init__(self, work, tensor: torch.Tensor):
+        self._work, self._tensor = work, tensor
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _holding(original):
+    def p2p(tensor, *args, **kwargs):
+        work = original(tensor, *args, **kwargs)
+        return None if work is None else HeldWork(work, tensor)
+
+    return p2p
+
+
 def patches() -> Iterator[tuple[object, str, object]]:
     """(owner, name, replacement) for each wrapper above."""
     yield DeviceMesh, "__init__", _real_mesh(DeviceMesh.__init__)
@@ -83,3 +133,8 @@ def patches() -> Iterator[tuple[object, str, object]]:
     yield DDP, "forward", _default_hook_first(DDP.forward)
     yield dist.Reducer, "_rebuild_buckets", _keep_buckets
     yield dist.Logger, "set_runtime_stats_and_log", _no_runtime_stats
+    yield _PipelineSchedule, "_warmup_p2p", _own_metadata(_PipelineSchedule._warmup_p2p)
+    for name in ("isend", "irecv"):  # the same function under both names: P2POp and the schedules read either
+        held = _holding(getattr(c10d, name))
+        yield c10d, name, held
+        yield dist, name, held

@@ -23,7 +23,17 @@ from memplan.files import atomic_write, decode_json, read_bytes
 from memplan.limits import MAX_JSON_DEPTH, MAX_STREAMS, TIME_SLACK, LimitError, check_nesting, short_repr
 
 FORMAT = "memplan-trace/1"
-CATEGORIES = ("parameter", "gradient", "optimizer", "activation", "input", "temporary", "workspace", "unknown")
+CATEGORIES = (
+    "parameter",
+    "gradient",
+    "optimizer",
+    "activation",
+    "input",
+    "temporary",
+    "workspace",
+    "communication",
+    "unknown",
+)
 PHASES = ("forward", "backward", "optimizer", "other")
 INT_COLUMNS = ("size", "alloc", "free", "stream", "addr", "internal")
 STR_COLUMNS = ("category", "phase", "op", "module")

@@ -30,7 +30,7 @@ class ResidentStorage:
 
     key: int  # the recorder's storage key (the data address of a real storage)
     size: int
-    category: str  # parameter | gradient | optimizer | input
+    category: str  # parameter | gradient | optimizer | input | what Workload.held says (communication)
     module: str
 
 
@@ -60,7 +60,7 @@ def _held_by(function: Any) -> list:
 def resident_tensors(workload: Workload, device_type: str | None = None) -> Iterator[tuple[torch.Tensor, str, str]]:
     """(tensor, category, module) for every tensor the workload holds now on `device_type` (any device when
     None: a CUDA model's AdamW keeps its step counters on the CPU), in a fixed order: parameters and buffers,
-    gradients, optimizer state, inputs, tensors held by the loss.
+    gradients, optimizer state, inputs, tensors held by the loss, what the workload's step keeps (Workload.held).
 
     Capture and replay's adoption both walk this order, so they see the same storages first.
     """
@@ -102,6 +102,7 @@ def _held(workload: Workload) -> Iterator[tuple[torch.Tensor, str, str]]:
         yield t, "input", ""
     for t in _tensors_in(_held_by(workload.loss_fn)):  # e.g. labels held by the loss
         yield t, "input", ""
+    yield from workload.held()
 
 
 def _loose_module_tensors(workload: Workload) -> Iterator[tuple[torch.Tensor, str, str]]:

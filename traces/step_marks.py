@@ -57,15 +57,16 @@ def _never_compiled(hook):
 
 
 @contextlib.contextmanager
-def _module_labels(model: torch.nn.Module, recorder: Recorder) -> Iterator[None]:
-    """Module labels; a call of the whole model outside backward is a forward (gradient accumulation's next
-    micro-batch after a backward included)."""
+def _module_labels(model: torch.nn.Module, roots: list[torch.nn.Module], recorder: Recorder) -> Iterator[None]:
+    """Module labels; a call of the whole model (of one of `roots`, a pipeline's stages) outside backward is a forward
+    (gradient accumulation's next micro-batch after a backward included)."""
     labels = {key: recorder.intern(path) for key, path in module_paths(model).items()}
     entered: list[int] = []
+    starts = {id(m) for m in roots}
 
     @_never_compiled
     def enter(module, _inputs):
-        if module is model and not entered and torch.is_grad_enabled():
+        if id(module) in starts and not entered and torch.is_grad_enabled():
             recorder.set_phase(FORWARD)
         recorder.enter_module(labels.get(id(module)) or recorder.intern(type(module).__name__))
         entered.append(1)
@@ -159,7 +160,7 @@ def marked_step(workload: Workload, recorder: Recorder) -> Iterator[StepMarks]:
     recorder.set_phase(FORWARD)
     try:
         with (
-            _module_labels(workload.model, recorder),
+            _module_labels(workload.model, workload.roots(), recorder),
             _loss_label(workload, recorder),
             _backward_phase(recorder, marks),
             _optimizer_hooks(workload.optimizer, recorder, marks),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,16 @@ class Workload:
     #                         stands when the step ends: how the fused loss ran), when one was applied
     optimizer_choice: Any = None  # what the step's optimizer choice made of the model file's optimizer
     #                               (planner.layers.OptimizerChoice, meta "optimizer_state"), when not as built
+
+    def roots(self) -> list[nn.Module]:
+        """The modules the step calls from outside the model: a call of one of them outside backward is a forward (a
+        pipeline's stages; else the model)."""
+        return [self.model]
+
+    def held(self) -> Iterator[tuple[torch.Tensor, str, str]]:
+        """(tensor, category, module) for what the step's own machinery keeps between steps beyond the model,
+        optimizer and inputs (a pipeline's receive buffers): labelled so when a step begins. None here."""
+        return iter(())
 
     def forward(self) -> Any:
         if isinstance(self.inputs, tuple):

@@ -38,6 +38,7 @@ CATEGORY_COLORS = {
     "input": "#937860",
     "temporary": "#da8bc3",
     "workspace": "#8c8c3c",
+    "communication": "#64b5cd",
     "unknown": "#a0a0a0",
 }
 PHASE_COLORS = {"forward": "#e8f1fa", "backward": "#fdf0e4", "optimizer": "#eef6e9"}
