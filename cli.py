@@ -169,6 +169,16 @@ def memory_or_gpu(memory: int | None, gpu_name: str | None) -> None:
         raise click.UsageError("give --memory SIZE or --gpu NAME (exactly one)", ctx=click.get_current_context())
 
 
+host_bandwidth_option = click.option(
+    "--host-bandwidth",
+    "host_bandwidth",
+    default=None,
+    metavar="RATE",
+    help="The host link's bandwidth one way (25GB/s, 64GiB/s) for the time an offload mode's transfers add, "
+    "where --gpu does not name it (it wins over the GPU's).",
+)
+
+
 def emit(summary: dict, as_json: bool, text: str) -> None:
     """Print a command's summary: the JSON document with --json, the human text otherwise."""
     click.echo(json.dumps(summary, indent=2, sort_keys=True) if as_json else text)
@@ -205,14 +215,7 @@ def main() -> None:
     "the GPU a --fake CUDA step is planned for (implies --device cuda): its compute capability picks "
     "the attention backend and the cuBLAS workspace, torch.cuda answers for it [default: H100-80GB]."
 )
-@click.option(
-    "--host-bandwidth",
-    "host_bandwidth",
-    default=None,
-    metavar="RATE",
-    help="The host link's bandwidth one way (25GB/s, 64GiB/s) for the time an offload mode's transfers add, "
-    "where --gpu does not name it (it wins over the GPU's).",
-)
+@host_bandwidth_option
 @click.option("--top", type=click.IntRange(min=0), default=5, show_default=True, help="Largest buffers to list.")
 @click.option(
     "--warmup",
@@ -736,13 +739,36 @@ def budget_list(_ctx, _param, value: str) -> tuple[float, ...]:
     help="Another model file of the same model built another way (examples/gpt2_reversible.py), measured as built "
     "at the same shape and drawn with the rest; repeatable.",
 )
+@click.option(
+    "--actions/--no-actions",
+    default=True,
+    show_default=True,
+    help="Also measure each action alone on the model as built: the fused loss and each --optimizer choice the step "
+    "does not fix, and the offload modes with --host-bandwidth (or a --fake CUDA step's GPU).",
+)
+@host_bandwidth_option
 @capture_option
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Figure to write: .png or .svg.")
 @click.option("--json", "as_json", is_flag=True, help="Print every point as JSON.")
 def tradeoff_command(
-    model_file, batch, seq, dtype, optimizer, routing, budgets, time_limit, repeats, variants, capture, output, as_json
+    model_file,
+    batch,
+    seq,
+    dtype,
+    optimizer,
+    routing,
+    budgets,
+    time_limit,
+    repeats,
+    variants,
+    actions,
+    host_bandwidth,
+    capture,
+    output,
+    as_json,
 ):
-    """Peak memory against extra compute for every layer mode and torch.compile budget, Pareto frontier marked.
+    """Peak memory against extra compute for every layer mode, action (the fused loss, each optimizer choice, and
+    activation offload with --host-bandwidth) and torch.compile budget, Pareto frontier marked.
 
     Example: memplan tradeoff examples/gpt2.py --budgets 1,0 --variant examples/gpt2_reversible.py -o tradeoff.png
     """
@@ -751,7 +777,8 @@ def tradeoff_command(
 
     require_fake_for_routing(routing, capture != "real")
     step = StepSpec(model_file, batch, seq, dtype, routing=routing, optimizer=optimizer)
-    opts = TradeoffOptions(step, budgets, time_limit, repeats, capture, output, variants)
+    bandwidth = None if host_bandwidth is None else parse_bandwidth(host_bandwidth)
+    opts = TradeoffOptions(step, budgets, time_limit, repeats, capture, output, variants, actions, bandwidth)
     result = tradeoff(opts, progress=progress)
     summary = result.summary()
     emit(summary, as_json, render_tradeoff(summary))

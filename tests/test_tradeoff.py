@@ -26,6 +26,7 @@ MODEL = (
 def summary(tmp_path_factory):
     figure = tmp_path_factory.mktemp("tradeoff") / "tradeoff.png"
     args = ["tradeoff", str(MODEL), "--seq", "64", "--budgets", "1,0", "--repeats", "2", "-o", str(figure), "--json"]
+    args += ["--no-actions"]  # the actions have their own test
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
@@ -63,6 +64,7 @@ def test_a_variant_model_file_is_measured_next_to_the_modes():
     compute and needs less memory than GPT-2 as built."""
     examples = MODEL.parent
     args = ["tradeoff", str(examples / "gpt2.py"), "--seq", "64", "--budgets", "", "--repeats", "1", "--json"]
+    args += ["--no-actions"]
     result = CliRunner().invoke(main, [*args, "--variant", str(examples / "gpt2_reversible.py")])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
@@ -119,7 +121,7 @@ def test_every_configuration_is_timed_in_interleaved_rounds_with_its_spread(tmp_
     model = tmp_path / "logged.py"
     model.write_text(LOGGED_MODEL)
     repeats = 3
-    args = ["tradeoff", str(model), "--seq", "16", "--budgets", "", "--repeats", str(repeats), "--json"]
+    args = ["tradeoff", str(model), "--seq", "16", "--budgets", "", "--repeats", str(repeats), "--json", "--no-actions"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.stderr
     log = [line.split() for line in (tmp_path / "steps.log").read_text().splitlines()]
@@ -170,7 +172,8 @@ def test_configurations_that_do_not_fit_together_are_timed_one_after_another(tmp
     monkeypatch.setattr(job, "host_memory_available", lambda: 1)  # a machine with one byte free
     model = tmp_path / "logged.py"
     model.write_text(LOGGED_MODEL)
-    result = job.tradeoff(job.TradeoffOptions(StepSpec(str(model), batch=2, seq=16), budgets=(), repeats=2))
+    options = job.TradeoffOptions(StepSpec(str(model), batch=2, seq=16), budgets=(), repeats=2, actions=False)
+    result = job.tradeoff(options)
     log = [line.split() for line in (tmp_path / "steps.log").read_text().splitlines()]
     builds = [i for i, (what, _) in enumerate(log) if what == "build"][-len(MODES) :]
     for start in builds:  # each timed workload is built, then runs all its steps before the next is built
@@ -182,3 +185,35 @@ def test_configurations_that_do_not_fit_together_are_timed_one_after_another(tmp
     for p in summary["points"]:
         assert p["time_ratio_low"] == p["step_seconds_low"] / reference["step_seconds_high"]
         assert p["time_ratio_high"] == p["step_seconds_high"] / reference["step_seconds_low"]
+
+
+@pytest.mark.slow
+def test_each_action_is_a_point_with_its_memory_compute_and_link_time():
+    """Issue 34 item 4: the fused loss, each optimizer choice and the offload modes are points of their own beside
+    the modes (fake traces: no step times), offload with its host-link time; an action that cannot apply is a note."""
+    bandwidth = 25 * 10**9
+    args = ["tradeoff", str(MODEL), "--seq", "64", "--budgets", "", "--capture", "fake", "--json"]
+    result = CliRunner().invoke(main, [*args, "--host-bandwidth", "25GB/s"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    by_name = {p["name"]: p for p in summary["points"]}
+    actions = ["loss fused", "optimizer adamw-8bit", "optimizer adamw-4bit", "optimizer adamw-host"]
+    offloading = ["offload", "tempo+offload", "selective+offload"]
+    assert list(by_name) == [*MODES, *actions, *offloading]
+    built = by_name["as-built"]
+    for name in actions + offloading:
+        assert by_name[name]["changed"] and by_name[name]["action"] == name.split()[0].split("+")[-1]
+    assert by_name["optimizer adamw-4bit"]["peak_live"] < by_name["optimizer adamw-8bit"]["peak_live"]
+    assert by_name["optimizer adamw-8bit"]["peak_live"] < built["peak_live"]
+    for name in offloading:
+        point = by_name[name]
+        assert point["host_moved"] > 0 and point["transfer_seconds"] == 2 * point["host_moved"] / bandwidth
+    assert by_name["tempo+offload"]["host_moved"] < by_name["offload"]["host_moved"]
+    assert all(by_name[n]["transfer_seconds"] is None for n in [*MODES, *actions])
+    text = render_tradeoff(summary)
+    assert "host link" in text and next(line for line in text.splitlines() if line.startswith("offload "))
+    # without a link, offload is left out and a note says why
+    result = CliRunner().invoke(main, [*args])
+    names = [p["name"] for p in json.loads(result.stdout)["points"]]
+    assert names == [*MODES, *actions]
+    assert any("give --host-bandwidth" in note for note in json.loads(result.stdout)["notes"])

@@ -1,7 +1,9 @@
 """`memplan tradeoff`: memory against extra compute for every way memplan knows to trade one for the other.
 
 Every layer mode (memplan.modes: as built, Megatron's baseline accounting, Tempo, selective and
-full recomputation), torch.compile at each memory budget and each variant (another model file of the same model
+full recomputation), each action beyond the modes alone on the model as built (the fused loss and each optimizer
+choice where the step does not fix them, activation offload where the host link is known: its transfer time
+beside the step time), torch.compile at each memory budget and each variant (another model file of the same model
 built another way, such as examples/gpt2_reversible.py, as built) is traced, planned (the solver's verified
 arena), simulated through PyTorch's caching allocator (its peak reserved), counted (planner.cost: the
 step's FLOPs) and, on real tensors, timed: every configuration's workload built, then their steps run
@@ -21,13 +23,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from memplan.modes import AS_BUILT, SWEPT_MODES
+from memplan.errors import PatchError
+from memplan.modes import AS_BUILT, LOSSES, MODES, OPTIMIZERS, SWEPT_MODES, mode
 from memplan.planner.cost import StepTime, count_step_flops, time_workloads, timed_workload
+from memplan.planner.cost.transfer import host_transfer
 from memplan.planner.report.plots import figure_format
 from memplan.planner.report.tradeoff_plot import plot_tradeoff
 from memplan.planner.simulate.measure import measure
 from memplan.step import StepSpec, check_budget
 from memplan.traces.format import Trace
+from memplan.traces.host import host_bytes
 from memplan.traces.model_file import import_model_file
 from memplan.traces.trace_model import HOST_SHARE, CaptureChoice, host_memory_available, sized_capture, trace_step
 from memplan.units import format_size
@@ -48,6 +53,9 @@ class TradeoffOptions:
     capture: str = "auto"  # real or fake traces: auto, real, fake
     output: str | None = None  # the figure (.png or .svg); None draws none
     variants: tuple[str, ...] = ()  # other model files of the same model (reversible, ...), measured as built
+    actions: bool = True  # measure the actions beyond the layer modes too (action_configurations)
+    host_bandwidth: int | None = None  # the host link's bytes/s one way, for offload's transfer time (else the step's
+    #                                    GPU's link; with neither, offload is not measured)
 
 
 @dataclass
@@ -82,6 +90,9 @@ class TradeoffPoint:
     time_ratio_low: float | None = None  # the range of the ratio to the model as built over the rounds
     time_ratio_high: float | None = None
     time_like: list[str] = field(default_factory=list)  # points whose ratio range overlaps this one's
+    action: str | None = None  # the action beyond the layer modes the point measures (loss, optimizer, offload)
+    host_moved: int | None = None  # offload: bytes moved to the host and back, each way
+    transfer_seconds: float | None = None  # offload: the host link's time for them when nothing overlaps
 
 
 @dataclass
@@ -104,6 +115,8 @@ class TradeoffResult:
             "dtype": self.options.step.dtype,
             "budgets": list(self.options.budgets),
             "variants": list(self.options.variants),
+            "actions": self.options.actions,
+            "host_bandwidth": self.options.host_bandwidth,
             "capture": self.capture.name,
             "capture_reason": self.capture.reason,
             "points": [asdict(p) for p in self.points],
@@ -137,6 +150,27 @@ class Configuration:
     name: str
     step: StepSpec
     variant: str | None  # the variant's model file, None for the model file's own
+    action: str | None = None  # LOSS, OPTIMIZER or OFFLOAD for an action's point, None otherwise
+
+
+LOSS, OPTIMIZER, OFFLOAD = "loss", "optimizer", "offload"  # the families of actions beyond the swept layer modes
+
+
+def action_configurations(opts: TradeoffOptions, fake: bool) -> tuple[list[Configuration], list[str]]:
+    """Each action alone on the model as built: the losses and optimizer choices the step does not fix, and the
+    modes that offload when the host link is known; with notes for those left out."""
+    base, configs, notes = opts.step.replace(mode=AS_BUILT, compile=None, fake=fake), [], []
+    if opts.step.loss == AS_BUILT:
+        configs += [Configuration(f"loss {n}", base.replace(loss=n), None, LOSS) for n in LOSSES if n != AS_BUILT]
+    if opts.step.optimizer == AS_BUILT:
+        chosen = [n for n in OPTIMIZERS if n != AS_BUILT]
+        configs += [Configuration(f"optimizer {n}", base.replace(optimizer=n), None, OPTIMIZER) for n in chosen]
+    offloading = [name for name in MODES if mode(name).offloads]
+    if opts.host_bandwidth is None and opts.step.gpu is None:
+        notes.append(f"{', '.join(offloading)} not measured: their cost is the host link's; give --host-bandwidth")
+    else:
+        configs += [Configuration(name, base.replace(mode=name), None, OFFLOAD) for name in offloading]
+    return configs, notes
 
 
 def configuration(
@@ -168,7 +202,7 @@ def measure_point(opts: TradeoffOptions, config: Configuration, progress) -> tup
         name=name,
         layers=mode,
         compile_budget=budget,
-        changed=bool(trace.meta["patch"]["changed"]) or budget is not None or variant is not None,
+        changed=changed(trace) or budget is not None or variant is not None,
         **measured.figures(),
         matmul_flops=flops.matmul,
         elementwise_flops=flops.elementwise,
@@ -177,8 +211,32 @@ def measure_point(opts: TradeoffOptions, config: Configuration, progress) -> tup
         step_seconds=None,
         time_ratio=None,
         variant=variant,
+        action=config.action,
     )
+    host = host_bytes(trace)
+    if host is not None:
+        point.host_moved = host.moved
+        point.transfer_seconds = host_transfer(host.moved, step.gpu, opts.host_bandwidth).seconds
     return point, held_between_steps(trace)
+
+
+def changed(trace: Trace) -> bool:
+    """Whether a traced step differs from the model as built: its layers patched, its loss fused, its optimizer
+    rebuilt."""
+    loss_patch = trace.meta.get("loss_patch") or {}
+    return bool(trace.meta["patch"]["changed"] or loss_patch.get("replaced") or trace.meta.get("optimizer_state"))
+
+
+def measure_action(opts: TradeoffOptions, config: Configuration, progress) -> tuple[TradeoffPoint, int] | str:
+    """An action's point as measure_point gives it, or a note saying why there is none: the action cannot apply to
+    this model (an optimizer it cannot rebuild), or changes nothing in it (a loss it cannot fuse)."""
+    try:
+        point, held = measure_point(opts, config, progress)
+    except PatchError as e:
+        return f"{config.name} not measured: {e}"
+    if not point.changed:
+        return f"{config.name} not measured: it changes nothing in this model"
+    return point, held
 
 
 def time_configurations(
@@ -251,19 +309,29 @@ def tradeoff(opts: TradeoffOptions, progress: Callable[[str], None] = lambda m: 
         notes.append("no step times: fake tensors compute nothing")
     # 2. Every layer mode eager, the model as built compiled at each budget, then each variant as built: traced,
     #    measured and counted one by one.
-    configs = [configuration(opts, mode, None, capture.fake) for mode in SWEPT_MODES]
+    configs = [configuration(opts, name, None, capture.fake) for name in SWEPT_MODES]
     configs += [configuration(opts, AS_BUILT, budget, capture.fake) for budget in budgets]
     configs += [configuration(opts, AS_BUILT, None, capture.fake, variant) for variant in opts.variants]
     measured = [measure_point(opts, c, progress) for c in configs]
+    # 3. Each action alone on the model as built, where it applies.
+    actions, action_notes = action_configurations(opts, capture.fake) if opts.actions else ([], [])
+    notes += action_notes
+    for config in actions:
+        outcome = measure_action(opts, config, progress)
+        if isinstance(outcome, str):
+            notes.append(outcome)
+        else:
+            configs.append(config)
+            measured.append(outcome)
     points, held = [p for p, _ in measured], [h for _, h in measured]
-    # 3. On real tensors, every configuration timed in interleaved rounds.
+    # 4. On real tensors, every configuration timed in interleaved rounds.
     timing = None
     if not capture.fake:
         times, interleaved, note = time_configurations(opts, configs, held, [p.peak_live for p in points], progress)
         set_times(points, times, interleaved)
         timing = "interleaved" if interleaved else "one after another"
         notes += [note] if note else []
-    # 4. Compute against the model as built, eager; the frontiers; the figure.
+    # 5. Compute against the model as built, eager; the frontiers; the figure.
     reference = points[0]
     for p in points:
         p.extra_flops = p.flops - reference.flops

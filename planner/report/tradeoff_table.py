@@ -19,6 +19,12 @@ def time_cell(point: dict) -> str:
     return f"{point['time_ratio']:.2f}x [{point['time_ratio_low']:.2f}-{point['time_ratio_high']:.2f}]"
 
 
+def link_cell(point: dict) -> str:
+    """An offloading point's host-link seconds, or "-"."""
+    seconds = point.get("transfer_seconds")
+    return "-" if seconds is None else f"{seconds:.3g} s"
+
+
 def alike_lines(summary: dict) -> list[str]:
     """The points whose step times cannot be told apart (their ratio ranges overlap), one line each."""
     alike = [p for p in summary["points"] if p["time_like"]]
@@ -36,16 +42,23 @@ def render_tradeoff(summary: dict) -> str:
     """The trade-off table for the terminal, each point's frontiers named, its step time with its range; then the
     points whose step times cannot be told apart."""
     points = summary["points"]
+    linked = any(p.get("transfer_seconds") is not None for p in points)  # offload measured: its link time shown
     lines = [
         f"{'configuration':<28}{'peak live':>12}{'plan arena':>12}{'caching res.':>14}"
-        f"{'extra FLOPs':>13}{'step time [range]':>22}  frontier",
+        f"{'extra FLOPs':>13}{'step time [range]':>22}" + (f"{'host link':>11}" if linked else "") + "  frontier",
     ]
     for p in points:
         percent = 100 * p["extra_flops"] / points[0]["flops"]
         frontier = " ".join(k for k, on in (("FLOPs", p["pareto_flops"]), ("time", p["pareto_time"])) if on)
+        link = f"{link_cell(p):>11}" if linked else ""
         lines.append(
             f"{point_label(p):<28}{human_bytes(p['peak_live']):>12}{human_bytes(p['plan_arena']):>12}"
-            f"{human_bytes(p['caching_peak_reserved']):>14}{percent:>+12.1f}%{time_cell(p):>22}  {frontier}"
+            f"{human_bytes(p['caching_peak_reserved']):>14}{percent:>+12.1f}%{time_cell(p):>22}{link}  {frontier}"
+        )
+    if linked:
+        lines.append(
+            "host link: the seconds offload's copies take over the host link, to the host and back, when nothing "
+            "overlaps them (the most they add to a GPU's step)"
         )
     if summary["timing"]:
         lines.append(
