@@ -2,8 +2,8 @@
 
 Left panel: plan arena (filled) and the caching allocator's peak reserved (hollow) against extra FLOPs in
 percent of the model as built; right panel: the same against step time relative to it (real traces only),
-each point's ratio with a bar over its range across the timed rounds. Layer modes are blue, compile
-budgets orange, variant model files green. The Pareto frontier of each panel is a dashed staircase
+each point's ratio with a bar over its range across the timed rounds. Layer modes are blue, actions beyond
+them (the fused loss, the optimizer choices, offload) purple, compile budgets orange, variant model files green. The Pareto frontier of each panel is a dashed staircase
 through its points; every point is named, points close together by one label.
 Drawn from `TradeoffResult.summary()`, plain data.
 """
@@ -19,6 +19,7 @@ from memplan.planner.report.plots import figure_format, write_figure
 from memplan.units import byte_unit
 
 POINT_COLOR, COMPILE_COLOR, VARIANT_COLOR, FRONTIER_COLOR = "#4c72b0", "#dd8452", "#55a868", "#d62728"
+ACTION_COLOR = "#8172b3"
 FLOPS_AXIS = "extra FLOPs (% of the model as built)"
 TIME_AXIS = "step time (x the model as built, CPU; median and range over interleaved rounds)"
 LEADER = {"arrowstyle": "-", "lw": 0.4, "color": "0.55", "shrinkA": 0, "shrinkB": 3}  # a label's line to its point
@@ -39,9 +40,11 @@ def frontier_line(pairs: list[tuple[float, float]]) -> tuple[list[float], list[f
 
 
 def point_color(point: dict) -> str:
-    """Layer modes blue, compile budgets orange, variant model files green."""
+    """Layer modes blue, actions purple, compile budgets orange, variant model files green."""
     if point.get("variant"):
         return VARIANT_COLOR
+    if point.get("action"):
+        return ACTION_COLOR
     return COMPILE_COLOR if point["compile_budget"] is not None else POINT_COLOR
 
 
