@@ -3,8 +3,9 @@
 Left panel: plan arena (filled) and the caching allocator's peak reserved (hollow) against extra FLOPs in
 percent of the model as built; right panel: the same against step time relative to it (real traces only),
 each point's ratio with a bar over its range across the timed rounds. Layer modes are blue, actions beyond
-them (the fused loss, the optimizer choices, offload) purple, compile budgets orange, variant model files green. The Pareto frontier of each panel is a dashed staircase
-through its points; every point is named, points close together by one label.
+them (the fused loss, the optimizer choices, offload) purple, compile budgets orange, variant model files
+green. The Pareto frontier of each panel is a dashed staircase through its points; every point is named, points
+close together by one label.
 Drawn from `TradeoffResult.summary()`, plain data.
 """
 
