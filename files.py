@@ -39,6 +39,26 @@ def read_bytes(path: str | os.PathLike, limit: int = MAX_INPUT_BYTES) -> bytes:
     return data
 
 
+def read_input(path: str | os.PathLike, error: type[MemplanError], limit: int = MAX_INPUT_BYTES) -> bytes:
+    """`read_bytes` of an input file, its faults one line of `error` naming the file: no such file, or cannot read."""
+    name = os.fspath(path)
+    try:
+        return read_bytes(path, limit)
+    except FileNotFoundError:
+        raise error(f"{name}: no such file") from None
+    except OSError as e:
+        raise error(f"{name}: cannot read ({e.strerror or e})") from None
+
+
+def read_json(path: str | os.PathLike, error: type[MemplanError]) -> Any:
+    """The JSON document of an input file (`read_input`, then `decode_json`), its faults one line of `error`."""
+    raw = read_input(path, error)
+    try:
+        return decode_json(raw)
+    except ValueError as e:
+        raise error(f"{os.fspath(path)}: {e}") from None
+
+
 def _read_at_most(stream, limit: int) -> bytearray | None:
     """The stream's bytes to its end (a bytearray: no second copy of a big file), or None once more than `limit`
     bytes came."""

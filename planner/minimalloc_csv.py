@@ -13,7 +13,7 @@ import os
 import numpy as np
 
 from memplan.errors import MemplanError
-from memplan.files import atomic_write, read_bytes
+from memplan.files import atomic_write, read_input
 from memplan.limits import short_repr
 from memplan.planner.problem import MAX_BYTES, Problem, ProblemError, build_problem
 from memplan.traces.format import columns_digest
@@ -29,10 +29,8 @@ def read_csv(path: str | os.PathLike, alignment: int = 1) -> tuple[Problem, list
     """Parse a MiniMalloc CSV into (problem, offsets or None); errors name the file and line."""
     name = os.fspath(path)
     try:
-        text = read_bytes(path).decode("utf-8-sig")  # a byte-order mark is not part of the header
-    except FileNotFoundError:
-        raise CsvError(f"{name}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
+        text = read_input(path, CsvError).decode("utf-8-sig")  # a byte-order mark is not part of the header
+    except UnicodeDecodeError as e:
         raise CsvError(f"{name}: cannot read ({type(e).__name__})") from None
     try:
         rows = list(csv.reader(io.StringIO(text)))

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 from memplan.errors import PlanError
-from memplan.files import atomic_write, decode_json, read_bytes
+from memplan.files import atomic_write, read_json
 from memplan.limits import short_repr
 from memplan.planner.problem import MAX_BYTES, Problem, ProblemError, problem_from_trace
 from memplan.planner.verify import verify_figures, verify_plan
@@ -138,14 +138,7 @@ def load_plan(path: str | os.PathLike, traces: TraceSource) -> Plan:
 def _parse_plan(path: str | os.PathLike) -> Plan:
     """The fields of a memplan-plan/1 file, checked for type and range (not yet against a trace: load_plan)."""
     name = os.fspath(path)
-    try:
-        data = decode_json(read_bytes(path))
-    except FileNotFoundError:
-        raise PlanError(f"{name}: no such file") from None
-    except OSError as e:
-        raise PlanError(f"{name}: cannot read ({e.strerror or type(e).__name__})") from None
-    except ValueError as e:
-        raise PlanError(f"{name}: {e}") from None
+    data = read_json(path, PlanError)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise PlanError(f"{name}: not a {FORMAT} file")
     offsets = _field(data, "offsets", list, name)

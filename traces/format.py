@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from memplan.errors import TraceError
-from memplan.files import atomic_write, decode_json, read_bytes
+from memplan.files import atomic_write, read_json
 from memplan.limits import MAX_JSON_DEPTH, MAX_STREAMS, TIME_SLACK, LimitError, check_nesting, short_repr
 
 FORMAT = "memplan-trace/1"
@@ -264,16 +264,7 @@ def to_dict(trace: Trace) -> dict[str, Any]:
 def load(path: str | os.PathLike) -> Trace:
     """Read and validate a trace (.json or .json.gz)."""
     name = os.fspath(path)
-    try:
-        raw = read_bytes(path)
-    except FileNotFoundError:
-        raise TraceError(f"{name}: no such file") from None
-    except OSError as e:
-        raise TraceError(f"{name}: cannot read ({e.strerror or e})") from None
-    try:
-        data = decode_json(raw)
-    except ValueError as e:
-        raise TraceError(f"{name}: {e}") from None
+    data = read_json(path, TraceError)
     try:
         return from_dict(data)
     except (TraceError, LimitError) as e:

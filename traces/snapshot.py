@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memplan.errors import SnapshotError, TraceError
-from memplan.files import read_bytes
+from memplan.files import read_input
 from memplan.limits import MAX_PICKLE_BYTES, MAX_PICKLE_DEPTH, LimitError, check_nesting, short_repr
 from memplan.traces.format import CATEGORIES, PHASES, Trace, make_trace
 from memplan.units import MiB, human_bytes
@@ -280,12 +280,7 @@ def parse_snapshot(raw: Any, device: int | None = None) -> Snapshot:
 def read_snapshot(path: str | os.PathLike, device: int | None = None) -> Snapshot:
     """Load a snapshot file safely and parse it for one device."""
     name = os.fspath(path)
-    try:
-        data = read_bytes(path, limit=MAX_PICKLE_BYTES)
-    except FileNotFoundError:
-        raise SnapshotError(f"{name}: no such file") from None
-    except OSError as e:
-        raise SnapshotError(f"{name}: cannot read ({e.strerror or e})") from None
+    data = read_input(path, SnapshotError, limit=MAX_PICKLE_BYTES)
     try:
         return parse_snapshot(load_plain_pickle(data), device)
     except (SnapshotError, LimitError) as e:

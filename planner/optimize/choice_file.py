@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memplan.errors import MemplanError
-from memplan.files import atomic_write, decode_json, read_bytes
+from memplan.files import atomic_write, read_json
 from memplan.modes import AS_BUILT, check_layer_modes, check_loss, check_optimizer
 from memplan.step import StepSpec
 
@@ -76,14 +76,7 @@ def save_choice(choice: StepChoice, path: str | os.PathLike) -> None:
 def load_choice(path: str | os.PathLike) -> StepChoice:
     """Read a memplan-choice/1 file; ChoiceError names the file and the first fault."""
     name = os.fspath(path)
-    try:
-        data = decode_json(read_bytes(path))
-    except FileNotFoundError:
-        raise ChoiceError(f"{name}: no such file") from None
-    except OSError as e:
-        raise ChoiceError(f"{name}: cannot read ({e.strerror or type(e).__name__})") from None
-    except (ValueError, MemplanError) as e:
-        raise ChoiceError(f"{name}: {e}") from None
+    data = read_json(path, ChoiceError)
     try:
         return _parse(data)
     except (KeyError, TypeError, ValueError, MemplanError) as e:
