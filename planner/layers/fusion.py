@@ -82,34 +82,50 @@ def runs_fused(tensors: list[torch.Tensor]) -> bool:
 class Fused:
     """A pure function of tensors, run as one compiled kernel where `runs_fused` says so, else eagerly.
 
-    Each Fused compiles a copy of the function with a code object of its own: Dynamo keeps its compiled
-    versions per code object (8 at most), so one function fused for several activations keeps one cache each."""
+    Dynamo keeps at most 8 compiled versions of a code object and fails past them (a graph broken in two is no
+    fusion): so each signature of a call (its tensors' dtypes and device, its other arguments) compiles a copy of
+    the function with a code object of its own, whose versions only differ in shapes."""
 
     def __init__(self, function: Callable):
-        code = function.__code__.replace()
-        self.function = types.FunctionType(
-            code, function.__globals__, function.__name__, function.__defaults__, function.__closure__
-        )
-        self._compiled: Callable | None = None
-        self.runs = 0  # calls that ran the compiled kernel (what a test checks ran)
+        self.function = function
+        self._compiled: dict[tuple, Callable] = {}
+        self.runs = 0  # calls that ran a compiled kernel (what a test checks ran)
         self.__doc__ = function.__doc__
 
-    def compiled(self) -> Callable:
-        """The function compiled (dynamic shapes, one graph; made on first use), for one call counted in `runs`:
-        callers that chunk their eager math ask `runs_fused` first, then call this. Python numbers (a dropout's
-        scale, an activation's table constants) are constants of the kernel, as shapes are not: a number passed as
-        a graph input would be wrapped in a tensor at every call."""
-        if self._compiled is None:
-            import torch._dynamo  # what torch.compile loads anyway (seconds): only once a kernel is wanted
-
-            compiled = torch.compile(self.function, dynamic=True, fullgraph=True)
-            self._compiled = torch._dynamo.config.patch(specialize_float=True)(compiled)
+    def run(self, *args):
+        """Run the compiled kernel on `args` (compiled on first use, counted in `runs`): for callers that chunk
+        their eager math, and so ask `runs_fused` themselves first."""
+        key = tuple(_signature(a) for a in args)
+        if key not in self._compiled:
+            self._compiled[key] = _compiled(self.function)
         self.runs += 1
-        return self._compiled
+        return self._compiled[key](*args)
 
     def __call__(self, *args):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        return self.compiled()(*args) if runs_fused(tensors) else self.function(*args)
+        return self.run(*args) if runs_fused(tensors) else self.function(*args)
+
+
+def _signature(arg) -> object:
+    """What of one argument a compiled version is specialised on, shapes apart: a tensor's dtype and device, a
+    number's or flag's value, another object's identity (an activation's tables, a backward op)."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.device
+    if arg is None or isinstance(arg, (bool, int, float, str, torch.dtype)):
+        return arg
+    return id(arg)
+
+
+def _compiled(function: Callable) -> Callable:
+    """`function` compiled with dynamic shapes as one graph, from a copy with a code object of its own. Python
+    numbers (a dropout's scale, an activation's table constants) are constants of the kernel, as shapes are not: a
+    number passed as a graph input would be wrapped in a tensor at every call."""
+    import torch._dynamo  # what torch.compile loads anyway (seconds): only once a kernel is wanted
+
+    code, name = function.__code__.replace(), function.__name__
+    copy = types.FunctionType(code, function.__globals__, name, function.__defaults__, function.__closure__)
+    compiled = torch.compile(copy, dynamic=True, fullgraph=True)
+    return torch._dynamo.config.patch(specialize_float=True)(compiled)
 
 
 def fused(function: Callable) -> Fused:

@@ -241,8 +241,8 @@ def input_gradient(
     table = table_on(activation, "joined", y.device)
     operands = [y, right, grad, table] + ([] if factor is None else [factor])
     if fusion.runs_fused(operands):
-        compiled = activation.fused_gradient.compiled()
-        return compiled(y, right, grad, factor, table, activation.tables, activation.backward).view(shape)
+        kernel = activation.fused_gradient
+        return kernel.run(y, right, grad, factor, table, activation.tables, activation.backward).view(shape)
     grad_input = torch.empty(y.shape, dtype=grad.dtype, device=grad.device)
     for span in spans(y.numel(), y.element_size()):
         part = None if factor is None else factor[span]

@@ -136,7 +136,7 @@ def fused_normalized_backward(dy_rows, y_rows, rstd_rows, weight, bias, dtype, c
     """`normalized_backward` as one compiled kernel over all rows (no exact channels): dx, dγ, dβ."""
     w, divisor, shift = affine_fp32(weight, bias, y_rows.shape[1])
     with torch.autocast(y_rows.device.type, enabled=False):
-        dx, dweight, dbias = FUSED_BACKWARD[centered].compiled()(
+        dx, dweight, dbias = FUSED_BACKWARD[centered].run(
             dy_rows, y_rows, rstd_rows, w, divisor, shift, centered, dtype, weight_grad, bias_grad
         )
     return _shaped(dx, dweight, dbias, weight, bias)
