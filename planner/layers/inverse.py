@@ -172,7 +172,8 @@ def recovered(y: torch.Tensor, right: torch.Tensor, table: torch.Tensor, t: Inve
 
     In-place ops throughout and no data-dependent selection, so fake tensors trace it as it runs:
     1. the main table's position from the signed s = ±sqrt(y - y*);
-    2. the tail table's position from log(-y) (every element: a select would depend on the data);
+    2. the tail table's position from log(-y) (every element: a select would depend on the data; log|y| where y is
+       positive, a right-branch output whose tail position is never used);
     3. left outputs nearer zero than y_tail lie before the main table: they take the tail position;
     4. interpolate x - y in the joined table and add y back.
     """
@@ -180,7 +181,9 @@ def recovered(y: torch.Tensor, right: torch.Tensor, table: torch.Tensor, t: Inve
     s = torch.sub(y, t.y_min).clamp_(min=0.0).sqrt_()
     s.neg_().addcmul_(s, right, value=-2.0)  # -s + 2s·right: the sign of the branch
     main = s.sub_(t.main_start).div_(t.main_step)
-    tail = y.neg().clamp_(min=TINY).log_().sub_(LOG_Y_MIN).div_(t.tail_step)
+    # log|y|, not log(max(-y, TINY)): where y > 0 (never before the main table) the logarithm of a normal number
+    # instead of the subnormal TINY, which a CPU computes many times slower.
+    tail = y.neg().abs_().clamp_(min=TINY).log_().sub_(LOG_Y_MIN).div_(t.tail_step)
     tail.clamp_(0.0, TAIL_POINTS - 1.001).add_(MAIN_POINTS)
     before = main < 0
     pos = torch.where(before, tail, main.clamp_(max=MAIN_POINTS - 1.001), out=main).nan_to_num_(0.0)
