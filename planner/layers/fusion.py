@@ -86,8 +86,9 @@ class Fused:
     fusion): so each signature of a call (its tensors' dtypes and device, its other arguments) compiles a copy of
     the function with a code object of its own, whose versions only differ in shapes."""
 
-    def __init__(self, function: Callable):
+    def __init__(self, function: Callable, options: dict | None = None):
         self.function = function
+        self.options = options  # Inductor's options for its kernels
         self._compiled: dict[tuple, Callable] = {}
         self.runs = 0  # calls that ran a compiled kernel (what a test checks ran)
         self.__doc__ = function.__doc__
@@ -97,7 +98,7 @@ class Fused:
         their eager math, and so ask `runs_fused` themselves first."""
         key = tuple(_signature(a) for a in args)
         if key not in self._compiled:
-            self._compiled[key] = _compiled(self.function)
+            self._compiled[key] = _compiled(self.function, self.options)
         self.runs += 1
         return self._compiled[key](*args)
 
@@ -116,7 +117,7 @@ def _signature(arg) -> object:
     return id(arg)
 
 
-def _compiled(function: Callable) -> Callable:
+def _compiled(function: Callable, options: dict | None) -> Callable:
     """`function` compiled with dynamic shapes as one graph, from a copy with a code object of its own. Python
     numbers (a dropout's scale, an activation's table constants) are constants of the kernel, as shapes are not: a
     number passed as a graph input would be wrapped in a tensor at every call."""
@@ -124,10 +125,11 @@ def _compiled(function: Callable) -> Callable:
 
     code, name = function.__code__.replace(), function.__name__
     copy = types.FunctionType(code, function.__globals__, name, function.__defaults__, function.__closure__)
-    compiled = torch.compile(copy, dynamic=True, fullgraph=True)
+    compiled = torch.compile(copy, dynamic=True, fullgraph=True, options=options)
     return torch._dynamo.config.patch(specialize_float=True)(compiled)
 
 
-def fused(function: Callable) -> Fused:
-    """`function` (a pure function of tensors: no in-place writes to its arguments) fused where it can be."""
-    return Fused(function)
+def fused(function: Callable, **options) -> Fused:
+    """`function` (a pure function of tensors: no in-place writes to its arguments) fused where it can be, its
+    kernels compiled with Inductor's `options`."""
+    return Fused(function, options or None)
