@@ -4,7 +4,8 @@ a CPU step takes under a second) with real tensors.
 
 The three steps run interleaved (one of each in turn, planner/cost/timing.py), after warm-up rounds that create
 the optimizer state and compile the kernels; each ratio is taken round by round (tempo's run i over the baseline's
-run i, which ran side by side) and printed as the median with the lowest and highest. The eager side runs the
+run i, which ran side by side) and printed as the median with the lowest and highest, then as the ratio of the
+two medians and of the two fastest runs (on a shared machine, other work only ever adds time). The eager side runs the
 same tempo model under `fusion.eager()` (what MEMPLAN_FUSED=0 gives everywhere).
 
     .venv/bin/python benchmarks/tempo_kernels.py
@@ -75,6 +76,7 @@ def main() -> None:
         if name != "baseline":
             ratios = [run / b for run, b in zip(t.runs, base.runs)]
             line += f"  ratio to baseline {statistics.median(ratios):.3f} ({min(ratios):.3f} .. {max(ratios):.3f})"
+            line += f", of the medians {t.median / base.median:.3f}, of the fastest runs {t.low / base.low:.3f}"
         print(line)
 
 
