@@ -36,6 +36,7 @@ from torch import nn
 from memplan.errors import MemplanError
 from memplan.gpus import GPU, planned_gpu
 from memplan.modes import AS_BUILT
+from memplan.planner.layers import fusion
 from memplan.planner.layers.patch import host_ledger, idle_notes
 from memplan.routing import DEFAULT as DEFAULT_ROUTING
 from memplan.routing import Routing
@@ -405,7 +406,9 @@ def recording_session(
     fake_cuda = fake and device.type == "cuda"
     gpu = planned_gpu(gpu)
     interval = progress_interval() if progress is not None else 0.0  # a bad setting fails before the work
-    with one_cpu_thread(device), fake_cuda_runtime(gpu) if fake_cuda else contextlib.nullcontext():
+    # The tempo layers' eager math (planner/layers/fusion.py): a trace holds the ops fake tensors see, and a fused
+    # kernel's intermediates only ever lower the peak of the step it runs in.
+    with one_cpu_thread(device), fusion.eager(), fake_cuda_runtime(gpu) if fake_cuda else contextlib.nullcontext():
         with recording(device, fake=fake) as recorder:
             reporting = CaptureProgress(recorder, progress, interval) if progress is not None else None
             with reporting or contextlib.nullcontext():

@@ -8,12 +8,14 @@ Both compute softmax(q·kᵀ·scale + bias), dropout (1-byte mask), times v, exa
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from memplan.modes import BASELINE, SELECTIVE, TEMPO
+from memplan.planner.layers import fusion
 
 
 def attention_scores(q, k, scale: float, bias):
@@ -60,10 +62,41 @@ class DropoutMatmulFunction(torch.autograd.Function):
     def backward(ctx, grad):
         probs, mask, v = ctx.saved_tensors
         with torch.autocast(**ctx.autocast):
-            dropped = probs * (mask.to(probs.dtype) * ctx.scale)  # as native_dropout rounds it (bf16 too)
+            # as native_dropout rounds it (bf16 too); the scales rounded as torch would, so a fused kernel's bits agree
+            dropped = DROPOUT_AGAIN(probs, mask, rounded(ctx.scale, probs.dtype))
             grad_v = torch.matmul(dropped.transpose(-2, -1), grad) if ctx.needs_input_grad[1] else None
             grad_dropped = torch.matmul(grad, v.transpose(-2, -1)).to(probs.dtype)
-        return grad_dropped * mask * ctx.scale, grad_v, None
+        scale = rounded(ctx.scale, torch.promote_types(grad_dropped.dtype, torch.float32))  # as a number times a tensor
+        return DROPOUT_GRADIENT(grad_dropped, mask, scale), grad_v, None
+
+
+def dropout_again(probs: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """The dropout output rebuilt from its 1-byte mask: probs·(mask·scale) in probs' dtype; pure, so it fuses."""
+    return probs * (mask.to(probs.dtype) * scale)
+
+
+def dropout_gradient(grad: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """The gradient through the dropout: grad·mask·scale; pure, so it fuses."""
+    return grad * mask * scale
+
+
+DROPOUT_AGAIN = fusion.fused(dropout_again)
+DROPOUT_GRADIENT = fusion.fused(dropout_gradient)
+
+
+def rounded(value: float, dtype: torch.dtype) -> float:
+    """`value` as torch rounds a Python number for an op on `dtype`: to fp32, then to bf16 or fp16 (to nearest,
+    ties to even), without a tensor (a backward's allocations stay those of its ops)."""
+    if dtype == torch.float64:
+        return value
+    as_fp32 = struct.unpack("<f", struct.pack("<f", value))[0]
+    if dtype == torch.float16:
+        return struct.unpack("<e", struct.pack("<e", as_fp32))[0]
+    if dtype == torch.bfloat16:
+        bits = struct.unpack("<I", struct.pack("<f", as_fp32))[0]
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return struct.unpack("<f", struct.pack("<I", bits))[0]
+    return as_fp32
 
 
 def tempo_attention(q, k, v, bias, scale: float, dropout_p: float, training: bool):

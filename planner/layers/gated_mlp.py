@@ -169,9 +169,7 @@ class GatedMLPFunction(torch.autograd.Function):
                 grad_product.mul_(keep).mul_(ctx.scale)
         # 3. gate's gradient, chunk by chunk: act' at g recovered from act(g), times grad_product·u.
         if need_g:
-            flat_product, flat_u = grad_product.view(-1), u.reshape(-1)
-            grad_g = torch.empty(a.shape, dtype=a.dtype, device=a.device)
-            inverse.input_gradient(a, right, ctx.activation, lambda span: flat_product[span] * flat_u[span], grad_g)
+            grad_g = inverse.input_gradient(a, right, ctx.activation, grad_product, u)
         # 4. up's gradient over the product's: grad_product·act(g).
         if need_u:
             grad_u = grad_product.mul_(a)

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch._guards import detect_fake_mode
 
+from memplan.planner.layers import fusion
+
 TINY = 2.0**-149  # the smallest positive fp32 number (a subnormal): the tail table reaches every fp32 output
 LOG_Y_MIN = math.log(TINY)
 MAIN_POINTS = 8192
@@ -63,9 +65,14 @@ class Activation:
     y_tail: float  # left-branch outputs in (y_tail, 0) use the log(-y) table
     x_far: float  # far enough left that |f(x)| < TINY in float64: the left end of every bisection
     tables: InverseTables = field(init=False, repr=False, compare=False)
+    fused_gradient: fusion.Fused = field(init=False, repr=False, compare=False)  # `gradient_math`, its own kernels
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tables", build_tables(self))
+        # The table lookups' indices are clamped into the table (`recovered`): no bounds check per element, which
+        # costs the CPU kernel a third of its time.
+        kernel = fusion.fused(rounded_gradient, assert_indirect_indexing=False)
+        object.__setattr__(self, "fused_gradient", kernel)
         TABLES.append(self.tables.joined)
 
 
@@ -158,25 +165,53 @@ def interpolate(table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 
 def recover_chunk(y: torch.Tensor, right: torch.Tensor, activation: Activation) -> torch.Tensor:
     """The input x (fp32) with f(x) = y for a flat chunk, on the right branch (x ≥ x*) where `right` is set,
-    else the left.
+    else the left (see `recovered`)."""
+    return recovered(y, right, table_on(activation, "joined", y.device), activation.tables)
+
+
+def recovered(y: torch.Tensor, right: torch.Tensor, table: torch.Tensor, t: InverseTables) -> torch.Tensor:
+    """The input x (fp32) with f(x) = y, from the joined `table` of tables `t`; reads y and right, writes only
+    its own tensors (so torch.compile fuses it whole).
 
     In-place ops throughout and no data-dependent selection, so fake tensors trace it as it runs:
     1. the main table's position from the signed s = ±sqrt(y - y*);
-    2. the tail table's position from log(-y) (every element: a select would depend on the data);
+    2. the tail table's position from log(-y) (every element: a select would depend on the data; log|y| where y is
+       positive, a right-branch output whose tail position is never used);
     3. left outputs nearer zero than y_tail lie before the main table: they take the tail position;
     4. interpolate x - y in the joined table and add y back.
     """
-    t = activation.tables
     y = y.float()
     s = torch.sub(y, t.y_min).clamp_(min=0.0).sqrt_()
     s.neg_().addcmul_(s, right, value=-2.0)  # -s + 2s·right: the sign of the branch
     main = s.sub_(t.main_start).div_(t.main_step)
-    tail = y.neg().clamp_(min=TINY).log_().sub_(LOG_Y_MIN).div_(t.tail_step)
+    # log|y|, not log(max(-y, TINY)): where y > 0 (never before the main table) the logarithm of a normal number
+    # instead of the subnormal TINY, which a CPU computes many times slower.
+    tail = y.neg().abs_().clamp_(min=TINY).log_().sub_(LOG_Y_MIN).div_(t.tail_step)
     tail.clamp_(0.0, TAIL_POINTS - 1.001).add_(MAIN_POINTS)
     before = main < 0
     pos = torch.where(before, tail, main.clamp_(max=MAIN_POINTS - 1.001), out=main).nan_to_num_(0.0)
     del tail, before  # freed before the lookup's own temporaries
-    return interpolate(table_on(activation, "joined", y.device), pos).add_(y)
+    return interpolate(table, pos).add_(y)
+
+
+def gradient_math(
+    y: torch.Tensor,
+    right: torch.Tensor,
+    grad: torch.Tensor,
+    factor: torch.Tensor | None,
+    table: torch.Tensor,
+    t: InverseTables,
+    backward: Callable,
+) -> torch.Tensor:
+    """grad·factor·f'(x) in fp32 (factor None: grad alone), x recovered from the flat output y: the backward of an
+    in-place activation as one pure function of a chunk (x first, then the product, freed once in fp32)."""
+    x = recovered(y, right, table, t)
+    return backward((grad if factor is None else grad * factor).float(), x)
+
+
+def rounded_gradient(y, right, grad, factor, table, t: InverseTables, backward: Callable) -> torch.Tensor:
+    """`gradient_math` rounded to grad's dtype: what one fused kernel computes over a whole tensor."""
+    return gradient_math(y, right, grad, factor, table, t, backward).to(grad.dtype)
 
 
 def spans(numel: int, element_size: int) -> Iterator[slice]:
@@ -200,16 +235,27 @@ def input_gradient(
     y: torch.Tensor,
     right: torch.Tensor,
     activation: Activation,
-    grad_at: Callable[[slice], torch.Tensor],
-    grad_input: torch.Tensor,
+    grad: torch.Tensor,
+    factor: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Fill `grad_input` (contiguous, shaped like y) with grad·f'(x), x recovered from the output y, chunk by
-    chunk: `grad_at(span)` gives the incoming gradient of the flat span. Returns grad_input."""
-    y, right, flat = y.reshape(-1), right.reshape(-1), grad_input.view(-1)
+    """grad·factor·f'(x) shaped like y, in grad's dtype (factor None: grad alone), x recovered from the output y:
+    one fused kernel over the whole tensor where `fusion.runs_fused` allows, else eagerly chunk by chunk, the
+    chunks' temporaries within one activation's bytes."""
+    shape = y.shape
+    y, right, grad = y.reshape(-1), right.reshape(-1), grad.reshape(-1)
+    factor = None if factor is None else factor.reshape(-1)
+    table = table_on(activation, "joined", y.device)
+    operands = [y, right, grad, table] + ([] if factor is None else [factor])
+    if fusion.runs_fused(operands):
+        kernel = activation.fused_gradient
+        return kernel.run(y, right, grad, factor, table, activation.tables, activation.backward).view(shape)
+    grad_input = torch.empty(y.shape, dtype=grad.dtype, device=grad.device)
     for span in spans(y.numel(), y.element_size()):
-        x = recover_chunk(y[span], right[span], activation)
-        flat[span] = activation.backward(grad_at(span).float(), x)
-    return grad_input
+        part = None if factor is None else factor[span]
+        grad_input[span] = gradient_math(
+            y[span], right[span], grad[span], part, table, activation.tables, activation.backward
+        )
+    return grad_input.view(shape)
 
 
 def kept_by_producer(x: torch.Tensor) -> bool:
@@ -254,6 +300,4 @@ class InplaceActivationFunction(torch.autograd.Function):
             (x,) = ctx.saved_tensors
             return ctx.activation.backward(grad, x), None, None
         y, right = ctx.saved_tensors
-        flat = grad.reshape(-1)  # a view unless grad is partly broadcast
-        grad_input = torch.empty(y.shape, dtype=grad.dtype, device=grad.device)
-        return input_gradient(y, right, ctx.activation, lambda span: flat[span], grad_input), None, None
+        return input_gradient(y, right, ctx.activation, grad), None, None

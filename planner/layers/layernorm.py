@@ -14,6 +14,8 @@ import math
 import torch
 from torch import nn
 
+from memplan.planner.layers import fusion
+
 # A channel keeps its exact x̂ when |β| > RATIO·|γ|: recovering x̂ from y there would cost about RATIO ulps.
 RECOVERY_RATIO = {torch.float64: 64.0, torch.float32: 64.0, torch.bfloat16: 4.0, torch.float16: 4.0}
 # Elements of one fp32 temporary at most (64 MiB), whatever the activation: large enough that a chunk's
@@ -84,11 +86,14 @@ def normalized_backward(grad, y, rstd, weight, bias, keep, exact, *, n, dtype, c
     """
     rows = y.numel() // n
     dy_rows, y_rows, rstd_rows = grad.reshape(rows, n), y.reshape(rows, n), rstd.reshape(rows, 1)
+    operands = [t for t in (dy_rows, y_rows, rstd_rows, weight, bias) if t is not None]
+    if not keep.numel() and fusion.runs_fused(operands):  # one kernel, no temporaries (no exact channels)
+        return fused_normalized_backward(
+            dy_rows, y_rows, rstd_rows, weight, bias, dtype, centered, weight_grad, bias_grad
+        )
     dx = torch.empty((rows, n), dtype=dtype, device=y.device)
     # Step 1: γ and β per channel in fp32 (a zero γ divides as one: its x̂ column comes from `exact`).
-    w = None if weight is None else weight.reshape(n).float()
-    divisor = None if w is None else torch.where(w == 0, torch.ones_like(w), w)
-    shift = None if bias is None else bias.reshape(n).float()
+    w, divisor, shift = affine_fp32(weight, bias, n)
     dweight = y.new_zeros(n, dtype=torch.float32) if weight_grad else None
     dbias = y.new_zeros(n, dtype=torch.float32) if bias_grad else None
     with torch.autocast(y.device.type, enabled=False):
@@ -110,9 +115,52 @@ def normalized_backward(grad, y, rstd, weight, bias, keep, exact, *, n, dtype, c
             if centered:
                 dy.sub_(dy.mean(-1, keepdim=True))
             dx[chunk] = dy.sub_(xhat.mul_(projection)).mul_(rstd_rows[chunk])
+    return _shaped(dx, dweight, dbias, weight, bias)
+
+
+def _shaped(dx, dweight, dbias, weight, bias):
     dweight = None if dweight is None else dweight.reshape(weight.shape).to(weight.dtype)
     dbias = None if dbias is None else dbias.reshape(bias.shape).to(bias.dtype)
     return dx, dweight, dbias
+
+
+def affine_fp32(weight, bias, n: int):
+    """γ, the divisor x̂ is recovered by (γ, a zero as one) and β, each per channel in fp32 (None without them)."""
+    w = None if weight is None else weight.reshape(n).float()
+    divisor = None if w is None else torch.where(w == 0, torch.ones_like(w), w)
+    shift = None if bias is None else bias.reshape(n).float()
+    return w, divisor, shift
+
+
+def fused_normalized_backward(dy_rows, y_rows, rstd_rows, weight, bias, dtype, centered, weight_grad, bias_grad):
+    """`normalized_backward` as one compiled kernel over all rows (no exact channels): dx, dγ, dβ."""
+    w, divisor, shift = affine_fp32(weight, bias, y_rows.shape[1])
+    with torch.autocast(y_rows.device.type, enabled=False):
+        dx, dweight, dbias = FUSED_BACKWARD[centered].run(
+            dy_rows, y_rows, rstd_rows, w, divisor, shift, centered, dtype, weight_grad, bias_grad
+        )
+    return _shaped(dx, dweight, dbias, weight, bias)
+
+
+def normalized_math(dy, y, rstd, w, divisor, shift, centered: bool, dtype, weight_grad: bool, bias_grad: bool):
+    """`normalized_backward`'s arithmetic over all rows at once, as one pure function for a fused kernel: dx (in
+    `dtype`), dγ and dβ in fp32 (None unless asked), every column's x̂ recovered from y (no exact channels)."""
+    dy, xhat = dy.float(), y.float()
+    if shift is not None:
+        xhat = xhat - shift
+    if divisor is not None:
+        xhat = xhat / divisor
+    dweight = (dy * xhat).sum(0) if weight_grad else None
+    dbias = dy.sum(0) if bias_grad else None
+    if w is not None:
+        dy = dy * w
+    projection = (dy * xhat).mean(-1, keepdim=True)
+    if centered:
+        dy = dy - dy.mean(-1, keepdim=True)
+    return ((dy - xhat * projection) * rstd).to(dtype), dweight, dbias
+
+
+FUSED_BACKWARD = {True: fusion.fused(normalized_math), False: fusion.fused(normalized_math)}  # by `centered`
 
 
 class InplaceLayerNormFunction(torch.autograd.Function):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+from memplan.planner.layers import fusion
 from memplan.planner.replay import build
 from memplan.planner.replay.native import INVALID_PLAN, INVALID_PLAN_MESSAGE, STATS_FIELDS
 from memplan.planner.replay.schedule import ReplayError, Schedule
@@ -49,7 +50,8 @@ class CPUPlanAllocator:
         if not begin(self.handle):
             raise ReplayError("a planned step or adoption is already open")
         try:
-            yield
+            with fusion.eager():  # the eager math, as the trace recorded it (planner/layers/fusion.py)
+                yield
         finally:
             end(self.handle)
 

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
+from memplan.planner.layers import fusion
 from memplan.planner.replay import build
 from memplan.planner.replay.native import INVALID_PLAN, INVALID_PLAN_MESSAGE, create_plan, load_library, plan_stats
 from memplan.planner.replay.schedule import ReplayError, Schedule
@@ -74,7 +75,8 @@ class CUDAPlanAllocator:
         if not begin(self.handle):
             raise ReplayError("a planned step or adoption is already open")
         try:
-            yield
+            with fusion.eager():  # the eager math, as the trace recorded it (planner/layers/fusion.py)
+                yield
         finally:
             before_end()
             end(self.handle)

@@ -17,6 +17,7 @@ from dataclasses import fields
 
 import torch
 
+from memplan.planner.layers import fusion
 from memplan.planner.replay.adoption import adopt_resident
 from memplan.planner.replay.fingerprint import (
     RunPrints,
@@ -84,7 +85,10 @@ def replay(
     after adopting the resident storages into its arena, and compare."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else None
     planned, ref = RunPrints(), RunPrints()
-    with one_cpu_thread(torch.device(device)):
+    # Both runs do the eager math of the tempo layers, as the trace the plan was made from recorded it
+    # (planner/layers/fusion.py): the planned run asks for exactly the trace's buffers, the reference run computes
+    # the same bits.
+    with one_cpu_thread(torch.device(device)), fusion.eager():
         workload = make_workload()
         name = workload.name
         warm_up(workload)
