@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from memplan.errors import PatchError
-from memplan.modes import AS_BUILT, LOSSES, MODES, OPTIMIZERS, SWEPT_MODES, mode
+from memplan.modes import AS_BUILT, LOSSES, MODES, OFFLOAD, OPTIMIZERS, SWEPT_MODES, mode
 from memplan.planner.cost import StepTime, count_step_flops, time_workloads, timed_workload
 from memplan.planner.cost.transfer import host_transfer
 from memplan.planner.report.plots import figure_format
@@ -153,7 +153,7 @@ class Configuration:
     action: str | None = None  # LOSS, OPTIMIZER or OFFLOAD for an action's point, None otherwise
 
 
-LOSS, OPTIMIZER, OFFLOAD = "loss", "optimizer", "offload"  # the families of actions beyond the swept layer modes
+LOSS, OPTIMIZER = "loss", "optimizer"  # the families of actions beyond the swept layer modes, with modes.OFFLOAD
 
 
 def action_configurations(opts: TradeoffOptions, fake: bool) -> tuple[list[Configuration], list[str]]:
