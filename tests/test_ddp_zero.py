@@ -4,6 +4,7 @@ all-gather and reduce-scatter buffers (traces/communication.py)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -54,14 +55,20 @@ def communication(trace: Trace) -> list[tuple[int, str, str, int, int]]:
 
 def same_buffers(fake: Trace, real: Trace) -> None:
     """The fake rank equals the gloo rank buffer for buffer: the same buffers alive when the step begins (the gloo
-    rank made its DDP bucket later, rebuilding it in the second warm-up step: compared as a set), the same
-    allocations and frees in the same order with the same sizes and labels (gloo's own buffers aside: internal), and
-    the same peak but for the gloo rank's CPU scalars."""
-    start = int(sum(1 for a in fake.alloc if a == 0))
+    rank made its DDP bucket later, rebuilding it in the second warm-up step: compared as a multiset), the same
+    allocations and frees in the same order with the same sizes and labels (gloo's own buffers aside: internal),
+    and the same peak but for the gloo rank's CPU scalars. The gloo rank may also hold, unnamed, what one of gloo's
+    threads has not yet released when the step begins (the bucket its rebuild replaced, a 4-byte index of it) and
+    frees unseen: the only buffers it holds beyond the fake rank's, and its peak is within them."""
+    start_fake, start_real = (sum(1 for a in t.alloc if a == 0) for t in (fake, real))
     predicted, measured = buffer_events(fake), buffer_events(real)
-    assert sorted(predicted[:start]) == sorted(measured[:start])
-    assert predicted[start:] == measured[start:]
-    assert fake.peak()[0] <= real.peak()[0] <= fake.peak()[0] + SCALARS
+    at_start, at_start_real = Counter(predicted[:start_fake]), Counter(measured[:start_real])
+    assert not at_start - at_start_real
+    leftovers = at_start_real - at_start
+    assert all(category == "unknown" for (*_, category) in leftovers)
+    assert predicted[start_fake:] == measured[start_real:]
+    held = sum(size * count for (size, *_), count in leftovers.items())
+    assert fake.peak()[0] <= real.peak()[0] <= fake.peak()[0] + SCALARS + held
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -104,7 +111,9 @@ def test_ddp_fake_ranks_equal_gloo_ranks(tmp_path, monkeypatch):
     fake, real = ranks(DDP, 2, tmp_path, fake=True), ranks(DDP, 2, tmp_path, fake=False)
     for predicted, measured in zip(fake, real):
         same_buffers(predicted, measured)
-        assert communication(predicted) == communication(measured) != []
+        buckets = [(size, op, phase) for size, op, phase, *_ in communication(predicted)]
+        assert buckets == [(size, op, phase) for size, op, phase, *_ in communication(measured)] != []
+        assert all(alloc == 0 and free == measured.end for *_, alloc, free in communication(measured))
 
 
 def test_ddp_buckets_are_communication(tmp_path, monkeypatch):

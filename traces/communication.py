@@ -73,10 +73,11 @@ def ddp_buckets(model: nn.Module) -> list[tuple[int, str]]:
 
 
 def name_buckets(buffers: list, buckets: list[tuple[int, str]]) -> None:
-    """Label as `communication` the first unnamed buffer alive at the start (`alloc` 0, category unknown) of each
-    bucket's size, with the DDP module's path and the op ALL_REDUCE."""
+    """Label as `communication` the last-made unnamed buffer alive at the start (`alloc` 0, category unknown) of each
+    bucket's size, with the DDP module's path and the op ALL_REDUCE: the latest, as a real rank may still hold the
+    buckets it replaced when it rebuilt them (a gloo thread's, released unseen)."""
     for size, module in buckets:
-        for b in buffers:
+        for b in reversed(buffers):
             if b.alloc == 0 and b.category == "unknown" and b.size == size:
                 b.category, b.module, b.op = COMMUNICATION, module, ALL_REDUCE
                 break
