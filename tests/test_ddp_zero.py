@@ -142,6 +142,18 @@ def test_fsdp2_collective_buffers_are_communication(tmp_path, monkeypatch):
         assert gradients == sorted(size // 2 for size, *_ in scatters)
 
 
+@pytest.mark.slow
+def test_fsdp2_collective_buffers_are_communication_on_gloo_too(tmp_path, monkeypatch):
+    """The same FSDP2 program on two gloo processes: the same collective buffers, in the same order, with the same
+    sizes, collectives and phases as on the fake process group."""
+    monkeypatch.setenv("MEMPLAN_PRESET", "tiny")
+    fake, real = ranks(FSDP2, 2, tmp_path, fake=True), ranks(FSDP2, 2, tmp_path, fake=False)
+    for predicted, measured in zip(fake, real):
+        labels = [(size, op, phase) for size, op, phase, *_ in communication(predicted)]
+        assert labels == [(size, op, phase) for size, op, phase, *_ in communication(measured)]
+        assert len(labels) == 8
+
+
 def test_a_bad_optimizer_setting_is_one_line(tmp_path, monkeypatch):
     """MEMPLAN_DDP_OPTIMIZER names adamw or zero: anything else is refused with one line, nothing written."""
     monkeypatch.setenv("MEMPLAN_DDP_OPTIMIZER", "sgd")

@@ -434,10 +434,10 @@ def capture_step(
     progress: Callable[[str], None] | None = None,
     routing: Routing | str = DEFAULT_ROUTING,
 ) -> Trace:
-    """Build a workload with `build()` and record one `workload.step()` (after a warm-up step unless
-    `warmup=False`) on `device` as a labelled Trace; with `fake`, under fake tensors (on CUDA, `gpu`'s rules; a
-    mixture of experts routed by `routing`). A capture that runs long reports through `progress` every few
-    seconds, when given."""
+    """Build a workload with `build()` and record one `workload.step()` (after its warm-up steps,
+    Workload.warmup_steps, unless `warmup=False`) on `device` as a labelled Trace; with `fake`, under fake tensors
+    (on CUDA, `gpu`'s rules; a mixture of experts routed by `routing`). A capture that runs long reports through
+    `progress` every few seconds, when given."""
     meta = {"warmup": warmup, **(meta or {})}
     with recording_session(device, fake=fake, meta=meta, gpu=gpu, progress=progress, routing=routing) as session:
         session.announce("building the model")
