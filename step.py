@@ -132,8 +132,9 @@ class StepSpec:
 
     @property
     def window(self) -> str:
-        """Which step is recorded, in words: the steady one after a warm-up step, or the first."""
-        return "one training step after a warm-up step" if self.warmup else "the first training step (no warm-up)"
+        """Which step is recorded, in words: the steady one after its warm-up steps (one, two under DDP), or the
+        first."""
+        return "one training step after its warm-up" if self.warmup else "the first training step (no warm-up)"
 
     def describe(self) -> str:
         """The step in words, for progress lines: `batch 2, seq 128, float32, cpu, layers tempo, real tensors` (a fake

@@ -68,8 +68,8 @@ def test_fake_ranks_match_gloo_ranks(tmp_path, monkeypatch, model_file):
     monkeypatch.setenv("MEMPLAN_PRESET", "tiny")
     fake, real = ranks(model_file, 2, tmp_path, fake=True), ranks(model_file, 2, tmp_path, fake=False)
     for predicted, measured in zip(fake, real):
-        # gloo's held buffers aside, and DDP's gradient buckets (not named yet: category unknown; gloo's ranks
-        # rebuild them in the recorded step, fake ones keep them)
+        # gloo's held buffers aside: unnamed, what gloo's threads have not released when the step begins (a DDP
+        # bucket its rebuild replaced); the buckets it keeps are named (communication) on both
         assert known(state_bytes(predicted)) == known(state_bytes(measured))
         fake_sizes = sizes_in_order(predicted)
         assert reproduced(sizes_in_order(measured), fake_sizes) == len(fake_sizes)

@@ -1,7 +1,8 @@
 """Capture one training step as a trace: every allocation and free of the device's allocator.
 
 `capture_step` installs the step recorder (traces/recorder.py) before the workload is built, runs a
-warm-up step (it creates the optimizer state and settles lazy initialisation), then records exactly
+warm-up step (it creates the optimizer state and settles lazy initialisation; two for DDP: Workload.warmup_steps),
+then records exactly
 one `workload.step()`; `record` does the same around one step of any training loop. The recorded
 buffers, in allocation order, are the allocations the allocator served during that step (0-byte
 requests are not served and not recorded). Every storage alive when the step begins is a buffer with
@@ -41,6 +42,7 @@ from memplan.planner.layers.patch import host_ledger, idle_notes
 from memplan.routing import DEFAULT as DEFAULT_ROUTING
 from memplan.routing import Routing
 from memplan.step import require_fake_for_routing
+from memplan.traces.communication import COMMUNICATION, ddp_buckets, name_buckets
 from memplan.traces.fake import DATA_RULE, FakeCapture
 from memplan.traces.fake_cuda import fake_cuda_runtime
 from memplan.traces.format import PHASES, Trace, make_trace, save
@@ -148,8 +150,8 @@ def _assemble(live: Events, step: Events, names: list[str], resident: dict, mark
 
 
 def _categorize(buffers: list[_Buffer], marks: StepMarks) -> None:
-    """Label the step's buffers: gradient, optimizer state, activation (saved across the forward/backward
-    boundary), or temporary."""
+    """Label the step's buffers: gradient, optimizer state, a collective's buffer (communication), activation (saved
+    across the forward/backward boundary), or temporary."""
 
     def live(b: _Buffer, t: int | None) -> bool:
         return t is not None and b.alloc <= t < b.free
@@ -166,6 +168,8 @@ def _categorize(buffers: list[_Buffer], marks: StepMarks) -> None:
             b.category = "gradient"
         elif b.key in marks.state_keys and live(b, marks.optimizer_end):
             b.category = "optimizer"
+        elif marks.collectives.get(b.alloc, (None,))[0] == b.key:
+            b.category, b.op = COMMUNICATION, marks.collectives[b.alloc][1]
         elif b.phase == "forward" and live(b, next_backward(b)):
             b.category = "activation"
         else:
@@ -315,6 +319,7 @@ class Recording:
         for b in buffers:
             if b.key in workspaces:
                 b.category = "workspace"
+        name_buckets(buffers, ddp_buckets(workload.model))
         _categorize(buffers, marks)
         if history is not None:
             _requested_sizes(buffers, history)
@@ -432,16 +437,16 @@ def capture_step(
     progress: Callable[[str], None] | None = None,
     routing: Routing | str = DEFAULT_ROUTING,
 ) -> Trace:
-    """Build a workload with `build()` and record one `workload.step()` (after a warm-up step unless
-    `warmup=False`) on `device` as a labelled Trace; with `fake`, under fake tensors (on CUDA, `gpu`'s rules; a
-    mixture of experts routed by `routing`). A capture that runs long reports through `progress` every few
-    seconds, when given."""
+    """Build a workload with `build()` and record one `workload.step()` (after its warm-up steps,
+    Workload.warmup_steps, unless `warmup=False`) on `device` as a labelled Trace; with `fake`, under fake tensors
+    (on CUDA, `gpu`'s rules; a mixture of experts routed by `routing`). A capture that runs long reports through
+    `progress` every few seconds, when given."""
     meta = {"warmup": warmup, **(meta or {})}
     with recording_session(device, fake=fake, meta=meta, gpu=gpu, progress=progress, routing=routing) as session:
         session.announce("building the model")
         workload = build()
         device = session.check_device(workload)
-        if warmup:
+        for _ in range(workload.warmup_steps() if warmup else 0):
             session.announce("the warm-up step")
             run_user_code("warm-up step", workload.name, workload.step)
         real_cuda = device.type == "cuda" and not fake

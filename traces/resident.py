@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from memplan.traces.workload import Workload
+from memplan.traces.workload import Workload, optimizer_state
 
 
 @dataclass
@@ -95,7 +95,7 @@ def _held(workload: Workload) -> Iterator[tuple[torch.Tensor, str, str]]:
     for path, module in workload.model.named_modules():
         for p in module.parameters(recurse=False):
             owner.setdefault(id(p), where(path))
-    for param, state in workload.optimizer.state.items():
+    for param, state in optimizer_state(workload.optimizer):
         for t in _tensors_in(state):
             yield t, "optimizer", owner.get(id(param), "")
     for t in _tensors_in(workload.inputs):

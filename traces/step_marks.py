@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from memplan.traces.communication import collective_buffers
 from memplan.traces.recorder import BACKWARD, FORWARD, OPTIMIZER, OTHER, Recorder
-from memplan.traces.workload import Workload
+from memplan.traces.resident import local_tensor
+from memplan.traces.workload import Workload, optimizer_state
 
 ROOT_MODULE = "model"
 LOSS_MODULE = "loss"
@@ -33,6 +35,8 @@ class StepMarks:
     backward_starts: list[int] = field(default_factory=list)  # ... before each backward began (one per micro-batch)
     optimizer_at: int | None = None  # ... before optimizer.step() began
     optimizer_end: int | None = None  # ... before it ended
+    collectives: dict[int, tuple[int, str]] = field(default_factory=dict)  # FSDP2's collective buffers: allocation
+    #                                                                         time -> (key, collective)
 
 
 def module_paths(model: torch.nn.Module) -> dict[int, str]:
@@ -41,8 +45,8 @@ def module_paths(model: torch.nn.Module) -> dict[int, str]:
 
 
 def state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    """Every tensor held in the optimizer's per-parameter state (moments, step counters, ...)."""
-    for state in optimizer.state.values():
+    """Every tensor held in the optimizer's per-parameter state (moments, step counters, ...), a wrapped one's too."""
+    for _, state in optimizer_state(optimizer):
         for value in state.values():
             if isinstance(value, torch.Tensor):
                 yield value
@@ -136,7 +140,7 @@ def _optimizer_hooks(optimizer: torch.optim.Optimizer, recorder: Recorder, marks
         for group in opt.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    marks.grad_keys.add(recorder.storage_key(p.grad))
+                    marks.grad_keys.add(recorder.storage_key(local_tensor(p.grad)))  # FSDP2's: its shard
         started = recorder.set_phase(OPTIMIZER)
         if marks.optimizer_at is None:
             marks.optimizer_at = started
@@ -155,7 +159,8 @@ def _optimizer_hooks(optimizer: torch.optim.Optimizer, recorder: Recorder, marks
 
 @contextlib.contextmanager
 def marked_step(workload: Workload, recorder: Recorder) -> Iterator[StepMarks]:
-    """Label one step: module and loss hooks, the backward and optimizer phases (forward until backward)."""
+    """Label one step: module and loss hooks, the backward and optimizer phases (forward until backward), FSDP2's
+    collective buffers."""
     marks = StepMarks()
     recorder.set_phase(FORWARD)
     try:
@@ -164,6 +169,7 @@ def marked_step(workload: Workload, recorder: Recorder) -> Iterator[StepMarks]:
             _loss_label(workload, recorder),
             _backward_phase(recorder, marks),
             _optimizer_hooks(workload.optimizer, recorder, marks),
+            collective_buffers(recorder, marks.collectives),
         ):
             yield marks
     finally:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 
 def default_loss(output: Any, inputs: Any) -> torch.Tensor:
@@ -20,6 +21,15 @@ def default_loss(output: Any, inputs: Any) -> torch.Tensor:
     else:
         first = next(v for v in output if isinstance(v, torch.Tensor))
     return first.float().mean()
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> Iterator[tuple[Any, dict]]:
+    """(parameter, its state) for every parameter the optimizer keeps state for, including an optimizer it wraps
+    and steps in its place (ZeroRedundancyOptimizer's `optim`, the AdamW over this rank's partition)."""
+    yield from optimizer.state.items()
+    inner = getattr(optimizer, "optim", None)
+    if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+        yield from optimizer_state(inner)
 
 
 @dataclass
@@ -47,6 +57,12 @@ class Workload:
         """The modules the step calls from outside the model: a call of one of them outside backward is a forward (a
         pipeline's stages; else the model)."""
         return [self.model]
+
+    def warmup_steps(self) -> int:
+        """Steps that settle the program before the recorded one: one (the optimizer state made, lazy initialisation
+        done), two when the model holds a DistributedDataParallel, whose reducer rebuilds its gradient buckets in
+        the second step's forward (in the order the first backward made the gradients ready)."""
+        return 2 if any(isinstance(m, DistributedDataParallel) for m in self.model.modules()) else 1
 
     def held(self) -> Iterator[tuple[torch.Tensor, str, str]]:
         """(tensor, category, module) for what the step's own machinery keeps between steps beyond the model,

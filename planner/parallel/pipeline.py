@@ -21,12 +21,12 @@ from torch.nn import functional as F
 
 from memplan.planner.workloads.blocks import WorkloadConfigError
 from memplan.planner.workloads.llama import Llama, LlamaConfig
+from memplan.traces.communication import COMMUNICATION  # the category of the stages' P2P receive buffers
 from memplan.traces.fake import module_to
 from memplan.traces.workload import Workload
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2}
-COMMUNICATION = "communication"  # the trace category of the stages' P2P receive buffers
 
 
 class LlamaStage(nn.Module):

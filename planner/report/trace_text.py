@@ -6,6 +6,7 @@ from memplan.modes import AS_BUILT
 from memplan.planner.cost.transfer import GIVEN
 from memplan.planner.layers.patch import PatchReport
 from memplan.traces.compile import describe_compile
+from memplan.traces.format import CATEGORIES
 from memplan.traces.summary import TraceSummary
 from memplan.traces.unrecorded import unrecorded_text
 from memplan.units import human_bytes
@@ -60,6 +61,7 @@ def no_change_mark(mode: str, changed: bool) -> str:
     return "" if changed or mode == AS_BUILT else " (changes nothing)"
 
 
+WIDEST = max(map(len, CATEGORIES))  # the category column's width: `communication` too lines up
 SELECTIONS = frozenset({"aten.nonzero", "aten.masked_select", "aten.index"})  # ops whose output size is a selection
 
 
@@ -131,11 +133,11 @@ def render_trace(s: TraceSummary) -> str:
     lines.append("live at the peak by category:")
     for category, size in sorted(s.at_peak_by_category.items(), key=lambda kv: -kv[1]):
         share = 100.0 * size / s.peak_bytes if s.peak_bytes else 0.0
-        lines.append(f"  {category:<11} {human_bytes(size, grouped=True):>14}  {share:5.1f}%")
+        lines.append(f"  {category:<{WIDEST}} {human_bytes(size, grouped=True):>14}  {share:5.1f}%")
     lines.append("largest buffers:")
     for b in s.largest:
         lines.append(
-            f"  {human_bytes(b.size, grouped=True):>14}  {b.category:<10} {b.phase:<9} "
+            f"  {human_bytes(b.size, grouped=True):>14}  {b.category:<{WIDEST}} {b.phase:<9} "
             f"[{b.alloc}, {b.free})  {b.module or '-'}  {b.op or '-'}"
         )
     return "\n".join(lines)

@@ -1,0 +1,83 @@
+"""Which of a step's buffers are there to be communicated (trace category `communication`), beside a pipeline's
+receive buffers (Workload.held); the `op` label says for which collective:
+
+- FSDP2's all-gather and reduce-scatter buffers (`all_gather`, `reduce_scatter`): every one is made by its
+  collective's `allocate` (FSDP2's `AllGather` and `ReduceScatter` comms, in
+  torch.distributed.fsdp._fully_shard._fsdp_collectives), watched during the step; the allocation's time and
+  storage name the buffer. A reduce-scatter output that FSDP2 views as the sharded gradient stays a gradient.
+- DDP's gradient buckets (`all_reduce`): its reducer makes them in C++ (at construction, and again when it rebuilds
+  them in the second step) and keeps them across steps, out of Python's reach; their sizes are in DDP's own logging
+  data (`rebuilt_bucket_sizes` once rebuilt, else `bucket_sizes`), so the unnamed storages alive when the step
+  begins with those sizes are the buckets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch import nn
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives as fsdp_collectives
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+from torch.nn.parallel import DistributedDataParallel
+
+from memplan.traces.recorder import Recorder
+
+COMMUNICATION = "communication"
+# what a communication buffer is for, in its `op` label (a pipeline's receive buffers are named by their module)
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all_gather", "reduce_scatter", "all_reduce"
+# FSDP2's allocators of collective buffers (its default, the process group's, symmetric memory's)
+_FSDP_ALLOCATORS = ("DefaultAllocMixin", "ProcessGroupAllocMixin", "SymmMemAllocMixin")
+
+
+@contextlib.contextmanager
+def collective_buffers(recorder: Recorder, found: dict[int, tuple[int, str]]) -> Iterator[None]:
+    """While the block runs, note each buffer FSDP2 allocates for an all-gather or a reduce-scatter in `found`:
+    its allocation time (the step's events so far once it is made) -> its storage key and its collective
+    (ALL_GATHER or REDUCE_SCATTER)."""
+    originals = {}
+
+    def watched(allocate):
+        def allocate_and_note(self, *args, **kwargs):
+            tensor = allocate(self, *args, **kwargs)
+            if tensor.untyped_storage().nbytes() > 0:
+                collective = ALL_GATHER if isinstance(self, AllGather) else REDUCE_SCATTER
+                found[recorder.step_events()] = (recorder.storage_key(tensor), collective)
+            return tensor
+
+        return allocate_and_note
+
+    for name in _FSDP_ALLOCATORS:
+        owner = getattr(fsdp_collectives, name, None)
+        if owner is not None and "allocate" in vars(owner):
+            originals[owner] = owner.allocate
+            owner.allocate = watched(owner.allocate)
+    try:
+        yield
+    finally:
+        for owner, allocate in originals.items():
+            owner.allocate = allocate
+
+
+def ddp_buckets(model: nn.Module) -> list[tuple[int, str]]:
+    """(bytes, module) of every gradient bucket of each DistributedDataParallel in `model`, as its logging data
+    gives them now (after a step: the buckets it keeps)."""
+    paths = {id(m): f"model.{path}" if path else "model" for path, m in model.named_modules()}
+    buckets = []
+    for module in model.modules():
+        if isinstance(module, DistributedDataParallel):
+            data = module._get_ddp_logging_data()
+            sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
+            buckets += [(int(size), paths[id(module)]) for size in str(sizes).split(",") if size.strip()]
+    return buckets
+
+
+def name_buckets(buffers: list, buckets: list[tuple[int, str]]) -> None:
+    """Label as `communication` the last-made unnamed buffer alive at the start (`alloc` 0, category unknown) of each
+    bucket's size, with the DDP module's path and the op ALL_REDUCE: the latest, as a real rank may still hold the
+    buckets it replaced when it rebuilt them (a gloo thread's, released unseen)."""
+    for size, module in buckets:
+        for b in reversed(buffers):
+            if b.alloc == 0 and b.category == "unknown" and b.size == size:
+                b.category, b.module, b.op = COMMUNICATION, module, ALL_REDUCE
+                break
