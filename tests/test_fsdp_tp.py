@@ -75,7 +75,7 @@ def test_ranks_hold_the_2d_sharding_s_bytes(tmp_path, monkeypatch, world, tp):
 
 def test_tp_splits_what_fsdp_alone_does_not(tmp_path, monkeypatch):
     """At 4 ranks, 2 x 2 holds more parameter bytes a rank than FSDP2 over 4 (the embedding, norms and head are
-    sharded over 2 only), and less activation memory at the peak is not promised: only the bytes are."""
+    sharded over 2 only), by exactly the two shardings' difference."""
     monkeypatch.setenv("MEMPLAN_PRESET", "tiny")
     model = Llama(PRESETS["tiny"])
     monkeypatch.setenv("MEMPLAN_TP", "2")
