@@ -2,7 +2,8 @@
 on the root), with PyTorch's AdamW over the sharded parameters; with MEMPLAN_TP=T, tensor parallelism too.
 
 MEMPLAN_FSDP_PRECISION picks the precision: fp32 (default) or bf16 (FSDP2's MixedPrecisionPolicy: parameters
-gathered in bf16 for compute, gradients reduced in fp32). The shape comes from MEMPLAN_PRESET: tiny (default) or 7b.
+gathered in bf16 for compute, gradients reduced in fp32). The shape comes from MEMPLAN_PRESET: tiny (default), 7b or
+8b; MEMPLAN_LAYERS sets its number of layers.
 MEMPLAN_TP=T (default 1) lays the N ranks out as a 2-D DeviceMesh (dp = N / T, tp = T) and, before FSDP2, splits each
 layer's attention and MLP over the tp dimension with parallelize_module as torchtitan's Llama does (q, k, v and the
 MLP's gate and up column-parallel, o and down row-parallel: each rank computes its share of the heads); FSDP2 then
@@ -12,6 +13,7 @@ Example: memplan trace examples/llama_fsdp2.py --nproc 2 --seq 64 -o fsdp2.json.
 Example: MEMPLAN_TP=2 memplan trace examples/llama_fsdp2.py --nproc 4 --fake -o fsdp2-tp.json.gz
 """
 
+import dataclasses
 import os
 
 import torch
@@ -55,16 +57,19 @@ def build(batch_size, seq_len, dtype, device):
     preset = os.environ.get("MEMPLAN_PRESET", "tiny")
     precision = os.environ.get("MEMPLAN_FSDP_PRECISION", "fp32")
     tp = os.environ.get("MEMPLAN_TP", "1")
+    layers = os.environ.get("MEMPLAN_LAYERS")
     if preset not in PRESETS:
         raise ValueError(f"MEMPLAN_PRESET={preset!r} is not one of {', '.join(PRESETS)}")
     if precision not in PRECISIONS:
         raise ValueError(f"MEMPLAN_FSDP_PRECISION={precision!r} is not one of {', '.join(PRECISIONS)}")
-    if not tp.isdigit() or int(tp) < 1:
-        raise ValueError(f"MEMPLAN_TP={tp!r} is not a whole number of at least 1")
+    for name, value in (("MEMPLAN_TP", tp), ("MEMPLAN_LAYERS", layers)):
+        if value is not None and (not value.isdigit() or int(value) < 1):
+            raise ValueError(f"{name}={value!r} is not a whole number of at least 1")
     if not dist.is_initialized():
         raise ValueError("FSDP2 shards over the ranks' process group: run this model file with --nproc N")
-    workload = build_workload(batch_size, seq_len, dtype, device, config=PRESETS[preset])
-    mesh = mesh_for(torch.device(device).type, int(tp), PRESETS[preset])  # the ranks, on the step's device
+    config = PRESETS[preset] if layers is None else dataclasses.replace(PRESETS[preset], layers=int(layers))
+    workload = build_workload(batch_size, seq_len, dtype, device, config=config)
+    mesh = mesh_for(torch.device(device).type, int(tp), config)  # the ranks, on the step's device
     if mesh.ndim == 2:
         for layer in workload.model.layers:
             parallelize_module(layer, mesh["tp"], LAYER_PLAN)
@@ -74,5 +79,5 @@ def build(batch_size, seq_len, dtype, device):
         fully_shard(layer, **policy)
     fully_shard(workload.model, **policy)
     workload.optimizer = torch.optim.AdamW(workload.model.parameters(), lr=1e-4)  # over the sharded parameters
-    workload.name = f"{workload.name}-fsdp2-{precision}" + (f"-tp{tp}" if mesh.ndim == 2 or int(tp) > 1 else "")
+    workload.name = f"{workload.name}-fsdp2-{precision}" + (f"-tp{tp}" if int(tp) > 1 else "")
     return workload

@@ -12,7 +12,7 @@ from step_traces import buffer_events, state_bytes
 
 from memplan.planner.workloads.llama import PRESETS, Llama
 from memplan.step import StepSpec
-from memplan.traces.distributed import rank_path, trace_ranks
+from memplan.traces.distributed import RankError, rank_path, trace_ranks
 from memplan.traces.format import Trace, load
 
 torch.set_num_threads(1)
@@ -103,10 +103,20 @@ def test_fake_ranks_equal_gloo_ranks_buffer_for_buffer(tmp_path, monkeypatch):
         assert predicted.peak()[0] <= measured.peak()[0] + SCALARS
 
 
-def test_a_tp_that_does_not_divide_is_one_line(tmp_path, monkeypatch):
-    """MEMPLAN_TP must divide the ranks and the heads."""
-    from memplan.traces.distributed import RankError
-
-    monkeypatch.setenv("MEMPLAN_TP", "3")
-    with pytest.raises(RankError, match="MEMPLAN_TP=3 does not divide the 4 ranks"):
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"MEMPLAN_TP": "3"}, "MEMPLAN_TP=3 does not divide the 4 ranks"),
+        ({"MEMPLAN_TP": "4"}, "MEMPLAN_TP=4 does not divide the 2 kv heads"),
+        ({"MEMPLAN_TP": "0"}, "MEMPLAN_TP='0' is not a whole number of at least 1"),
+        ({"MEMPLAN_LAYERS": "two"}, "MEMPLAN_LAYERS='two' is not a whole number"),
+    ],
+)
+def test_bad_settings_are_one_line(tmp_path, monkeypatch, env, message):
+    """MEMPLAN_TP must divide the ranks, the heads and the kv heads; MEMPLAN_TP and MEMPLAN_LAYERS are whole numbers.
+    Nothing is written."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(RankError, match=message):
         trace_ranks(StepSpec(FSDP2, 2, 16, fake=True), tmp_path / "t.json.gz", 4)
+    assert not list(tmp_path.glob("*.json.gz"))
