@@ -88,18 +88,36 @@ def test_tp_splits_what_fsdp_alone_does_not(tmp_path, monkeypatch):
     )
 
 
+def gloo_held(event: tuple) -> bool:
+    """A buffer a gloo collective works on, which gloo's threads may release late: a functional all-reduce's clone
+    (tensor parallelism's, forward and backward) or an FSDP2 reduce-scatter's input or output."""
+    size, op, module, phase, category = event
+    return (op == "aten::clone" and module != "loss") or (op == "aten::empty" and phase == "backward")
+
+
+def comparable(trace: Trace, gloo: bool = False) -> tuple[list[tuple], list[tuple]]:
+    """(every allocation in order with its size and labels, and the buffer events of the buffers no collective
+    holds, frees and categories included); on a gloo rank without its reduce-scatter's own buffers and scalars."""
+    events = buffer_events(trace)
+    if gloo:
+        events = [e for e in events if e[-1] != "unknown" and e[1] != GLOO_REDUCE_SCATTER]
+    allocated = [e if e[3] == "other" else e[:4] for e in events if e[0] > 0]
+    return allocated, [e for e in events if not gloo_held(e)]
+
+
 @pytest.mark.slow
 def test_fake_ranks_equal_gloo_ranks_buffer_for_buffer(tmp_path, monkeypatch):
     """2 x 2 on four gloo processes and on the fake process group: every rank holds the same buffers when the step
-    begins and allocates and frees the same ones in the same order with the same sizes and labels, tensor
-    parallelism's all-reduces included; gloo's reduce-scatter buffers (an all-reduce and a copy of the slice, which
-    gloo's threads may release in the next step) and its CPU scalars aside."""
+    begins and allocates the same ones in the same order with the same sizes and labels, tensor parallelism's
+    all-reduces included (gloo's reduce-scatter buffers and CPU scalars aside); every buffer no collective works on
+    is freed at the same point with the same category. When a gloo rank frees a collective's buffer depends on
+    gloo's threads (an all-reduce's clone or a reduce-scatter's input may outlive its step on a loaded machine); the
+    fake peak is never above the real one (CPU scalars aside)."""
     monkeypatch.setenv("MEMPLAN_PRESET", "tiny")
     monkeypatch.setenv("MEMPLAN_TP", "2")
     fake, real = ranks(tmp_path, 4, fake=True), ranks(tmp_path, 4, fake=False)
     for predicted, measured in zip(fake, real):
-        ours = [e for e in buffer_events(measured) if e[-1] != "unknown" and e[1] != GLOO_REDUCE_SCATTER]
-        assert buffer_events(predicted) == ours
+        assert comparable(predicted) == comparable(measured, gloo=True)
         assert predicted.peak()[0] <= measured.peak()[0] + SCALARS
 
 
