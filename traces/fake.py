@@ -11,6 +11,9 @@
 - Optimizers take fake tensors for the tensors they stand for: on CUDA they pick their foreach kernels
   (AdamW's default there), as with real CUDA tensors, where a fake tensor would send them to the
   per-tensor loop.
+- A functional all-reduce (`_c10d_functional.all_reduce`: DTensor's, tensor parallelism's) allocates a contiguous
+  clone, as its kernel does before reducing it in place, and its `wait_tensor` hands that back (the meta kernels
+  allocate a result for each).
 - `native_dropout` allocates its mask before its output, as the CPU and CUDA kernels do (the
   meta kernel allocates them the other way round).
 - The autograd engine sums two gradients of one input in place where it would for real tensors (it
@@ -321,6 +324,11 @@ def _dropout_mask_first(x: torch.Tensor, p: float, train: bool | None = None) ->
     return x.device.type == "cuda" and train is not False and p != 1 and x.numel() > 0
 
 
+# torch.distributed's functional collectives (DTensor's redistributions, tensor parallelism's all-reduces)
+FUNCTIONAL_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+FUNCTIONAL_WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
 class FakeCapture(FakeTensorMode):
     """FakeTensorMode whose op outputs on the captured device type claim their storages in `recorder` (an
     optimizer's step counters on the CPU are not a CUDA step's), with DATA_RULE."""
@@ -339,6 +347,7 @@ class FakeCapture(FakeTensorMode):
         # before it (the 7B Llama step takes 7 s instead of 4).
         self.cache_enabled = False
         self._recorder, self._claim, self._device_type = recorder, recorder.claim, device_type
+        self._key = recorder.storage_key
         self.data_dependent: Counter[str] = Counter()  # op -> times DATA_RULE read values nobody knows as 0
         self.known = KnownValues(routing)  # the values the step knows: constants, the routing rule's choices
         self._originals: list[tuple[type, str, object]] = []
@@ -389,6 +398,10 @@ class FakeCapture(FakeTensorMode):
             return args[0]
         if func is aten._pin_memory.default:  # a data loader's pinned batch: a copy in host memory, as pinning makes
             func, args, kwargs = aten.clone.default, args[:1], {}
+        if func is FUNCTIONAL_WAIT:  # the real wait hands back the collective's result; the meta kernel makes another
+            return args[0]
+        if func is FUNCTIONAL_ALL_REDUCE:  # the real kernel: a contiguous clone, reduced in place
+            func, args, kwargs = aten.clone.default, args[:1], {"memory_format": torch.contiguous_format}
         if self._dispatching:  # what a decomposition makes is the op's own work, as a real kernel's scratch
             return super().__torch_dispatch__(func, types, args, kwargs)
         if func is aten.native_dropout.default and _dropout_mask_first(*args):
@@ -422,11 +435,11 @@ class FakeCapture(FakeTensorMode):
                 self.known.after(func, args, kwargs, known, out)
         finally:
             self._dispatching -= 1
-        self._allocated_in_return_order(out, (args, kwargs))
+        aliased = self._allocated_in_return_order(out, (args, kwargs))
         host = HOST_OUTPUTS.get(func, ()) if self._device_type == "cuda" else ()
         for t in tree_leaves([o for i, o in enumerate(out) if i not in host] if host else out):
             if isinstance(t, FakeTensor) and t.device.type == self._device_type:
-                self._claim(t)
+                self._claim(t, self._key(t) in aliased)  # a view: the op that made its storage decided if internal
         if func.overloadpacket in CUBLAS_OPS and self._cublas_workspace:
             self._handle_workspace("cublas", self._cublas_workspace, out)
         if func in CUBLASLT_OPS and self._cublaslt_workspace and _runs_cublaslt(*args, **(kwargs or {})):
@@ -449,15 +462,17 @@ class FakeCapture(FakeTensorMode):
         """The storage keys of the cuBLAS and cuBLASLt workspaces made so far."""
         return {self._recorder.storage_key(t) for t in self.workspaces.values()}
 
-    def _allocated_in_return_order(self, out, inputs) -> None:
+    def _allocated_in_return_order(self, out, inputs) -> set[int]:
         """Put the allocations of the op's new storages in the order it returns them, as kernels allocate their
-        outputs (fake tensor mode may have run a decomposition, which makes them in its own order)."""
+        outputs (fake tensor mode may have run a decomposition, which makes them in its own order); returns the
+        storage keys of the op's inputs (an output among them is a view or written in place, not new)."""
         keys = self._recorder.storage_key
         aliased = {keys(t) for t in tree_leaves(inputs) if isinstance(t, FakeTensor)}
         fresh = [keys(t) for t in tree_leaves(out) if isinstance(t, FakeTensor) and t.device.type == self._device_type]
         fresh = list(dict.fromkeys(key for key in fresh if key not in aliased))
         if len(fresh) > 1:
             self._recorder.in_order(fresh)
+        return aliased
 
     def _sums_in_place(self, first: torch.Tensor) -> bool:
         """Whether the autograd engine, summing a gradient into `first`, would add in place for real tensors: with

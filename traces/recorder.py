@@ -119,9 +119,10 @@ class Recorder:
         """Reorder the allocations of these storages (made during the step) among themselves to the order given."""
         self._native.in_order(keys)
 
-    def claim(self, tensor: torch.Tensor) -> None:
-        """Keep a fake tensor's storage in the capture (only claimed storages count when fake)."""
-        self._native.claim(tensor)
+    def claim(self, tensor: torch.Tensor, view: bool = False) -> None:
+        """Keep a fake tensor's storage in the capture (only claimed storages count when fake); a `view` of an op's
+        input never makes it internal, and made outside every other op it is an op's output."""
+        self._native.claim(tensor, view)
 
     def resized(self, tensor: torch.Tensor, old_nbytes: int) -> None:
         """A fake storage (`tensor`'s, now at its new size) was resized in place from `old_nbytes`: a free, then an

@@ -56,12 +56,13 @@ class Attention(nn.Module):
         self.o = nn.Linear(c.heads * self.head_dim, c.hidden, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # heads read from the projections' widths: under tensor parallelism a rank's q, k, v hold its share of them
         b, s, _ = x.shape
-        q = self.q(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         return self.o(out.transpose(1, 2).reshape(b, s, -1))
 
 

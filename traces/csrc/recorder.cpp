@@ -197,12 +197,15 @@ class Recorder {
 
   // `inside`: claimed by an op run inside another op fake tensors see (autograd's copy of an in-place op's input,
   // autocast's cast of a matmul's): not that op's output, as a real trace marks it.
-  void claim(StorageKey key, bool inside) {
+  // A `view` (an op's output on an input's storage) never makes its storage internal: the op that made the storage
+  // decided that, and, as a real trace marks it, any op outside another returning a view of it makes it an output
+  // (DTensor views its local tensors inside each op it runs on them, and to_local returns them outside).
+  void claim(StorageKey key, bool inside, bool view) {
     std::lock_guard<std::mutex> guard(mutex_);
     claimed_.insert(key);
-    if (inside)
+    if (inside && !view)
       inside_.insert(key);
-    else
+    else if (!inside)
       inside_.erase(key);
   }
 
@@ -688,9 +691,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "Storages the step's ops read that the capture lacks, largest first: columns key, bytes, op, module");
   m.def("progress", []() { return recorder().progress(); },
         "Ops run, the step's events, bytes live, phase, whether the step is recording, the latest allocation's module");
-  m.def("claim", [](const at::Tensor& t) {
+  m.def("claim", [](const at::Tensor& t, bool view) {
     const ThreadState& state = this_thread;  // the op claiming runs inside another op fake tensors see?
     bool inside = state.seen_frames > 0 && !state.ops.empty() && !state.ops.back().seen;
-    recorder().claim(storage_key(t), inside);
-  }, "Keep the storage of this fake tensor in the capture (internal when made inside another op)");
+    recorder().claim(storage_key(t), inside, view);
+  }, py::arg("tensor"), py::arg("view") = false,
+        "Keep the storage of this fake tensor in the capture (internal when made inside another op; a view never)");
 }
