@@ -11,6 +11,11 @@ import torch
 from memplan.traces import fake_cuda
 
 torch.set_num_threads(1)
+# The tempo layers' fused kernels (planner/layers/fusion.py) compile with Inductor on first use in each process:
+# on a fresh machine that made the suite minutes longer (12 architecture tests: 35 s fused, 10 s eager). The suite
+# runs the eager math, the reference the fused kernels are checked against; tests/test_layers_fusion.py turns them
+# on and checks that they agree with it and hold no more memory.
+os.environ.setdefault("MEMPLAN_FUSED", "0")
 # A worker runs many tests' backwards before a fake CUDA one: the autograd engine sizes its device queues at the
 # first, so the fake CUDA device (traces/fake_cuda.py) must exist before it, as it does in memplan's commands.
 fake_cuda.install()

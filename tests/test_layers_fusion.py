@@ -23,6 +23,13 @@ from memplan.traces.recorder import recording
 
 pytestmark = pytest.mark.skipif(not fusion.supported("cpu"), reason="no C++ compiler: Inductor cannot compile here")
 
+
+@pytest.fixture(autouse=True)
+def fused(monkeypatch):
+    """The fused kernels on, as a user's run has them (tests/conftest.py runs the rest of the suite eager)."""
+    monkeypatch.setenv(fusion.ENV, "1")
+
+
 ROWS, WIDTH = 48, 96
 
 
