@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memplan.errors import TraceError
-from memplan.traces.format import Trace
+from memplan.traces.format import Trace, live_bytes
 
 COLUMNS = ("size", "alloc", "free", "module")
 
@@ -36,8 +36,10 @@ class HostBytes:
         return int(self.size[(self.alloc <= t) & (t < self.free)].sum())
 
     def peak(self) -> int:
-        """The most host bytes live at once."""
-        return max((self.live_at(int(t)) for t in np.unique(self.alloc)), default=0)
+        """The most host bytes live at once (the one live-bytes sweep, traces.format.live_bytes)."""
+        if len(self) == 0:
+            return 0
+        return int(live_bytes(self.size, self.alloc, self.free, int(self.free.max())).max(initial=0))
 
 
 def host_bytes(trace: Trace) -> HostBytes | None:
