@@ -14,11 +14,10 @@ receive buffers (Workload.held); the `op` label says for which collective:
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 
 from torch import nn
-from torch.distributed.fsdp._fully_shard import _fsdp_collectives as fsdp_collectives
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 from torch.nn.parallel import DistributedDataParallel
 
 from memplan.traces.recorder import Recorder
@@ -26,7 +25,10 @@ from memplan.traces.recorder import Recorder
 COMMUNICATION = "communication"
 # what a communication buffer is for, in its `op` label (a pipeline's receive buffers are named by their module)
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all_gather", "reduce_scatter", "all_reduce"
-# FSDP2's allocators of collective buffers (its default, the process group's, symmetric memory's)
+# FSDP2's allocators of collective buffers (its default, the process group's, symmetric memory's), in the module a
+# program that shards with fully_shard has loaded before its step: looked up there, not imported (about 0.9 s more
+# for every capture of a program that never uses FSDP2)
+_FSDP_COLLECTIVES = "torch.distributed.fsdp._fully_shard._fsdp_collectives"
 _FSDP_ALLOCATORS = ("DefaultAllocMixin", "ProcessGroupAllocMixin", "SymmMemAllocMixin")
 
 
@@ -36,18 +38,20 @@ def collective_buffers(recorder: Recorder, found: dict[int, tuple[int, str]]) ->
     its allocation time (the step's events so far once it is made) -> its storage key and its collective
     (ALL_GATHER or REDUCE_SCATTER)."""
     originals = {}
+    fsdp_collectives = sys.modules.get(_FSDP_COLLECTIVES)  # None: the program does not use FSDP2
+    all_gather = fsdp_collectives and sys.modules["torch.distributed.fsdp._fully_shard._fsdp_api"].AllGather
 
     def watched(allocate):
         def allocate_and_note(self, *args, **kwargs):
             tensor = allocate(self, *args, **kwargs)
             if tensor.untyped_storage().nbytes() > 0:
-                collective = ALL_GATHER if isinstance(self, AllGather) else REDUCE_SCATTER
+                collective = ALL_GATHER if isinstance(self, all_gather) else REDUCE_SCATTER
                 found[recorder.step_events()] = (recorder.storage_key(tensor), collective)
             return tensor
 
         return allocate_and_note
 
-    for name in _FSDP_ALLOCATORS:
+    for name in _FSDP_ALLOCATORS if fsdp_collectives is not None else ():
         owner = getattr(fsdp_collectives, name, None)
         if owner is not None and "allocate" in vars(owner):
             originals[owner] = owner.allocate
