@@ -26,9 +26,6 @@ import torch.distributed.distributed_c10d as c10d
 import torch.nn.parallel.distributed as ddp
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining._utils import InferenceMode
-from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from memplan.errors import MemplanError
 
@@ -92,6 +89,9 @@ class FakePipelineError(MemplanError):
 
 
 def _own_metadata(original):
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining._utils import InferenceMode
+
     def _warmup_p2p(self, stages, has_backward, p2p_done):
         if not all(isinstance(stage, PipelineStage) for stage in stages):
             return original(self, stages, has_backward, p2p_done)
@@ -133,7 +133,10 @@ def patches() -> Iterator[tuple[object, str, object]]:
     yield DDP, "forward", _default_hook_first(DDP.forward)
     yield dist.Reducer, "_rebuild_buckets", _keep_buckets
     yield dist.Logger, "set_runtime_stats_and_log", _no_runtime_stats
-    yield _PipelineSchedule, "_warmup_p2p", _own_metadata(_PipelineSchedule._warmup_p2p)
+    if dist.is_initialized():  # pipelining (2 s to import: it loads Dynamo) only for a distributed program
+        from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+        yield _PipelineSchedule, "_warmup_p2p", _own_metadata(_PipelineSchedule._warmup_p2p)
     for name in ("isend", "irecv"):  # the same function under both names: P2POp and the schedules read either
         held = _holding(getattr(c10d, name))
         yield c10d, name, held
