@@ -11,7 +11,7 @@ import click
 
 from memplan.errors import MemplanError
 from memplan.gpus import GPU, GPUS, gpu
-from memplan.modes import LOSSES, OPTIMIZERS, losses_help, modes_help, optimizers_help
+from memplan.modes import LOSSES, OPTIMIZERS, PER_LAYER_MODES, losses_help, modes_help, optimizers_help
 from memplan.planner.simulate.alloc_conf import TIE_BREAKS
 from memplan.step import DTYPES, StepSpec, require_fake_for_routing
 from memplan.units import SizeError, human_bytes, parse_bandwidth, parse_size
@@ -784,6 +784,17 @@ def tradeoff_command(
     emit(summary, as_json, render_tradeoff(summary))
 
 
+def layer_mode_list(_ctx, _param, value: str | None) -> tuple[str, ...] | None:
+    """--modes 'as-built,tempo,full' as per-layer mode names (None: optimize's default)."""
+    if value is None:
+        return None
+    names = tuple(dict.fromkeys(v.strip() for v in value.split(",") if v.strip()))
+    wrong = [n for n in names if n not in PER_LAYER_MODES]
+    if wrong or not names:
+        raise click.BadParameter(f"{value!r}: a comma-separated list of per-layer modes ({', '.join(PER_LAYER_MODES)})")
+    return names
+
+
 @main.command("optimize")
 @click.argument("model_file", type=MODEL_FILE)
 @click.option("--memory", type=SIZE, default=None, help="Memory the plan must fit: 11GiB, 16GB, 512MiB or bytes.")
@@ -797,6 +808,22 @@ def tradeoff_command(
     default=10.0,
     show_default=True,
     help="Seconds for CP-SAT and per plan.",
+)
+@click.option(
+    "--actions/--no-actions",
+    default=True,
+    show_default=True,
+    help="Also choose the actions beyond the layer modes: the fused loss and an --optimizer choice where the step "
+    "does not fix them, and with a host link (--gpu or --host-bandwidth) the offloading modes and the host optimizer.",
+)
+@host_bandwidth_option
+@click.option(
+    "--modes",
+    default=None,
+    callback=layer_mode_list,
+    metavar="M1,M2,...",
+    help="The layer modes each layer may take [default: as-built, tempo, selective, tempo+selective, full, and the "
+    "offloading modes with --actions and a host link]: fewer modes, fewer traces.",
 )
 @capture_option
 @click.option(
@@ -819,12 +846,16 @@ def optimize_command(
     optimizer,
     routing,
     time_limit,
+    actions,
+    host_bandwidth,
+    modes,
     capture,
     output,
     as_json,
 ):
-    """A mode per Transformer layer (as-built, tempo, selective, tempo+selective, full) so the step fits --memory
-    (or --gpu) with the least recompute, chosen by CP-SAT on a model measured from traces and checked by tracing it.
+    """A mode per Transformer layer, the loss and the optimizer, so the step fits --memory (or --gpu) with the least
+    added step time (recompute, host transfers), chosen by CP-SAT on a model measured from traces and checked by
+    tracing it.
 
     \b
     Example: memplan optimize examples/gpt2.py --memory 7MiB --batch 2 --seq 128
@@ -841,7 +872,8 @@ def optimize_command(
     step = StepSpec(
         model_file, 1 if max_batch else batch or 2, seq, dtype, loss=loss, routing=routing, optimizer=optimizer
     )
-    opts = OptimizeOptions(step, memory, max_batch, capture, time_limit, gpu=find_gpu(gpu_name))
+    bandwidth = None if host_bandwidth is None else parse_bandwidth(host_bandwidth)
+    opts = OptimizeOptions(step, memory, max_batch, capture, time_limit, find_gpu(gpu_name), actions, bandwidth, modes)
     result = optimize(opts, progress=progress)
     summary = result.summary()
     if output is not None:

@@ -13,6 +13,13 @@ from memplan.traces.format import CATEGORIES, Trace
 from memplan.traces.host import host_summary
 
 
+def changes_model(trace: Trace) -> bool:
+    """Whether a traced step differs from the model as built: its layers patched, its loss fused, its optimizer
+    rebuilt (the trace's meta says what each changed)."""
+    loss_patch = trace.meta.get("loss_patch") or {}
+    return bool(trace.meta["patch"]["changed"] or loss_patch.get("replaced") or trace.meta.get("optimizer_state"))
+
+
 @dataclass(frozen=True)
 class BufferSummary:
     """One buffer of a trace, as the summary lists it."""
