@@ -12,12 +12,14 @@ from hypothesis import strategies as st
 
 from memplan.errors import MemplanError
 from memplan.planner.problem import build_problem, problem_from_trace
+from memplan.planner.report.trace_text import render_trace
 from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.planner.verify import verify_plan
 from memplan.solvers import solve
 from memplan.traces.capture import record
 from memplan.traces.format import make_trace
 from memplan.traces.streams import Ordering, StreamLedger, stream_columns
+from memplan.traces.summary import summarize
 
 torch.set_num_threads(1)
 KB = 1024
@@ -150,6 +152,15 @@ def test_a_fake_cuda_step_records_its_streams_and_orderings():
     p = problem_from_trace(trace)
     plan = solve(p, time_limit=2)
     verify_plan(p, plan.offsets, plan.arena)
+    summary = summarize(trace)
+    assert [(x["stream"], x["name"], x["buffers"]) for x in summary.streams] == [
+        (0, "default", len(trace) - 1),
+        (1, "", 1),
+    ]
+    assert (
+        f"streams: 0 default ({len(trace) - 1:,} buffers), 1 unnamed (1 buffers); {len(trace.syncs)} syncs"
+        in render_trace(summary)
+    )
 
 
 def test_record_stream_holds_the_block_until_the_using_stream_is_ordered_after_its_free():
@@ -169,3 +180,4 @@ def test_a_cpu_step_has_one_stream_and_no_syncs():
             optimizer.step()
     trace = recording.trace
     assert set(trace.stream.tolist()) == {0} and trace.syncs == [] and "streams" not in trace.meta
+    assert summarize(trace).streams == [] and "streams:" not in render_trace(summarize(trace))
