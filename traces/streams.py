@@ -52,6 +52,7 @@ class StreamLedger:
     known: set[int] = field(default_factory=lambda: {DEFAULT})  # every stream the program used
 
     def now(self) -> int | None:
+        """The step's logical time now, or None outside the step."""
         return None if self.clock is None else int(self.clock())
 
     def begin(self, clock) -> None:
@@ -60,6 +61,7 @@ class StreamLedger:
         self.switches = [(0, self.current)]
 
     def end(self) -> None:
+        """Stop recording: the step is over."""
         self.clock = None
 
     def set_current(self, key: int) -> None:
