@@ -99,6 +99,9 @@ def render_trace(s: TraceSummary) -> str:
             f"inside another, such as autograd's of an in-place op's input; a --fake trace holds only those copies), "
             f"{human_bytes(s.internal_at_peak, grouped=True)} live at the peak"
         )
+    if s.streams:
+        each = ", ".join(f"{x['stream']} {x['name'] or 'unnamed'} ({x['buffers']:,} buffers)" for x in s.streams)
+        lines.append(f"streams: {each}; {s.syncs:,} syncs between them")
     lines += describe_routing(s.routing)
     if s.data_dependent:
         taken = ", ".join(f"{op} x{n}" for op, n in sorted(s.data_dependent.items()))
