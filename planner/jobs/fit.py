@@ -82,8 +82,9 @@ class Point:
         )
 
     def tightest(self, allocator: str) -> Point:
-        """The rank with the least room under `allocator`: the highest figure (the first such rank on a tie)."""
-        return max(self.per_rank, key=lambda p: p.figure(allocator))
+        """The rank with the least room under `allocator`: the highest figure, then the most bytes live (the
+        caching allocator's segments round reserved up), then the first."""
+        return max(self.per_rank, key=lambda p: (p.figure(allocator), p.bound))
 
     def figure(self, allocator: str) -> int:
         return self.caching_peak_reserved if allocator == "caching" else self.plan_arena

@@ -266,7 +266,7 @@ def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> R
 
     if not Path(opts.step.model_file).is_file():
         raise MemplanError(f"{opts.step.model_file}: no such model file")
-    if opts.replay_mode not in opts.modes:
+    if opts.nproc is None and opts.replay_mode not in opts.modes:  # ranks are not replayed
         raise MemplanError(f"the replayed mode {opts.replay_mode!r} is not among the modes run")
     require_real_tensors(opts.step.replace(fake=opts.capture == "fake"))  # before any work
     start = time.monotonic()
@@ -293,8 +293,9 @@ def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> R
 
         progress("drawing timeline.png and address_space.png")
         plot_reports(reports, work / "timeline.png")
-        replayed = [r for r, row in zip(reports, rows) if row.mode == opts.replay_mode]
-        plot_reports(replayed, work / "address_space.png", address_space=True)
+        drawn = opts.replay_mode if opts.replay_mode in opts.modes else opts.modes[0]  # ranks: no replay
+        plot_reports([r for r, row in zip(reports, rows) if row.mode == drawn], work / "address_space.png",
+                     address_space=True)  # fmt: skip
         progress("writing report.html")
         commands = [f"# {row.mode}\n{row.command}" for row in rows]
         title = f"memplan report: {Path(opts.step.model_file).stem}"

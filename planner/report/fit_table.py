@@ -37,7 +37,8 @@ def rank_lines(summary: dict) -> list[str]:
     lines += text_table([cols, *rows])
     for m in s["modes"]:
         tight = {a: ranks_label(m["ranks"][a]["tightest"]) for a in ("caching", "plan")}
-        lines.append(f"{m['mode']}: tightest {tight['caching']} (caching allocator), {tight['plan']} (plan)")
+        caching, plan = tight["caching"], tight["plan"]
+        lines.append(f"{m['mode']}: tightest {caching} under the caching allocator, {plan} under a plan")
     return lines
 
 
