@@ -427,6 +427,8 @@ def fit_model(
         choice = choose_capture(capture, memory if gpu is None else gpu.memory, step.device)
     memory, budget = device_memory(memory, gpu, step.replace(fake=choice.fake))
     require_real_tensors(step.replace(fake=capture == "fake"))  # before anything is traced
+    if nproc is not None and step.compile is not None:
+        raise CompileError("--compile traces one process: it does not take --nproc")
     if step.compile is not None and choice.fake:
         raise CompileError(f"--compile needs real tensors, and {choice.reason}: fit it eagerly, or a smaller --memory")
     progress(f"{choice.name} traces ({choice.reason})")

@@ -269,6 +269,8 @@ def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> R
     if opts.nproc is None and opts.replay_mode not in opts.modes:  # ranks are not replayed
         raise MemplanError(f"the replayed mode {opts.replay_mode!r} is not among the modes run")
     require_real_tensors(opts.step.replace(fake=opts.capture == "fake"))  # before any work
+    if opts.nproc is not None and opts.step.compile is not None:
+        raise CompileError("--compile traces one process: it does not take --nproc")
     start = time.monotonic()
     out = Path(opts.out_dir)
     if out.exists() and not out.is_dir():
