@@ -63,9 +63,11 @@ def test_a_broken_family_is_one_error_line_with_exit_code_1(tmp_path, files, mes
 
 
 def test_rank_files_listed_by_hand_may_be_a_few_of_one_world_but_not_of_two(tmp_path):
-    """Rank 0 and rank 3 of one world compare; rank files of one name from worlds of 2 and 4 are refused."""
+    """Rank 0 and rank 3 of one world compare (one named twice too); rank files of one name from worlds of 2 and 4
+    are refused."""
     listed = [str(rank_trace(tmp_path, 0, 4)), str(rank_trace(tmp_path, 3, 4))]
     assert [name for name, _ in load_traces(listed)] == listed
+    assert len(load_traces([*listed, listed[0]])) == 3  # a file named twice is no rank stood for twice
     stale = str(rank_trace(tmp_path, 1, 2))
     result = CliRunner().invoke(main, ["compare", *listed, stale])
     assert result.exit_code == 1 and "world sizes disagree" in result.output

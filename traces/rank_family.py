@@ -142,11 +142,12 @@ def load_traces(files: list[str] | tuple[str, ...]) -> list[tuple[str, Trace]]:
             named += [(str(m.path), m.trace) for m in load_family(name)]
         else:
             named.append((name, load(name)))
-    families: dict[str, list[RankTrace]] = {}
+    families: dict[str, dict[Path, RankTrace]] = {}
     for name, trace in named:
         split = _split(Path(name).name)
-        if split is not None and trace.meta.get("rank") is not None:
-            families.setdefault(str(Path(name).with_name(split[0])), []).append(_rank_trace(Path(name), trace))
+        if split is not None and trace.meta.get("rank") is not None:  # a file named twice is one member
+            family = families.setdefault(str(Path(name).with_name(split[0])), {})
+            family[Path(name).resolve()] = _rank_trace(Path(name), trace)
     for base, members in families.items():
-        check_world(base, members, complete=False)
+        check_world(base, list(members.values()), complete=False)
     return named
