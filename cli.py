@@ -322,6 +322,29 @@ capture_option = click.option(
     help="Trace real or fake tensors; auto: fake where a real step would be slow on a CPU or would not fit "
     "this machine (docs/capture.md: Choosing real or fake traces).",
 )
+
+
+def nproc_option(what: str):
+    """--nproc N for a command that runs a model file's step (run, fit): a distributed model file on N ranks."""
+    return click.option(
+        "--nproc",
+        type=click.IntRange(min=1),
+        default=None,
+        help=f"Trace a distributed model file on N ranks (as memplan trace --nproc; auto: the fake process group, "
+        f"real: a process per rank) and {what}",
+    )
+
+
+fake_option = click.option("--fake", is_flag=True, help="The same as --capture fake.")
+
+
+def capture_of(capture: str, fake: bool) -> str:
+    """--capture as --fake leaves it; a usage error for --fake with --capture real."""
+    if fake and capture == "real":
+        raise click.UsageError("--fake and --capture real exclude each other", ctx=click.get_current_context())
+    return "fake" if fake else capture
+
+
 tie_break_option = click.option(
     "--tie-break",
     type=click.Choice(TIE_BREAKS),
@@ -619,13 +642,21 @@ def solve_command(source, output, time_limit, capacity, method, alignment, scope
     show_default=True,
     help="Steps the tempo plan is replayed for.",
 )
+@click.option(
+    "--layers",
+    "modes",
+    multiple=True,
+    help="Layer mode to run; repeat for several [default: every mode; with --nproc, as-built]. " + LAYERS_HELP,
+)
 @capture_option
+@fake_option
+@nproc_option("show each distinct rank's figures side by side (no replay: it runs one process's step).")
 @gpu_option("each mode's verdict: whether its step fits the GPU, or where it runs out of memory.")
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def run_command(
-    model_file, out_dir, batch, seq, dtype, loss, optimizer, routing, time_limit, replay_steps, capture, gpu_name,
-    compile, as_json
+    model_file, out_dir, batch, seq, dtype, loss, optimizer, routing, time_limit, replay_steps, modes, capture, fake,
+    nproc, gpu_name, compile, as_json
 ):  # fmt: skip
     """The main job: trace MODEL_FILE under every layer mode (as-built, baseline, tempo, selective,
     tempo+selective, full, tempo+full), solve and simulate each, replay the tempo plan on the CPU, and
@@ -633,18 +664,23 @@ def run_command(
 
     Without MODEL_FILE it runs the bundled 2-layer slice of BERT-Large (planner/workloads/bert_large_slice.py).
 
+    \b
     Example: memplan run -o memplan-out && open memplan-out/report.md
+    Example: memplan run examples/llama_pipeline.py --nproc 4 --fake --batch 8 --seq 16 -o pp-out
     """
     import os
 
-    from memplan.planner.jobs.run import DEFAULT_MODEL, RunOptions, run
+    from memplan.modes import AS_BUILT
+    from memplan.planner.jobs.run import DEFAULT_MODEL, RunOptions, run, run_modes
     from memplan.planner.report.run_report import render_text
 
+    capture = capture_of(capture, fake)
     require_fake_for_routing(routing, capture != "real")
     step = StepSpec(model_file or os.path.relpath(DEFAULT_MODEL), batch, seq, dtype, compile=compile, loss=loss,
                     routing=routing, optimizer=optimizer)  # fmt: skip
+    modes = tuple(modes) or ((AS_BUILT,) if nproc is not None else ())
     opts = RunOptions(step, out_dir, time_limit=time_limit, replay_steps=replay_steps, capture=capture,
-                      gpu=find_gpu(gpu_name))  # fmt: skip
+                      gpu=find_gpu(gpu_name), nproc=nproc, **run_modes(modes))  # fmt: skip
     result = run(opts, progress=progress)
     summary = result.summary()
     emit(summary, as_json, render_text(summary))
@@ -658,7 +694,7 @@ def run_command(
     "--layers",
     "modes",
     multiple=True,
-    help="Layer mode to fit; repeat for several [default: every mode]. " + LAYERS_HELP,
+    help="Layer mode to fit; repeat for several [default: every mode; with --nproc, as-built]. " + LAYERS_HELP,
 )
 @step_options(loss=True)
 @click.option("--alloc-conf", default="", help=ALLOC_CONF_HELP)
@@ -671,11 +707,13 @@ def run_command(
     help="Seconds for each solve.",
 )
 @capture_option
+@fake_option
+@nproc_option("fit every rank: a batch fits only if it fits on every rank; the tightest rank is named.")
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def fit_command(
     model_file, memory, gpu_name, modes, seq, dtype, loss, optimizer, routing, alloc_conf, tie_break, time_limit,
-    capture, compile, as_json
+    capture, fake, nproc, compile, as_json
 ):  # fmt: skip
     """The largest batch size whose training step fits --memory (or --gpu), under the caching allocator and under
     a plan.
@@ -686,23 +724,26 @@ def fit_command(
     \b
     Example: MEMPLAN_PRESET=tiny memplan fit examples/bert.py --memory 64MiB --seq 64 --layers baseline --layers tempo
     Example: MEMPLAN_PRESET=small memplan fit examples/gpt2.py --gpu L4 --seq 1024 --layers tempo --capture fake
+    Example: memplan fit examples/llama_fsdp2.py --nproc 8 --fake --gpu H100 --seq 2048
     """
-    from memplan.modes import SWEPT_MODES
+    from memplan.modes import AS_BUILT, SWEPT_MODES
     from memplan.planner.jobs.fit import fit_model
     from memplan.planner.report.fit_table import render_fit
 
     memory_or_gpu(memory, gpu_name)
+    capture = capture_of(capture, fake)
     require_fake_for_routing(routing, capture != "real")
     result = fit_model(
         StepSpec(model_file, seq=seq, dtype=dtype, compile=compile, loss=loss, routing=routing, optimizer=optimizer),
         memory,
         gpu=find_gpu(gpu_name),
-        modes=tuple(modes) or SWEPT_MODES,
+        modes=tuple(modes) or ((AS_BUILT,) if nproc is not None else SWEPT_MODES),
         alloc_conf=alloc_conf,
         time_limit=time_limit,
         tie_break=tie_break,
         capture=capture,
         progress=progress,
+        nproc=nproc,
     )
     summary = result.summary()
     emit(summary, as_json, render_fit(summary))

@@ -33,6 +33,7 @@ from memplan.errors import MemplanError
 from memplan.files import atomic_write
 from memplan.step import StepSpec
 from memplan.traces.format import save
+from memplan.traces.rank_family import rank_path
 from memplan.traces.summary import summarize
 from memplan.traces.trace_model import trace_step
 
@@ -50,15 +51,6 @@ def one_line(exc: BaseException) -> str:
     if isinstance(exc, MemplanError):
         return text or type(exc).__name__
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def rank_path(output: str | os.PathLike, rank: int) -> Path:
-    """FILE.json.gz -> FILE.rank{r}.json.gz (also for .json; any other name gets .rank{r} appended)."""
-    path = Path(output)
-    for suffix in (".json.gz", ".json"):
-        if path.name.endswith(suffix):
-            return path.with_name(f"{path.name[: -len(suffix)]}.rank{rank}{suffix}")
-    return path.with_name(f"{path.name}.rank{rank}")
 
 
 def _rank_main(fn: Callable, args: tuple, device: str, workdir: str) -> None:
