@@ -37,9 +37,9 @@ from memplan.planner.workloads.llama import TINY, build_workload
 
 
 def build(batch_size, seq_len, dtype, device):
-    return build_workload(batch_size, seq_len, dtype, device, config=replace(TINY, layers=4, vocab_size=4096))
+    return build_workload(batch_size, seq_len, dtype, device, config=replace(TINY, layers=4, vocab_size=512))
 """
-SHAPE = {"batch": 1, "seq": 64, "dtype": "float32"}
+SHAPE = {"batch": 1, "seq": 128, "dtype": "float32"}
 CUDA = {"device": "cuda", "fake": True}  # fake CUDA traces: the host optimizer's host is not the device, as on a CPU
 BANDWIDTH = 25_000_000_000  # 25 GB/s: offloading a layer costs less than checkpointing it, more than tempo
 MODES = (AS_BUILT, "tempo", "full", "tempo+offload")  # every kind of layer choice: 16 traces, where all 8 take 64
