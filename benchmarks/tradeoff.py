@@ -10,8 +10,15 @@ mode that fits.
 
 Both at batch 2, s = 512 (real traces on this machine).
 
+`--only llama3-8b` (issue 34's benchmark): Llama-3-8B from its HuggingFace config (fake CUDA traces, bf16 mixed
+precision, s = 8192) on an H100 80GB. The largest batch each family of actions fits alone (every layer in a
+recompute or offload mode, the fused loss, each optimizer choice: `memplan fit` of that configuration, its plan)
+with the time it adds, then `optimize --max-batch` over the layer modes tempo, full and tempo+offload and every
+action. Target: optimize fits a larger batch than every single action at less added time than full checkpointing.
+
 Example: .venv/bin/python benchmarks/tradeoff.py                   # both models (cold Inductor cache: ~40 minutes)
          .venv/bin/python benchmarks/tradeoff.py --only llama --no-compile
+         .venv/bin/python benchmarks/tradeoff.py --only llama3-8b     # fake traces of 8B at s = 8192
 """
 
 from __future__ import annotations
@@ -25,12 +32,17 @@ from pathlib import Path
 
 import torch
 
-from memplan.modes import OPTIMIZE_MODES
+from memplan.gpus import gpu
+from memplan.modes import ADAMW_4BIT, ADAMW_8BIT, ADAMW_HOST, AS_BUILT, FULL, FUSED, OPTIMIZE_MODES
+from memplan.planner.cost import count_step_flops
+from memplan.planner.cost.rates import step_rates
+from memplan.planner.jobs.fit import fit_model
 from memplan.planner.jobs.optimize import (
     OptimizeOptions,
     every_layer,
     measure_batch,
     model_layers,
+    optimize,
 )
 from memplan.planner.jobs.optimize import answer as optimize_answer
 from memplan.planner.jobs.tradeoff import DEFAULT_BUDGETS, TradeoffOptions, tradeoff
@@ -38,7 +50,8 @@ from memplan.planner.report.optimize_text import render_optimize
 from memplan.planner.report.tradeoff_table import render_tradeoff
 from memplan.planner.simulate.measure import measure
 from memplan.step import StepSpec
-from memplan.traces.trace_model import sized_capture
+from memplan.traces.host import host_bytes
+from memplan.traces.trace_model import sized_capture, trace_step
 
 ROOT = Path(__file__).resolve().parents[1]
 BERT_LARGE_4 = '''
@@ -96,14 +109,14 @@ def run_model(name: str, folder: Path, budgets: tuple[float, ...], repeats: int,
         result = tradeoff(opts, log)
         print(f"\n## {name}: trade-off, {SHAPE}\n{render_tradeoff(result.summary())}", flush=True)
     # 2. optimize at three sizes between every layer tempo+selective and every layer as built, on one measurement.
-    opts = OptimizeOptions(StepSpec(model_file, **SHAPE), memory=0)
+    opts = OptimizeOptions(StepSpec(model_file, **SHAPE), memory=0, actions=False)  # the layer modes alone
     layers = model_layers(opts)
     capture = sized_capture(opts.capture, opts.step)
     start = time.monotonic()
     measured = measure_batch(opts, layers, opts.step.batch, capture.fake, log)
     seconds = time.monotonic() - start
     print(f"\n## {name}: optimize's model, {SHAPE}: {len(measured.traces)} traces, {seconds:.0f} s")
-    arenas = {m: measure(measured.traces[every_layer(layers, m)], time_limit=10).plan.arena for m in OPTIMIZE_MODES}
+    arenas = {m: measure(measured.traces[every_layer(layers, m), ()], time_limit=10).plan.arena for m in OPTIMIZE_MODES}
     low, high = arenas["tempo+selective"], arenas["as-built"]
     for fraction in (0.25, 0.5, 0.75):
         start = time.monotonic()
@@ -120,15 +133,69 @@ def run_model(name: str, folder: Path, budgets: tuple[float, ...], repeats: int,
         )
 
 
+LLAMA3_8B = ROOT / "examples" / "configs" / "llama-3-8b.json"
+LLAMA3_8B_STEP = {"seq": 8192, "dtype": "bf16-mixed", "device": "cuda", "fake": True}
+H100 = gpu("H100-80GB")
+ALONE = {  # each family of actions alone: (layer mode, loss, optimizer)
+    "every layer full (checkpointing)": (FULL, AS_BUILT, AS_BUILT),
+    "every layer tempo+selective": ("tempo+selective", AS_BUILT, AS_BUILT),
+    "every layer tempo+offload": ("tempo+offload", AS_BUILT, AS_BUILT),
+    "loss fused": (AS_BUILT, FUSED, AS_BUILT),
+    "optimizer adamw-8bit": (AS_BUILT, AS_BUILT, ADAMW_8BIT),
+    "optimizer adamw-4bit": (AS_BUILT, AS_BUILT, ADAMW_4BIT),
+    "optimizer adamw-host": (AS_BUILT, AS_BUILT, ADAMW_HOST),
+}
+OPTIMIZE_LAYER_MODES = ("tempo", FULL, "tempo+offload")  # 9 traces a batch, where all eight modes take 64
+
+
+def added_seconds(step: StepSpec, base_flops: int, rates) -> float:
+    """The time a configuration adds at the H100's rates: its extra FLOPs, its offload's and host optimizer's
+    transfers and host step (as optimize counts them; the host step timed on this machine)."""
+    seconds = max(0, count_step_flops(step).total - base_flops) / rates.flops
+    if step.mode_name.endswith("offload") or step.optimizer == ADAMW_HOST:
+        trace = trace_step(step)
+        host = host_bytes(trace)
+        seconds += 0 if host is None else 2 * host.moved / rates.host_bandwidth
+        state = trace.meta.get("optimizer_state")
+        if step.optimizer == ADAMW_HOST and state:
+            seconds += 2 * state["parameter_bytes"] / rates.host_bandwidth + state["elements"] * rates.host_adamw
+    return seconds
+
+
+def run_llama3_8b() -> None:
+    """Issue 34's benchmark (the module docstring)."""
+    step = StepSpec(str(LLAMA3_8B), batch=1, **LLAMA3_8B_STEP)
+    rates = step_rates(step.dtype, H100, None)
+    base_flops = count_step_flops(step).total
+    print(f"\n## Llama-3-8B, {LLAMA3_8B_STEP}, on {H100.name}: each family of actions alone", flush=True)
+    print(f"{'configuration':<36}{'largest batch':>14}{'added s/step at batch 1':>26}", flush=True)
+    for name, (mode, loss, optimizer) in ALONE.items():
+        start = time.monotonic()
+        alone = step.replace(mode=mode, loss=loss, optimizer=optimizer)
+        fitted = fit_model(alone, gpu=H100, modes=(mode,), capture="fake", time_limit=5, progress=log)
+        batch = fitted.modes[0].batch["plan"]
+        print(f"{name:<36}{batch:>14}{added_seconds(alone, base_flops, rates):>26.3f}"
+              f"   ({time.monotonic() - start:.0f} s)", flush=True)  # fmt: skip
+    start = time.monotonic()
+    opts = OptimizeOptions(step, max_batch=True, capture="fake", gpu=H100, modes=OPTIMIZE_LAYER_MODES, time_limit=10)
+    result = optimize(opts, log)
+    print(f"\n## Llama-3-8B: optimize --max-batch --modes {','.join(OPTIMIZE_LAYER_MODES)}, every action", flush=True)
+    print(render_optimize(result.summary()), flush=True)
+    print(f"({time.monotonic() - start:.0f} s)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=sorted(MODELS), help="one model only")
+    parser.add_argument("--only", choices=sorted([*MODELS, "llama3-8b"]), help="one model only")
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out of the trade-off")
     parser.add_argument("--optimize-only", action="store_true", help="only the optimize part")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per trade-off point")
     args = parser.parse_args()
     torch.set_num_threads(1)
     budgets = () if args.no_compile else DEFAULT_BUDGETS
+    if args.only == "llama3-8b":
+        run_llama3_8b()
+        return
     with tempfile.TemporaryDirectory() as folder:
         for name in [args.only] if args.only else MODELS:
             run_model(name, Path(folder), budgets, args.repeats, not args.optimize_only)
