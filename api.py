@@ -196,9 +196,10 @@ def tradeoff(model_file: PathLike, **options) -> TradeoffResult:
 def optimize(
     model_file: PathLike, memory: int | None = None, *, gpu: GPULike | None = None, **options
 ) -> OptimizeResult:
-    """A mode per Transformer layer (`memplan optimize`) so the step's plan fits `memory` bytes (or `gpu`: its
-    memory less what it holds outside the caching allocator) with the least recompute, proven within the model by
-    CP-SAT and checked by a trace; OptimizeOptions names the options (batch=None chooses the largest batch too).
+    """A mode per Transformer layer, and the loss and optimizer (`memplan optimize`), so the step's plan fits
+    `memory` bytes (or `gpu`: its memory less what it holds outside the caching allocator) with the least added step
+    time, proven within the model by CP-SAT and checked by a trace; OptimizeOptions names the options (batch=None
+    chooses the largest batch too; actions=False keeps to the layer modes).
     `result.step_choice()` is the answer, for `save_choice` and `apply`."""
     choose_batch = "batch" in options and options["batch"] is None
     step, rest = split_step(model_file, {**options, "batch": 1} if choose_batch else options)
