@@ -9,9 +9,9 @@ constraint per context of that layer, enforced when the layer has it. A step-lev
 fused, an optimizer choice) is one Boolean, at most one per family, adding its delta to every segment. The
 objective is the added work summed over layers and actions, in FLOPs at the device's rate (recompute as counted,
 a transfer's seconds times the rate), and among choices of equal work the one that changes the least: the fewest
-layers, then the fewest actions, then the earlier choice of a family (a mode that recomputes nothing there, such as
-selective over fused attention, is not chosen over as-built; 8-bit state over 4-bit). Choices already traced and
-found not to fit are excluded by a cut each.
+parts of modes over the layers, then the fewest actions, then the earlier choice of a family (a mode that
+recomputes nothing there, such as selective over fused attention, is not chosen over as-built, nor tempo+selective
+over tempo; 8-bit state over 4-bit). Choices already traced and found not to fit are excluded by a cut each.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from memplan.modes import AS_BUILT
+from memplan.modes import BASELINE, mode
 from memplan.planner.optimize.terms import PREFIX, Action, Assignment, Bytes, Context, MemoryTerms, Mode, owner_of
 
 Flops = int  # work: FLOPs, or seconds at the device's FLOP rate
@@ -50,6 +50,12 @@ def work_of(
 ) -> Flops:
     """The added work of an assignment with step-level actions: its layers' and its actions' costs."""
     return recompute_of(assignment, cost) + sum(action_cost[a] for a in actions)
+
+
+def changes(name: str) -> int:
+    """How much a layer mode changes a layer, for ties: its parts beyond baseline (as-built 0, tempo 1,
+    tempo+selective 2)."""
+    return len(mode(name).parts - {BASELINE})
 
 
 def families(actions) -> dict[str, list[Action]]:
@@ -116,9 +122,9 @@ def choose_modes(
     # 5. The least work; then the fewest changes (all of them together worth less than one FLOP).
     work = sum(cost[j, m] * pick[j, m] for j in range(count) for m in modes)
     work += sum(action_cost[a] * act[a] for a in act)
-    changed = sum(pick[j, m] for j in range(count) for m in modes if m != AS_BUILT)
+    changed = sum(changes(m) * pick[j, m] for j in range(count) for m in modes)
     changed += sum((1 + members.index(a)) * act[a] for members in grouped.values() for a in members)
-    most_changed = count + sum(len(members) for members in grouped.values())
+    most_changed = count * max(changes(m) for m in modes) + sum(len(members) for members in grouped.values())
     model.Minimize((most_changed + 1) * work + changed)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit
