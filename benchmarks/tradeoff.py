@@ -49,9 +49,11 @@ from memplan.planner.jobs.tradeoff import DEFAULT_BUDGETS, TradeoffOptions, trad
 from memplan.planner.report.optimize_text import render_optimize
 from memplan.planner.report.tradeoff_table import render_tradeoff
 from memplan.planner.simulate.measure import measure
+from memplan.planner.simulate.verdict import device_memory
 from memplan.step import StepSpec
 from memplan.traces.host import host_bytes
 from memplan.traces.trace_model import sized_capture, trace_step
+from memplan.units import human_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 BERT_LARGE_4 = '''
@@ -148,34 +150,38 @@ ALONE = {  # each family of actions alone: (layer mode, loss, optimizer)
 OPTIMIZE_LAYER_MODES = ("tempo", FULL, "tempo+offload")  # 9 traces a batch, where all eight modes take 64
 
 
-def added_seconds(step: StepSpec, base_flops: int, rates) -> float:
-    """The time a configuration adds at the H100's rates: its extra FLOPs, its offload's and host optimizer's
-    transfers and host step (as optimize counts them; the host step timed on this machine)."""
-    seconds = max(0, count_step_flops(step).total - base_flops) / rates.flops
-    if step.mode_name.endswith("offload") or step.optimizer == ADAMW_HOST:
-        trace = trace_step(step)
-        host = host_bytes(trace)
-        seconds += 0 if host is None else 2 * host.moved / rates.host_bandwidth
-        state = trace.meta.get("optimizer_state")
-        if step.optimizer == ADAMW_HOST and state:
-            seconds += 2 * state["parameter_bytes"] / rates.host_bandwidth + state["elements"] * rates.host_adamw
+def added_seconds(step: StepSpec, trace, base_flops: int, rates) -> float:
+    """The time a configuration adds at the H100's rates, as optimize counts it: its extra FLOPs (layer modes and
+    loss: optimizer choices count none), its offload's transfers, the host optimizer's copies and host step."""
+    seconds = 0.0
+    if step.optimizer == AS_BUILT:
+        seconds += max(0, count_step_flops(step).total - base_flops) / rates.flops
+    host = host_bytes(trace)
+    seconds += 0 if host is None else 2 * host.moved / rates.host_bandwidth
+    if step.optimizer == ADAMW_HOST:
+        state = trace.meta["optimizer_state"]
+        seconds += 2 * state["parameter_bytes"] / rates.host_bandwidth + state["elements"] * rates.host_adamw
     return seconds
 
 
 def run_llama3_8b() -> None:
     """Issue 34's benchmark (the module docstring)."""
-    step = StepSpec(str(LLAMA3_8B), batch=1, **LLAMA3_8B_STEP)
+    step = StepSpec(str(LLAMA3_8B), batch=1, **LLAMA3_8B_STEP).on_gpu(H100)
+    memory, _ = device_memory(None, H100, step)
     rates = step_rates(step.dtype, H100, None)
     base_flops = count_step_flops(step).total
-    print(f"\n## Llama-3-8B, {LLAMA3_8B_STEP}, on {H100.name}: each family of actions alone", flush=True)
-    print(f"{'configuration':<36}{'largest batch':>14}{'added s/step at batch 1':>26}", flush=True)
+    print(f"\n## Llama-3-8B, {LLAMA3_8B_STEP}, on {H100.name} ({memory:,} B for the plan): each action alone")
+    print(f"{'configuration':<36}{'peak live b=1':>16}{'largest batch':>15}{'added s/step b=1':>18}", flush=True)
     for name, (mode, loss, optimizer) in ALONE.items():
         start = time.monotonic()
         alone = step.replace(mode=mode, loss=loss, optimizer=optimizer)
-        fitted = fit_model(alone, gpu=H100, modes=(mode,), capture="fake", time_limit=5, progress=log)
-        batch = fitted.modes[0].batch["plan"]
-        print(f"{name:<36}{batch:>14}{added_seconds(alone, base_flops, rates):>26.3f}"
-              f"   ({time.monotonic() - start:.0f} s)", flush=True)  # fmt: skip
+        trace = trace_step(alone, progress=log)
+        batch = 0
+        if measure(trace, name, time_limit=5).plan.arena <= memory:  # batch 1 fits: how far does it go
+            batch = fit_model(alone, gpu=H100, modes=(mode,), capture="fake", progress=log).modes[0].batch["plan"]
+        print(f"{name:<36}{human_bytes(trace.peak()[0]):>16}{batch:>15}"
+              f"{added_seconds(alone, trace, base_flops, rates):>18.3f}   ({time.monotonic() - start:.0f} s)",
+              flush=True)  # fmt: skip
     start = time.monotonic()
     opts = OptimizeOptions(step, max_batch=True, capture="fake", gpu=H100, modes=OPTIMIZE_LAYER_MODES, time_limit=10)
     result = optimize(opts, log)

@@ -55,10 +55,10 @@ def measured_once():
     measured = {}
     measure = optimize_job.measure_batch
 
-    def once(opts, layers, batch, fake, progress):
-        key = (opts.step.model_file, opts.step.seq, opts.step.dtype, batch, fake)
+    def once(opts, layers, batch, fake, progress, earlier=None):
+        key = (opts.step.model_file, opts.step.seq, opts.step.dtype, batch, fake, opts.actions)
         if key not in measured:
-            measured[key] = measure(opts, layers, batch, fake, progress)
+            measured[key] = measure(opts, layers, batch, fake, progress, earlier)
         return measured[key]
 
     with pytest.MonkeyPatch.context() as patch:

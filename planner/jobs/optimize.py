@@ -271,14 +271,24 @@ def action_work(action: Action, trace: Trace, step: StepSpec, base_flops: Flops,
     return work(seconds, rates)
 
 
-def measure_actions(opts, layers, measured: Measured, fake: bool, progress) -> None:
+def measure_actions(opts, layers, measured: Measured, fake: bool, progress, earlier: Measured | None = None) -> None:
     """Each offered action traced alone with every layer as built: its per-segment delta on the step's own trace
-    and its added work go into `measured`; an action that cannot apply or changes nothing gets a note instead."""
+    and its added work go into `measured`; an action that cannot apply or changes nothing gets a note instead. An
+    optimizer choice measured at an `earlier` batch is taken from it: its state and step are the parameters', the
+    same at every batch (and its trace the slowest of all under fake tensors)."""
     offered, notes = offered_actions(opts, measured.rates)
     measured.notes += notes
     base = measured.traces[every_layer(layers, AS_BUILT), ()]
+    base_segments = measured.terms.segments
     deltas = {}
     for action in offered:
+        known = earlier is not None and action[0] == OPTIMIZER and set(earlier.terms.segments) == set(base_segments)
+        if known and action in earlier.action_cost:
+            deltas[action], measured.action_cost[action] = earlier.terms.deltas[action], earlier.action_cost[action]
+            continue
+        if known:
+            measured.notes += [note for note in earlier.notes if note.startswith(f"{action[0]} {action[1]} ")]
+            continue
         step = step_of(opts, layers, every_layer(layers, AS_BUILT), measured.batch, fake, (action,))
         progress(f"[batch {measured.batch}] tracing {action[0]} {action[1]} with every layer as built")
         try:
@@ -295,9 +305,11 @@ def measure_actions(opts, layers, measured: Measured, fake: bool, progress) -> N
     measured.terms = measured.terms.with_deltas(deltas)
 
 
-def measure_batch(opts: OptimizeOptions, layers: tuple[str, ...], batch: int, fake: bool, progress) -> Measured:
+def measure_batch(
+    opts: OptimizeOptions, layers: tuple[str, ...], batch: int, fake: bool, progress, earlier: Measured | None = None
+) -> Measured:
     """The model at `batch`: the traces of terms.assignments_to_trace over the offered modes, one FLOP count per
-    mode, and each offered action's trace."""
+    mode, and each offered action's trace (an optimizer choice's from an `earlier` batch's measurement, if any)."""
     rates = step_rates(opts.step.dtype, opts.step.gpu, opts.host_bandwidth)
     modes, notes = offered_modes(opts, rates)
     to_trace = assignments_to_trace(modes, len(layers))
@@ -310,7 +322,7 @@ def measure_batch(opts: OptimizeOptions, layers: tuple[str, ...], batch: int, fa
     terms = memory_terms({a: t for (a, _), t in traces.items() if set(a) <= set(modes)}, layers)
     cost = layer_costs(layers, modes, flops, traces, rates)
     measured = Measured(batch, terms, cost, flops[AS_BUILT].total, traces, rates, notes=notes)
-    measure_actions(opts, layers, measured, fake, progress)
+    measure_actions(opts, layers, measured, fake, progress, earlier)
     return measured
 
 
@@ -398,7 +410,7 @@ def largest_batch(opts, layers, fake, progress) -> Measured:
     low, high = None, None  # largest batch known to fit by the model, least known not to
     batch, at = 1, {}
     while high is None or (low or 0) + 1 < high:
-        at[batch] = measure_batch(opts, layers, batch, fake, progress)
+        at[batch] = measure_batch(opts, layers, batch, fake, progress, earlier=next(iter(at.values()), None))
         fits = choose(at[batch], opts.memory, (), opts.time_limit).assignment is not None
         low, high = (batch, high) if fits else (low, batch)
         if high is None and batch >= MAX_BATCH:
