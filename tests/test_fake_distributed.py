@@ -13,8 +13,7 @@ from step_traces import state_bytes
 from memplan.planner.simulate.fidelity import reproduced, sizes_in_order
 from memplan.planner.workloads.llama import PRESETS, Llama
 from memplan.step import StepSpec
-from memplan.traces.distributed import rank_path, trace_ranks
-from memplan.traces.format import load
+from memplan.traces.distributed import load_ranks, trace_ranks
 
 torch.set_num_threads(1)
 
@@ -29,7 +28,7 @@ def ranks(model_file: str, nproc: int, folder: Path, fake: bool, seq: int = 32):
     """Each rank's trace of the model file's step on `nproc` ranks: fake (one process) or real gloo processes."""
     output = folder / ("fake" if fake else "gloo") / "trace.json.gz"
     trace_ranks(StepSpec(model_file, 2, seq, fake=fake), output, nproc)
-    return [load(rank_path(output, rank)) for rank in range(nproc)]
+    return load_ranks(output, nproc)
 
 
 def known(alive: dict[str, int]) -> dict[str, int]:
@@ -82,7 +81,7 @@ def test_fsdp2_fake_cuda_ranks(tmp_path, monkeypatch):
     monkeypatch.setenv("MEMPLAN_PRESET", "tiny")
     output = tmp_path / "fsdp2.json.gz"
     trace_ranks(StepSpec(FSDP2, 2, 16, fake=True, device="cuda"), output, 2)
-    traces = [load(rank_path(output, rank)) for rank in range(2)]
+    traces = load_ranks(output, 2)
     assert state_bytes(traces[0]) == state_bytes(traces[1])
 
 

@@ -149,12 +149,27 @@ def render_trace_file(summary: dict) -> str:
     if "ranks" in summary:
         n = summary["world_size"]
         return "\n\n".join(
-            f"rank {r['rank']} of {n}:\n{render_trace(TraceSummary.from_dict(r))}\nwritten to {r['output']}"
+            f"{describe_ranks(r.get('ranks', [r['rank']]))} of {n}:\n{render_trace(TraceSummary.from_dict(r))}\n"
+            f"written to {r['output']}"
             for r in summary["ranks"]
         )
     compiled = "" if summary["compile"] is None else f"\ncompiled: {describe_compile(summary['compile'])}"
     transfer = describe_transfer(summary["host_transfer"]) if summary.get("host_transfer") else ""
     return f"{render_trace(TraceSummary.from_dict(summary))}{compiled}{transfer}\nwritten to {summary['output']}"
+
+
+def describe_ranks(ranks: list[int]) -> str:
+    """The ranks one trace stands for, as runs: [3] -> 'rank 3'; [0, 1, 2, 3, 8] -> 'ranks 0-3, 8 (5 ranks alike)'."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    spans = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"ranks {spans} ({len(ranks)} ranks alike)"
 
 
 def describe_transfer(transfer: dict) -> str:
