@@ -2,8 +2,8 @@
 on the root), with PyTorch's AdamW over the sharded parameters; with MEMPLAN_TP=T, tensor parallelism too.
 
 MEMPLAN_FSDP_PRECISION picks the precision: fp32 (default) or bf16 (FSDP2's MixedPrecisionPolicy: parameters
-gathered in bf16 for compute, gradients reduced in fp32). The shape comes from MEMPLAN_PRESET: tiny (default), 7b or
-8b; MEMPLAN_LAYERS sets its number of layers.
+gathered in bf16 for compute, gradients reduced in fp32). The shape comes from MEMPLAN_PRESET: tiny (default), 7b, 8b or
+70b; MEMPLAN_LAYERS sets its number of layers.
 MEMPLAN_TP=T (default 1) lays the N ranks out as a 2-D DeviceMesh (dp = N / T, tp = T) and, before FSDP2, splits each
 layer's attention and MLP over the tp dimension with parallelize_module as torchtitan's Llama does (q, k, v and the
 MLP's gate and up column-parallel, o and down row-parallel: each rank computes its share of the heads); FSDP2 then

@@ -4,7 +4,7 @@ stages.
 
 MEMPLAN_PIPELINE_SCHEDULE picks the schedule: 1f1b (default), gpipe or interleaved-1f1b. MEMPLAN_MICROBATCHES cuts
 the batch into that many equal micro-batches (default: one sample each). The shape comes from MEMPLAN_PRESET: tiny
-(default: examples/llama.py's tiny Llama with 8 layers, enough for 4 ranks of two stages), 7b or 8b; MEMPLAN_LAYERS
+(default: examples/llama.py's tiny Llama with 8 layers, enough for 4 ranks of two stages), 7b, 8b or 70b; MEMPLAN_LAYERS
 sets its number of layers (at least one a stage).
 MEMPLAN_DP=D (default 1) composes the pipeline with FSDP2: the N ranks form a 2-D DeviceMesh ("pp", "dp") of N / D
 pipeline ranks by D, the pipeline runs over each rank's "pp" group and each stage is fully_shard-ed (every layer,
