@@ -174,14 +174,16 @@ def fit(
     loss: str = AS_BUILT,
     routing: str = DEFAULT_ROUTING,
     optimizer: str = AS_BUILT,
+    nproc: int | None = None,
 ) -> FitResult:
     """The largest batch of `model_file` whose step fits `memory` bytes (or `gpu`: its memory less what it holds
     outside the caching allocator) under each layer mode (with the step's `loss` and `optimizer`), under the caching
     allocator and under a plan, each proven by direct traces (real or fake, as `capture` says; fake ones route a
-    mixture of experts by `routing`)."""
+    mixture of experts by `routing`). With `nproc`, a distributed model file on that many ranks: a batch fits only
+    where it fits on every rank."""
     require_fake_for_routing(routing, capture != "real")
     step = StepSpec(model_file, seq=seq, dtype=dtype, loss=loss, routing=routing, optimizer=optimizer)
-    return fit_model(step, memory, gpu=as_gpu(gpu), modes=tuple(layers), capture=capture)
+    return fit_model(step, memory, gpu=as_gpu(gpu), modes=tuple(layers), capture=capture, nproc=nproc)
 
 
 def tradeoff(model_file: PathLike, **options) -> TradeoffResult:
@@ -214,8 +216,8 @@ def apply(model: nn.Module, optimizer: object, choice: PathLike | StepChoice, *,
 
 def run(model_file: PathLike | None = None, output: PathLike = "memplan-out", **options) -> RunResult:
     """The main job (`memplan run`): every layer mode traced, solved, simulated, the tempo plan replayed,
-    and report.md with two pictures in `output` (with gpu=, each mode's verdict on it); RunOptions names the
-    other options."""
+    and report.md with two pictures in `output` (with gpu=, each mode's verdict on it; with nproc=, each distinct
+    rank's row per mode); RunOptions names the other options."""
     step, rest = split_step(model_file or DEFAULT_MODEL, options)
     return run_job(RunOptions(step, str(output), **{**rest, "gpu": as_gpu(rest.get("gpu"))}))
 

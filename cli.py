@@ -11,7 +11,7 @@ import click
 
 from memplan.errors import MemplanError
 from memplan.gpus import GPU, GPUS, gpu
-from memplan.modes import LOSSES, OPTIMIZERS, losses_help, modes_help, optimizers_help
+from memplan.modes import LOSSES, OPTIMIZERS, PER_LAYER_MODES, losses_help, modes_help, optimizers_help
 from memplan.planner.simulate.alloc_conf import TIE_BREAKS
 from memplan.step import DTYPES, StepSpec, require_fake_for_routing
 from memplan.units import SizeError, human_bytes, parse_bandwidth, parse_size
@@ -331,6 +331,29 @@ capture_option = click.option(
     help="Trace real or fake tensors; auto: fake where a real step would be slow on a CPU or would not fit "
     "this machine (docs/capture.md: Choosing real or fake traces).",
 )
+
+
+def nproc_option(what: str):
+    """--nproc N for a command that runs a model file's step (run, fit): a distributed model file on N ranks."""
+    return click.option(
+        "--nproc",
+        type=click.IntRange(min=1),
+        default=None,
+        help=f"Trace a distributed model file on N ranks (as memplan trace --nproc; auto: the fake process group, "
+        f"real: a process per rank) and {what}",
+    )
+
+
+fake_option = click.option("--fake", is_flag=True, help="The same as --capture fake.")
+
+
+def capture_of(capture: str, fake: bool) -> str:
+    """--capture as --fake leaves it; a usage error for --fake with --capture real."""
+    if fake and capture == "real":
+        raise click.UsageError("--fake and --capture real exclude each other", ctx=click.get_current_context())
+    return "fake" if fake else capture
+
+
 tie_break_option = click.option(
     "--tie-break",
     type=click.Choice(TIE_BREAKS),
@@ -628,13 +651,21 @@ def solve_command(source, output, time_limit, capacity, method, alignment, scope
     show_default=True,
     help="Steps the tempo plan is replayed for.",
 )
+@click.option(
+    "--layers",
+    "modes",
+    multiple=True,
+    help="Layer mode to run; repeat for several [default: every mode; with --nproc, as-built]. " + LAYERS_HELP,
+)
 @capture_option
+@fake_option
+@nproc_option("show each distinct rank's figures side by side (no replay: it runs one process's step).")
 @gpu_option("each mode's verdict: whether its step fits the GPU, or where it runs out of memory.")
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def run_command(
-    model_file, out_dir, batch, seq, dtype, loss, optimizer, routing, time_limit, replay_steps, capture, gpu_name,
-    compile, as_json
+    model_file, out_dir, batch, seq, dtype, loss, optimizer, routing, time_limit, replay_steps, modes, capture, fake,
+    nproc, gpu_name, compile, as_json
 ):  # fmt: skip
     """The main job: trace MODEL_FILE under every layer mode (as-built, baseline, tempo, selective,
     tempo+selective, full, tempo+full), solve and simulate each, replay the tempo plan on the CPU, and
@@ -642,18 +673,23 @@ def run_command(
 
     Without MODEL_FILE it runs the bundled 2-layer slice of BERT-Large (planner/workloads/bert_large_slice.py).
 
+    \b
     Example: memplan run -o memplan-out && open memplan-out/report.md
+    Example: memplan run examples/llama_pipeline.py --nproc 4 --fake --batch 8 --seq 16 -o pp-out
     """
     import os
 
-    from memplan.planner.jobs.run import DEFAULT_MODEL, RunOptions, run
+    from memplan.modes import AS_BUILT
+    from memplan.planner.jobs.run import DEFAULT_MODEL, RunOptions, run, run_modes
     from memplan.planner.report.run_report import render_text
 
+    capture = capture_of(capture, fake)
     require_fake_for_routing(routing, capture != "real")
     step = StepSpec(model_file or os.path.relpath(DEFAULT_MODEL), batch, seq, dtype, compile=compile, loss=loss,
                     routing=routing, optimizer=optimizer)  # fmt: skip
+    modes = tuple(modes) or ((AS_BUILT,) if nproc is not None else ())
     opts = RunOptions(step, out_dir, time_limit=time_limit, replay_steps=replay_steps, capture=capture,
-                      gpu=find_gpu(gpu_name))  # fmt: skip
+                      gpu=find_gpu(gpu_name), nproc=nproc, **run_modes(modes))  # fmt: skip
     result = run(opts, progress=progress)
     summary = result.summary()
     emit(summary, as_json, render_text(summary))
@@ -667,7 +703,7 @@ def run_command(
     "--layers",
     "modes",
     multiple=True,
-    help="Layer mode to fit; repeat for several [default: every mode]. " + LAYERS_HELP,
+    help="Layer mode to fit; repeat for several [default: every mode; with --nproc, as-built]. " + LAYERS_HELP,
 )
 @step_options(loss=True)
 @click.option("--alloc-conf", default="", help=ALLOC_CONF_HELP)
@@ -680,11 +716,13 @@ def run_command(
     help="Seconds for each solve.",
 )
 @capture_option
+@fake_option
+@nproc_option("fit every rank: a batch fits only if it fits on every rank; the tightest rank is named.")
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def fit_command(
     model_file, memory, gpu_name, modes, seq, dtype, loss, optimizer, routing, alloc_conf, tie_break, time_limit,
-    capture, compile, as_json
+    capture, fake, nproc, compile, as_json
 ):  # fmt: skip
     """The largest batch size whose training step fits --memory (or --gpu), under the caching allocator and under
     a plan.
@@ -695,23 +733,26 @@ def fit_command(
     \b
     Example: MEMPLAN_PRESET=tiny memplan fit examples/bert.py --memory 64MiB --seq 64 --layers baseline --layers tempo
     Example: MEMPLAN_PRESET=small memplan fit examples/gpt2.py --gpu L4 --seq 1024 --layers tempo --capture fake
+    Example: memplan fit examples/llama_fsdp2.py --nproc 8 --fake --gpu H100 --seq 2048
     """
-    from memplan.modes import SWEPT_MODES
+    from memplan.modes import AS_BUILT, SWEPT_MODES
     from memplan.planner.jobs.fit import fit_model
     from memplan.planner.report.fit_table import render_fit
 
     memory_or_gpu(memory, gpu_name)
+    capture = capture_of(capture, fake)
     require_fake_for_routing(routing, capture != "real")
     result = fit_model(
         StepSpec(model_file, seq=seq, dtype=dtype, compile=compile, loss=loss, routing=routing, optimizer=optimizer),
         memory,
         gpu=find_gpu(gpu_name),
-        modes=tuple(modes) or SWEPT_MODES,
+        modes=tuple(modes) or ((AS_BUILT,) if nproc is not None else SWEPT_MODES),
         alloc_conf=alloc_conf,
         time_limit=time_limit,
         tie_break=tie_break,
         capture=capture,
         progress=progress,
+        nproc=nproc,
     )
     summary = result.summary()
     emit(summary, as_json, render_fit(summary))
@@ -793,6 +834,17 @@ def tradeoff_command(
     emit(summary, as_json, render_tradeoff(summary))
 
 
+def layer_mode_list(_ctx, _param, value: str | None) -> tuple[str, ...] | None:
+    """--modes 'as-built,tempo,full' as per-layer mode names (None: optimize's default)."""
+    if value is None:
+        return None
+    names = tuple(dict.fromkeys(v.strip() for v in value.split(",") if v.strip()))
+    wrong = [n for n in names if n not in PER_LAYER_MODES]
+    if wrong or not names:
+        raise click.BadParameter(f"{value!r}: a comma-separated list of per-layer modes ({', '.join(PER_LAYER_MODES)})")
+    return names
+
+
 @main.command("optimize")
 @click.argument("model_file", type=MODEL_FILE)
 @click.option("--memory", type=SIZE, default=None, help="Memory the plan must fit: 11GiB, 16GB, 512MiB or bytes.")
@@ -806,6 +858,22 @@ def tradeoff_command(
     default=10.0,
     show_default=True,
     help="Seconds for CP-SAT and per plan.",
+)
+@click.option(
+    "--actions/--no-actions",
+    default=True,
+    show_default=True,
+    help="Also choose the actions beyond the layer modes: the fused loss and an --optimizer choice where the step "
+    "does not fix them, and with a host link (--gpu or --host-bandwidth) the offloading modes and the host optimizer.",
+)
+@host_bandwidth_option
+@click.option(
+    "--modes",
+    default=None,
+    callback=layer_mode_list,
+    metavar="M1,M2,...",
+    help="The layer modes each layer may take [default: as-built, tempo, selective, tempo+selective, full, and the "
+    "offloading modes with --actions and a host link]: fewer modes, fewer traces.",
 )
 @capture_option
 @click.option(
@@ -828,12 +896,16 @@ def optimize_command(
     optimizer,
     routing,
     time_limit,
+    actions,
+    host_bandwidth,
+    modes,
     capture,
     output,
     as_json,
 ):
-    """A mode per Transformer layer (as-built, tempo, selective, tempo+selective, full) so the step fits --memory
-    (or --gpu) with the least recompute, chosen by CP-SAT on a model measured from traces and checked by tracing it.
+    """A mode per Transformer layer, the loss and the optimizer, so the step fits --memory (or --gpu) with the least
+    added step time (recompute, host transfers), chosen by CP-SAT on a model measured from traces and checked by
+    tracing it.
 
     \b
     Example: memplan optimize examples/gpt2.py --memory 7MiB --batch 2 --seq 128
@@ -850,7 +922,8 @@ def optimize_command(
     step = StepSpec(
         model_file, 1 if max_batch else batch or 2, seq, dtype, loss=loss, routing=routing, optimizer=optimizer
     )
-    opts = OptimizeOptions(step, memory, max_batch, capture, time_limit, gpu=find_gpu(gpu_name))
+    bandwidth = None if host_bandwidth is None else parse_bandwidth(host_bandwidth)
+    opts = OptimizeOptions(step, memory, max_batch, capture, time_limit, find_gpu(gpu_name), actions, bandwidth, modes)
     result = optimize(opts, progress=progress)
     summary = result.summary()
     if output is not None:

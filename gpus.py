@@ -40,6 +40,14 @@ CUBLAS_WORKSPACE_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8  # 8,519,680 B: anoth
 CUBLAS_LARGE_MAJORS = (9, 10, 11, 12)
 CUBLASLT_WORKSPACE = 1024 * 1024  # 1,048,576 B
 
+# Dense peak FLOP/s (no 2:4 sparsity), from NVIDIA's datasheets: bf16 on the tensor cores with fp32 accumulation,
+# and fp32 without them (PyTorch's matmuls do not use TF32 unless asked). H100 SXM5, H200 and GH200: 989 and 67
+# TFLOPS; H100 PCIe: 756 and 51; A100: 312 and 19.5; L40S: 362 and 91.6; L4: 121 and 30.3; RTX 4090 (Ada's
+# whitepaper, bf16 with fp32 accumulation): 165.2 and 82.6; B200 (HGX B200, per GPU): 2,250 and 75 (an ESTIMATE
+# for fp32: NVIDIA quotes the 8-GPU board). A step's recompute costs its FLOPs at this rate: the least time it can
+# take, as offload's transfer time is the link's when nothing overlaps.
+TFLOPS = 10**12
+
 # An ESTIMATE of the CUDA context during a training step: driver state, the kernels loaded so far, the
 # device-side stack. With lazy module loading (CUDA 11.7+, PyTorch's default) PyTorch's maintainers put the
 # context at about 300 MB (pytorch/pytorch#107667, 2023) to 400 MB (#109888, 2023) right after the first CUDA
@@ -80,6 +88,12 @@ class GPU:
     host_link: str  # the link to the host: "PCIe gen5 x16", "NVLink-C2C"
     host_bandwidth: int  # bytes/s one way over that link (PCIE_GEN4_X16, PCIE_GEN5_X16, NVLINK_C2C)
     cuda_context: int = CUDA_CONTEXT_ESTIMATE  # bytes held outside the caching allocator by the CUDA context (estimate)
+    dense_flops: tuple[int, int] = (0, 0)  # FLOP/s peak without sparsity: bf16 on the tensor cores, fp32 without them
+
+    def flop_rate(self, dtype: str) -> int:
+        """The dense peak FLOP/s a step of `dtype` computes its matmuls at: bf16 for bfloat16 and bf16-mixed, fp32
+        (no TF32: PyTorch's default for matmuls) for float32."""
+        return self.dense_flops[1 if dtype == "float32" else 0]
 
     @property
     def architecture(self) -> str:
@@ -113,6 +127,7 @@ class GPU:
             "cuda_context": self.cuda_context,
             "host_link": self.host_link,
             "host_bandwidth": self.host_bandwidth,
+            "dense_flops": list(self.dense_flops),
         }
 
 
@@ -120,35 +135,39 @@ GPUS = (
     # total_memory 85,028,896,768 B (81,090 MiB): deviceQuery, driver 12.8 (torch reports 81,089 to 81,090 MiB;
     # drivers 12.7 and 13.0 gave 81,106 and 81,079 MiB); nvidia-smi shows 81,559 MiB. SXM5: PCIe gen5 to the host.
     GPU("H100-80GB", ("H100", "H100-SXM", "H100-SXM5", "H100-SXM-80GB", "NVIDIA H100 80GB HBM3"),
-        85_028_896_768, (9, 0), "PCIe gen5 x16", PCIE_GEN5_X16),
+        85_028_896_768, (9, 0), "PCIe gen5 x16", PCIE_GEN5_X16, dense_flops=(989 * TFLOPS, 67 * TFLOPS)),
     # total_memory 81,008 MiB (torch, _CudaDeviceProperties of an "NVIDIA H100 PCIe", 114 SMs).
     GPU("H100-PCIe-80GB", ("H100-PCIe", "NVIDIA H100 PCIe"),
-        81_008 * MiB, (9, 0), "PCIe gen5 x16", PCIE_GEN5_X16),
+        81_008 * MiB, (9, 0), "PCIe gen5 x16", PCIE_GEN5_X16, dense_flops=(756 * TFLOPS, 51 * TFLOPS)),
     # total_memory 143,156 MiB (torch, "NVIDIA H200"); nvidia-smi shows 143,771 MiB.
-    GPU("H200", ("H200-141GB", "H200-SXM", "NVIDIA H200"), 143_156 * MiB, (9, 0), "PCIe gen5 x16", PCIE_GEN5_X16),
+    GPU("H200", ("H200-141GB", "H200-SXM", "NVIDIA H200"), 143_156 * MiB, (9, 0), "PCIe gen5 x16", PCIE_GEN5_X16,
+        dense_flops=(989 * TFLOPS, 67 * TFLOPS)),
     # total_memory 102,005,473,280 B (97,280 MiB, exactly 95 GiB): deviceQuery of an "NVIDIA GH200 480GB",
     # driver 12.2: the "95 GiB GPU" of the shared xl snapshots. Grace Hopper: NVLink-C2C to the Grace CPU.
     GPU("GH200", ("GH200-96GB", "GH200-480GB", "NVIDIA GH200 480GB"),
-        102_005_473_280, (9, 0), "NVLink-C2C", NVLINK_C2C),
+        102_005_473_280, (9, 0), "NVLink-C2C", NVLINK_C2C, dense_flops=(989 * TFLOPS, 67 * TFLOPS)),
     # total_memory 42,298,834,944 B (40,339 MiB): deviceQuery, driver 12.2 (older drivers: 40,536 MiB);
     # nvidia-smi shows 40,960 MiB.
     GPU("A100-40GB", ("A100-SXM4-40GB", "NVIDIA A100-SXM4-40GB"), 42_298_834_944, (8, 0), "PCIe gen4 x16",
-        PCIE_GEN4_X16),
+        PCIE_GEN4_X16, dense_flops=(312 * TFLOPS, 39 * TFLOPS // 2)),
     # total_memory 84,987,740,160 B (81,051 MiB): deviceQuery, driver 12.2 (driver 12.5: 81,158 MiB; an A100
     # 80GB PCIe, driver 12.3: 81,049 MiB); nvidia-smi shows 81,920 MiB.
     GPU("A100-80GB", ("A100-SXM4-80GB", "A100-PCIe-80GB", "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe"),
-        84_987_740_160, (8, 0), "PCIe gen4 x16", PCIE_GEN4_X16),
+        84_987_740_160, (8, 0), "PCIe gen4 x16", PCIE_GEN4_X16, dense_flops=(312 * TFLOPS, 39 * TFLOPS // 2)),
     # total_memory 47,576,711,168 B (45,373 MiB): deviceQuery, driver 12.4 (torch elsewhere: 45,589 MiB);
     # nvidia-smi shows 46,068 MiB.
-    GPU("L40S", ("L40S-48GB", "NVIDIA L40S"), 47_576_711_168, (8, 9), "PCIe gen4 x16", PCIE_GEN4_X16),
+    GPU("L40S", ("L40S-48GB", "NVIDIA L40S"), 47_576_711_168, (8, 9), "PCIe gen4 x16", PCIE_GEN4_X16,
+        dense_flops=(362 * TFLOPS, 91 * TFLOPS)),
     # total_memory 23,612,293,120 B (22,518 MiB): deviceQuery, driver 12.0; nvidia-smi shows 23,034 MiB.
-    GPU("L4", ("L4-24GB", "NVIDIA L4"), 23_612_293_120, (8, 9), "PCIe gen4 x16", PCIE_GEN4_X16),
+    GPU("L4", ("L4-24GB", "NVIDIA L4"), 23_612_293_120, (8, 9), "PCIe gen4 x16", PCIE_GEN4_X16,
+        dense_flops=(121 * TFLOPS, 30 * TFLOPS)),
     # total_memory 25,756,696,576 B (24,564 MiB): deviceQuery, driver 12.1, Linux; torch reports 24,563 MiB.
     # A GPU that also drives a display, or Windows (WDDM), leaves less.
     GPU("RTX-4090", ("4090", "RTX4090", "RTX-4090-24GB", "GeForce-RTX-4090", "NVIDIA GeForce RTX 4090"),
-        25_756_696_576, (8, 9), "PCIe gen4 x16", PCIE_GEN4_X16),
+        25_756_696_576, (8, 9), "PCIe gen4 x16", PCIE_GEN4_X16, dense_flops=(165 * TFLOPS, 82 * TFLOPS)),
     # total_memory 182,631 MiB (torch, "NVIDIA B200"; another report: 182,642 MiB): the smaller is kept.
-    GPU("B200", ("B200-180GB", "B200-192GB", "NVIDIA B200"), 182_631 * MiB, (10, 0), "PCIe gen5 x16", PCIE_GEN5_X16),
+    GPU("B200", ("B200-180GB", "B200-192GB", "NVIDIA B200"), 182_631 * MiB, (10, 0), "PCIe gen5 x16", PCIE_GEN5_X16,
+        dense_flops=(2250 * TFLOPS, 75 * TFLOPS)),
 )  # fmt: skip
 
 

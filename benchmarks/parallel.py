@@ -117,7 +117,7 @@ def main() -> None:
 
 def llama70b(layers: int, only: str | None) -> None:
     """Trace each 70B layout with --fake in a child process (its resident memory its own) and print its figures."""
-    from memplan.planner.report.trace_text import describe_ranks
+    from memplan.traces.rank_family import ranks_label
     from memplan.units import human_bytes
 
     print(f"Llama-3-70B shape, {layers} layers, FSDP2 bf16 mixed precision, sequence 8192, --fake --device cuda")
@@ -134,11 +134,11 @@ def llama70b(layers: int, only: str | None) -> None:
         result = json.loads(done.stdout.strip().splitlines()[-1])
         print(
             f"{name} ({nproc} ranks, batch {batch} a rank): {result['seconds']:.1f} s wall, {result['cpu']:.1f} s CPU, "
-            f"peak RSS {human_bytes(result['rss'])}, {len(result['traces'])} distinct traces"
+            f"peak RSS {human_bytes(result['rss'])}, {len(result['traces'])} distinct trace(s)"
         )
         for row in result["traces"]:
             print(
-                f"  {describe_ranks(row['ranks']):<32} peak live {human_bytes(row['peak']):>10} "
+                f"  {ranks_label(row['ranks']):<16} peak live {human_bytes(row['peak']):>10} "
                 f"({row['peak']:,} B), reserved {human_bytes(row['reserved']):>10}, {row['buffers']:,} buffers"
             )
 

@@ -4,16 +4,22 @@ each rank's trace against the same program on real gloo ranks, and the sharding'
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from step_traces import state_bytes
 
+from memplan.errors import MemplanError
+from memplan.planner.problem import problem_from_trace
 from memplan.planner.simulate.fidelity import reproduced, sizes_in_order
+from memplan.planner.verify import verify_plan
 from memplan.planner.workloads.llama import PRESETS, Llama
+from memplan.solvers import solve
 from memplan.step import StepSpec
-from memplan.traces.distributed import load_ranks, trace_ranks
+from memplan.traces.distributed import trace_ranks
+from memplan.traces.rank_family import traces_by_rank
 
 torch.set_num_threads(1)
 
@@ -28,7 +34,7 @@ def ranks(model_file: str, nproc: int, folder: Path, fake: bool, seq: int = 32):
     """Each rank's trace of the model file's step on `nproc` ranks: fake (one process) or real gloo processes."""
     output = folder / ("fake" if fake else "gloo") / "trace.json.gz"
     trace_ranks(StepSpec(model_file, 2, seq, fake=fake), output, nproc)
-    return load_ranks(output, nproc)
+    return traces_by_rank(output)
 
 
 def known(alive: dict[str, int]) -> dict[str, int]:
@@ -81,8 +87,30 @@ def test_fsdp2_fake_cuda_ranks(tmp_path, monkeypatch):
     monkeypatch.setenv("MEMPLAN_PRESET", "tiny")
     output = tmp_path / "fsdp2.json.gz"
     trace_ranks(StepSpec(FSDP2, 2, 16, fake=True, device="cuda"), output, 2)
-    traces = load_ranks(output, 2)
+    traces = traces_by_rank(output)
     assert state_bytes(traces[0]) == state_bytes(traces[1])
+    for trace in traces:
+        fsdp_streams_are_in_the_trace(trace)
+
+
+def fsdp_streams_are_in_the_trace(trace):
+    """FSDP2's all-gather and reduce-scatter run on streams of their own, ordered with the default stream by its
+    waits and events: the all-gather outputs on the copy-in stream (allocated under it), the reduce-scatter outputs
+    on the reduce-scatter stream, syncs both ways between each and the default stream; the plan that reuses bytes
+    across streams through them verifies, and with the syncs dropped the same plan is refused."""
+    names = {name: int(s) for s, name in trace.meta["streams"].items() if name != "ordering"}
+    assert set(names) == {"default", "fsdp all-gather copy-in", "fsdp all-gather", "fsdp reduce-scatter"}
+    copy_in, gather, scatter = (names[f"fsdp {n}"] for n in ("all-gather copy-in", "all-gather", "reduce-scatter"))
+    on = {s: [op for op, t in zip(trace.op, trace.stream.tolist()) if t == s] for s in names.values()}
+    assert on[copy_in] and set(on[copy_in]) == {"all_gather"} and on[scatter] and not on[gather]
+    pairs = {(a, b) for _, a, b in trace.syncs}
+    assert {(0, copy_in), (gather, 0), (0, scatter), (scatter, 0)} <= pairs
+    problem = problem_from_trace(trace)
+    plan = solve(problem, time_limit=5)
+    verify_plan(problem, plan.offsets, plan.arena)
+    unsynced = replace(trace, syncs=[])
+    with pytest.raises(MemplanError):
+        verify_plan(problem_from_trace(unsynced), plan.offsets, plan.arena)
 
 
 def test_a_mesh_made_from_a_fake_tensor_is_refused(tmp_path):

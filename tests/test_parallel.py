@@ -16,8 +16,9 @@ from memplan.planner.parallel.checks import run_cases
 from memplan.planner.parallel.comm import ParallelError
 from memplan.planner.parallel.formulas import parallel_formula
 from memplan.planner.parallel.model import build_workload
-from memplan.traces.distributed import launch, load_ranks, rank_path
+from memplan.traces.distributed import launch, rank_path
 from memplan.traces.format import load
+from memplan.traces.rank_family import traces_by_rank
 
 MODES = ("baseline", "tempo", "selective", "tempo+selective")
 SMALL = [16, 2, 32, 4, 4]  # s, b, h, a, p: equality checks
@@ -181,7 +182,7 @@ def test_fake_ranks_hold_what_the_gloo_ranks_hold(tmp_path):
     for out, extra in ((real, []), (fake, ["--fake"])):
         result = CliRunner().invoke(main, ["trace", str(model), "--nproc", "2", "--seq", "16", "-o", str(out), *extra])
         assert result.exit_code == 0, result.output
-    for r, faked in enumerate(load_ranks(fake, 2)):
+    for r, faked in enumerate(traces_by_rank(fake)):
         gloo = load(rank_path(real, r))
         assert faked.meta["backend"] == "fake" and faked.meta["fake"] and faked.meta["ranks"] == [0, 1]
         assert faked.meta["world_size"] == 2 and gloo.meta["backend"] == "gloo"

@@ -14,8 +14,9 @@ from click.testing import CliRunner
 from memplan.cli import main
 from memplan.step import StepSpec
 from memplan.traces.alike import Layout, MeshRecord, StageRecord, propose, same_step
-from memplan.traces.distributed import load_ranks, rank_path, trace_ranks
+from memplan.traces.distributed import rank_path, trace_ranks
 from memplan.traces.format import Trace, load
+from memplan.traces.rank_family import traces_by_rank
 
 torch.set_num_threads(1)
 
@@ -100,13 +101,13 @@ def test_zero_ranks_differ_and_are_each_traced(tmp_path, monkeypatch):
 
 def test_fsdp2_ranks_are_one_class_and_the_cli_says_so(tmp_path, monkeypatch):
     """`memplan trace --nproc 4 --fake` of FSDP2 over 4 ranks prints the ranks its one file stands for; that trace
-    equals each rank's own, traced with --every-rank (four files); load_ranks gives every rank its trace."""
+    equals each rank's own, traced with --every-rank (four files); traces_by_rank gives every rank its trace."""
     monkeypatch.setenv("MEMPLAN_PRESET", "tiny")
     args = ["trace", str(EXAMPLES / "llama_fsdp2.py"), "--nproc", "4", "--fake", "--seq", str(SEQ), "-o"]
     result = CliRunner().invoke(main, [*args, str(tmp_path / "alike" / "t.json.gz")])
     assert result.exit_code == 0, result.output
-    assert "ranks 0-3 (4 ranks alike) of 4:" in result.output
-    assert [t.meta["ranks"] for t in load_ranks(tmp_path / "alike" / "t.json.gz", 4)] == [[0, 1, 2, 3]] * 4
+    assert "ranks 0-3 of 4 (4 ranks alike, one trace):" in result.output
+    assert [t.meta["ranks"] for t in traces_by_rank(tmp_path / "alike" / "t.json.gz")] == [[0, 1, 2, 3]] * 4
     result = CliRunner().invoke(main, [*args, str(tmp_path / "every" / "t.json.gz"), "--every-rank"])
     assert result.exit_code == 0, result.output
     assert "rank 3 of 4:" in result.output

@@ -42,7 +42,7 @@ from memplan.planner.layers.patch import host_ledger, idle_notes
 from memplan.routing import DEFAULT as DEFAULT_ROUTING
 from memplan.routing import Routing
 from memplan.step import require_fake_for_routing
-from memplan.traces.communication import COMMUNICATION, ddp_buckets, name_buckets
+from memplan.traces.communication import COMMUNICATION, ddp_buckets, fsdp_stream_names, name_buckets
 from memplan.traces.fake import DATA_RULE, FakeCapture
 from memplan.traces.fake_cuda import fake_cuda_runtime
 from memplan.traces.format import PHASES, Trace, make_trace, save
@@ -50,6 +50,8 @@ from memplan.traces.progress import CaptureProgress, progress_interval
 from memplan.traces.recorder import Events, Recorder, recording
 from memplan.traces.resident import resident_storages, resident_tensors
 from memplan.traces.step_marks import StepMarks, marked_step
+from memplan.traces.stream_hooks import cuda_stream_hooks
+from memplan.traces.streams import StreamColumns, StreamLedger, stream_columns
 from memplan.traces.unrecorded import UnrecordedWarning, unrecorded, unrecorded_text
 from memplan.traces.workload import Workload
 
@@ -248,10 +250,12 @@ class Recording:
         fake: FakeCapture | None,
         meta: dict,
         progress: CaptureProgress | None = None,
+        streams: StreamLedger | None = None,
     ):
         self.trace: Trace | None = None  # set when the step's block ends
         self._recorder, self._device, self._fake, self._meta = recorder, device, fake, meta
         self._progress = progress
+        self._streams = streams if streams is not None else StreamLedger()
 
     def announce(self, stage: str) -> None:
         """Name what runs now, before the recorded step (building the model, a warm-up step), in progress lines."""
@@ -304,6 +308,8 @@ class Recording:
                 real_cuda = device.type == "cuda" and self._fake is None
                 history = stack.enter_context(_cuda_history(device)) if real_cuda else None
                 marks = stack.enter_context(marked_step(workload, self._recorder))
+                self._streams.begin(self._recorder.step_events)
+                stack.callback(self._streams.end)
                 yield
             events = self._recorder.end_step()
             host_columns = host.end(len(events) + 1) if host is not None else None
@@ -323,6 +329,8 @@ class Recording:
         _categorize(buffers, marks)
         if history is not None:
             _requested_sizes(buffers, history)
+        self._streams.names.update(fsdp_stream_names(workload.model))
+        streams = _streams(buffers, self._streams, self._fake is None, len(events) + 1)
         dtype = next(workload.model.parameters()).dtype
         self.trace = _trace(
             buffers,
@@ -330,6 +338,7 @@ class Recording:
             self._fake,
             len(events),
             {
+                **streams.meta,
                 "model": workload.name,
                 **({"unrecorded": missing.to_dict()} if missing is not None else {}),
                 "dtype": dtype,
@@ -349,7 +358,20 @@ class Recording:
                 ),
                 **self._meta,
             },
+            streams.syncs,
         )
+
+
+def _streams(buffers: list[_Buffer], ledger: StreamLedger, real: bool, end: int) -> StreamColumns:
+    """Each buffer's stream id and the syncs (traces/streams.py): a real buffer's stream key is the allocator's
+    (`_requested_sizes`; 0 on the CPU), a fake one's the stream current when it was allocated; buffers alive when
+    the step began are on the default stream. Frees move for `record_stream`."""
+    keys = [b.stream if real or b.alloc == 0 else ledger.stream_at(b.alloc) for b in buffers]
+    alloc, free, storage = ([getattr(b, f) for b in buffers] for f in ("alloc", "free", "key"))
+    columns = stream_columns(keys, alloc, free, storage, ledger, end)
+    for b, stream, free in zip(buffers, columns.stream, columns.free):
+        b.stream, b.free = stream, free
+    return columns
 
 
 def with_idle_notes(report: dict, model: nn.Module, compiled: bool) -> dict:
@@ -362,7 +384,9 @@ def with_idle_notes(report: dict, model: nn.Module, compiled: bool) -> dict:
     return report if compiled else {**report, "notes": [*report["notes"], *idle_notes(model)]}
 
 
-def _trace(buffers: list[_Buffer], device: torch.device, fake: FakeCapture | None, events: int, meta: dict) -> Trace:
+def _trace(
+    buffers: list[_Buffer], device: torch.device, fake: FakeCapture | None, events: int, meta: dict, syncs=()
+) -> Trace:
     """The Trace of assembled buffers, with the meta every capture records."""
     info = {
         "source": "memplan trace",
@@ -389,7 +413,7 @@ def _trace(buffers: list[_Buffer], device: torch.device, fake: FakeCapture | Non
         "module": [b.module for b in buffers],
         "internal": [int(b.internal) for b in buffers],
     }
-    return make_trace(columns, meta=info)
+    return make_trace(columns, syncs=syncs, meta=info)
 
 
 @contextlib.contextmanager
@@ -411,10 +435,13 @@ def recording_session(
     fake_cuda = fake and device.type == "cuda"
     gpu = planned_gpu(gpu)
     interval = progress_interval() if progress is not None else 0.0  # a bad setting fails before the work
+    streams = StreamLedger()
     # The tempo layers' eager math (planner/layers/fusion.py): a trace holds the ops fake tensors see, and a fused
     # kernel's intermediates only ever lower the peak of the step it runs in.
-    with one_cpu_thread(device), fusion.eager(), fake_cuda_runtime(gpu) if fake_cuda else contextlib.nullcontext():
+    runtime = fake_cuda_runtime(gpu, streams) if fake_cuda else contextlib.nullcontext()
+    with one_cpu_thread(device), fusion.eager(), runtime:
         with recording(device, fake=fake) as recorder:
+            streams.storage_key = recorder.storage_key
             reporting = CaptureProgress(recorder, progress, interval) if progress is not None else None
             with reporting or contextlib.nullcontext():
                 workspace = gpu.cublas_workspace_bytes if fake_cuda else 0
@@ -422,8 +449,9 @@ def recording_session(
                 fake_mode = FakeCapture(recorder, device.type, workspace, lt_workspace, routing) if fake else None
                 planned = {"gpu": gpu.name, "cublas_workspace": workspace, "cublaslt_workspace": lt_workspace}
                 planned = planned if fake_cuda else {}
-                with fake_mode or contextlib.nullcontext():
-                    yield Recording(recorder, device, fake_mode, {**planned, **(meta or {})}, reporting)
+                hooks = cuda_stream_hooks(streams, recorder.storage_key) if device.type == "cuda" else None
+                with fake_mode or contextlib.nullcontext(), hooks or contextlib.nullcontext():
+                    yield Recording(recorder, device, fake_mode, {**planned, **(meta or {})}, reporting, streams)
 
 
 def capture_step(

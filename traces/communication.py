@@ -85,3 +85,27 @@ def name_buckets(buffers: list, buckets: list[tuple[int, str]]) -> None:
             if b.alloc == 0 and b.category == "unknown" and b.size == size:
                 b.category, b.module, b.op = COMMUNICATION, module, ALL_REDUCE
                 break
+
+
+# FSDP2's streams (its FSDPCommContext's attributes) and the names a trace's meta "streams" gives them
+_FSDP_STREAMS = {
+    "all_gather_copy_in_stream": "fsdp all-gather copy-in",
+    "all_gather_stream": "fsdp all-gather",
+    "reduce_scatter_stream": "fsdp reduce-scatter",
+    "all_reduce_stream": "fsdp all-reduce",
+}
+
+
+def fsdp_stream_names(model: nn.Module) -> dict[int, str]:
+    """The stream key (`cuda_stream`) -> name of each stream FSDP2 made for the modules of `model` sharded with
+    fully_shard (traces/streams.py names a trace's streams by them); empty without FSDP2 or CUDA streams."""
+    names: dict[int, str] = {}
+    for module in model.modules() if _FSDP_COLLECTIVES in sys.modules else ():
+        state = getattr(module, "_get_fsdp_state", None)
+        context = getattr(state(), "_comm_ctx", None) if callable(state) else None
+        for attribute, name in _FSDP_STREAMS.items():
+            stream = getattr(context, attribute, None)
+            key = getattr(stream, "cuda_stream", None)
+            if isinstance(key, int) and key != 0:
+                names.setdefault(key, name)
+    return names

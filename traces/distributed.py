@@ -8,7 +8,7 @@ When a rank fails, the launcher stops the others and RankError carries the first
 error. `trace_ranks` writes FILE.rank{r}.json.gz for every rank, all or none: the ranks write into the
 temporary folder and the files are renamed into place only when every rank succeeded. On the fake process group,
 ranks alike by construction (traces/alike.py) are traced once: one file a class, named by its first rank, whose
-meta "ranks" lists every rank it stands for (`load_ranks` reads them back a rank each).
+meta "ranks" lists every rank it stands for (traces/rank_family.py reads them back).
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from memplan.errors import MemplanError, TraceError
+from memplan.errors import MemplanError
 from memplan.files import atomic_write
 from memplan.step import StepSpec
 from memplan.traces.alike import Layout, propose, same_step, watching
-from memplan.traces.format import Trace, load, save
+from memplan.traces.format import load, save
+from memplan.traces.rank_family import rank_path
 from memplan.traces.summary import summarize
 from memplan.traces.trace_model import trace_step
 
@@ -53,15 +54,6 @@ def one_line(exc: BaseException) -> str:
     if isinstance(exc, MemplanError):
         return text or type(exc).__name__
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def rank_path(output: str | os.PathLike, rank: int) -> Path:
-    """FILE.json.gz -> FILE.rank{r}.json.gz (also for .json; any other name gets .rank{r} appended)."""
-    path = Path(output)
-    for suffix in (".json.gz", ".json"):
-        if path.name.endswith(suffix):
-            return path.with_name(f"{path.name[: -len(suffix)]}.rank{rank}{suffix}")
-    return path.with_name(f"{path.name}.rank{rank}")
 
 
 def _rank_main(fn: Callable, args: tuple, device: str, workdir: str) -> None:
@@ -260,18 +252,3 @@ def trace_ranks(
                 path.unlink(missing_ok=True)
             raise RankError(f"{output}: cannot write the rank traces ({e.strerror or e})") from None
     return [(rank_path(output, ranks[0]), ranks, summary) for ranks, summary in distinct]
-
-
-def load_ranks(output: str | os.PathLike, nproc: int) -> list[Trace]:
-    """Every rank's trace from `trace_ranks`'s files for `output`: a distinct trace, read once, for each rank its
-    meta "ranks" says it stands for (meta "rank" alone in files without it). TraceError when a rank has none."""
-    traces: dict[int, Trace] = {}
-    for r in range(nproc):
-        path = rank_path(output, r)
-        if path.exists():
-            trace = load(path)
-            traces |= {int(rank): trace for rank in trace.meta.get("ranks", [trace.meta["rank"]])}
-    missing = [r for r in range(nproc) if r not in traces]
-    if missing:
-        raise TraceError(f"{output}: no trace stands for rank {missing[0]} of {nproc}")
-    return [traces[r] for r in range(nproc)]

@@ -4,6 +4,9 @@ Fake tensors allocate nothing, so a fake CUDA step needs no GPU; on a CPU-only t
 CUDA tensor asks of the runtime, which such a build lacks. `fake_cuda_runtime` supplies it for the capture:
 - the autograd engine's device guard, streams, events and accelerator (traces/csrc/fake_cuda.cpp): streams and
   events that do nothing, and CUDA hooks that say a device is there while the step runs;
+- torch.cuda's streams and events: they run nothing, but which stream is current, waits between streams, events
+  recorded and waited on, and `Tensor.record_stream` are told to a StreamLedger (traces/streams.py), so a fake
+  trace holds each buffer's stream and the orderings between streams (FSDP2's all-gather and reduce-scatter);
 - `torch.cuda`'s Python functions a training program calls (`is_available`, `current_device`,
   `get_device_capability`, `synchronize`, streams and events, RNG state, memory statistics ...), answered for
   the GPU the step is planned for, so `torch.autocast("cuda", ...)`, `torch.amp.GradScaler`, checkpointing's RNG
@@ -27,6 +30,7 @@ from memplan.cxx import torch_extension
 from memplan.errors import MemplanError
 from memplan.gpus import GPU
 from memplan.traces.sdpa_dispatch import cuda_attention
+from memplan.traces.streams import StreamLedger
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fake_cuda.cpp"
 
@@ -41,61 +45,101 @@ def extension():
     return torch_extension("memplan_fake_cuda", [SOURCE], "the fake CUDA runtime")
 
 
-class _Stream:
-    """A CUDA stream of the fake device: work on it is nothing to wait for."""
+def _stream_types(ledger: StreamLedger):
+    """torch.cuda's Stream and Event for the fake device, and the current stream's state, reporting what the program
+    does with them to `ledger` (traces/streams.py): the kernels never run, but the orderings between streams are the
+    step's own."""
 
-    def __init__(self, device=None, priority: int = 0, stream_id: int = 0, **_):
-        self.device = torch.device("cuda", 0)
-        self.priority, self.stream_id, self.cuda_stream = priority, stream_id, 0
+    class _Stream:
+        """A CUDA stream of the fake device: work on it is nothing to wait for; its key (`cuda_stream`) names it to
+        the ledger (0: the default stream)."""
 
-    def wait_event(self, event) -> None:
-        pass
+        created = 0
 
-    def wait_stream(self, stream) -> None:
-        pass
+        def __init__(self, device=None, priority: int = 0, stream_id: int | None = None, **_):
+            self.device = torch.device("cuda", 0)
+            if stream_id is None:
+                _Stream.created += 1
+                stream_id = _Stream.created
+            self.priority, self.stream_id, self.cuda_stream = priority, stream_id, stream_id
 
-    def record_event(self, event=None):
-        return event if event is not None else _Event()
+        def wait_event(self, event) -> None:
+            ledger.wait_event(self.cuda_stream, getattr(event, "mark", None))
 
-    def query(self) -> bool:
-        return True
+        def wait_stream(self, stream) -> None:
+            ledger.wait_stream(self.cuda_stream, stream.cuda_stream)
 
-    def synchronize(self) -> None:
-        pass
+        def record_event(self, event=None):
+            event = event if event is not None else _Event()
+            event.record(self)
+            return event
 
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _Stream) and other.stream_id == self.stream_id
+        def query(self) -> bool:
+            return True
 
-    def __hash__(self) -> int:
-        return hash(("fake cuda stream", self.stream_id))
+        def synchronize(self) -> None:
+            ledger.host_wait(self.cuda_stream)
 
-    def __enter__(self):
-        return self
+        def __eq__(self, other) -> bool:
+            return isinstance(other, _Stream) and other.stream_id == self.stream_id
 
-    def __exit__(self, *exc) -> None:
-        pass
+        def __hash__(self) -> int:
+            return hash(("fake cuda stream", self.stream_id))
 
+        def __enter__(self):
+            self._before = state.current
+            set_stream(self)
+            return self
 
-class _Event:
-    """A CUDA event of the fake device: always complete, no time between two."""
+        def __exit__(self, *exc) -> None:
+            set_stream(self._before)
 
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
-        pass
+    class _Event:
+        """A CUDA event of the fake device: always complete, no time between two; it carries the stream and time
+        it was recorded at (`mark`)."""
 
-    def record(self, stream=None) -> None:
-        pass
+        def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+            self.mark = None
 
-    def wait(self, stream=None) -> None:
-        pass
+        def record(self, stream=None) -> None:
+            self.mark = ledger.recorded((stream or state.current).cuda_stream)
 
-    def query(self) -> bool:
-        return True
+        def wait(self, stream=None) -> None:
+            (stream or state.current).wait_event(self)
 
-    def synchronize(self) -> None:
-        pass
+        def query(self) -> bool:
+            return True
 
-    def elapsed_time(self, end_event) -> float:
-        return 0.0
+        def synchronize(self) -> None:
+            if self.mark is not None:
+                ledger.host_wait(self.mark[0])
+
+        def elapsed_time(self, end_event) -> float:
+            return 0.0
+
+    class _State:
+        current = _Stream(stream_id=0)
+
+    state = _State()
+    default = state.current
+
+    def set_stream(stream) -> None:
+        state.current = stream if stream is not None else default
+        ledger.set_current(state.current.cuda_stream)
+
+    @contextlib.contextmanager
+    def stream(stream=None):
+        if stream is None:
+            yield None
+            return
+        before = state.current
+        set_stream(stream)
+        try:
+            yield stream
+        finally:
+            set_stream(before)
+
+    return _Stream, _Event, state, set_stream, stream
 
 
 class _DeviceContext:
@@ -111,13 +155,13 @@ class _DeviceContext:
         return False
 
 
-def _replacements(gpu: GPU) -> dict[str, object]:
-    """torch.cuda's functions as the fake device, a `gpu`, answers them."""
+def _replacements(gpu: GPU, ledger: StreamLedger) -> dict[str, object]:
+    """torch.cuda's functions as the fake device, a `gpu`, answers them (streams and events reported to `ledger`)."""
     major, minor = gpu.capability
     fields = {"name": gpu.torch_name, "major": major, "minor": minor, "total_memory": gpu.memory}
     fields["is_integrated"] = False
     properties = type("FakeCudaDeviceProperties", (), fields)()
-    default = _Stream()
+    stream_type, event_type, state, set_stream, stream = _stream_types(ledger)
 
     def zero(*args, **kwargs) -> int:  # memory statistics: a fake step allocates nothing
         return 0
@@ -135,19 +179,19 @@ def _replacements(gpu: GPU) -> dict[str, object]:
         "set_device": nothing,
         "device": _DeviceContext,
         "device_of": _DeviceContext,
-        "synchronize": nothing,
+        "synchronize": lambda device=None: ledger.host_wait(None),
         "get_device_name": lambda device=None: properties.name,
         "get_device_capability": lambda device=None: (properties.major, properties.minor),
         "get_device_properties": lambda device=None: properties,
         "is_bf16_supported": lambda including_emulation=True: properties.major >= 8,
         "is_tf32_supported": lambda: properties.major >= 8,
         "get_arch_list": lambda: [f"sm_{properties.major}{properties.minor}"],
-        "Stream": _Stream,
-        "Event": _Event,
-        "current_stream": lambda device=None: default,
-        "default_stream": lambda device=None: default,
-        "set_stream": nothing,
-        "stream": lambda stream=None: contextlib.nullcontext(stream),
+        "Stream": stream_type,
+        "Event": event_type,
+        "current_stream": lambda device=None: state.current,
+        "default_stream": lambda device=None: stream_type(stream_id=0),
+        "set_stream": set_stream,
+        "stream": stream,
         "get_rng_state": lambda device="cuda": torch.zeros(16, dtype=torch.uint8),
         "get_rng_state_all": lambda: [torch.zeros(16, dtype=torch.uint8)],
         "set_rng_state": nothing,
@@ -223,9 +267,9 @@ def _never_runs(*args, **kwargs):
 
 
 @contextlib.contextmanager
-def fake_cuda_runtime(gpu: GPU) -> Iterator[None]:
-    """While the block runs, a CPU-only torch has a CUDA device for fake tensors, a `gpu`; nothing changes on a
-    CUDA build."""
+def fake_cuda_runtime(gpu: GPU, ledger: StreamLedger | None = None) -> Iterator[None]:
+    """While the block runs, a CPU-only torch has a CUDA device for fake tensors, a `gpu`, whose streams, events and
+    `Tensor.record_stream` report to `ledger`; nothing changes on a CUDA build."""
     if not needs_runtime():
         yield
         return
@@ -233,17 +277,23 @@ def fake_cuda_runtime(gpu: GPU) -> Iterator[None]:
 
     module = extension()
     module.install()
-    replacements = {name: _own_function(replacement) for name, replacement in _replacements(gpu).items()}
+    ledger = ledger if ledger is not None else StreamLedger()
+    replacements = {name: _own_function(replacement) for name, replacement in _replacements(gpu, ledger).items()}
+    record_stream = torch.Tensor.record_stream
     originals = {name: getattr(torch.cuda, name) for name in replacements if hasattr(torch.cuda, name)}
     module.enable(True)
     try:
         _check_engine()
         for name, replacement in replacements.items():
             setattr(torch.cuda, name, replacement)
+        torch.Tensor.record_stream = lambda tensor, stream: (
+            ledger.record_stream(ledger.storage_key(tensor), stream.cuda_stream) if ledger.storage_key else None
+        )
         # scaled_dot_product_attention takes the GPU's kernel; rms_norm CUDA's fused one (FakeCapture allocates it)
         with cuda_attention(gpu.capability), fused_rms_norm():
             yield
     finally:
+        torch.Tensor.record_stream = record_stream
         for name in replacements:
             if name in originals:
                 setattr(torch.cuda, name, originals[name])

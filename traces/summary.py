@@ -13,6 +13,13 @@ from memplan.traces.format import CATEGORIES, Trace
 from memplan.traces.host import host_summary
 
 
+def changes_model(trace: Trace) -> bool:
+    """Whether a traced step differs from the model as built: its layers patched, its loss fused, its optimizer
+    rebuilt (the trace's meta says what each changed)."""
+    loss_patch = trace.meta.get("loss_patch") or {}
+    return bool(trace.meta["patch"]["changed"] or loss_patch.get("replaced") or trace.meta.get("optimizer_state"))
+
+
 @dataclass(frozen=True)
 class BufferSummary:
     """One buffer of a trace, as the summary lists it."""
@@ -60,6 +67,9 @@ class TraceSummary:
     unrecorded: dict = field(default_factory=dict)
     # offloaded layers' host copies (traces.host.host_summary: copies, moved, peak_bytes, at_device_peak), {} if none
     host: dict = field(default_factory=dict)
+    # a trace on several CUDA streams: each stream's id, name (meta "streams") and buffers; [] on one stream
+    streams: list = field(default_factory=list)
+    syncs: int = 0  # orderings between streams (the trace's syncs)
 
     def to_dict(self) -> dict[str, Any]:
         """The summary as plain data (the JSON of `memplan trace --json`)."""
@@ -130,4 +140,15 @@ def summarize(trace: Trace, top: int = 5) -> TraceSummary:
         optimizer_state=trace.meta.get("optimizer_state"),
         unrecorded=trace.meta.get("unrecorded") or {},
         host=host_summary(trace, t),
+        streams=_streams(trace),
+        syncs=len(trace.syncs),
     )
+
+
+def _streams(trace: Trace) -> list[dict]:
+    """Each stream the trace's buffers are on, with its name and its buffers; [] when they are all on one."""
+    ids, counts = np.unique(trace.stream, return_counts=True)
+    names = trace.meta.get("streams", {})
+    if len(ids) < 2:
+        return []
+    return [{"stream": int(i), "name": names.get(str(int(i)), ""), "buffers": int(n)} for i, n in zip(ids, counts)]

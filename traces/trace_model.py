@@ -102,6 +102,15 @@ def sized_capture(capture: str, step: StepSpec, progress: Callable[[str], None] 
     return choose_capture(capture, trace_step(sizing, progress=progress).peak()[0], step.device)
 
 
+def rank_capture(capture: str, device: str = "cpu") -> CaptureChoice:
+    """`--capture` for the ranks of a distributed model file (`--nproc`): auto traces them on the fake process group
+    under fake tensors (each fake rank equals the gloo rank buffer for buffer, docs/parallel.md: no step need be
+    sized first), real starts a process per rank."""
+    if capture == "auto":
+        return CaptureChoice(True, "--capture auto: the ranks on torch.distributed's fake process group")
+    return choose_capture(capture, 0, device)
+
+
 def choose_capture(capture: str, need: int, device: str = "cpu") -> CaptureChoice:
     """`--capture auto|real|fake` for steps holding about `need` bytes on `device`: auto traces fake tensors when a
     real step would be slow (above REAL_STEP_BYTES) or would not fit this machine's RAM, and a CUDA step on a

@@ -21,6 +21,7 @@ from memplan.planner.simulate.measure import simulate_trace
 from memplan.planner.simulate.plan_footprint import match_plans
 from memplan.planner.simulate.repeat import last_step_peaks, repeated
 from memplan.traces.format import Trace, load, save
+from memplan.traces.rank_family import load_traces
 from memplan.traces.snapshot import import_snapshot, import_summary
 
 Progress = Callable[[str], None]
@@ -61,9 +62,9 @@ def simulate_file(trace_file: str, plan_file: str | None, *, alloc_conf: str, ti
 def load_files(
     trace_files: Sequence[str], plan_files: Sequence[str]
 ) -> tuple[list[tuple[str, Trace]], list[tuple[str, Plan]]]:
-    """The named traces and plans of a multi-trace command, in the order given; each plan verified against the
-    trace it was made for."""
-    traces = [(f, load(f)) for f in trace_files]
+    """The named traces and plans of a multi-trace command, in the order given (FILE.json.gz that is no file but has
+    rank traces: its rank family, traces.rank_family); each plan verified against the trace it was made for."""
+    traces = load_traces(trace_files)
     return traces, [(f, load_plan(f, [t for _, t in traces])) for f in plan_files]
 
 
@@ -80,7 +81,8 @@ def plot_files(trace_files: Sequence[str], plan_files: Sequence[str], output: st
                                     tie_break=tie_break))  # fmt: skip
     plot_reports(reports, output, address_space=address_space)
     progress(f"wrote {output}")
-    return {"output": output, "traces": list(trace_files), "plans": list(plan_files), "address_space": address_space}
+    names = [name for name, _ in traces]
+    return {"output": output, "traces": names, "plans": list(plan_files), "address_space": address_space}
 
 
 def report_files(trace_files: Sequence[str], plan_files: Sequence[str], output: str, *, gpu: GPU | None,
@@ -98,7 +100,8 @@ def report_files(trace_files: Sequence[str], plan_files: Sequence[str], output: 
     page = render_html(reports, [command])
     atomic_write(output, page)
     progress(f"wrote {output}")
-    return {"output": output, "traces": list(trace_files), "plans": list(plan_files), "bytes": len(page.encode())}
+    names = [name for name, _ in traces]
+    return {"output": output, "traces": names, "plans": list(plan_files), "bytes": len(page.encode())}
 
 
 def compare_files(trace_files: Sequence[str], plan_files: Sequence[str], *, method: str, time_limit: float,

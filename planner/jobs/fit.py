@@ -10,8 +10,10 @@ would be slow or would not fit this machine: `--capture` chooses, the summary sa
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -26,11 +28,15 @@ from memplan.planner.simulate.verdict import Budget, device_memory
 from memplan.solvers import CapacityError, solve
 from memplan.step import StepSpec
 from memplan.traces.compile import Compile, CompileError, require_real_tensors
+from memplan.traces.distributed import trace_ranks
+from memplan.traces.format import Trace
+from memplan.traces.rank_family import load_family, ranks_label
 from memplan.traces.trace_model import (
     HOST_SHARE,
     CaptureChoice,
     choose_capture,
     host_memory_available,
+    rank_capture,
     trace_step,
 )
 from memplan.units import format_size
@@ -57,6 +63,28 @@ class Point:
     bound: int  # the plan's best lower bound
     plan_fits: bool  # a plan with arena <= memory was found
     plan_miss_proven: bool = False  # no plan fits, proven (bound above memory, or the solver's proof)
+    ranks: tuple[int, ...] | None = None  # a rank's point: the ranks its trace stands for; None: the job's
+    per_rank: list[Point] = field(default_factory=list)  # with --nproc: each distinct rank's point, in rank order
+
+    @classmethod
+    def of_ranks(cls, batch: int, per_rank: list[Point]) -> Point:
+        """The job's point over its ranks: it fits only where every rank fits, and its figures are the highest
+        rank's (a plan miss is proven when one rank's is)."""
+        return cls(
+            batch,
+            max(p.caching_peak_reserved for p in per_rank),
+            all(p.caching_fits for p in per_rank),
+            max(p.plan_arena for p in per_rank),
+            max(p.bound for p in per_rank),
+            all(p.plan_fits for p in per_rank),
+            any(p.plan_miss_proven for p in per_rank),
+            per_rank=per_rank,
+        )
+
+    def tightest(self, allocator: str) -> Point:
+        """The rank with the least room under `allocator`: the highest figure, then the most bytes live (the
+        caching allocator's segments round reserved up), then the first."""
+        return max(self.per_rank, key=lambda p: (p.figure(allocator), p.bound))
 
     def figure(self, allocator: str) -> int:
         return self.caching_peak_reserved if allocator == "caching" else self.plan_arena
@@ -65,7 +93,7 @@ class Point:
         return self.caching_fits if allocator == "caching" else self.plan_fits
 
     def as_dict(self) -> dict:
-        return {
+        out = {
             "batch": self.batch,
             "caching_peak_reserved": self.caching_peak_reserved,
             "caching_fits": self.caching_fits,
@@ -74,6 +102,11 @@ class Point:
             "plan_fits": self.plan_fits,
             "plan_miss_proven": self.plan_miss_proven,
         }
+        if self.ranks is not None:
+            out["ranks"] = list(self.ranks)
+        if self.per_rank:
+            out["per_rank"] = [p.as_dict() for p in self.per_rank]
+        return out
 
 
 @dataclass
@@ -118,6 +151,30 @@ class ModeFit:
         above = self.boundary("plan")[1]
         out["plan"]["next_bound"] = above.bound
         out["plan"]["next_proven"] = above.plan_miss_proven
+        if above.per_rank:
+            out["ranks"] = self.ranks_dict()
+        return out
+
+    def ranks_dict(self) -> dict:
+        """With --nproc, per allocator: each distinct rank's figure and fit at the answer b and at b+1, and the
+        tightest rank (the highest figure at b; at b+1 when no batch fits)."""
+        out = {}
+        for a in ALLOCATORS:
+            at, above = self.boundary(a)
+            judged = at or above
+            out[a] = {
+                "tightest": list(judged.tightest(a).ranks),
+                "per_rank": [
+                    {
+                        "ranks": list(p_next.ranks),
+                        "at_batch": None if at is None else p_at.figure(a),
+                        "fits_at_batch": None if at is None else p_at.fits(a),
+                        "at_next": p_next.figure(a),
+                        "fits_at_next": p_next.fits(a),
+                    }
+                    for p_at, p_next in zip((at or above).per_rank, above.per_rank)
+                ],
+            }
         return out
 
 
@@ -132,6 +189,7 @@ class FitResult:
     capture: CaptureChoice
     tie_break: str = "lowest_address"
     budget: Budget | None = None  # with a GPU: its memory, less what it holds outside the allocator, is `memory`
+    nproc: int | None = None  # ranks of a distributed model file; None: one process
 
     @property
     def compile(self) -> Compile | None:
@@ -154,6 +212,7 @@ class FitResult:
             "capture_reason": self.capture.reason,
             "compile": None if self.compile is None else self.compile.meta(),
             "modes": [m.as_dict() for m in self.modes],
+            "world_size": self.nproc,
         }
 
 
@@ -181,8 +240,10 @@ class BatchProbe:
         time_limit: float,
         progress: Callable[[str], None],
         tie_break: str = "lowest_address",
+        nproc: int | None = None,
     ):
         self.step, self.memory, self.time_limit, self.progress = step, memory, time_limit, progress
+        self.nproc = nproc  # ranks of a distributed model file; None: one process
         self.alloc_conf, self.tie_break = alloc_conf, tie_break
         self.conf = parse_alloc_conf(alloc_conf, tie_break)
         self.points: dict[int, Point] = {}
@@ -218,8 +279,23 @@ class BatchProbe:
             )
 
     def _measure(self, batch: int) -> Point:
+        """Trace `batch` (on every rank with nproc) and judge it: the job's point over its distinct ranks."""
+        step = self.step.replace(batch=batch)
+        if self.nproc is None:
+            return self._judge(trace_step(step, progress=self.progress), batch)
+        with tempfile.TemporaryDirectory(prefix=".memplan-fit-") as folder:
+            output = Path(folder) / "rank.json.gz"
+            trace_ranks(step, output, self.nproc)
+            members = load_family(output)
+        point = Point.of_ranks(batch, [self._judge(m.trace, batch, m.ranks) for m in members])
+        oom = [ranks_label(p.ranks) for p in point.per_rank if not p.caching_fits]
+        where = f"OOM on {', '.join(oom)}" if oom else "fits on every rank"
+        tight = ranks_label(point.tightest("caching").ranks)
+        self.progress(f"  {self.mode} batch {batch}: {where} under the caching allocator; tightest {tight}")
+        return point
 
-        trace = trace_step(self.step.replace(batch=batch), progress=self.progress)
+    def _judge(self, trace: Trace, batch: int, ranks: tuple[int, ...] | None = None) -> Point:
+        """One trace's point at `batch`: the caching allocator's reserved and fit, and the plan's arena and fit."""
         self.patch, self.loss_patch = trace.meta["patch"], trace.meta.get("loss_patch")
         measured = measure(trace, self.mode, time_limit=self.time_limit, alloc_conf=self.alloc_conf,
                            tie_break=self.tie_break)  # fmt: skip
@@ -233,9 +309,10 @@ class BatchProbe:
                 arena = solve(problem, time_limit=self.time_limit, capacity=self.memory).arena
             except CapacityError as e:
                 proven = e.proven
-        point = Point(batch, reserved, caching_fits, arena, bound, arena <= self.memory, proven)
+        point = Point(batch, reserved, caching_fits, arena, bound, arena <= self.memory, proven, ranks)
+        where = "" if ranks is None else f" {ranks_label(ranks)}"
         self.progress(
-            f"  {self.mode} batch {batch}: caching reserved {format_size(reserved)} "
+            f"  {self.mode}{where} batch {batch}: caching reserved {format_size(reserved)} "
             f"({'fits' if caching_fits else 'OOM'}), plan arena {format_size(arena)} "
             f"({'fits' if point.plan_fits else 'does not fit'})"
         )
@@ -333,18 +410,25 @@ def fit_model(
     tie_break: str = "lowest_address",
     capture: str = "auto",
     progress: Callable[[str], None] = lambda _: None,
+    nproc: int | None = None,
 ) -> FitResult:
     """The largest batch of `step` fitting `memory` bytes (or `gpu`: its memory less what it holds outside the
     caching allocator) for every mode, under both allocator models, on real or fake traces as `capture` (auto,
     real, fake) chooses for steps near that size; compiled by torch.compile when the step says so (real traces
-    only). The step's own batch and mode are not used."""
+    only). The step's own batch and mode are not used. With `nproc`, every batch is traced on that many ranks of a
+    distributed model file (auto: the fake process group) and fits only where it fits on every distinct rank."""
     step = step.on_gpu(gpu)  # a CUDA step on that GPU (fake CUDA traces where this machine has none)
     for mode in modes:
         if mode not in MODES:
             raise FitError(f"--layers {mode}: unknown mode (choose from {', '.join(MODES)})")
-    choice = choose_capture(capture, memory if gpu is None else gpu.memory, step.device)
+    if nproc is not None:
+        choice = rank_capture(capture, step.device)
+    else:
+        choice = choose_capture(capture, memory if gpu is None else gpu.memory, step.device)
     memory, budget = device_memory(memory, gpu, step.replace(fake=choice.fake))
     require_real_tensors(step.replace(fake=capture == "fake"))  # before anything is traced
+    if nproc is not None and step.compile is not None:
+        raise CompileError("--compile traces one process: it does not take --nproc")
     if step.compile is not None and choice.fake:
         raise CompileError(f"--compile needs real tensors, and {choice.reason}: fit it eagerly, or a smaller --memory")
     progress(f"{choice.name} traces ({choice.reason})")
@@ -358,6 +442,7 @@ def fit_model(
             time_limit=time_limit,
             progress=progress,
             tie_break=tie_break,
+            nproc=nproc,
         )
         fits.append(fit_mode(probe))
-    return FitResult(step, memory, alloc_conf, fits, choice, tie_break, budget)
+    return FitResult(step, memory, alloc_conf, fits, choice, tie_break, budget, nproc)

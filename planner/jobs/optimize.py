@@ -1,39 +1,50 @@
-"""`memplan optimize`: a mode per Transformer layer (and with max_batch the batch size) so the step fits a
-memory size with the least recompute, chosen by CP-SAT on a model measured from traces, then checked
-by tracing the chosen configuration and solving its plan.
+"""`memplan optimize`: a mode per Transformer layer, the step's loss and optimizer (the actions), and with max_batch
+the batch size, so the step fits a memory size with the least added step time, chosen by CP-SAT on a model measured
+from traces, then checked by tracing the chosen configuration and solving its plan.
 
-The memory model (planner/optimize/terms.py) comes from the traces of terms.assignments_to_trace (every
-layer in one mode, and pairs of modes alternating; the rest of the model as built); the recompute of a
-layer in a mode is the FLOPs its subtree runs more than as built (planner/cost, one count per mode). An
-assignment whose traced plan does not fit is cut from the model and CP-SAT asked again, so "optimal"
-means: no assignment of less recompute fits, by the model, and the answer's own plan fits, measured.
+The memory model (planner/optimize/terms.py) comes from the traces of terms.assignments_to_trace (every layer in one
+mode, and pairs of modes alternating; the rest of the model as built), and one trace per step-level action (the loss
+fused, each optimizer choice) with every layer as built. The added time of a choice is its work at the step's rates
+(planner/cost/rates.py): a layer mode's recompute FLOPs over its subtree (one count per mode), an offloading mode's
+transfers over the host link, the fused loss's extra FLOPs, the host optimizer's copies and host step; 8-bit and
+4-bit optimizer state are counted as adding none. Offloading modes and the host optimizer are offered only when the
+host link is known (--gpu or --host-bandwidth). A choice whose traced plan does not fit is cut from the model and
+CP-SAT asked again, so "optimal" means: no choice of less added time fits, by the model, and the answer's own plan
+fits, measured.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from itertools import product
 
-from memplan.errors import MemplanError
+from memplan.errors import MemplanError, PatchError
 from memplan.gpus import GPU
-from memplan.modes import AS_BUILT, FULL, OPTIMIZE_MODES
+from memplan.modes import ADAMW_HOST, AS_BUILT, FULL, LOSSES, MODES, OPTIMIZE_MODES, OPTIMIZERS, mode
 from memplan.planner.cost import count_step_flops
+from memplan.planner.cost.rates import Rates, step_rates
 from memplan.planner.layers import transformer_layers
 from memplan.planner.optimize.choice_file import StepChoice
-from memplan.planner.optimize.choose import Assignment, Choice, Flops, choose_modes, recompute_of
-from memplan.planner.optimize.terms import MemoryTerms, assignments_to_trace, memory_terms
+from memplan.planner.optimize.choose import Assignment, Choice, Flops, choose_modes, families, recompute_of, work_of
+from memplan.planner.optimize.terms import Action, MemoryTerms, action_deltas, assignments_to_trace, memory_terms
 from memplan.planner.simulate.measure import measure
 from memplan.planner.simulate.verdict import Budget, device_memory
 from memplan.step import StepSpec
 from memplan.traces.capture import recording_session
 from memplan.traces.format import Trace, trace_digest
+from memplan.traces.host import host_bytes
 from memplan.traces.model_file import build_workload, import_model_file
+from memplan.traces.summary import changes_model
 from memplan.traces.trace_model import CaptureChoice, sized_capture, trace_step
 from memplan.units import human_bytes
 
 MEGATRON_RECIPE = FULL  # the mode Megatron's recipe checkpoints its first layers with
 
+LOSS, OPTIMIZER = "loss", "optimizer"  # the families of step-level actions
+OFFLOAD_MODES = tuple(name for name in MODES if mode(name).offloads and mode(name).per_layer)
 MAX_BATCH = 4096  # --max-batch stops doubling here
 VERIFY_ROUNDS = 5  # assignments traced before the job gives up on a batch
 
@@ -45,7 +56,7 @@ class OptimizeError(MemplanError):
 @dataclass(frozen=True)
 class OptimizeOptions:
     """What to optimize: the step (its model file and shape; the modes are chosen here), the memory size (or a
-    GPU), whether the batch is chosen too, and the solvers' time."""
+    GPU), whether the batch and the actions are chosen too, the host link, and the solvers' time."""
 
     step: StepSpec
     memory: int | None = None  # bytes the step's plan must fit in; with `gpu`, set here from its budget
@@ -53,6 +64,11 @@ class OptimizeOptions:
     capture: str = "auto"  # real or fake traces: auto, real, fake
     time_limit: float = 10.0  # CP-SAT's per choice, and the plan solver's per trace
     gpu: GPU | None = None  # instead of `memory`: the GPU's memory less what it holds outside the allocator
+    actions: bool = True  # offer the actions beyond the layer modes the step does not fix: its loss, its
+    #                       optimizer, and (with a host link) the offloading modes
+    host_bandwidth: int | None = None  # bytes/s one way over the host link (else the GPU's, with `gpu`)
+    modes: tuple[str, ...] | None = None  # the layer modes offered (None: OPTIMIZE_MODES, and with actions and a
+    #                                        host link the offloading modes)
     budget: Budget | None = field(default=None, init=False)  # the GPU's, when given
 
     def __post_init__(self) -> None:
@@ -69,13 +85,17 @@ class Candidate:
 
     name: str  # "chosen", "every layer tempo", "Megatron: first 2 full"
     assignment: Assignment
-    recompute: Flops  # FLOPs over every layer as built
+    recompute: Flops  # the layers' added work over every layer as built (recompute FLOPs, transfers at the rate)
     predicted_peak: int  # the model's peak live bytes (aligned)
+    actions: tuple[Action, ...] = ()  # the step-level actions (none: the step's own loss and optimizer)
+    work: Flops = 0  # the layers' and the actions' added work, FLOPs at the rate
+    added_seconds: float = 0.0  # that work in seconds at the rate
     peak_live: int | None = None  # of its trace, when traced (its Measurement's figures)
     plan_arena: int | None = None  # of its plan, when traced
     status: str | None = None  # its plan's proof, when traced
     fits: bool | None = None  # plan arena <= the memory size, when traced
     digest: str | None = None  # its trace's digest (traces.format.trace_digest), when traced
+    host_moved: int | None = None  # bytes its offloading layers moved each way, when traced and any offload
 
 
 @dataclass
@@ -93,6 +113,8 @@ class OptimizeResult:
     megatron: Candidate | None  # the first k layers full, the rest as built, least k the model fits (traced)
     step_flops: Flops  # FLOPs of the step with every layer as built
     seconds: float
+    rates: Rates | None = None  # what the added work was timed at
+    notes: list[str] = field(default_factory=list)  # actions not offered, and why
 
     def step_choice(self) -> StepChoice | None:
         """The chosen actions with their verified figures, as `memplan optimize -o` writes them; None when
@@ -100,14 +122,15 @@ class OptimizeResult:
         if self.chosen is None:
             return None
         step = self.options.step
+        actions = dict(self.chosen.actions)
         return StepChoice(
             step.model_file,
             self.batch,
             step.seq,
             step.dtype,
             tuple(zip(self.layers, self.chosen.assignment)),
-            step.loss,
-            step.optimizer,
+            actions.get(LOSS, step.loss),
+            actions.get(OPTIMIZER, step.optimizer),
             self.options.memory,
             self.chosen.peak_live,
             self.chosen.plan_arena,
@@ -130,24 +153,30 @@ class OptimizeResult:
             "capture_reason": self.capture.reason,
             "layers": list(self.layers),
             "status": self.choice.status,
+            "actions": self.options.actions,
             "chosen": asdict(self.chosen) if self.chosen else None,
             "rejected": [asdict(c) for c in self.rejected],
             "uniform": [asdict(c) for c in self.uniform],
             "megatron": asdict(self.megatron) if self.megatron else None,
             "step_flops": self.step_flops,
+            "rates": None if self.rates is None else self.rates.to_dict(),
+            "notes": self.notes,
             "seconds": round(self.seconds, 1),
         }
 
 
 @dataclass
 class Measured:
-    """Everything measured at one batch size: the memory model, the layer costs, the traces."""
+    """Everything measured at one batch size: the memory model, the costs, the traces."""
 
     batch: int
-    terms: MemoryTerms
-    cost: dict[tuple[int, str], Flops]
+    terms: MemoryTerms  # with the offered actions' deltas
+    cost: dict[tuple[int, str], Flops]  # a layer's added work in a mode: recompute FLOPs, transfers at the rate
     step_flops: Flops
-    traces: dict[Assignment, Trace]  # by assignment: those of terms.assignments_to_trace, and any traced since
+    traces: dict[tuple[Assignment, tuple[Action, ...]], Trace]  # the traces taken, by assignment and actions
+    rates: Rates
+    action_cost: dict[Action, Flops] = field(default_factory=dict)  # each offered action's added work
+    notes: list[str] = field(default_factory=list)  # actions not offered, and why
 
 
 def model_layers(opts: OptimizeOptions) -> tuple[str, ...]:
@@ -163,35 +192,139 @@ def every_layer(layers: tuple[str, ...], mode: str) -> Assignment:
     return tuple(mode for _ in layers)
 
 
-def step_of(opts: OptimizeOptions, layers: tuple[str, ...], assignment: Assignment, batch: int, fake: bool) -> StepSpec:
-    """The step at `batch` with `assignment`'s mode for each layer."""
-    return opts.step.replace(batch=batch, mode=dict(zip(layers, assignment)), fake=fake)
+def step_of(
+    opts: OptimizeOptions, layers: tuple[str, ...], assignment: Assignment, batch: int, fake: bool, actions=()
+) -> StepSpec:
+    """The step at `batch` with `assignment`'s mode for each layer and the step-level `actions`."""
+    chosen = dict(actions)
+    return opts.step.replace(
+        batch=batch,
+        mode=dict(zip(layers, assignment)),
+        fake=fake,
+        loss=chosen.get(LOSS, opts.step.loss),
+        optimizer=chosen.get(OPTIMIZER, opts.step.optimizer),
+    )
+
+
+def offered_modes(opts: OptimizeOptions, rates: Rates) -> tuple[tuple[str, ...], list[str]]:
+    """The layer modes offered, and a note when the offloading modes are left out for want of a host link."""
+    if opts.modes is not None:
+        return opts.modes, []
+    if not opts.actions:
+        return OPTIMIZE_MODES, []
+    if rates.host_bandwidth is None:
+        return OPTIMIZE_MODES, [f"{', '.join(OFFLOAD_MODES)} not offered: their cost is the host link's; name a "
+                                "GPU (--gpu) or give --host-bandwidth"]  # fmt: skip
+    return OPTIMIZE_MODES + OFFLOAD_MODES, []
+
+
+def work(seconds: float, rates: Rates) -> Flops:
+    """`seconds` of added time as work: FLOPs at the rate, rounded up."""
+    return math.ceil(seconds * rates.flops)
+
+
+def layer_costs(layers, modes, flops, traces, rates: Rates) -> dict[tuple[int, str], Flops]:
+    """Each layer's added work in each mode: the FLOPs its subtree runs more than as built, and an offloading mode's
+    host copies to the host and back at the link's rate (the
+    bytes its uniform trace's host meta gives the layer)."""
+    cost = {}
+    for name in modes:
+        moved: dict[str, int] = {}
+        host = host_bytes(traces[every_layer(layers, name), ()]) if mode(name).offloads else None
+        for size, module in zip(host.size.tolist(), host.module) if host is not None else ():
+            moved[module] = moved.get(module, 0) + int(size)
+        for j, path in enumerate(layers):
+            recompute = flops[name].by_module[path] - flops[AS_BUILT].by_module[path]
+            transfer = work(2 * moved.get(path, 0) / rates.host_bandwidth, rates) if moved else 0
+            cost[j, name] = recompute + transfer
+    return cost
+
+
+def offered_actions(opts: OptimizeOptions, rates: Rates) -> tuple[list[Action], list[str]]:
+    """The step-level actions offered: the losses and optimizer choices the step does not fix (the host optimizer
+    only with a host link); with notes for those left out."""
+    if not opts.actions:
+        return [], []
+    actions, notes = [], []
+    if opts.step.loss == AS_BUILT:
+        actions += [(LOSS, name) for name in LOSSES if name != AS_BUILT]
+    if opts.step.optimizer == AS_BUILT:
+        for name in OPTIMIZERS:
+            if name == ADAMW_HOST and rates.host_bandwidth is None:
+                notes.append(f"optimizer {name} not offered: its cost is the host link's; name a GPU (--gpu) or "
+                             "give --host-bandwidth")  # fmt: skip
+            elif name != AS_BUILT:
+                actions.append((OPTIMIZER, name))
+    return actions, notes
+
+
+def action_work(action: Action, trace: Trace, step: StepSpec, base_flops: Flops, rates: Rates) -> Flops:
+    """An action's added work: the fused loss's extra FLOPs (none when it counts fewer), the host optimizer's
+    copies (gradients down, parameters up) and host step at the rates; 8-bit and 4-bit state count none."""
+    family, name = action
+    if family == LOSS:
+        return max(0, count_step_flops(step).total - base_flops)
+    if name != ADAMW_HOST:
+        return 0
+    state = trace.meta["optimizer_state"]
+    seconds = 2 * state["parameter_bytes"] / rates.host_bandwidth + state["elements"] * rates.host_adamw
+    return work(seconds, rates)
+
+
+def measure_actions(opts, layers, measured: Measured, fake: bool, progress) -> None:
+    """Each offered action traced alone with every layer as built: its per-segment delta on the step's own trace
+    and its added work go into `measured`; an action that cannot apply or changes nothing gets a note instead."""
+    offered, notes = offered_actions(opts, measured.rates)
+    measured.notes += notes
+    base = measured.traces[every_layer(layers, AS_BUILT), ()]
+    deltas = {}
+    for action in offered:
+        step = step_of(opts, layers, every_layer(layers, AS_BUILT), measured.batch, fake, (action,))
+        progress(f"[batch {measured.batch}] tracing {action[0]} {action[1]} with every layer as built")
+        try:
+            trace = trace_step(step, progress=progress)
+        except PatchError as e:
+            measured.notes.append(f"{action[0]} {action[1]} not offered: {e}")
+            continue
+        if not changes_model(trace):
+            measured.notes.append(f"{action[0]} {action[1]} not offered: it changes nothing in this model")
+            continue
+        measured.traces[every_layer(layers, AS_BUILT), (action,)] = trace
+        deltas[action] = action_deltas(base, trace, layers)
+        measured.action_cost[action] = action_work(action, trace, step, measured.step_flops, measured.rates)
+    measured.terms = measured.terms.with_deltas(deltas)
 
 
 def measure_batch(opts: OptimizeOptions, layers: tuple[str, ...], batch: int, fake: bool, progress) -> Measured:
-    """The model at `batch`: the traces of terms.assignments_to_trace, and one FLOP count per mode."""
-    to_trace = assignments_to_trace(OPTIMIZE_MODES, len(layers))
-    progress(f"[batch {batch}] tracing {len(to_trace)} assignments and counting the FLOPs of {len(OPTIMIZE_MODES)}")
-    traces = {a: trace_step(step_of(opts, layers, a, batch, fake), progress=progress) for a in to_trace}
-    flops = {m: count_step_flops(step_of(opts, layers, every_layer(layers, m), batch, fake)) for m in OPTIMIZE_MODES}
-    cost = {
-        (j, mode): flops[mode].by_module[path] - flops[AS_BUILT].by_module[path]
-        for j, path in enumerate(layers)
-        for mode in OPTIMIZE_MODES
-    }
-    return Measured(batch, memory_terms(traces, layers), cost, flops[AS_BUILT].total, traces)
+    """The model at `batch`: the traces of terms.assignments_to_trace over the offered modes, one FLOP count per
+    mode, and each offered action's trace."""
+    rates = step_rates(opts.step.dtype, opts.step.gpu, opts.host_bandwidth)
+    modes, notes = offered_modes(opts, rates)
+    to_trace = assignments_to_trace(modes, len(layers))
+    if every_layer(layers, AS_BUILT) not in to_trace:
+        to_trace.append(every_layer(layers, AS_BUILT))  # the actions' deltas are taken against it
+    counted = tuple(dict.fromkeys([AS_BUILT, *modes]))
+    progress(f"[batch {batch}] tracing {len(to_trace)} assignments and counting the FLOPs of {len(counted)}")
+    traces = {(a, ()): trace_step(step_of(opts, layers, a, batch, fake), progress=progress) for a in to_trace}
+    flops = {m: count_step_flops(step_of(opts, layers, every_layer(layers, m), batch, fake)) for m in counted}
+    terms = memory_terms({a: t for (a, _), t in traces.items() if set(a) <= set(modes)}, layers)
+    cost = layer_costs(layers, modes, flops, traces, rates)
+    measured = Measured(batch, terms, cost, flops[AS_BUILT].total, traces, rates, notes=notes)
+    measure_actions(opts, layers, measured, fake, progress)
+    return measured
 
 
 def trace_candidate(
     opts: OptimizeOptions, layers, measured: Measured, candidate: Candidate, fake: bool, progress
 ) -> Candidate:
-    """Trace `candidate` at the measured batch (unless it is uniform, already traced) and solve its plan."""
-    trace = measured.traces.get(candidate.assignment)
+    """Trace `candidate` at the measured batch (unless it is traced already) and solve its plan."""
+    key = (candidate.assignment, candidate.actions)
+    trace = measured.traces.get(key)
     if trace is None:
-        step = step_of(opts, layers, candidate.assignment, measured.batch, fake)
-        progress(f"[batch {measured.batch}] tracing {candidate.name}: {step.mode_name}")
+        step = step_of(opts, layers, candidate.assignment, measured.batch, fake, candidate.actions)
+        progress(f"[batch {measured.batch}] tracing {candidate.name}: {step.mode_name}{describe(candidate.actions)}")
         trace = trace_step(step, progress=progress)
-        measured.traces[candidate.assignment] = trace
+        measured.traces[key] = trace
     figures = measure(trace, candidate.name, time_limit=opts.time_limit).figures()
     candidate.peak_live, candidate.plan_arena, candidate.status = (
         figures["peak_live"],
@@ -200,12 +333,28 @@ def trace_candidate(
     )
     candidate.fits = candidate.plan_arena <= opts.memory
     candidate.digest = trace_digest(trace)
+    host = host_bytes(trace)
+    candidate.host_moved = None if host is None else host.moved
     return candidate
 
 
-def candidate(name: str, assignment: Assignment, measured: Measured) -> Candidate:
+def describe(actions: tuple[Action, ...]) -> str:
+    """The actions in words after a mode's name: `, loss fused, optimizer adamw-8bit` (empty for none)."""
+    return "".join(f", {family} {name}" for family, name in actions)
+
+
+def candidate(name: str, assignment: Assignment, measured: Measured, actions: tuple[Action, ...] = ()) -> Candidate:
     """A candidate with its modelled figures."""
-    return Candidate(name, assignment, recompute_of(assignment, measured.cost), measured.terms.peak(assignment))
+    added = work_of(assignment, actions, measured.cost, measured.action_cost)
+    return Candidate(
+        name,
+        assignment,
+        recompute_of(assignment, measured.cost),
+        measured.terms.peak(assignment, actions),
+        actions,
+        added,
+        added / measured.rates.flops,
+    )
 
 
 def megatron_assignment(measured: Measured, memory: int) -> Assignment | None:
@@ -218,18 +367,21 @@ def megatron_assignment(measured: Measured, memory: int) -> Assignment | None:
     return None
 
 
+def choose(measured: Measured, memory: int, excluded=(), time_limit: float = 10.0) -> Choice:
+    """CP-SAT's choice on the measured model."""
+    return choose_modes(measured.terms, measured.cost, memory, excluded, time_limit, measured.action_cost)
+
+
 def choose_and_verify(opts, layers, measured: Measured, fake: bool, progress) -> tuple[Choice, Candidate | None, list]:
     """CP-SAT's choice at the measured batch, traced; a choice whose plan does not fit is cut and CP-SAT asked
     again, at most VERIFY_ROUNDS times."""
     rejected: list[Candidate] = []
     for _ in range(VERIFY_ROUNDS):
-        choice = choose_modes(
-            measured.terms, measured.cost, opts.memory, [c.assignment for c in rejected], opts.time_limit
-        )
+        choice = choose(measured, opts.memory, [(c.assignment, c.actions) for c in rejected], opts.time_limit)
         if choice.assignment is None:
             return choice, None, rejected
         chosen = trace_candidate(
-            opts, layers, measured, candidate("chosen", choice.assignment, measured), fake, progress
+            opts, layers, measured, candidate("chosen", choice.assignment, measured, choice.actions), fake, progress
         )
         if chosen.fits:
             return choice, chosen, rejected
@@ -242,12 +394,12 @@ def choose_and_verify(opts, layers, measured: Measured, fake: bool, progress) ->
 
 
 def largest_batch(opts, layers, fake, progress) -> Measured:
-    """The largest batch at which the model has an assignment that fits: doubling, then bisection."""
+    """The largest batch at which the model has a choice that fits: doubling, then bisection."""
     low, high = None, None  # largest batch known to fit by the model, least known not to
     batch, at = 1, {}
     while high is None or (low or 0) + 1 < high:
         at[batch] = measure_batch(opts, layers, batch, fake, progress)
-        fits = choose_modes(at[batch].terms, at[batch].cost, opts.memory, (), opts.time_limit).assignment is not None
+        fits = choose(at[batch], opts.memory, (), opts.time_limit).assignment is not None
         low, high = (batch, high) if fits else (low, batch)
         if high is None and batch >= MAX_BATCH:
             break
@@ -259,12 +411,20 @@ def largest_batch(opts, layers, fake, progress) -> Measured:
     return at[low]
 
 
+def least_peak(measured: Measured) -> int:
+    """The least peak the model reaches with every layer in one mode, under any combination of the actions."""
+    grouped = families(measured.action_cost).values()
+    combinations = [tuple(a for a in pick if a is not None) for pick in product(*[[None, *g] for g in grouped])]
+    layers = measured.terms.layers
+    return min(measured.terms.peak(every_layer(layers, m), c) for m in measured.terms.modes for c in combinations)
+
+
 def nothing_fits(opts: OptimizeOptions, measured: Measured) -> str:
-    """The one-line answer when no assignment fits: the least peak the model reaches at that batch."""
-    least = min(measured.terms.peak(every_layer(measured.terms.layers, m)) for m in OPTIMIZE_MODES)
+    """The one-line answer when nothing fits: the least peak the model reaches at that batch."""
     return (
-        f"no assignment of modes fits batch {measured.batch} in {human_bytes(opts.memory)} (proven within the "
-        f"model by CP-SAT); the least any layer mode reaches on every layer is {human_bytes(least)}"
+        f"no assignment of modes{' and actions' if measured.action_cost else ''} fits batch {measured.batch} in "
+        f"{human_bytes(opts.memory)} (proven within the model by CP-SAT); the least any layer mode reaches on every "
+        f"layer is {human_bytes(least_peak(measured))}"
     )
 
 
@@ -309,7 +469,7 @@ def answer(
             capture.fake,
             progress,
         )
-        for m in OPTIMIZE_MODES
+        for m in measured.terms.modes
     ]
     recipe = megatron_assignment(measured, opts.memory)
     megatron = None
@@ -328,4 +488,6 @@ def answer(
         megatron,
         measured.step_flops,
         time.monotonic() - start,
+        measured.rates,
+        measured.notes,
     )

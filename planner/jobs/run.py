@@ -31,8 +31,10 @@ from memplan.planner.report.trace_text import describe_loss, describe_patch
 from memplan.planner.simulate.measure import Measurement, measure
 from memplan.step import StepSpec
 from memplan.traces.compile import Compile, CompileError, require_real_tensors
+from memplan.traces.distributed import trace_ranks
 from memplan.traces.format import Trace, save
-from memplan.traces.trace_model import CaptureChoice, choose_capture, trace_step
+from memplan.traces.rank_family import load_family, rank_path, ranks_label
+from memplan.traces.trace_model import CaptureChoice, choose_capture, rank_capture, trace_step
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "workloads" / "bert_large_slice.py"  # ships in the wheel
 
@@ -50,6 +52,7 @@ class RunOptions:
     replay_steps: int = 2
     capture: str = "auto"  # real or fake traces: auto, real, fake
     gpu: GPU | None = None  # a GPU each mode's step is judged against (planner/simulate/verdict.py); None: none
+    nproc: int | None = None  # ranks of a distributed model file (traces/distributed.py); None: one process
 
     def __post_init__(self) -> None:
         # a CUDA step on that GPU (fake CUDA traces where this machine has none)
@@ -81,6 +84,7 @@ class ModeRow:
     saving: float | None  # 1 - peak live / the reference row's peak live (as-built's when run); < 0 costs memory
     command: str
     verdict: dict | None = None  # whether the step fits the GPU of RunOptions.gpu (Verdict.to_dict); None without
+    ranks: list[int] | None = None  # with --nproc: the ranks this row's trace stands for; None: one process
 
 
 @dataclass
@@ -112,6 +116,8 @@ class RunResult:
             "compile": None if self.options.step.compile is None else self.options.compiled().meta(),
             "gpu": None if self.options.gpu is None else self.options.gpu.as_dict(),
             "rows": [asdict(r) for r in self.rows],
+            "world_size": self.options.nproc,
+            "ranks": rank_groups(self.rows),
             "reference": self.reference,
             "replay": None if self.replay is None else {**self.replay.summary(), "mode": self.options.replay_mode},
             "report": self.report_md,
@@ -122,13 +128,40 @@ class RunResult:
         }
 
 
-def reproduce_command(step: StepSpec, time_limit: float, trace_file: str, plan_file: str, gpu: GPU | None) -> str:
-    """The memplan commands that rebuild one row of the report by hand (its verdict too, with a GPU)."""
+def run_modes(modes: tuple[str, ...]) -> dict:
+    """RunOptions' modes and replayed mode for the modes asked for (the replayed one among them: tempo, else the
+    first); {} for none asked, every mode."""
+    if not modes:
+        return {}
+    modes = tuple(dict.fromkeys(modes))
+    return {"modes": modes, "replay_mode": REPLAYED_MODE if REPLAYED_MODE in modes else modes[0]}
+
+
+def rank_groups(rows: list[ModeRow]) -> list[list[int]] | None:
+    """The distinct ranks' groups of a run over ranks (each the ranks one trace stands for), in rank order; None for
+    a run of one process."""
+    groups = {tuple(r.ranks): None for r in rows if r.ranks is not None}
+    return [list(g) for g in sorted(groups)] if groups else None
+
+
+def reproduce_command(
+    step: StepSpec,
+    time_limit: float,
+    trace_file: str,
+    plan_file: str,
+    gpu: GPU | None,
+    nproc: int | None = None,
+    rank_file: str | None = None,
+) -> str:
+    """The memplan commands that rebuild one row of the report by hand (its verdict too, with a GPU); with `nproc`,
+    the trace of every rank and the solve of the row's rank file."""
     q = shlex.quote
+    ranks = "" if nproc is None else f" --nproc {nproc}"
+    solved = trace_file if rank_file is None else rank_file
     return (
-        f"memplan trace {q(step.model_file)} {step.arguments()} -o {q(trace_file)} && "
-        f"memplan solve {q(trace_file)} -o {q(plan_file)} "
-        f"--time-limit {time_limit:g} && memplan simulate {q(trace_file)} --plan {q(plan_file)}"
+        f"memplan trace {q(step.model_file)} {step.arguments()}{ranks} -o {q(trace_file)} && "
+        f"memplan solve {q(solved)} -o {q(plan_file)} "
+        f"--time-limit {time_limit:g} && memplan simulate {q(solved)} --plan {q(plan_file)}"
         + ("" if gpu is None else f" --gpu {gpu.name}")
     )
 
@@ -143,6 +176,8 @@ def choose_run_capture(opts: RunOptions, progress: Callable[[str], None]) -> tup
     """Real or fake traces for the run, and the traces already made: auto sizes the step on a fake trace of
     the first mode (eager: a compiled step cannot run on fake tensors), which the run then keeps when it
     chose fake. A compiled run needs real traces."""
+    if opts.nproc is not None:
+        return rank_capture(opts.capture, opts.step.device), {}
     if opts.capture != "auto":
         return choose_capture(opts.capture, 0, opts.step.device), {}
     progress(f"[{opts.modes[0]}] sizing the step on a fake trace")
@@ -155,9 +190,11 @@ def choose_run_capture(opts: RunOptions, progress: Callable[[str], None]) -> tup
     return choice, {opts.modes[0]: sizing} if choice.fake else {}
 
 
-def mode_files(mode: str) -> tuple[Path, Path]:
-    """Where one mode's trace and plan go, relative to the output folder."""
-    return Path("traces") / f"{mode}.trace.json.gz", Path("plans") / f"{mode}.plan.json"
+def mode_files(mode: str, rank: int | None = None) -> tuple[Path, Path]:
+    """Where one mode's trace and plan go, relative to the output folder; a rank's (the first rank its trace stands
+    for) under its rank file's name, FILE.rank{r}.json.gz."""
+    trace, plan = Path("traces") / f"{mode}.trace.json.gz", Path("plans") / f"{mode}.plan.json"
+    return (trace, plan) if rank is None else (rank_path(trace, rank), rank_path(plan, rank))
 
 
 def run_mode(
@@ -168,19 +205,24 @@ def run_mode(
     fake: bool,
     traced: Trace | None,
     progress: Callable[[str], None],
+    ranks: tuple[int, ...] | None = None,
 ) -> tuple[Measurement, ModeRow]:
     """Trace (unless `traced` is this mode's trace already), solve and simulate one layer mode, writing
-    into `work`; the row names the files in `out`."""
+    into `work`; the row names the files in `out`. With `ranks`, `traced` is the trace of those ranks (a rank
+    family's member, already written under its rank file's name)."""
 
-    trace_rel, plan_rel = mode_files(mode)
+    trace_rel, plan_rel = mode_files(mode, None if ranks is None else ranks[0])
     trace_file, plan_file = out / trace_rel, out / plan_rel
     if traced is None:
         progress(f"[{mode}] tracing one training step ({'fake' if fake else 'real'} tensors)")
     step = opts.step.replace(mode=mode, fake=fake)
     trace = traced or trace_step(step, progress=progress)
-    save(trace, work / trace_rel)
-    progress(f"[{mode}] solving {len(trace):,} buffers and simulating the caching allocator")
-    measured = measure(trace, mode, plan_name=str(plan_file), time_limit=opts.time_limit, gpu=opts.gpu)
+    if ranks is None:
+        save(trace, work / trace_rel)
+    where = "" if ranks is None else f", {ranks_label(ranks)}"
+    progress(f"[{mode}{where}] solving {len(trace):,} buffers and simulating the caching allocator")
+    name = f"{mode} · {ranks_label(ranks)}" if ranks is not None else mode
+    measured = measure(trace, name, plan_name=str(plan_file), time_limit=opts.time_limit, gpu=opts.gpu)
     save_plan(measured.plan, measured.problem, work / plan_rel)  # verified again as it is written
     row = ModeRow(
         mode=mode,
@@ -190,10 +232,33 @@ def run_mode(
         changed=bool(trace.meta["patch"]["changed"]),
         patch="; ".join([describe_patch(trace.meta["patch"]), *loss_lines(trace.meta)]),
         saving=None,
-        command=reproduce_command(step, opts.time_limit, str(trace_file), str(plan_file), opts.gpu),
+        command=reproduce_command(
+            step,
+            opts.time_limit,
+            str(out / mode_files(mode)[0]) if ranks is not None else str(trace_file),
+            str(plan_file),
+            opts.gpu,
+            opts.nproc,
+            None if ranks is None else str(trace_file),
+        ),
         verdict=None if measured.verdict is None else measured.verdict.to_dict(),
+        ranks=None if ranks is None else list(ranks),
     )
     return measured, row
+
+
+def run_mode_ranks(
+    opts: RunOptions, mode: str, work: Path, out: Path, fake: bool, progress: Callable[[str], None]
+) -> list[tuple[Measurement, ModeRow]]:
+    """Trace one layer mode on opts.nproc ranks into `work` (one file per distinct rank), then solve and simulate
+    each distinct rank's trace as run_mode does one process's: a row per distinct rank, in rank order."""
+    trace_rel = mode_files(mode)[0]
+    step = opts.step.replace(mode=mode, fake=fake)
+    how = "fake process group" if fake else "gloo" if step.device == "cpu" else "nccl"
+    progress(f"[{mode}] tracing one training step on {opts.nproc} ranks ({how})")
+    trace_ranks(step, work / trace_rel, opts.nproc)
+    members = load_family(work / trace_rel)
+    return [run_mode(opts, mode, work, out, fake, m.trace, progress, ranks=m.ranks) for m in members]
 
 
 def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> RunResult:
@@ -201,9 +266,11 @@ def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> R
 
     if not Path(opts.step.model_file).is_file():
         raise MemplanError(f"{opts.step.model_file}: no such model file")
-    if opts.replay_mode not in opts.modes:
+    if opts.nproc is None and opts.replay_mode not in opts.modes:  # ranks are not replayed
         raise MemplanError(f"the replayed mode {opts.replay_mode!r} is not among the modes run")
     require_real_tensors(opts.step.replace(fake=opts.capture == "fake"))  # before any work
+    if opts.nproc is not None and opts.step.compile is not None:
+        raise CompileError("--compile traces one process: it does not take --nproc")
     start = time.monotonic()
     out = Path(opts.out_dir)
     if out.exists() and not out.is_dir():
@@ -215,17 +282,22 @@ def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> R
         progress(f"{capture.name} traces ({capture.reason})")
         reports, rows = [], []
         for mode in opts.modes:
-            report, row = run_mode(opts, mode, work, out, capture.fake, traced.get(mode), progress)
-            reports.append(report)
-            rows.append(row)
-        reference = reference_row(rows)
-        for row in rows:
+            if opts.nproc is None:
+                measured = [run_mode(opts, mode, work, out, capture.fake, traced.get(mode), progress)]
+            else:
+                measured = run_mode_ranks(opts, mode, work, out, capture.fake, progress)
+            reports += [report for report, _ in measured]
+            rows += [row for _, row in measured]
+        for row in rows:  # like with like: a rank's row against the same rank's reference
+            reference = reference_row([r for r in rows if r.ranks == row.ranks])
             row.saving = 1 - row.peak_live / reference.peak_live
+        reference = reference_row(rows)
 
         progress("drawing timeline.png and address_space.png")
         plot_reports(reports, work / "timeline.png")
-        replayed = next(r for r in reports if r.name == opts.replay_mode)
-        plot_reports([replayed], work / "address_space.png", address_space=True)
+        drawn = opts.replay_mode if opts.replay_mode in opts.modes else opts.modes[0]  # ranks: no replay
+        plot_reports([r for r, row in zip(reports, rows) if row.mode == drawn], work / "address_space.png",
+                     address_space=True)  # fmt: skip
         progress("writing report.html")
         commands = [f"# {row.mode}\n{row.command}" for row in rows]
         title = f"memplan report: {Path(opts.step.model_file).stem}"
@@ -237,7 +309,7 @@ def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> R
             optimizer=reports[0].trace.meta.get("optimizer"),
             rows=rows,
             reference=reference.mode,
-            replay=None if capture.fake else replay_plan(opts, work, progress),
+            replay=None if capture.fake or opts.nproc is not None else replay_plan(opts, work, progress),
             report_md=str(out / "report.md"),
             timeline_png=str(out / "timeline.png"),
             address_space_png=str(out / "address_space.png"),

@@ -34,6 +34,7 @@ from memplan.step import StepSpec, check_budget
 from memplan.traces.format import Trace
 from memplan.traces.host import host_bytes
 from memplan.traces.model_file import import_model_file
+from memplan.traces.summary import changes_model
 from memplan.traces.trace_model import HOST_SHARE, CaptureChoice, host_memory_available, sized_capture, trace_step
 from memplan.units import format_size
 
@@ -202,7 +203,7 @@ def measure_point(opts: TradeoffOptions, config: Configuration, progress) -> tup
         name=name,
         layers=mode,
         compile_budget=budget,
-        changed=changed(trace) or budget is not None or variant is not None,
+        changed=changes_model(trace) or budget is not None or variant is not None,
         **measured.figures(),
         matmul_flops=flops.matmul,
         elementwise_flops=flops.elementwise,
@@ -218,13 +219,6 @@ def measure_point(opts: TradeoffOptions, config: Configuration, progress) -> tup
         point.host_moved = host.moved
         point.transfer_seconds = host_transfer(host.moved, step.gpu, opts.host_bandwidth).seconds
     return point, held_between_steps(trace)
-
-
-def changed(trace: Trace) -> bool:
-    """Whether a traced step differs from the model as built: its layers patched, its loss fused, its optimizer
-    rebuilt."""
-    loss_patch = trace.meta.get("loss_patch") or {}
-    return bool(trace.meta["patch"]["changed"] or loss_patch.get("replaced") or trace.meta.get("optimizer_state"))
 
 
 def measure_action(opts: TradeoffOptions, config: Configuration, progress) -> tuple[TradeoffPoint, int] | str:

@@ -30,6 +30,8 @@ class OptimizerChoice:
     optimizer: str  # the choice, one of modes.OPTIMIZERS
     built: str  # the class of the model file's optimizer
     parameters: int  # parameters it steps
+    elements: int  # their elements
+    parameter_bytes: int  # their bytes on the device (what the host choice copies each way at every step)
     device_bytes: int  # bytes of optimizer state on the device (the step counters, on the CPU, not counted)
     host_bytes: int  # bytes on the host: the host choice's master copies, gradient buffers and state
     built_bytes: int  # the model file's optimizer's moments on the device, for comparison
@@ -77,5 +79,6 @@ def choose_optimizer(
         chosen = LowBitAdamW([{k: g[k] for k in keep} for g in groups], bits=bits, decoupled=decoupled)
         device = sum(state_bytes(p.numel(), p.element_size(), bits) - STEP_BYTES for p in params)
         host = 0
-    report = OptimizerChoice(choice, type(optimizer).__name__, len(params), device, host, built)
+    elements, nbytes = sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
+    report = OptimizerChoice(choice, type(optimizer).__name__, len(params), elements, nbytes, device, host, built)
     return chosen, report

@@ -1,13 +1,17 @@
-"""Choose a mode per layer with CP-SAT: the least recompute whose modelled peak fits a memory size.
+"""Choose a mode per layer, and the step-level actions, with CP-SAT: the least added work whose modelled peak fits a
+memory size.
 
 One Boolean per (layer, mode), exactly one mode per layer, and one per (layer, context): the layer's
 mode and the next layer's, tied to the modes by flow constraints. Each segment of the step (terms.py)
 is a linear constraint: the bytes the other layers hold in it (by their contexts), plus the segment's
 own bytes under its owner's context, fit the memory; for a segment owned by a layer it is one
-constraint per context of that layer, enforced when the layer has it. The objective is the recompute
-FLOPs summed over layers, and among assignments of equal recompute the one that changes the fewest layers
-(a mode that recomputes nothing there, such as selective over fused attention, is not chosen over as-built).
-Assignments already traced and found not to fit are excluded by a cut each.
+constraint per context of that layer, enforced when the layer has it. A step-level action (terms.Action: the loss
+fused, an optimizer choice) is one Boolean, at most one per family, adding its delta to every segment. The
+objective is the added work summed over layers and actions, in FLOPs at the device's rate (recompute as counted,
+a transfer's seconds times the rate), and among choices of equal work the one that changes the least: the fewest
+layers, then the fewest actions, then the earlier choice of a family (a mode that recomputes nothing there, such as
+selective over fused attention, is not chosen over as-built; 8-bit state over 4-bit). Choices already traced and
+found not to fit are excluded by a cut each.
 """
 
 from __future__ import annotations
@@ -18,34 +22,55 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from memplan.modes import AS_BUILT
-from memplan.planner.optimize.terms import PREFIX, Assignment, Bytes, Context, MemoryTerms, Mode, owner_of
+from memplan.planner.optimize.terms import PREFIX, Action, Assignment, Bytes, Context, MemoryTerms, Mode, owner_of
 
-Flops = int
+Flops = int  # work: FLOPs, or seconds at the device's FLOP rate
 
 
 @dataclass(frozen=True)
 class Choice:
-    """CP-SAT's answer: the assignment, its modelled peak and recompute, and whether it is proven optimal."""
+    """CP-SAT's answer: the assignment and actions, their modelled peak and added work, and whether it is proven
+    optimal."""
 
     assignment: Assignment | None  # None when no assignment fits
     peak: Bytes | None  # the model's peak of the assignment
-    recompute: Flops | None  # its recompute FLOPs over every layer as built
+    recompute: Flops | None  # its added work over every layer as built (recompute, transfers)
     status: str  # optimal | feasible | infeasible | unknown (no answer in the time limit)
+    actions: tuple[Action, ...] = ()  # the step-level actions chosen (none: the step's own loss and optimizer)
+    work: Flops | None = None  # the added work of the layers and the actions together
 
 
 def recompute_of(assignment: Assignment, cost: dict[tuple[int, Mode], Flops]) -> Flops:
-    """The recompute FLOPs of an assignment: the sum of its layers' costs."""
+    """The added work of an assignment's layers: the sum of their costs."""
     return sum(cost[layer, mode] for layer, mode in enumerate(assignment))
+
+
+def work_of(
+    assignment: Assignment, actions: tuple[Action, ...], cost: dict[tuple[int, Mode], Flops], action_cost: dict
+) -> Flops:
+    """The added work of an assignment with step-level actions: its layers' and its actions' costs."""
+    return recompute_of(assignment, cost) + sum(action_cost[a] for a in actions)
+
+
+def families(actions) -> dict[str, list[Action]]:
+    """Offered actions by family, in the order given (a family's earlier choice wins ties)."""
+    grouped: dict[str, list[Action]] = {}
+    for action in actions:
+        grouped.setdefault(action[0], []).append(action)
+    return grouped
 
 
 def choose_modes(
     terms: MemoryTerms,
     cost: dict[tuple[int, Mode], Flops],
     memory: Bytes,
-    excluded: Iterable[Assignment] = (),
+    excluded: Iterable[tuple[Assignment, tuple[Action, ...]]] = (),
     time_limit: float = 10.0,
+    action_cost: dict[Action, Flops] | None = None,
 ) -> Choice:
-    """The assignment of least recompute whose modelled peak is at most `memory`, other than `excluded`."""
+    """The assignment (and step-level actions, those of `action_cost` that `terms` has deltas for) of least added work
+    whose modelled peak is at most `memory`, other than the `excluded` (assignment, actions) pairs."""
+    action_cost = {a: c for a, c in (action_cost or {}).items() if a in terms.deltas}
     model = cp_model.CpModel()
     count, modes = len(terms.layers), terms.modes
     # 1. One mode per layer, and each layer's context (its mode, the next layer's) as one Boolean each.
@@ -64,9 +89,16 @@ def choose_modes(
         for n in modes:
             model.Add(sum(context[j, (m, n)] for m in modes) == pick[j + 1, n])
 
-    # 2. Every segment fits: the other layers' held bytes within what its own bytes leave.
+    # 2. At most one action of each family (none: the step's own).
+    act = {a: model.NewBoolVar(f"{a[0]}_{a[1]}") for a in action_cost}
+    grouped = families(action_cost)
+    for members in grouped.values():
+        model.AddAtMostOne(act[a] for a in members)
+
+    # 3. Every segment fits: the other layers' held bytes and the actions' deltas within what its own bytes leave.
     def held_by_others(segment, owner):
-        return sum(terms.held[j, segment, c] * chosen for (j, c), chosen in context.items() if j != owner)
+        held = sum(terms.held[j, segment, c] * chosen for (j, c), chosen in context.items() if j != owner)
+        return held + sum(terms.deltas[a][segment] * act[a] for a in act)
 
     for segment in terms.segments:
         owner = owner_of(segment)
@@ -76,13 +108,18 @@ def choose_modes(
         for (j, c), chosen in context.items():
             if j == owner:
                 model.Add(held_by_others(segment, owner) <= memory - terms.own[segment, c]).OnlyEnforceIf(chosen)
-    # 3. Assignments known not to fit.
-    for assignment in excluded:
-        model.AddBoolOr([pick[j, m].Not() for j, m in enumerate(assignment)])
-    # 4. The least recompute; then the fewest layers changed (worth less than one FLOP).
-    recompute = sum(cost[j, m] * pick[j, m] for j in range(count) for m in modes)
+    # 4. Choices known not to fit.
+    for assignment, actions in excluded:
+        chosen = [act[a].Not() for a in actions if a in act]
+        chosen += [act[a] for a in act if a not in actions]
+        model.AddBoolOr([pick[j, m].Not() for j, m in enumerate(assignment)] + chosen)
+    # 5. The least work; then the fewest changes (all of them together worth less than one FLOP).
+    work = sum(cost[j, m] * pick[j, m] for j in range(count) for m in modes)
+    work += sum(action_cost[a] * act[a] for a in act)
     changed = sum(pick[j, m] for j in range(count) for m in modes if m != AS_BUILT)
-    model.Minimize((count + 1) * recompute + changed)
+    changed += sum((1 + members.index(a)) * act[a] for members in grouped.values() for a in members)
+    most_changed = count + sum(len(members) for members in grouped.values())
+    model.Minimize((most_changed + 1) * work + changed)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit
     solver.parameters.num_workers = 1  # the same answer on every run
@@ -90,9 +127,12 @@ def choose_modes(
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return Choice(None, None, None, "infeasible" if status == cp_model.INFEASIBLE else "unknown")
     assignment = tuple(next(m for m in modes if solver.Value(pick[j, m])) for j in range(count))
+    actions = tuple(a for a in act if solver.Value(act[a]))
     return Choice(
         assignment,
-        terms.peak(assignment),
+        terms.peak(assignment, actions),
         recompute_of(assignment, cost),
         "optimal" if status == cp_model.OPTIMAL else "feasible",
+        actions,
+        work_of(assignment, actions, cost, action_cost),
     )

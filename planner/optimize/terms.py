@@ -15,11 +15,16 @@ layer as its input). So E and H are read per context (a layer's mode, the next l
 that together show every context at every layer (assignments_to_trace). Sums of maxima bound the
 maximum of sums, so the model never predicts less than a measured trace shows. Sizes are rounded up to
 the plan's alignment, as the solver packs them.
+
+A step-level action (the loss fused, the optimizer's state made smaller) changes the bytes outside the layers: the
+head's logits, the optimizer's state held through the step. Its term is a delta per segment, the action's trace
+less the step's own, both with every layer as built; chosen actions add their deltas. That they add up, and hold
+under other layer modes, is the model's assumption: the chosen configuration's own trace is the check.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -32,6 +37,7 @@ Mode = str  # a per-layer mode (planner.layers.PER_LAYER_MODES)
 Bytes = int
 Assignment = tuple[Mode, ...]  # a mode per layer, in the order of the model's layers
 Context = tuple[Mode | None, Mode | None]  # a layer's mode and the next layer's (None: no layer there)
+Action = tuple[str, str]  # a step-level choice: its family ("loss", "optimizer") and the choice ("fused")
 Segment = tuple[str, int, int]  # (phase, owning layer or -1, the layer the phase last ran or -1)
 PREFIX = -1  # the step's buffers made in forward before the first layer (the embeddings): the first layer's
 #              mode decides how long they live (as its kept input, or overwritten in place, or not at all)
@@ -62,16 +68,22 @@ class MemoryTerms:
     segments: tuple[Segment, ...]  # in the order of the first trace
     own: dict[tuple[Segment, Context | None], Bytes]  # E: by its owner's context (None: a segment no layer owns)
     held: dict[tuple[int, Segment, Context], Bytes]  # H: layer j's (or the PREFIX's) most bytes, by its context
+    deltas: dict[Action, dict[Segment, Bytes]] = field(default_factory=dict)  # a step-level action's, per segment
 
-    def segment_peak(self, segment: Segment, assignment: Assignment) -> Bytes:
-        """The model's peak of one segment under `assignment` (a mode per layer)."""
+    def segment_peak(self, segment: Segment, assignment: Assignment, actions: tuple[Action, ...] = ()) -> Bytes:
+        """The model's peak of one segment under `assignment` (a mode per layer) with the step-level `actions`."""
         around, owner = contexts(assignment), owner_of(segment)
         others = sum(self.held[j, segment, c] for j, c in around.items() if j != owner)
-        return self.own[segment, None if owner is None else around[owner]] + others
+        changed = sum(self.deltas[action][segment] for action in actions)
+        return self.own[segment, None if owner is None else around[owner]] + others + changed
 
-    def peak(self, assignment: Assignment) -> Bytes:
-        """The model's peak live bytes of the whole step under `assignment`."""
-        return max(self.segment_peak(s, assignment) for s in self.segments)
+    def peak(self, assignment: Assignment, actions: tuple[Action, ...] = ()) -> Bytes:
+        """The model's peak live bytes of the whole step under `assignment` with the step-level `actions`."""
+        return max(self.segment_peak(s, assignment, actions) for s in self.segments)
+
+    def with_deltas(self, deltas: dict[Action, dict[Segment, Bytes]]) -> MemoryTerms:
+        """These terms with step-level actions' deltas (action_deltas) added."""
+        return replace(self, deltas={**self.deltas, **deltas})
 
 
 def assignments_to_trace(modes: tuple[Mode, ...], count: int) -> list[Assignment]:
@@ -163,3 +175,31 @@ def memory_terms(traces: dict[Assignment, Trace], layers: tuple[str, ...], align
             held[j, segment, around[j]] = max(held.get((j, segment, around[j]), 0), value)
     modes = tuple(dict.fromkeys(m for assignment in traces for m in assignment))
     return MemoryTerms(tuple(layers), modes, segments, own, held)
+
+
+def segment_peaks(
+    trace: Trace, layers: tuple[str, ...], alignment: int = 512, known: set[Segment] | None = None
+) -> dict[Segment, Bytes]:
+    """The most live bytes (aligned) of each segment of a trace; with `known`, a time in a segment not known counts
+    in the last known segment before it (an action's own stretch, such as a host optimizer's copies, joins the
+    stretch it runs in)."""
+    size = align_up(trace.size.astype(np.int64), alignment)
+    total = live_bytes(size, trace.alloc, trace.free, trace.end)
+    peaks: dict[Segment, Bytes] = {}
+    last = None
+    for t, segment in sorted(segment_of_times(trace, layers).items()):
+        if known is not None and segment not in known:
+            segment = last
+        if segment is None:
+            continue
+        last = segment
+        peaks[segment] = max(peaks.get(segment, 0), int(total[t]))
+    return peaks
+
+
+def action_deltas(base: Trace, action: Trace, layers: tuple[str, ...], alignment: int = 512) -> dict[Segment, Bytes]:
+    """A step-level action's term: per segment of the step's own trace, the action's trace's peak less the step's
+    (every layer as built in both); a segment the action's trace lacks keeps the step's bytes (delta 0)."""
+    before = segment_peaks(base, layers, alignment)
+    after = segment_peaks(action, layers, alignment, known=set(before))
+    return {segment: after.get(segment, peak) - peak for segment, peak in before.items()}

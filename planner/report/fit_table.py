@@ -6,7 +6,44 @@ from memplan.planner.report.tables import text_table
 from memplan.planner.report.trace_text import loss_words, no_change_mark
 from memplan.planner.report.verdict_text import render_budget
 from memplan.traces.compile import describe_compile
+from memplan.traces.rank_family import ranks_label
 from memplan.units import format_size
+
+
+def _fit_word(fits: bool | None, miss: str = "OOM") -> str:
+    return "-" if fits is None else "fits" if fits else miss
+
+
+def rank_lines(summary: dict) -> list[str]:
+    """With --nproc: per mode, each distinct rank's figures at the job's batch b and at b+1 side by side, whether it
+    fits at each, and the tightest rank under each allocator model."""
+    s = summary
+    lines = [f"on {s['world_size']} ranks: a batch fits only if it fits on every rank"]
+    cols = ("mode", "ranks", "reserved* b / b+1", "caching b / b+1", "arena b / b+1", "plan b / b+1")
+    rows = []
+    for m in s["modes"]:
+        caching, plan = m["ranks"]["caching"]["per_rank"], m["ranks"]["plan"]["per_rank"]
+        for c, p in zip(caching, plan):
+            rows.append(
+                (
+                    m["mode"],
+                    ranks_label(c["ranks"]).split(" ", 1)[1],
+                    f"{_size(c['at_batch'])} / {format_size(c['at_next'])}",
+                    f"{_fit_word(c['fits_at_batch'])} / {_fit_word(c['fits_at_next'])}",
+                    f"{_size(p['at_batch'])} / {format_size(p['at_next'])}",
+                    f"{_fit_word(p['fits_at_batch'], 'no plan')} / {_fit_word(p['fits_at_next'], 'no plan')}",
+                )
+            )
+    lines += text_table([cols, *rows])
+    for m in s["modes"]:
+        tight = {a: ranks_label(m["ranks"][a]["tightest"]) for a in ("caching", "plan")}
+        caching, plan = tight["caching"], tight["plan"]
+        lines.append(f"{m['mode']}: tightest {caching} under the caching allocator, {plan} under a plan")
+    return lines
+
+
+def _size(value: int | None) -> str:
+    return "-" if value is None else format_size(value)
 
 
 def render_fit(summary: dict) -> str:
@@ -34,6 +71,8 @@ def render_fit(summary: dict) -> str:
             )
         )
     lines = [head] + ([] if s["gpu"] is None else [render_budget(s["gpu"])]) + text_table([cols, *rows])
+    if s.get("world_size") is not None:
+        lines += rank_lines(s)
     if loss_words(s):  # the loss is the same under every mode: what it did, once
         lines.append(next((m["loss_patch"] for m in s["modes"] if m["loss_patch"]), ""))
     lines.append(

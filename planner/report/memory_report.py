@@ -16,6 +16,7 @@ from memplan.planner.simulate.caching_allocator import OutOfMemory
 from memplan.planner.simulate.measure import Measurement
 from memplan.planner.simulate.verdict import Verdict
 from memplan.traces.format import PHASES, Trace
+from memplan.traces.rank_family import ranks_label, stands_for
 from memplan.traces.unrecorded import unrecorded_text
 from memplan.units import human_bytes
 
@@ -27,7 +28,7 @@ def trace_title(trace: Trace, name: str) -> str:
     if meta.get("layers") and meta.get("patch"):
         parts[-1] += no_change_mark(meta["patch"]["mode"], meta["patch"]["changed"])
     if meta.get("rank") is not None and meta.get("world_size") is not None:
-        parts.append(f"rank {meta['rank']}/{meta['world_size']}")
+        parts.append(f"{ranks_label(stands_for(meta))}/{meta['world_size']}")
     return " · ".join(parts) if parts else Path(name).name
 
 

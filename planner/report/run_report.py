@@ -9,6 +9,7 @@ from memplan.planner.report.tables import markdown_table, text_table
 from memplan.planner.report.trace_text import loss_words, no_change_mark
 from memplan.planner.report.verdict_text import render_verdict
 from memplan.traces.compile import describe_compile
+from memplan.traces.rank_family import ranks_label
 from memplan.units import human_bytes
 
 
@@ -16,10 +17,17 @@ def percent(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def row_name(row: dict) -> str:
+    """A row's name: its mode, and with ranks the ranks its trace stands for (`tempo · ranks 1-3`)."""
+    return row["mode"] if row.get("ranks") is None else f"{row['mode']} · {ranks_label(row['ranks'])}"
+
+
 def table_rows(summary: dict) -> list[list[str]]:
-    """The report's table: header, then one row per mode."""
+    """The report's table: header, then one row per mode (per mode and distinct rank, side by side, with ranks)."""
+    by_rank = summary.get("ranks") is not None
     header = [
         "layers",
+        *(["ranks"] if by_rank else []),
         "peak live",
         "caching reserved",
         "plan arena",
@@ -34,6 +42,7 @@ def table_rows(summary: dict) -> list[list[str]]:
         rows.append(
             [
                 r["mode"] + no_change_mark(r["mode"], r["changed"]),
+                *([ranks_label(r["ranks"]).split(" ", 1)[1]] if by_rank else []),
                 human_bytes(r["peak_live"]),
                 human_bytes(r["caching_peak_reserved"]),
                 human_bytes(r["plan_arena"]),
@@ -48,6 +57,8 @@ def table_rows(summary: dict) -> list[list[str]]:
 def replay_sentence(summary: dict) -> str:
     """What the replay of one mode's plan showed, in a sentence; why there was none on fake traces."""
     r = summary["replay"]
+    if r is None and summary.get("world_size") is not None:
+        return f"no replay: a replay runs one process's step, and this run traced {summary['world_size']} ranks"
     if r is None:
         return (
             "no replay: the traces are fake, and a replay runs the real step on this machine "
@@ -69,22 +80,35 @@ def step_sentence(summary: dict) -> str:
     s = summary
     step = "forward, backward" + (f", {s['optimizer']}" if s["optimizer"] else "")
     compiled = "" if s["compile"] is None else f", the forward compiled by {describe_compile(s['compile'])}"
+    ranks = "" if s.get("world_size") is None else f" on each of {s['world_size']} ranks"
     return (
         f"One training step ({step}) of `{s['model_file']}` at batch {s['batch']}, sequence {s['seq']}, "
-        f"{s['dtype']}{loss_words(s)}{compiled}, traced under each layer mode with {s['capture']} tensors "
+        f"{s['dtype']}{loss_words(s)}{compiled}, traced under each layer mode{ranks} with {s['capture']} tensors "
         f"({s['capture_reason']})."
     )
 
 
+def ranks_sentence(summary: dict) -> str:
+    """A run over ranks in a sentence: how many distinct traces stand for the world, and each mode's highest rank."""
+    groups, world = summary["ranks"], summary["world_size"]
+    highest = {}
+    for r in summary["rows"]:
+        if r["mode"] not in highest or r["peak_live"] > highest[r["mode"]]["peak_live"]:
+            highest[r["mode"]] = r
+    peaks = "; ".join(f"{mode}: {ranks_label(r['ranks'])}" for mode, r in highest.items())
+    return f"{world} ranks, {len(groups)} distinct traces; the highest peak live per mode: {peaks}"
+
+
 def verdict_lines(summary: dict) -> list[str]:
     """Each mode's verdict on the run's GPU, a line or two each; none without a GPU."""
-    return [f"{r['mode']}: {render_verdict(r['verdict'])}" for r in summary["rows"] if r["verdict"] is not None]
+    return [f"{row_name(r)}: {render_verdict(r['verdict'])}" for r in summary["rows"] if r["verdict"] is not None]
 
 
 def render_text(summary: dict) -> str:
     """The table as aligned text, each mode's verdict on the GPU, then the replay and the files, for the terminal."""
     rows = table_rows(summary)
     lines = text_table(rows, right=[False] + [True] * (len(rows[0]) - 1))
+    lines += [] if summary.get("ranks") is None else ["", ranks_sentence(summary)]
     lines += ([""] + verdict_lines(summary)) if summary["gpu"] is not None else []
     lines += [
         "",
@@ -104,7 +128,7 @@ def gpu_section(summary: dict) -> list[str]:
     """report.md's section on the run's GPU: each mode's verdict (none without a GPU)."""
     if summary["gpu"] is None:
         return []
-    items = [f"- **{r['mode']}**: " + render_verdict(r["verdict"]).replace("\n  ", " ") for r in summary["rows"]]
+    items = [f"- **{row_name(r)}**: " + render_verdict(r["verdict"]).replace("\n  ", " ") for r in summary["rows"]]
     return [f"## On {summary['gpu']['name']}", "", *items, ""]
 
 
@@ -117,6 +141,7 @@ def render_markdown(summary: dict) -> str:
         "",
         *markdown_table(table_rows(summary)),
         "",
+        *([] if summary.get("ranks") is None else [ranks_sentence(summary) + ".", ""]),
         "- **peak live**: the most bytes held by live tensors at once (requested sizes).",
         "- **caching reserved**: peak bytes PyTorch's CUDA caching allocator would reserve (simulated).",
         "- **plan arena**: the arena of memplan's plan, checked by the independent verifier.",
@@ -126,7 +151,7 @@ def render_markdown(summary: dict) -> str:
         "",
         "## What each mode changed",
         "",
-        *[f"- **{r['mode']}**: {r['patch']}" for r in summary["rows"]],
+        *[f"- **{mode}**: {patch}" for mode, patch in {r["mode"]: r["patch"] for r in summary["rows"]}.items()],
         "",
         *gpu_section(summary),
         "## Replay",
@@ -143,6 +168,6 @@ def render_markdown(summary: dict) -> str:
         "",
     ]
     for r in summary["rows"]:
-        md += [f"**{r['mode']}**", "", "```", r["command"], "```", ""]
+        md += [f"**{row_name(r)}**", "", "```", r["command"], "```", ""]
     md.append(f"Wall time of the whole run: {summary['seconds']:.1f} s.")
     return "\n".join(md) + "\n"

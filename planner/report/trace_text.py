@@ -7,6 +7,7 @@ from memplan.planner.cost.transfer import GIVEN
 from memplan.planner.layers.patch import PatchReport
 from memplan.traces.compile import describe_compile
 from memplan.traces.format import CATEGORIES
+from memplan.traces.rank_family import ranks_label
 from memplan.traces.summary import TraceSummary
 from memplan.traces.unrecorded import unrecorded_text
 from memplan.units import human_bytes
@@ -99,6 +100,9 @@ def render_trace(s: TraceSummary) -> str:
             f"inside another, such as autograd's of an in-place op's input; a --fake trace holds only those copies), "
             f"{human_bytes(s.internal_at_peak, grouped=True)} live at the peak"
         )
+    if s.streams:
+        each = ", ".join(f"{x['stream']} {x['name'] or 'unnamed'} ({x['buffers']:,} buffers)" for x in s.streams)
+        lines.append(f"streams: {each}; {s.syncs:,} syncs between them")
     lines += describe_routing(s.routing)
     if s.data_dependent:
         taken = ", ".join(f"{op} x{n}" for op, n in sorted(s.data_dependent.items()))
@@ -149,7 +153,7 @@ def render_trace_file(summary: dict) -> str:
     if "ranks" in summary:
         n = summary["world_size"]
         return "\n\n".join(
-            f"{describe_ranks(r.get('ranks', [r['rank']]))} of {n}:\n{render_trace(TraceSummary.from_dict(r))}\n"
+            f"{stood_for(r.get('ranks', [r['rank']]), n)}:\n{render_trace(TraceSummary.from_dict(r))}\n"
             f"written to {r['output']}"
             for r in summary["ranks"]
         )
@@ -158,18 +162,10 @@ def render_trace_file(summary: dict) -> str:
     return f"{render_trace(TraceSummary.from_dict(summary))}{compiled}{transfer}\nwritten to {summary['output']}"
 
 
-def describe_ranks(ranks: list[int]) -> str:
-    """The ranks one trace stands for, as runs: [3] -> 'rank 3'; [0, 1, 2, 3, 8] -> 'ranks 0-3, 8 (5 ranks alike)'."""
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    runs: list[list[int]] = []
-    for r in ranks:
-        if runs and r == runs[-1][1] + 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    spans = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-    return f"ranks {spans} ({len(ranks)} ranks alike)"
+def stood_for(ranks: list[int], world: int) -> str:
+    """The ranks one trace stands for, in words: `rank 3 of 4`, `ranks 0-511 of 512 (512 ranks alike, one trace)`."""
+    alike = f" ({len(ranks)} ranks alike, one trace)" if len(ranks) > 1 else ""
+    return f"{ranks_label(ranks)} of {world}{alike}"
 
 
 def describe_transfer(transfer: dict) -> str:
