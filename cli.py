@@ -231,7 +231,13 @@ def main() -> None:
     default=None,
     help="Run N processes under torch.distributed (gloo on cpu, NCCL on cuda) and write one trace "
     "per rank, FILE.rank{r}.json.gz; all or none. With --fake, the ranks run in turn in this "
-    "process on torch.distributed's fake process group.",
+    "process on torch.distributed's fake process group, and ranks alike by construction are traced once "
+    '(one file each, meta "ranks" the ranks it stands for).',
+)
+@click.option(
+    "--every-rank",
+    is_flag=True,
+    help="With --nproc --fake: trace every rank, even those alike by construction.",
 )
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
@@ -252,6 +258,7 @@ def trace_command(
     top,
     warmup,
     nproc,
+    every_rank,
     compile,
     as_json,
 ):
@@ -279,7 +286,9 @@ def trace_command(
                     routing=routing, optimizer=optimizer)  # fmt: skip
     step = step.on_gpu(gpu_name)
     bandwidth = None if host_bandwidth is None else parse_bandwidth(host_bandwidth)
-    summary = trace_to_file(step, output, top=top, nproc=nproc, progress=progress, host_bandwidth=bandwidth)
+    summary = trace_to_file(
+        step, output, top=top, nproc=nproc, progress=progress, host_bandwidth=bandwidth, every_rank=every_rank
+    )
     emit(summary, as_json, render_trace_file(summary))
 
 

@@ -2,8 +2,8 @@
 on the root), with PyTorch's AdamW over the sharded parameters; with MEMPLAN_TP=T, tensor parallelism too.
 
 MEMPLAN_FSDP_PRECISION picks the precision: fp32 (default) or bf16 (FSDP2's MixedPrecisionPolicy: parameters
-gathered in bf16 for compute, gradients reduced in fp32). The shape comes from MEMPLAN_PRESET: tiny (default), 7b or
-8b; MEMPLAN_LAYERS sets its number of layers.
+gathered in bf16 for compute, gradients reduced in fp32). The shape comes from MEMPLAN_PRESET: tiny (default), 7b, 8b or
+70b; MEMPLAN_LAYERS sets its number of layers.
 MEMPLAN_TP=T (default 1) lays the N ranks out as a 2-D DeviceMesh (dp = N / T, tp = T) and, before FSDP2, splits each
 layer's attention and MLP over the tp dimension with parallelize_module as torchtitan's Llama does (q, k, v and the
 MLP's gate and up column-parallel, o and down row-parallel: each rank computes its share of the heads); FSDP2 then
@@ -19,15 +19,11 @@ import os
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from memplan.planner.parallel.fsdp import PRECISIONS, shard
 from memplan.planner.workloads.llama import PRESETS, build_workload
 
-PRECISIONS = {
-    "fp32": None,
-    "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-}
 # torchtitan's Llama plan without its sequence parallelism: a layer's input and output are replicated over tp
 LAYER_PLAN = {
     "attention.q": ColwiseParallel(),
@@ -74,10 +70,7 @@ def build(batch_size, seq_len, dtype, device):
         for layer in workload.model.layers:
             parallelize_module(layer, mesh["tp"], LAYER_PLAN)
         mesh = mesh["dp"]
-    policy = {"mesh": mesh} | ({"mp_policy": PRECISIONS[precision]} if PRECISIONS[precision] else {})
-    for layer in workload.model.layers:
-        fully_shard(layer, **policy)
-    fully_shard(workload.model, **policy)
+    shard(workload.model, list(workload.model.layers), mesh, precision)
     workload.optimizer = torch.optim.AdamW(workload.model.parameters(), lr=1e-4)  # over the sharded parameters
     workload.name = f"{workload.name}-fsdp2-{precision}" + (f"-tp{tp}" if int(tp) > 1 else "")
     return workload

@@ -13,8 +13,9 @@ from step_traces import buffer_events, state_bytes
 
 from memplan.planner.workloads.gpt2 import GPT2, PRESETS
 from memplan.step import StepSpec
-from memplan.traces.distributed import RankError, rank_path, trace_ranks
-from memplan.traces.format import Trace, load
+from memplan.traces.distributed import RankError, trace_ranks
+from memplan.traces.format import Trace
+from memplan.traces.rank_family import traces_by_rank
 
 torch.set_num_threads(1)
 
@@ -29,7 +30,7 @@ def ranks(model_file: str, nproc: int, folder: Path, fake: bool, seq: int = 32) 
     """Each rank's trace of the model file's step on `nproc` ranks: fake (one process) or real gloo processes."""
     output = folder / ("fake" if fake else "gloo") / "trace.json.gz"
     trace_ranks(StepSpec(model_file, 2, seq, fake=fake), output, nproc)
-    return [load(rank_path(output, rank)) for rank in range(nproc)]
+    return traces_by_rank(output)
 
 
 def zero_partition(world: int) -> list[list[torch.nn.Parameter]]:

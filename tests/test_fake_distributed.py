@@ -18,8 +18,8 @@ from memplan.planner.verify import verify_plan
 from memplan.planner.workloads.llama import PRESETS, Llama
 from memplan.solvers import solve
 from memplan.step import StepSpec
-from memplan.traces.distributed import rank_path, trace_ranks
-from memplan.traces.format import load
+from memplan.traces.distributed import trace_ranks
+from memplan.traces.rank_family import traces_by_rank
 
 torch.set_num_threads(1)
 
@@ -34,7 +34,7 @@ def ranks(model_file: str, nproc: int, folder: Path, fake: bool, seq: int = 32):
     """Each rank's trace of the model file's step on `nproc` ranks: fake (one process) or real gloo processes."""
     output = folder / ("fake" if fake else "gloo") / "trace.json.gz"
     trace_ranks(StepSpec(model_file, 2, seq, fake=fake), output, nproc)
-    return [load(rank_path(output, rank)) for rank in range(nproc)]
+    return traces_by_rank(output)
 
 
 def known(alive: dict[str, int]) -> dict[str, int]:
@@ -87,7 +87,7 @@ def test_fsdp2_fake_cuda_ranks(tmp_path, monkeypatch):
     monkeypatch.setenv("MEMPLAN_PRESET", "tiny")
     output = tmp_path / "fsdp2.json.gz"
     trace_ranks(StepSpec(FSDP2, 2, 16, fake=True, device="cuda"), output, 2)
-    traces = [load(rank_path(output, rank)) for rank in range(2)]
+    traces = traces_by_rank(output)
     assert state_bytes(traces[0]) == state_bytes(traces[1])
     for trace in traces:
         fsdp_streams_are_in_the_trace(trace)

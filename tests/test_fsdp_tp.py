@@ -12,8 +12,9 @@ from step_traces import buffer_events, state_bytes
 
 from memplan.planner.workloads.llama import PRESETS, Llama
 from memplan.step import StepSpec
-from memplan.traces.distributed import RankError, rank_path, trace_ranks
-from memplan.traces.format import Trace, load
+from memplan.traces.distributed import RankError, trace_ranks
+from memplan.traces.format import Trace
+from memplan.traces.rank_family import traces_by_rank
 
 torch.set_num_threads(1)
 
@@ -29,7 +30,7 @@ def ranks(folder: Path, nproc: int, fake: bool) -> list[Trace]:
     """Each rank's trace of the 2-D step on `nproc` ranks: fake (one process) or real gloo processes."""
     output = folder / ("fake" if fake else "gloo") / "trace.json.gz"
     trace_ranks(StepSpec(FSDP2, 2, 32, fake=fake), output, nproc)
-    return [load(rank_path(output, rank)) for rank in range(nproc)]
+    return traces_by_rank(output)
 
 
 def shard_bytes(model: torch.nn.Module, dp: int, tp: int) -> int:

@@ -121,13 +121,15 @@ def test_interleaved_1f1b_runs_two_stages_a_rank(tmp_path, monkeypatch):
     [
         ({"MEMPLAN_PIPELINE_SCHEDULE": "zb"}, 4, "MEMPLAN_PIPELINE_SCHEDULE='zb' is not one of"),
         ({"MEMPLAN_MICROBATCHES": "3"}, 4, "batch 4 does not split into 3 equal micro-batches"),
-        ({"MEMPLAN_MICROBATCHES": "1"}, 1, "1f1b needs at least as many micro-batches as ranks"),
+        ({"MEMPLAN_MICROBATCHES": "1"}, 1, "1f1b needs at least as many micro-batches as pipeline ranks"),
         ({"MEMPLAN_LAYERS": "1"}, 4, "1 layers cannot fill 2 pipeline stages"),
+        ({"MEMPLAN_DP": "3"}, 4, "3 data-parallel ranks a stage do not divide the 2 ranks"),
+        ({"MEMPLAN_DP": "0"}, 4, "MEMPLAN_DP='0' is not a whole number of at least 1"),
     ],
 )
 def test_bad_settings_are_one_line(tmp_path, monkeypatch, env, batch, message):
     """A schedule it does not know, a batch that does not split, too few micro-batches for 1F1B or layers for the
-    stages: one line."""
+    stages, a data-parallel size that does not divide the ranks: one line."""
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(RankError, match=message):

@@ -127,12 +127,12 @@ def test_compare_and_plot_read_the_run_as_a_rank_family(pipeline_run, tmp_path):
 
 
 def test_run_shows_fsdp2_ranks_equal(monkeypatch, tmp_path):
-    """FSDP2 shards every parameter equally: both ranks' rows have the same figures."""
+    """FSDP2 shards every parameter equally: under --fake its two ranks are alike by construction, traced once (and
+    checked on rank 1), so run shows one row standing for both."""
     monkeypatch.setenv("MEMPLAN_LAYERS", "2")
     result = api.run(EXAMPLES / "llama_fsdp2.py", tmp_path / "out", batch=2, seq=16, nproc=2, capture="fake",
                      modes=("as-built",), time_limit=2)  # fmt: skip
-    figures = [(r.peak_live, r.caching_peak_reserved, r.plan_arena, r.bound) for r in result.rows]
-    assert [r.ranks for r in result.rows] == [[0], [1]] and figures[0] == figures[1]
+    assert [r.ranks for r in result.rows] == [[0, 1]] and result.rows[0].peak_live > 0
 
 
 def test_fit_names_the_tightest_rank(monkeypatch):

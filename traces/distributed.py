@@ -6,7 +6,9 @@ environment torchrun gives (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PO
 process group (gloo on the CPU, NCCL on CUDA) and leaves a JSON result in a private temporary folder.
 When a rank fails, the launcher stops the others and RankError carries the first failing rank's one-line
 error. `trace_ranks` writes FILE.rank{r}.json.gz for every rank, all or none: the ranks write into the
-temporary folder and the files are renamed into place only when every rank succeeded.
+temporary folder and the files are renamed into place only when every rank succeeded. On the fake process group,
+ranks alike by construction (traces/alike.py) are traced once: one file a class, named by its first rank, whose
+meta "ranks" lists every rank it stands for (traces/rank_family.py reads them back).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from memplan.errors import MemplanError
 from memplan.files import atomic_write
 from memplan.step import StepSpec
-from memplan.traces.format import save
+from memplan.traces.alike import Layout, propose, same_step, watching
+from memplan.traces.format import load, save
 from memplan.traces.rank_family import rank_path
 from memplan.traces.summary import summarize
 from memplan.traces.trace_model import trace_step
@@ -98,16 +101,28 @@ def launch(
     rank order. `keep(workdir)` runs in this process after every rank succeeded, before the private
     folder is removed (to move files out of it). RankError when any rank fails. With `fake`, the ranks
     run in turn in this process on the fake process group (`_fake_ranks`)."""
+    with _workdir(tmp_parent) as work:
+        results = _run_ranks(fn, args, nproc, device, fake, work)
+        if keep is not None:
+            keep(work)
+        return results
+
+
+def _run_ranks(fn: Callable, args: tuple, nproc: int, device: str, fake: bool, work: Path) -> list[Any]:
+    """fn(work, *args) on every rank, fake (in turn, in this process) or spawned; their results in rank order."""
     if nproc < 1:
         raise RankError(f"--nproc {nproc}: need at least one process")
     if device == "cuda" and not fake and torch.cuda.device_count() < nproc:
         raise RankError(f"--nproc {nproc}: only {torch.cuda.device_count()} CUDA devices on this machine")
-    work = Path(tempfile.mkdtemp(prefix=".memplan-ranks-", dir=tmp_parent))
+    return _fake_ranks(fn, args, nproc, work) if fake else _spawned_ranks(fn, args, nproc, device, work)
+
+
+@contextlib.contextmanager
+def _workdir(parent: str | os.PathLike | None) -> Iterator[Path]:
+    """A private temporary folder for the ranks' files, removed afterwards whatever happens."""
+    work = Path(tempfile.mkdtemp(prefix=".memplan-ranks-", dir=parent))
     try:
-        results = _fake_ranks(fn, args, nproc, work) if fake else _spawned_ranks(fn, args, nproc, device, work)
-        if keep is not None:
-            keep(work)
-        return results
+        yield work
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -131,7 +146,7 @@ def _trace_rank(work: Path, step: StepSpec, top: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     # a real rank has its own GPU; fake ranks run in turn in one process whose (fake) device is cuda:0
     device = f"cuda:{rank}" if step.device == "cuda" and not step.fake else step.device
-    meta = {"rank": rank, "world_size": world, "backend": dist.get_backend()}
+    meta = {"rank": rank, "ranks": [rank], "world_size": world, "backend": dist.get_backend()}
     trace = trace_step(step.replace(device=device), meta=meta)
     save(trace, work / f"rank{rank}.json.gz")
     return summarize(trace, top=top).to_dict()
@@ -159,44 +174,81 @@ def _spawned_ranks(fn: Callable, args: tuple, nproc: int, device: str, work: Pat
     return [json.loads((work / f"result{r}.json").read_text()) for r in range(nproc)]
 
 
-def _fake_ranks(fn: Callable, args: tuple, nproc: int, work: Path) -> list[Any]:
-    """Run fn(work, *args) for each rank in turn in this process, each rank alone in torch.distributed's
-    fake process group: collectives return at once and move nothing, so a rank needs no other process."""
+def _fake_rank(fn: Callable, args: tuple, rank: int, nproc: int, work: Path) -> Any:
+    """Run fn(work, *args) as `rank` of `nproc`, alone in torch.distributed's fake process group in this process:
+    collectives return at once and move nothing, so a rank needs no other process."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # importing it registers "fake"
 
-    results = []
-    for rank in range(nproc):
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=nproc)
-        try:
-            torch.manual_seed(0)  # as the launcher seeds each real rank
-            results.append(fn(work, *args))
-        except Exception as e:  # as from the launcher: the failing rank's error in one line
-            raise RankError(f"rank {rank}: {one_line(e)}") from None
-        finally:
-            dist.destroy_process_group()
-    return results
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=nproc)
+    try:
+        torch.manual_seed(0)  # as the launcher seeds each real rank
+        return fn(work, *args)
+    except Exception as e:  # as from the launcher: the failing rank's error in one line
+        raise RankError(f"rank {rank}: {one_line(e)}") from None
+    finally:
+        dist.destroy_process_group()
 
 
-def trace_ranks(step: StepSpec, output: str | os.PathLike, nproc: int, *, top: int = 5) -> list[tuple[Path, dict]]:
-    """Trace one training step on each of `nproc` ranks; returns (file, summary) per rank. The files
-    FILE.rank{r}.json.gz appear only when every rank succeeded (RankError otherwise). On fake tensors, the
-    ranks run one after another in this process, on the fake process group."""
+def _fake_ranks(fn: Callable, args: tuple, nproc: int, work: Path) -> list[Any]:
+    """Run fn(work, *args) for each rank in turn in this process, each on the fake process group (`_fake_rank`)."""
+    return [_fake_rank(fn, args, rank, nproc, work) for rank in range(nproc)]
+
+
+def _alike_ranks(step: StepSpec, top: int, nproc: int, work: Path) -> list[tuple[list[int], dict]]:
+    """Trace the fake ranks once a class of ranks alike by construction (traces/alike.py): the first rank watched
+    while its program builds, the classes proposed from what it built, each class traced by its first rank and
+    checked by its last; a class whose two traces differ has every rank traced. Returns (the ranks it stands for,
+    summary) per distinct trace, by representative rank; work holds rank{r}.json.gz for each, meta "ranks" set."""
+    summaries = {}
+    layout = Layout(rank=0, world=nproc)
+    with watching(layout):
+        summaries[0] = _fake_rank(_trace_rank, (step, top), 0, nproc, work)
+    distinct = []
+    for members in propose(layout):
+        first, witness = members[0], members[-1]
+        for r in (first, witness):
+            if r not in summaries:
+                summaries[r] = _fake_rank(_trace_rank, (step, top), r, nproc, work)
+        if first == witness:
+            distinct.append(([first], summaries[first]))
+            continue
+        trace = load(work / f"rank{first}.json.gz")
+        if same_step(trace, load(work / f"rank{witness}.json.gz")):
+            (work / f"rank{witness}.json.gz").unlink()
+            trace.meta["ranks"] = members
+            save(trace, work / f"rank{first}.json.gz")
+            distinct.append((members, summaries[first]))
+            continue
+        for r in members:  # not alike: every rank traced, each standing for itself
+            if r not in summaries:
+                summaries[r] = _fake_rank(_trace_rank, (step, top), r, nproc, work)
+            distinct.append(([r], summaries[r]))
+    return sorted(distinct)
+
+
+def trace_ranks(
+    step: StepSpec, output: str | os.PathLike, nproc: int, *, top: int = 5, alike: bool = True
+) -> list[tuple[Path, list[int], dict]]:
+    """Trace one training step on each of `nproc` ranks; returns (file, the ranks it stands for, summary) per
+    distinct trace. The files FILE.rank{r}.json.gz appear only when every rank succeeded (RankError otherwise). On
+    fake tensors, the ranks run one after another in this process, on the fake process group, and with `alike` the
+    ranks alike by construction are traced once (`_alike_ranks`): one file each class, named by its first rank, its
+    meta "ranks" every rank it stands for. Real processes write one file a rank, meta "ranks" [r]."""
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    paths = [rank_path(output, r) for r in range(nproc)]
-
-    def keep(work: Path) -> None:
+    with _workdir(output.parent) as work:
+        if step.fake and alike and nproc > 1:
+            distinct = _alike_ranks(step, top, nproc, work)
+        else:
+            summaries = _run_ranks(_trace_rank, (step, top), nproc, step.device, step.fake, work)
+            distinct = [([r], summary) for r, summary in enumerate(summaries)]
         moved = []
         try:
-            for r, path in enumerate(paths):
-                os.replace(work / f"rank{r}.json.gz", path)
-                moved.append(path)
+            for ranks, _ in distinct:
+                moved.append(rank_path(output, ranks[0]))
+                os.replace(work / f"rank{ranks[0]}.json.gz", moved[-1])
         except OSError as e:
             for path in moved:
                 path.unlink(missing_ok=True)
             raise RankError(f"{output}: cannot write the rank traces ({e.strerror or e})") from None
-
-    summaries = launch(
-        _trace_rank, (step, top), nproc, step.device, tmp_parent=output.parent, keep=keep, fake=step.fake
-    )
-    return list(zip(paths, summaries))
+    return [(rank_path(output, ranks[0]), ranks, summary) for ranks, summary in distinct]

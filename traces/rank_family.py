@@ -132,6 +132,13 @@ def load_family(base: str | os.PathLike) -> list[RankTrace]:
     return members
 
 
+def traces_by_rank(base: str | os.PathLike) -> list[Trace]:
+    """Every rank's trace of FILE.json.gz's family in rank order: a trace that stands for several ranks is each of
+    theirs (load_family's checks first)."""
+    by_rank = {r: member.trace for member in load_family(base) for r in member.ranks}
+    return [by_rank[r] for r in sorted(by_rank)]
+
+
 def load_traces(files: list[str] | tuple[str, ...]) -> list[tuple[str, Trace]]:
     """The traces of a multi-trace command, named by file, in the order given: a name that is no file but has rank
     traces stands for its whole family; rank files listed by hand may be a few of a world, but those of one family

@@ -24,6 +24,7 @@ def trace_to_file(
     nproc: int | None,
     progress: Callable[[str], None],
     host_bandwidth: int | None = None,
+    every_rank: bool = False,
 ) -> dict:
     """Trace `step` and write it to `output` (default: <model>.<step name>.trace.json.gz, the step's name its layer
     mode and any loss and optimizer but as-built, `tempo.loss-fused.adamw-8bit`;
@@ -35,7 +36,8 @@ def trace_to_file(
     if nproc is not None:
         if step.compile is not None:
             raise CompileError("--compile traces one process: it does not take --nproc")
-        return {**trace_command_ranks(step, output, nproc, top=top, progress=progress), "compile": None}
+        ranks = trace_command_ranks(step, output, nproc, top=top, progress=progress, every_rank=every_rank)
+        return {**ranks, "compile": None}
     variant = "" if step.compile is None else f".compiled-{step.compile:g}"
     output = output or f"{Path(step.model_file).stem}.{step.name}{variant}.trace.json.gz"
     how = "" if step.compile is None else f", compiled: {describe_compile(Compile(step.compile).meta())}"
@@ -55,19 +57,26 @@ def trace_to_file(
 
 
 def trace_command_ranks(
-    step: StepSpec, output: str | None, nproc: int, *, top: int, progress: Callable[[str], None]
+    step: StepSpec,
+    output: str | None,
+    nproc: int,
+    *,
+    top: int,
+    progress: Callable[[str], None],
+    every_rank: bool = False,
 ) -> dict:
-    """`memplan trace --nproc N`: trace every rank and return the summary (JSON keys: world_size, ranks,
-    each rank's summary with rank and output)."""
+    """`memplan trace --nproc N`: trace every rank (under --fake, the ranks alike by construction once, unless
+    `every_rank`) and return the summary (JSON keys: world_size, ranks: each distinct trace's summary with its
+    rank, the ranks it stands for and its output)."""
     output = output or f"{Path(step.model_file).stem}.{step.name}.trace.json.gz"
     backend = "fake process group, fake tensors" if step.fake else "nccl" if step.device == "cuda" else "gloo"
     progress(
         f"{'tracing' if step.fake else 'starting'} {nproc} ranks ({backend}): {step.model_file} (batch {step.batch}, "
         f"seq {step.seq}, {step.dtype}, layers {step.name}), {step.window} on each"
     )
-    results = trace_ranks(step, output, nproc, top=top)
+    results = trace_ranks(step, output, nproc, top=top, alike=not every_rank)
     ranks = []
-    for r, (path, summary) in enumerate(results):
+    for path, alike, summary in results:
         progress(f"wrote {path}")
-        ranks.append({**summary, "rank": r, "output": str(path)})
+        ranks.append({**summary, "rank": alike[0], "ranks": alike, "output": str(path)})
     return {"world_size": nproc, "ranks": ranks}

@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.nn import functional as F
 
+from memplan.planner.parallel.fsdp import PRECISIONS, shard
 from memplan.planner.workloads.blocks import WorkloadConfigError
 from memplan.planner.workloads.llama import Llama, LlamaConfig
 from memplan.traces.communication import COMMUNICATION  # the category of the stages' P2P receive buffers
@@ -122,9 +124,14 @@ def build_workload(
     microbatches: int | None = None,
     seed: int = 0,
     lr: float = 1e-4,
+    dp: int = 1,
+    precision: str = "fp32",
 ) -> PipelineWorkload:
     """This rank's stages of a Llama pipelined over the ranks of the default process group with `schedule`
-    (SCHEDULES), the batch cut into `microbatches` equal micro-batches (default: one sample each)."""
+    (SCHEDULES), the batch cut into `microbatches` equal micro-batches (default: one sample each). With `dp` > 1
+    the ranks form a 2-D DeviceMesh ("pp", "dp") of world / dp stages a row: the pipeline runs over the rank's "pp"
+    group and each stage is sharded by FSDP2 (`precision`: planner.parallel.fsdp.PRECISIONS) over its "dp" group,
+    every layer and the stage's root."""
     if schedule not in SCHEDULES:
         raise WorkloadConfigError(f"pipeline schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
     if not dist.is_initialized():
@@ -132,11 +139,18 @@ def build_workload(
     microbatches = batch_size if microbatches is None else microbatches
     if microbatches < 1 or batch_size % microbatches:
         raise WorkloadConfigError(f"batch {batch_size} does not split into {microbatches} equal micro-batches")
+    mesh, group = None, None
     rank, world = dist.get_rank(), dist.get_world_size()
+    if dp > 1:
+        if world % dp:
+            raise WorkloadConfigError(f"{dp} data-parallel ranks a stage do not divide the {world} ranks")
+        mesh = init_device_mesh(torch.device(device).type, (world // dp, dp), mesh_dim_names=("pp", "dp"))
+        group = mesh["pp"].get_group()
+        rank, world = mesh["pp"].get_local_rank(), world // dp  # this rank's place in its pipeline, and its length
     per_rank = STAGES_PER_RANK[schedule]
     stages_total = world * per_rank
     if schedule != "gpipe" and microbatches < world:
-        raise WorkloadConfigError(f"{schedule} needs at least as many micro-batches as ranks ({world})")
+        raise WorkloadConfigError(f"{schedule} needs at least as many micro-batches as pipeline ranks ({world})")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         full = Llama(config)
@@ -145,14 +159,18 @@ def build_workload(
     modules = [LlamaStage(full, split[i], i == 0, i == stages_total - 1) for i in indices]
     del full
     modules = [module_to(m, device, dtype).train() for m in modules]
+    if mesh is not None:
+        for module in modules:
+            shard(module, list(module.layers), mesh["dp"], precision)
     tokens = torch.randint(
         0, config.vocab_size, (batch_size, seq_len + 1), generator=torch.Generator().manual_seed(seed)
     )
     size = batch_size // microbatches
     # the shapes a stage receives and sends (a gradient comes back for those that require one)
-    hidden = torch.empty(size, seq_len, config.hidden, dtype=dtype, device="meta", requires_grad=True)
+    computed = PRECISIONS[precision].param_dtype if mesh is not None and PRECISIONS[precision] else dtype
+    hidden = torch.empty(size, seq_len, config.hidden, dtype=computed, device="meta", requires_grad=True)
     ids = torch.empty(size, seq_len, dtype=torch.long, device="meta")
-    logits = torch.empty(size, seq_len, config.vocab_size, dtype=dtype, device="meta", requires_grad=True)
+    logits = torch.empty(size, seq_len, config.vocab_size, dtype=computed, device="meta", requires_grad=True)
     stages = [
         PipelineStage(
             module,
@@ -161,6 +179,7 @@ def build_workload(
             torch.device(device),
             input_args=ids if i == 0 else hidden,
             output_args=logits if i == stages_total - 1 else hidden,
+            group=group,
         )
         for module, i in zip(modules, indices)
     ]
@@ -173,7 +192,8 @@ def build_workload(
         inputs=(tokens[:, :-1].contiguous().to(device),),  # contiguous: the stage checks strides
         optimizer=torch.optim.AdamW(model.parameters(), lr=lr),
         loss_fn=next_token_loss,
-        name=f"llama-{config.layers}x{config.hidden}-pp{world}-{schedule}",
+        name=f"llama-{config.layers}x{config.hidden}-pp{world}-{schedule}"
+        + (f"-fsdp{dp}-{precision}" if dp > 1 else ""),
         holds_output=False,
         schedule=run,
         stages=stages,

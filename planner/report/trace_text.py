@@ -7,6 +7,7 @@ from memplan.planner.cost.transfer import GIVEN
 from memplan.planner.layers.patch import PatchReport
 from memplan.traces.compile import describe_compile
 from memplan.traces.format import CATEGORIES
+from memplan.traces.rank_family import ranks_label
 from memplan.traces.summary import TraceSummary
 from memplan.traces.unrecorded import unrecorded_text
 from memplan.units import human_bytes
@@ -152,12 +153,19 @@ def render_trace_file(summary: dict) -> str:
     if "ranks" in summary:
         n = summary["world_size"]
         return "\n\n".join(
-            f"rank {r['rank']} of {n}:\n{render_trace(TraceSummary.from_dict(r))}\nwritten to {r['output']}"
+            f"{stood_for(r.get('ranks', [r['rank']]), n)}:\n{render_trace(TraceSummary.from_dict(r))}\n"
+            f"written to {r['output']}"
             for r in summary["ranks"]
         )
     compiled = "" if summary["compile"] is None else f"\ncompiled: {describe_compile(summary['compile'])}"
     transfer = describe_transfer(summary["host_transfer"]) if summary.get("host_transfer") else ""
     return f"{render_trace(TraceSummary.from_dict(summary))}{compiled}{transfer}\nwritten to {summary['output']}"
+
+
+def stood_for(ranks: list[int], world: int) -> str:
+    """The ranks one trace stands for, in words: `rank 3 of 4`, `ranks 0-511 of 512 (512 ranks alike, one trace)`."""
+    alike = f" ({len(ranks)} ranks alike, one trace)" if len(ranks) > 1 else ""
+    return f"{ranks_label(ranks)} of {world}{alike}"
 
 
 def describe_transfer(transfer: dict) -> str:

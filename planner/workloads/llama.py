@@ -33,7 +33,10 @@ LLAMA2_7B = LlamaConfig(vocab_size=32000, hidden=4096, heads=32, kv_heads=32, la
 LLAMA3_8B = LlamaConfig(
     vocab_size=128256, hidden=4096, heads=32, kv_heads=8, layers=32, ffn_hidden=14336, rope_theta=500000.0
 )
-PRESETS = {"tiny": TINY, "7b": LLAMA2_7B, "8b": LLAMA3_8B}
+LLAMA3_70B = LlamaConfig(
+    vocab_size=128256, hidden=8192, heads=64, kv_heads=8, layers=80, ffn_hidden=28672, rope_theta=500000.0
+)
+PRESETS = {"tiny": TINY, "7b": LLAMA2_7B, "8b": LLAMA3_8B, "70b": LLAMA3_70B}
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
