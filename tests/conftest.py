@@ -30,3 +30,12 @@ def shared() -> Path:
     if not SHARED.is_dir():
         pytest.skip(f"needs the shared data folder {SHARED} (absent in a fresh clone without it)")
     return SHARED
+
+
+@pytest.fixture(scope="session")
+def traced_ranks(tmp_path_factory):
+    """Each rank's trace of a distributed step (tests/rank_traces.py), traced once a session (in each worker) for
+    every test that asks for the same step, ranks and MEMPLAN_* settings."""
+    from rank_traces import RankTraces
+
+    return RankTraces(lambda: tmp_path_factory.mktemp("ranks"))

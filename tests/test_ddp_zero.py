@@ -15,7 +15,6 @@ from memplan.planner.workloads.gpt2 import GPT2, PRESETS
 from memplan.step import StepSpec
 from memplan.traces.distributed import RankError, trace_ranks
 from memplan.traces.format import Trace
-from memplan.traces.rank_family import traces_by_rank
 
 torch.set_num_threads(1)
 
@@ -26,11 +25,10 @@ SCALARS = 16  # bytes of CPU scalars (internal) a gloo rank may hold at its peak
 STEP_COUNTER = 4  # AdamW's step counter: one fp32 scalar a parameter, beside CPU parameters
 
 
-def ranks(model_file: str, nproc: int, folder: Path, fake: bool, seq: int = 32) -> list[Trace]:
-    """Each rank's trace of the model file's step on `nproc` ranks: fake (one process) or real gloo processes."""
-    output = folder / ("fake" if fake else "gloo") / "trace.json.gz"
-    trace_ranks(StepSpec(model_file, 2, seq, fake=fake), output, nproc)
-    return traces_by_rank(output)
+def ranks(model_file: str, nproc: int, traced_ranks, fake: bool, seq: int = 32) -> list[Trace]:
+    """Each rank's trace of the model file's step on `nproc` ranks: fake (one process) or real gloo processes,
+    traced once for the tests that read it (conftest.traced_ranks)."""
+    return traced_ranks(StepSpec(model_file, 2, seq, fake=fake), nproc)
 
 
 def zero_partition(world: int) -> list[list[torch.nn.Parameter]]:
@@ -73,13 +71,13 @@ def same_buffers(fake: Trace, real: Trace) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_zero_ranks_hold_their_partition_s_adamw_state(tmp_path, monkeypatch, world):
+def test_zero_ranks_hold_their_partition_s_adamw_state(traced_ranks, monkeypatch, world):
     """Each ZeRO-1 rank holds AdamW's two moments for its own partition of the parameters and a step counter per
     parameter of it, to the byte (ranks may differ); every rank holds all the parameters and DDP's one bucket."""
     monkeypatch.setenv("MEMPLAN_DDP_OPTIMIZER", "zero")
     parts = zero_partition(world)
     everything = sum(p.numel() * p.element_size() for part in parts for p in part)
-    traces = ranks(DDP, world, tmp_path, fake=True)
+    traces = ranks(DDP, world, traced_ranks, fake=True)
     for rank, trace in enumerate(traces):
         alive = state_bytes(trace)
         owned = sum(p.numel() * p.element_size() for p in parts[rank])
@@ -94,22 +92,22 @@ def test_zero_ranks_hold_their_partition_s_adamw_state(tmp_path, monkeypatch, wo
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_zero_fake_ranks_equal_gloo_ranks(tmp_path, monkeypatch, world):
+def test_zero_fake_ranks_equal_gloo_ranks(traced_ranks, monkeypatch, world):
     """ZeRO-1 on real gloo processes and on the fake process group: every rank equal buffer for buffer. The fake
     process group's broadcasts of the updated parameters from their owners move nothing (the parameters are updated
     in place: no buffer depends on their values)."""
     monkeypatch.setenv("MEMPLAN_DDP_OPTIMIZER", "zero")
-    fake, real = ranks(DDP, world, tmp_path, fake=True), ranks(DDP, world, tmp_path, fake=False)
+    fake, real = ranks(DDP, world, traced_ranks, fake=True), ranks(DDP, world, traced_ranks, fake=False)
     for predicted, measured in zip(fake, real):
         same_buffers(predicted, measured)
 
 
 @pytest.mark.slow
-def test_ddp_fake_ranks_equal_gloo_ranks(tmp_path, monkeypatch):
+def test_ddp_fake_ranks_equal_gloo_ranks(traced_ranks, monkeypatch):
     """Plain DDP (AdamW on every rank) on two gloo processes and on the fake process group: equal buffer for
     buffer, the bucket labelled on both."""
     monkeypatch.delenv("MEMPLAN_DDP_OPTIMIZER", raising=False)
-    fake, real = ranks(DDP, 2, tmp_path, fake=True), ranks(DDP, 2, tmp_path, fake=False)
+    fake, real = ranks(DDP, 2, traced_ranks, fake=True), ranks(DDP, 2, traced_ranks, fake=False)
     for predicted, measured in zip(fake, real):
         same_buffers(predicted, measured)
         buckets = [(size, op, phase) for size, op, phase, *_ in communication(predicted)]
@@ -117,22 +115,22 @@ def test_ddp_fake_ranks_equal_gloo_ranks(tmp_path, monkeypatch):
         assert all(alloc == 0 and free == measured.end for *_, alloc, free in communication(measured))
 
 
-def test_ddp_buckets_are_communication(tmp_path, monkeypatch):
+def test_ddp_buckets_are_communication(traced_ranks, monkeypatch):
     """DDP's gradient bucket is `communication`, op `all_reduce`, alive through the whole step (the reducer keeps it
     across steps): the gradients' bytes."""
     monkeypatch.delenv("MEMPLAN_DDP_OPTIMIZER", raising=False)
     everything = sum(p.numel() * p.element_size() for p in GPT2(PRESETS["tiny"]).parameters())
-    for trace in ranks(DDP, 2, tmp_path, fake=True):
+    for trace in ranks(DDP, 2, traced_ranks, fake=True):
         assert communication(trace) == [(everything, "all_reduce", "other", 0, trace.end)]
         assert "unknown" not in state_bytes(trace)
 
 
-def test_fsdp2_collective_buffers_are_communication(tmp_path, monkeypatch):
+def test_fsdp2_collective_buffers_are_communication(traced_ranks, monkeypatch):
     """FSDP2's all-gather outputs (forward, and again in the backward for the layers it resharded) and reduce-scatter
     inputs (backward) are `communication`, op naming the collective, each freed within the step; the reduce-scatter
     outputs FSDP2 keeps as the sharded gradients are gradients, half the input's bytes on two ranks."""
     monkeypatch.setenv("MEMPLAN_PRESET", "tiny")
-    for trace in ranks(FSDP2, 2, tmp_path, fake=True):
+    for trace in ranks(FSDP2, 2, traced_ranks, fake=True):
         buffers = communication(trace)
         gathers = [b for b in buffers if b[1] == "all_gather"]
         scatters = [b for b in buffers if b[1] == "reduce_scatter"]
@@ -144,11 +142,11 @@ def test_fsdp2_collective_buffers_are_communication(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_fsdp2_collective_buffers_are_communication_on_gloo_too(tmp_path, monkeypatch):
+def test_fsdp2_collective_buffers_are_communication_on_gloo_too(traced_ranks, monkeypatch):
     """The same FSDP2 program on two gloo processes: the same collective buffers, in the same order, with the same
     sizes, collectives and phases as on the fake process group."""
     monkeypatch.setenv("MEMPLAN_PRESET", "tiny")
-    fake, real = ranks(FSDP2, 2, tmp_path, fake=True), ranks(FSDP2, 2, tmp_path, fake=False)
+    fake, real = ranks(FSDP2, 2, traced_ranks, fake=True), ranks(FSDP2, 2, traced_ranks, fake=False)
     for predicted, measured in zip(fake, real):
         labels = [(size, op, phase) for size, op, phase, *_ in communication(predicted)]
         assert labels == [(size, op, phase) for size, op, phase, *_ in communication(measured)]

@@ -14,8 +14,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from memplan.step import StepSpec
 from memplan.traces import fake_distributed
-from memplan.traces.distributed import rank_path, trace_ranks
-from memplan.traces.format import load
 from memplan.traces.model_file import import_model_file
 
 torch.set_num_threads(1)
@@ -45,11 +43,10 @@ def tracker_peak(monkeypatch, world: int) -> int:
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
-def memplan_peak(tmp_path: Path, world: int) -> int:
-    """Rank 0's peak in `memplan trace --nproc world --fake` of the same step."""
-    output = tmp_path / "fsdp2.json.gz"
-    trace_ranks(StepSpec(FSDP2, BATCH, SEQ, fake=True), output, world)
-    return load(rank_path(output, 0)).peak()[0]
+def memplan_peak(traced_ranks, world: int) -> int:
+    """Rank 0's peak in `memplan trace --nproc world --fake` of the same step (the FSDP2 tests' trace of it, traced
+    once: conftest.traced_ranks)."""
+    return traced_ranks(StepSpec(FSDP2, BATCH, SEQ, fake=True), world)[0].peak()[0]
 
 
 @pytest.mark.parametrize(
@@ -57,13 +54,13 @@ def memplan_peak(tmp_path: Path, world: int) -> int:
     [(2, {}), (4, {}), (2, {"MEMPLAN_FSDP_PRECISION": "bf16"}), (4, {"MEMPLAN_TP": "2"})],
     ids=["fsdp2-2", "fsdp2-4", "bf16-2", "2x2-tp"],
 )
-def test_peak_equals_fsdp_mem_tracker_s(tmp_path, monkeypatch, world, env):
+def test_peak_equals_fsdp_mem_tracker_s(traced_ranks, monkeypatch, world, env):
     """The issue asks for agreement within FSDPMemTracker's 10%; on the CPU (no allocator rounding in either) the
     two peaks are equal to the byte, in fp32, under FSDP2's bf16 policy and on a 2-D (dp, tp) mesh."""
     monkeypatch.setenv("MEMPLAN_PRESET", "tiny")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     theirs = tracker_peak(monkeypatch, world)
-    ours = memplan_peak(tmp_path, world)
+    ours = memplan_peak(traced_ranks, world)
     assert abs(ours - theirs) <= 0.10 * theirs
     assert ours == theirs

@@ -14,7 +14,6 @@ from memplan.planner.workloads.llama import PRESETS, Llama
 from memplan.step import StepSpec
 from memplan.traces.distributed import RankError, trace_ranks
 from memplan.traces.format import Trace
-from memplan.traces.rank_family import traces_by_rank
 
 torch.set_num_threads(1)
 
@@ -26,11 +25,10 @@ SCALARS = 16  # bytes of CPU scalars a gloo rank may hold beside the fake rank's
 GLOO_REDUCE_SCATTER = "c10d::_reduce_scatter_base_"  # gloo's: an all-reduce and a copy of the slice, timed by threads
 
 
-def ranks(folder: Path, nproc: int, fake: bool) -> list[Trace]:
-    """Each rank's trace of the 2-D step on `nproc` ranks: fake (one process) or real gloo processes."""
-    output = folder / ("fake" if fake else "gloo") / "trace.json.gz"
-    trace_ranks(StepSpec(FSDP2, 2, 32, fake=fake), output, nproc)
-    return traces_by_rank(output)
+def ranks(traced_ranks, nproc: int, fake: bool) -> list[Trace]:
+    """Each rank's trace of the 2-D step on `nproc` ranks: fake (one process) or real gloo processes, traced once for
+    the tests that read it (conftest.traced_ranks)."""
+    return traced_ranks(StepSpec(FSDP2, 2, 32, fake=fake), nproc)
 
 
 def shard_bytes(model: torch.nn.Module, dp: int, tp: int) -> int:
@@ -56,7 +54,7 @@ def gradient_bytes_at_optimizer(trace: Trace) -> int:
 
 
 @pytest.mark.parametrize(("world", "tp"), [(4, 2), (8, 2)])
-def test_ranks_hold_the_2d_sharding_s_bytes(tmp_path, monkeypatch, world, tp):
+def test_ranks_hold_the_2d_sharding_s_bytes(traced_ranks, monkeypatch, world, tp):
     """Every rank's parameters and gradients are its shards of the (dp, tp) sharding, AdamW's state twice that plus
     one step counter a parameter; the ranks are alike."""
     monkeypatch.setenv("MEMPLAN_PRESET", "tiny")
@@ -65,7 +63,7 @@ def test_ranks_hold_the_2d_sharding_s_bytes(tmp_path, monkeypatch, world, tp):
     shards = shard_bytes(model, world // tp, tp)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     counters = 4 * len(list(model.parameters()))
-    traces = ranks(tmp_path, world, fake=True)
+    traces = ranks(traced_ranks, world, fake=True)
     for trace in traces:
         alive = state_bytes(trace)
         assert alive["parameter"] == shards + buffers
@@ -74,15 +72,15 @@ def test_ranks_hold_the_2d_sharding_s_bytes(tmp_path, monkeypatch, world, tp):
     assert len({trace.peak()[0] for trace in traces}) == 1
 
 
-def test_tp_splits_what_fsdp_alone_does_not(tmp_path, monkeypatch):
+def test_tp_splits_what_fsdp_alone_does_not(traced_ranks, monkeypatch):
     """At 4 ranks, 2 x 2 holds more parameter bytes a rank than FSDP2 over 4 (the embedding, norms and head are
     sharded over 2 only), by exactly the two shardings' difference."""
     monkeypatch.setenv("MEMPLAN_PRESET", "tiny")
     model = Llama(PRESETS["tiny"])
     monkeypatch.setenv("MEMPLAN_TP", "2")
-    two_d = ranks(tmp_path / "2d", 4, fake=True)[0]
+    two_d = ranks(traced_ranks, 4, fake=True)[0]
     monkeypatch.setenv("MEMPLAN_TP", "1")
-    one_d = ranks(tmp_path / "1d", 4, fake=True)[0]
+    one_d = ranks(traced_ranks, 4, fake=True)[0]
     assert state_bytes(two_d)["parameter"] > state_bytes(one_d)["parameter"]
     assert state_bytes(one_d)["parameter"] - state_bytes(two_d)["parameter"] == shard_bytes(model, 4, 1) - shard_bytes(
         model, 2, 2
@@ -107,7 +105,7 @@ def comparable(trace: Trace, gloo: bool = False) -> tuple[list[tuple], list[tupl
 
 
 @pytest.mark.slow
-def test_fake_ranks_equal_gloo_ranks_buffer_for_buffer(tmp_path, monkeypatch):
+def test_fake_ranks_equal_gloo_ranks_buffer_for_buffer(traced_ranks, monkeypatch):
     """2 x 2 on four gloo processes and on the fake process group: every rank holds the same buffers when the step
     begins and allocates the same ones in the same order with the same sizes and labels, tensor parallelism's
     all-reduces included (gloo's reduce-scatter buffers and CPU scalars aside); every buffer no collective works on
@@ -116,7 +114,7 @@ def test_fake_ranks_equal_gloo_ranks_buffer_for_buffer(tmp_path, monkeypatch):
     fake peak is never above the real one (CPU scalars aside)."""
     monkeypatch.setenv("MEMPLAN_PRESET", "tiny")
     monkeypatch.setenv("MEMPLAN_TP", "2")
-    fake, real = ranks(tmp_path, 4, fake=True), ranks(tmp_path, 4, fake=False)
+    fake, real = ranks(traced_ranks, 4, fake=True), ranks(traced_ranks, 4, fake=False)
     for predicted, measured in zip(fake, real):
         assert comparable(predicted) == comparable(measured, gloo=True)
         assert predicted.peak()[0] <= measured.peak()[0] + SCALARS

@@ -21,12 +21,11 @@ SEQ = 16
 SCALARS = 16  # bytes of CPU scalars (internal) a gloo rank may hold at its peak beside the fake rank's buffers
 
 
-def ranks(folder: Path, nproc: int, batch: int, fake: bool) -> list[Trace]:
-    """Each rank's trace of the pipelined step on `nproc` ranks: fake (one process) or real gloo processes. The
-    tests' Llama is short (MEMPLAN_LAYERS, set by each test): two layers a stage, or one for the interleaved one."""
-    output = folder / ("fake" if fake else "gloo") / "trace.json.gz"
-    trace_ranks(StepSpec(PIPELINE, batch, SEQ, fake=fake), output, nproc)
-    return [load(rank_path(output, rank)) for rank in range(nproc)]
+def ranks(traced_ranks, nproc: int, batch: int, fake: bool) -> list[Trace]:
+    """Each rank's trace of the pipelined step on `nproc` ranks: fake (one process) or real gloo processes, traced
+    once for the tests that read it (conftest.traced_ranks). The tests' Llama is short (MEMPLAN_LAYERS, set by each
+    test): two layers a stage, or one for the interleaved one."""
+    return traced_ranks(StepSpec(PIPELINE, batch, SEQ, fake=fake), nproc)
 
 
 def activations_in_flight(trace: Trace) -> int:
@@ -52,32 +51,33 @@ def receive_buffers(trace: Trace) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_fake_ranks_equal_gloo_ranks_buffer_for_buffer(tmp_path, monkeypatch, world):
-    """A 1F1B pipeline of 8 micro-batches on real gloo processes and on the fake process group: every rank holds the
-    same buffers when the step begins and allocates and frees the same ones, in the same order, with the same sizes
-    and labels (gloo's staging buffers, kernels' scratch and CPU scalars aside: internal), so the peaks are equal
-    but for those scalars. Stage k keeps world - k micro-batches in flight, stage 0 the most."""
-    fake = same_on_gloo(tmp_path, monkeypatch, "1f1b", world, layers=2 * world, microbatches=8)
-    assert [in_flight(trace, 8) for trace in fake] == [world - k for k in range(world)]
+def test_fake_ranks_equal_gloo_ranks_buffer_for_buffer(traced_ranks, monkeypatch, world):
+    """A 1F1B pipeline of twice as many micro-batches as ranks on real gloo processes and on the fake process group:
+    every rank holds the same buffers when the step begins and allocates and frees the same ones, in the same order,
+    with the same sizes and labels (gloo's staging buffers, kernels' scratch and CPU scalars aside: internal), so
+    the peaks are equal but for those scalars. Stage k keeps world - k micro-batches in flight, stage 0 the most."""
+    microbatches = 2 * world  # at 2 ranks the step test_a_schedule_s_micro_batches_in_flight reads: traced once
+    fake = same_on_gloo(traced_ranks, monkeypatch, "1f1b", world, layers=2 * world, microbatches=microbatches)
+    assert [in_flight(trace, microbatches) for trace in fake] == [world - k for k in range(world)]
     assert activations_in_flight(fake[0]) > max(activations_in_flight(trace) for trace in fake[1:])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("schedule", "layers"), [("gpipe", 4), ("interleaved-1f1b", 4)])
-def test_other_schedules_equal_gloo_ranks(tmp_path, monkeypatch, schedule, layers):
+def test_other_schedules_equal_gloo_ranks(traced_ranks, monkeypatch, schedule, layers):
     """GPipe and interleaved 1F1B (two stages a rank) on two ranks, four micro-batches: the fake ranks equal the gloo
     ranks buffer for buffer too."""
-    same_on_gloo(tmp_path, monkeypatch, schedule, 2, layers=layers, microbatches=4)
+    same_on_gloo(traced_ranks, monkeypatch, schedule, 2, layers=layers, microbatches=4)
 
 
-def same_on_gloo(tmp_path, monkeypatch, schedule: str, world: int, layers: int, microbatches: int) -> list[Trace]:
+def same_on_gloo(traced_ranks, monkeypatch, schedule: str, world: int, layers: int, microbatches: int) -> list[Trace]:
     """The fake ranks' traces of the schedule's step (batch = micro-batches), each asserted equal to the gloo rank's
     buffer for buffer, its peak within the gloo rank's CPU scalars."""
     monkeypatch.setenv("MEMPLAN_PIPELINE_SCHEDULE", schedule)
     monkeypatch.setenv("MEMPLAN_MICROBATCHES", str(microbatches))
     monkeypatch.setenv("MEMPLAN_LAYERS", str(layers))
-    fake = ranks(tmp_path, world, microbatches, fake=True)
-    real = ranks(tmp_path, world, microbatches, fake=False)
+    fake = ranks(traced_ranks, world, microbatches, fake=True)
+    real = ranks(traced_ranks, world, microbatches, fake=False)
     for predicted, measured in zip(fake, real):
         assert buffer_events(predicted) == buffer_events(measured)
         assert predicted.peak()[0] <= measured.peak()[0] <= predicted.peak()[0] + SCALARS
@@ -85,7 +85,7 @@ def same_on_gloo(tmp_path, monkeypatch, schedule: str, world: int, layers: int, 
 
 
 @pytest.mark.parametrize(("schedule", "held"), [("1f1b", [2, 1]), ("gpipe", [4, 4])])
-def test_a_schedule_s_micro_batches_in_flight(tmp_path, monkeypatch, schedule, held):
+def test_a_schedule_s_micro_batches_in_flight(traced_ranks, monkeypatch, schedule, held):
     """Two stages, four micro-batches: 1F1B's first stage holds min(stages, micro-batches) micro-batches' activations
     when its first backward begins, the last stage one; GPipe's stages hold all four. Stage 0 holds more than the
     last stage under 1F1B, and every stage holds one receive buffer per micro-batch (activations from the previous
@@ -93,7 +93,7 @@ def test_a_schedule_s_micro_batches_in_flight(tmp_path, monkeypatch, schedule, h
     monkeypatch.setenv("MEMPLAN_PIPELINE_SCHEDULE", schedule)
     monkeypatch.setenv("MEMPLAN_MICROBATCHES", "4")
     monkeypatch.setenv("MEMPLAN_LAYERS", "4")
-    traces = ranks(tmp_path, 2, 4, fake=True)
+    traces = ranks(traced_ranks, 2, 4, fake=True)
     assert [in_flight(trace, 4) for trace in traces] == held
     for trace in traces:
         assert receive_buffers(trace) == [1 * SEQ * 64 * 4] * 4
@@ -102,13 +102,13 @@ def test_a_schedule_s_micro_batches_in_flight(tmp_path, monkeypatch, schedule, h
 
 
 @pytest.mark.slow
-def test_interleaved_1f1b_runs_two_stages_a_rank(tmp_path, monkeypatch):
+def test_interleaved_1f1b_runs_two_stages_a_rank(traced_ranks, monkeypatch):
     """Interleaved 1F1B: each rank of two holds two stages (rank r stages r and r + 2) and their receive buffers;
     its stages' calls are forwards, so their saved tensors are activations."""
     monkeypatch.setenv("MEMPLAN_PIPELINE_SCHEDULE", "interleaved-1f1b")
     monkeypatch.setenv("MEMPLAN_MICROBATCHES", "4")
     monkeypatch.setenv("MEMPLAN_LAYERS", "4")
-    traces = ranks(tmp_path, 2, 4, fake=True)
+    traces = ranks(traced_ranks, 2, 4, fake=True)
     for trace in traces:
         assert {"model.0.layers.0", "model.1.layers.0"} <= set(trace.module)
         assert len(receive_buffers(trace)) == 3 * 4  # two stages' 4 activations and 4 gradients, less an end's 4
