@@ -17,13 +17,14 @@ from memplan.planner.jobs.optimize import (
     OPTIMIZER,
     OptimizeOptions,
     choose,
+    combinations,
     every_layer,
     measure_batch,
     model_layers,
     optimize,
     step_of,
 )
-from memplan.planner.optimize.choose import families, work_of
+from memplan.planner.optimize.choose import work_of
 from memplan.planner.simulate.measure import measure
 from memplan.step import StepSpec
 from memplan.traces.trace_model import trace_step
@@ -57,12 +58,6 @@ def opts(tmp_path_factory):
 def measured(opts):
     layers = model_layers(opts)
     return layers, measure_batch(opts, layers, SHAPE["batch"], True, lambda m: None)
-
-
-def combinations(measured_model):
-    """Every combination of step-level actions: none or one of each family."""
-    grouped = families(measured_model.action_cost).values()
-    return [tuple(a for a in pick if a is not None) for pick in itertools.product(*[[None, *g] for g in grouped])]
 
 
 def test_every_action_is_offered(measured):

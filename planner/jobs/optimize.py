@@ -379,9 +379,29 @@ def megatron_assignment(measured: Measured, memory: int) -> Assignment | None:
     return None
 
 
+def combinations(measured: Measured) -> list[tuple[Action, ...]]:
+    """Every combination of the offered actions: none or one of each family."""
+    grouped = families(measured.action_cost).values()
+    return [tuple(a for a in pick if a is not None) for pick in product(*[[None, *g] for g in grouped])]
+
+
+def uniform_hint(measured: Measured, memory: int, excluded=()) -> tuple[Assignment, tuple[Action, ...]] | None:
+    """The uniform choice (every layer in one mode, a combination of actions) of least added work that the model
+    fits in `memory`, other than `excluded`; None when none does."""
+    layers, fitting = measured.terms.layers, []
+    for name in measured.terms.modes:
+        for actions in combinations(measured):
+            choice = (every_layer(layers, name), actions)
+            if choice not in excluded and measured.terms.peak(*choice) <= memory:
+                fitting.append((work_of(*choice, measured.cost, measured.action_cost), choice))
+    return min(fitting)[1] if fitting else None
+
+
 def choose(measured: Measured, memory: int, excluded=(), time_limit: float = 10.0) -> Choice:
-    """CP-SAT's choice on the measured model."""
-    return choose_modes(measured.terms, measured.cost, memory, excluded, time_limit, measured.action_cost)
+    """CP-SAT's choice on the measured model, started from the best uniform choice that fits."""
+    hint = uniform_hint(measured, memory, list(excluded))
+    terms, cost, actions = measured.terms, measured.cost, measured.action_cost
+    return choose_modes(terms, cost, memory, excluded, time_limit, actions, hint)
 
 
 def choose_and_verify(opts, layers, measured: Measured, fake: bool, progress) -> tuple[Choice, Candidate | None, list]:
@@ -408,10 +428,11 @@ def choose_and_verify(opts, layers, measured: Measured, fake: bool, progress) ->
 def largest_batch(opts, layers, fake, progress) -> Measured:
     """The largest batch at which the model has a choice that fits: doubling, then bisection."""
     low, high = None, None  # largest batch known to fit by the model, least known not to
-    batch, at = 1, {}
+    batch, at, status = 1, {}, {}
     while high is None or (low or 0) + 1 < high:
         at[batch] = measure_batch(opts, layers, batch, fake, progress, earlier=next(iter(at.values()), None))
-        fits = choose(at[batch], opts.memory, (), opts.time_limit).assignment is not None
+        status[batch] = choose(at[batch], opts.memory, (), opts.time_limit).status
+        fits = status[batch] in ("optimal", "feasible")
         low, high = (batch, high) if fits else (low, batch)
         if high is None and batch >= MAX_BATCH:
             break
@@ -419,24 +440,24 @@ def largest_batch(opts, layers, fake, progress) -> Measured:
         if batch == 0:
             break
     if low is None:
-        raise OptimizeError(nothing_fits(opts, at[1]))
+        raise OptimizeError(nothing_fits(opts, at[1], status[1]))
     return at[low]
 
 
 def least_peak(measured: Measured) -> int:
     """The least peak the model reaches with every layer in one mode, under any combination of the actions."""
-    grouped = families(measured.action_cost).values()
-    combinations = [tuple(a for a in pick if a is not None) for pick in product(*[[None, *g] for g in grouped])]
-    layers = measured.terms.layers
-    return min(measured.terms.peak(every_layer(layers, m), c) for m in measured.terms.modes for c in combinations)
+    layers, terms = measured.terms.layers, measured.terms
+    return min(terms.peak(every_layer(layers, m), c) for m in terms.modes for c in combinations(measured))
 
 
-def nothing_fits(opts: OptimizeOptions, measured: Measured) -> str:
-    """The one-line answer when nothing fits: the least peak the model reaches at that batch."""
+def nothing_fits(opts: OptimizeOptions, measured: Measured, status: str = "infeasible") -> str:
+    """The one-line answer when nothing fits (CP-SAT proved it, or found nothing in its time): the least peak the
+    model reaches at that batch."""
+    proof = "proven within the model by CP-SAT" if status == "infeasible" else "CP-SAT found none in --time-limit"
     return (
         f"no assignment of modes{' and actions' if measured.action_cost else ''} fits batch {measured.batch} in "
-        f"{human_bytes(opts.memory)} (proven within the model by CP-SAT); the least any layer mode reaches on every "
-        f"layer is {human_bytes(least_peak(measured))}"
+        f"{human_bytes(opts.memory)} ({proof}); the least any layer mode reaches on every layer is "
+        f"{human_bytes(least_peak(measured))}"
     )
 
 
@@ -469,8 +490,8 @@ def answer(
     alternatives (a benchmark asks for several memory sizes on one model)."""
     # 3. CP-SAT's choice, checked by its traced plan; a choice that does not fit is cut and CP-SAT asked again.
     choice, chosen, rejected = choose_and_verify(opts, layers, measured, capture.fake, progress)
-    if choice.status == "infeasible" and not rejected:
-        raise OptimizeError(nothing_fits(opts, measured))
+    if choice.status in ("infeasible", "unknown") and not rejected:
+        raise OptimizeError(nothing_fits(opts, measured, choice.status))
     # 4. The alternatives: every layer in one mode, and Megatron's first k layers checkpointed.
     uniform = [
         trace_candidate(

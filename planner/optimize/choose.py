@@ -73,9 +73,11 @@ def choose_modes(
     excluded: Iterable[tuple[Assignment, tuple[Action, ...]]] = (),
     time_limit: float = 10.0,
     action_cost: dict[Action, Flops] | None = None,
+    hint: tuple[Assignment, tuple[Action, ...]] | None = None,
 ) -> Choice:
     """The assignment (and step-level actions, those of `action_cost` that `terms` has deltas for) of least added work
-    whose modelled peak is at most `memory`, other than the `excluded` (assignment, actions) pairs."""
+    whose modelled peak is at most `memory`, other than the `excluded` (assignment, actions) pairs. A `hint` that
+    fits (a uniform choice, say) starts the search: many alike layers make a first solution slow to find."""
     action_cost = {a: c for a, c in (action_cost or {}).items() if a in terms.deltas}
     model = cp_model.CpModel()
     count, modes = len(terms.layers), terms.modes
@@ -126,6 +128,16 @@ def choose_modes(
     changed += sum((1 + members.index(a)) * act[a] for members in grouped.values() for a in members)
     most_changed = count * max(changes(m) for m in modes) + sum(len(members) for members in grouped.values())
     model.Minimize((most_changed + 1) * work + changed)
+    # 6. The hint, where given: its layers' modes, their contexts and its actions.
+    if hint is not None:
+        hinted, hinted_actions = hint
+        for (j, m), var in pick.items():
+            model.AddHint(var, hinted[j] == m)
+        for (j, c), var in context.items():
+            if j >= 0 and j + 1 < count:
+                model.AddHint(var, (hinted[j], hinted[j + 1]) == c)
+        for a, var in act.items():
+            model.AddHint(var, a in hinted_actions)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit
     solver.parameters.num_workers = 1  # the same answer on every run
