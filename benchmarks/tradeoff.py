@@ -164,15 +164,15 @@ def added_seconds(step: StepSpec, trace, base_flops: int, rates) -> float:
     return seconds
 
 
-def run_llama3_8b() -> None:
-    """Issue 34's benchmark (the module docstring)."""
+def run_llama3_8b(alone: bool = True) -> None:
+    """Issue 34's benchmark (the module docstring); without `alone`, optimize's part only."""
     step = StepSpec(str(LLAMA3_8B), batch=1, **LLAMA3_8B_STEP).on_gpu(H100)
     memory, _ = device_memory(None, H100, step)
     rates = step_rates(step.dtype, H100, None)
     base_flops = count_step_flops(step).total
     print(f"\n## Llama-3-8B, {LLAMA3_8B_STEP}, on {H100.name} ({memory:,} B for the plan): each action alone")
     print(f"{'configuration':<36}{'peak live b=1':>16}{'largest batch':>15}{'added s/step b=1':>18}", flush=True)
-    for name, (mode, loss, optimizer) in ALONE.items():
+    for name, (mode, loss, optimizer) in ALONE.items() if alone else ():
         start = time.monotonic()
         alone = step.replace(mode=mode, loss=loss, optimizer=optimizer)
         trace = trace_step(alone, progress=log)
@@ -200,7 +200,7 @@ def main() -> None:
     torch.set_num_threads(1)
     budgets = () if args.no_compile else DEFAULT_BUDGETS
     if args.only == "llama3-8b":
-        run_llama3_8b()
+        run_llama3_8b(alone=not args.optimize_only)
         return
     with tempfile.TemporaryDirectory() as folder:
         for name in [args.only] if args.only else MODELS:
