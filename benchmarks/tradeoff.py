@@ -38,6 +38,7 @@ from memplan.planner.cost import count_step_flops
 from memplan.planner.cost.rates import step_rates
 from memplan.planner.jobs.fit import fit_model
 from memplan.planner.jobs.optimize import (
+    OptimizeError,
     OptimizeOptions,
     every_layer,
     measure_batch,
@@ -52,7 +53,7 @@ from memplan.planner.simulate.measure import measure
 from memplan.planner.simulate.verdict import device_memory
 from memplan.step import StepSpec
 from memplan.traces.host import host_bytes
-from memplan.traces.trace_model import sized_capture, trace_step
+from memplan.traces.trace_model import CaptureChoice, sized_capture, trace_step
 from memplan.units import human_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,8 +165,9 @@ def added_seconds(step: StepSpec, trace, base_flops: int, rates) -> float:
     return seconds
 
 
-def run_llama3_8b(alone: bool = True) -> None:
-    """Issue 34's benchmark (the module docstring); without `alone`, optimize's part only."""
+def run_llama3_8b(alone: bool = True, batches: list[int] | None = None) -> None:
+    """Issue 34's benchmark (the module docstring); without `alone`, optimize's part only; with `batches`, optimize
+    at each of them instead of its --max-batch search."""
     step = StepSpec(str(LLAMA3_8B), batch=1, **LLAMA3_8B_STEP).on_gpu(H100)
     memory, _ = device_memory(None, H100, step)
     rates = step_rates(step.dtype, H100, None)
@@ -182,12 +184,24 @@ def run_llama3_8b(alone: bool = True) -> None:
         print(f"{name:<36}{human_bytes(trace.peak()[0]):>16}{batch:>15}"
               f"{added_seconds(alone, trace, base_flops, rates):>18.3f}   ({time.monotonic() - start:.0f} s)",
               flush=True)  # fmt: skip
-    start = time.monotonic()
-    opts = OptimizeOptions(step, max_batch=True, capture="fake", gpu=H100, modes=OPTIMIZE_LAYER_MODES, time_limit=10)
-    result = optimize(opts, log)
-    print(f"\n## Llama-3-8B: optimize --max-batch --modes {','.join(OPTIMIZE_LAYER_MODES)}, every action", flush=True)
-    print(render_optimize(result.summary()), flush=True)
-    print(f"({time.monotonic() - start:.0f} s)", flush=True)
+    # optimize at each batch in turn (each answer printed as it comes; an optimizer choice measured once), or with
+    # --max-batch its own search
+    opts = OptimizeOptions(step, max_batch=batches is None, capture="fake", gpu=H100, modes=OPTIMIZE_LAYER_MODES)
+    if batches is None:
+        start = time.monotonic()
+        print(render_optimize(optimize(opts, log).summary()), f"\n({time.monotonic() - start:.0f} s)", flush=True)
+        return
+    layers, earlier = model_layers(opts), None
+    for batch in batches:
+        start = time.monotonic()
+        measured = measure_batch(opts, layers, batch, True, log, earlier)
+        earlier = earlier or measured
+        print(f"\n## Llama-3-8B: optimize at batch {batch}, modes {', '.join(OPTIMIZE_LAYER_MODES)}, every action")
+        try:
+            answer = optimize_answer(opts, layers, measured, CaptureChoice(True, "--capture fake"), log, start)
+            print(render_optimize(answer.summary()), flush=True)
+        except OptimizeError as e:
+            print(f"nothing fits: {e} ({time.monotonic() - start:.0f} s)", flush=True)
 
 
 def main() -> None:
@@ -196,11 +210,12 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out of the trade-off")
     parser.add_argument("--optimize-only", action="store_true", help="only the optimize part")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per trade-off point")
+    parser.add_argument("--batches", help="llama3-8b: optimize at these batches (1,2) instead of --max-batch")
     args = parser.parse_args()
     torch.set_num_threads(1)
     budgets = () if args.no_compile else DEFAULT_BUDGETS
     if args.only == "llama3-8b":
-        run_llama3_8b(alone=not args.optimize_only)
+        run_llama3_8b(not args.optimize_only, [int(b) for b in args.batches.split(",")] if args.batches else None)
         return
     with tempfile.TemporaryDirectory() as folder:
         for name in [args.only] if args.only else MODELS:
