@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from memplan.errors import MemplanError
@@ -73,6 +73,14 @@ def steps(draw):
 
 @settings(max_examples=300, deadline=None)
 @given(steps())
+@example(
+    (
+        [0, 0, 0, 0, 2],
+        [1, 3, 5, 7, 9],
+        [2, 4, 6, 8, 10],
+        [Ordering(0, 2, 1, 2), Ordering(0, 0, 0, 0), Ordering(1, 2, 2, 3)],
+    )
+)
 def test_syncs_say_exactly_the_orderings(step):
     """Every pair of buffers the trace's syncs let share bytes is ordered by the step (sound), and every ordered
     pair may share (exact), whichever of the three encodings each ordering takes."""

@@ -176,7 +176,8 @@ def _syncs(orderings: list[Ordering], events: dict[int, list[int]], nstreams: in
         a, k, b, m = o.waited, o.sent, o.waiter, o.received
         if a == b:
             continue
-        if k == m or not (_busy(events.get(a, []), k, m) or _busy(received.get(a, []), k, m)):
+        # moved on to m: no event of A after k, and no wait of A from k on (one at k itself may follow the record)
+        if k == m or not (_busy(events.get(a, []), k, m) or _busy(received.get(a, []), k - 1, m)):
             syncs.add((m, a, b))
         elif not (_busy(events.get(b, []), k, m) or _busy(sent.get(b, []), k, m)):
             syncs.add((k, a, b))
