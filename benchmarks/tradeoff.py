@@ -158,10 +158,10 @@ def added_seconds(step: StepSpec, trace, base_flops: int, rates) -> float:
     if step.optimizer == AS_BUILT:
         seconds += max(0, count_step_flops(step).total - base_flops) / rates.flops
     host = host_bytes(trace)
-    seconds += 0 if host is None else 2 * host.moved / rates.host_bandwidth
+    seconds += 0 if host is None else rates.transfer_seconds(host.moved)
     if step.optimizer == ADAMW_HOST:
         state = trace.meta["optimizer_state"]
-        seconds += 2 * state["parameter_bytes"] / rates.host_bandwidth + state["elements"] * rates.host_adamw
+        seconds += rates.host_optimizer_seconds(state["elements"], state["parameter_bytes"])
     return seconds
 
 

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from memplan.gpus import GPU
-from memplan.planner.cost.transfer import host_link
+from memplan.planner.cost.transfer import host_link, host_transfer
 
 MATMUL_SIZE = 1024  # the measured matmul's square side: large enough to run at the machine's matmul rate
 HOST_ELEMENTS = 1 << 20  # elements of the measured host AdamW step
@@ -31,6 +31,15 @@ class Rates:
     def to_dict(self) -> dict:
         """The rates as plain data (a command's --json)."""
         return asdict(self)
+
+    def transfer_seconds(self, moved: int) -> float:
+        """Seconds `moved` bytes take to the host and back over the link (transfer.HostTransfer.seconds)."""
+        return host_transfer(moved, bandwidth=self.host_bandwidth).seconds
+
+    def host_optimizer_seconds(self, elements: int, parameter_bytes: int) -> float:
+        """Seconds the host optimizer adds a step: the gradients down and the parameters up over the link, and the
+        host's AdamW step over `elements` parameters."""
+        return self.transfer_seconds(parameter_bytes) + elements * self.host_adamw
 
 
 def _fastest(run) -> float:

@@ -235,7 +235,7 @@ def layer_costs(layers, modes, flops, traces, rates: Rates) -> dict[tuple[int, s
             moved[module] = moved.get(module, 0) + int(size)
         for j, path in enumerate(layers):
             recompute = flops[name].by_module[path] - flops[AS_BUILT].by_module[path]
-            transfer = work(2 * moved.get(path, 0) / rates.host_bandwidth, rates) if moved else 0
+            transfer = work(rates.transfer_seconds(moved.get(path, 0)), rates) if moved else 0
             cost[j, name] = recompute + transfer
     return cost
 
@@ -267,8 +267,7 @@ def action_work(action: Action, trace: Trace, step: StepSpec, base_flops: Flops,
     if name != ADAMW_HOST:
         return 0
     state = trace.meta["optimizer_state"]
-    seconds = 2 * state["parameter_bytes"] / rates.host_bandwidth + state["elements"] * rates.host_adamw
-    return work(seconds, rates)
+    return work(rates.host_optimizer_seconds(state["elements"], state["parameter_bytes"]), rates)
 
 
 def measure_actions(opts, layers, measured: Measured, fake: bool, progress, earlier: Measured | None = None) -> None:
@@ -279,10 +278,10 @@ def measure_actions(opts, layers, measured: Measured, fake: bool, progress, earl
     offered, notes = offered_actions(opts, measured.rates)
     measured.notes += notes
     base = measured.traces[every_layer(layers, AS_BUILT), ()]
-    base_segments = measured.terms.segments
+    alike = earlier is not None and set(earlier.terms.segments) == set(measured.terms.segments)
     deltas = {}
     for action in offered:
-        known = earlier is not None and action[0] == OPTIMIZER and set(earlier.terms.segments) == set(base_segments)
+        known = alike and action[0] == OPTIMIZER
         if known and action in earlier.action_cost:
             deltas[action], measured.action_cost[action] = earlier.terms.deltas[action], earlier.action_cost[action]
             continue
