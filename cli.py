@@ -875,6 +875,12 @@ def layer_mode_list(_ctx, _param, value: str | None) -> tuple[str, ...] | None:
     help="The layer modes each layer may take [default: as-built, tempo, selective, tempo+selective, full, and the "
     "offloading modes with --actions and a host link]: fewer modes, fewer traces.",
 )
+@click.option(
+    "--every-context",
+    is_flag=True,
+    help="Trace every pair of modes at every layer (M² traces for M modes), even where the layers are alike and "
+    "walks through the modes measure them in fewer.",
+)
 @capture_option
 @click.option(
     "-o",
@@ -899,6 +905,7 @@ def optimize_command(
     actions,
     host_bandwidth,
     modes,
+    every_context,
     capture,
     output,
     as_json,
@@ -923,7 +930,10 @@ def optimize_command(
         model_file, 1 if max_batch else batch or 2, seq, dtype, loss=loss, routing=routing, optimizer=optimizer
     )
     bandwidth = None if host_bandwidth is None else parse_bandwidth(host_bandwidth)
-    opts = OptimizeOptions(step, memory, max_batch, capture, time_limit, find_gpu(gpu_name), actions, bandwidth, modes)
+    gpu = find_gpu(gpu_name)
+    opts = OptimizeOptions(
+        step, memory, max_batch, capture, time_limit, gpu, actions, bandwidth, modes, alike=not every_context
+    )
     result = optimize(opts, progress=progress)
     summary = result.summary()
     if output is not None:

@@ -27,9 +27,17 @@ from memplan.modes import ADAMW_HOST, AS_BUILT, FULL, LOSSES, MODES, OPTIMIZE_MO
 from memplan.planner.cost import count_step_flops
 from memplan.planner.cost.rates import Rates, step_rates
 from memplan.planner.layers import transformer_layers
+from memplan.planner.optimize.alike import alike_terms, layers_alike, walks_to_trace
 from memplan.planner.optimize.choice_file import StepChoice
-from memplan.planner.optimize.choose import Assignment, Choice, Flops, choose_modes, families, recompute_of, work_of
-from memplan.planner.optimize.terms import Action, MemoryTerms, action_deltas, assignments_to_trace, memory_terms
+from memplan.planner.optimize.choose import Choice, Flops, choose_modes, families, recompute_of, work_of
+from memplan.planner.optimize.terms import (
+    Action,
+    Assignment,
+    MemoryTerms,
+    action_deltas,
+    assignments_to_trace,
+    memory_terms,
+)
 from memplan.planner.simulate.measure import measure
 from memplan.planner.simulate.verdict import Budget, device_memory
 from memplan.step import StepSpec
@@ -69,11 +77,17 @@ class OptimizeOptions:
     host_bandwidth: int | None = None  # bytes/s one way over the host link (else the GPU's, with `gpu`)
     modes: tuple[str, ...] | None = None  # the layer modes offered (None: OPTIMIZE_MODES, and with actions and a
     #                                        host link the offloading modes)
+    alike: bool = True  # where the layers are alike, measure their contexts on walks (alike.py); False: every
+    #                     context at every layer (M² traces of M modes)
     budget: Budget | None = field(default=None, init=False)  # the GPU's, when given
 
     def __post_init__(self) -> None:
         # a CUDA step on that GPU (fake CUDA traces where this machine has none)
         object.__setattr__(self, "step", self.step.on_gpu(self.gpu))
+        offloading = [name for name in self.modes or () if mode(name).offloads]
+        if offloading and self.gpu is None and self.host_bandwidth is None:
+            raise OptimizeError(f"--modes {', '.join(offloading)}: an offloading mode's cost is the host link's; "
+                                "name a GPU (--gpu) or give --host-bandwidth")  # fmt: skip
         memory, budget = device_memory(self.memory, self.gpu, self.step)
         object.__setattr__(self, "memory", memory)
         object.__setattr__(self, "budget", budget)
@@ -307,18 +321,35 @@ def measure_actions(opts, layers, measured: Measured, fake: bool, progress, earl
 def measure_batch(
     opts: OptimizeOptions, layers: tuple[str, ...], batch: int, fake: bool, progress, earlier: Measured | None = None
 ) -> Measured:
-    """The model at `batch`: the traces of terms.assignments_to_trace over the offered modes, one FLOP count per
-    mode, and each offered action's trace (an optimizer choice's from an `earlier` batch's measurement, if any)."""
+    """The model at `batch`: every layer in each offered mode, then walks through the modes where the layers are
+    alike (alike.py) or else the alternating pairs of terms.assignments_to_trace; one FLOP count per mode; and each
+    offered action's trace (an optimizer choice's from an `earlier` batch's measurement, if any)."""
     rates = step_rates(opts.step.dtype, opts.step.gpu, opts.host_bandwidth)
     modes, notes = offered_modes(opts, rates)
-    to_trace = assignments_to_trace(modes, len(layers))
-    if every_layer(layers, AS_BUILT) not in to_trace:
-        to_trace.append(every_layer(layers, AS_BUILT))  # the actions' deltas are taken against it
+
+    def trace_all(assignments: list[Assignment], what: str) -> dict[Assignment, Trace]:
+        progress(f"[batch {batch}] tracing {len(assignments)} assignments: {what}")
+        traced = {a: trace_step(step_of(opts, layers, a, batch, fake), progress=progress) for a in assignments}
+        traces.update({(a, ()): trace for a, trace in traced.items()})
+        return traced
+
+    # 1. Every layer in each mode (as-built too: the actions' deltas are taken against it).
+    traces: dict[tuple[Assignment, tuple[Action, ...]], Trace] = {}
+    uniform = trace_all([every_layer(layers, m) for m in dict.fromkeys([*modes, AS_BUILT])], "every layer in a mode")
+    offered = {a: trace for a, trace in uniform.items() if set(a) <= set(modes)}
+    # 2. The contexts of distinct modes: walks where the layers are alike and walks are fewer, else alternating pairs.
+    pairs = [a for a in assignments_to_trace(modes, len(layers)) if len(set(a)) > 1]
+    walks = walks_to_trace(modes, len(layers)) if opts.alike else None
+    if walks is not None and len(walks) < len(pairs) and layers_alike(offered, layers):
+        notes.append(f"the layers are alike: {len(walks)} walks through the modes traced for their contexts, "
+                     f"not {len(pairs)} alternating pairs")  # fmt: skip
+        terms = alike_terms({**offered, **trace_all(walks, "walks through the modes")}, layers)
+    else:
+        terms = memory_terms({**offered, **trace_all(pairs, "pairs of modes alternating")}, layers)
+    # 3. The FLOPs of each mode, and the actions.
     counted = tuple(dict.fromkeys([AS_BUILT, *modes]))
-    progress(f"[batch {batch}] tracing {len(to_trace)} assignments and counting the FLOPs of {len(counted)}")
-    traces = {(a, ()): trace_step(step_of(opts, layers, a, batch, fake), progress=progress) for a in to_trace}
+    progress(f"[batch {batch}] counting the FLOPs of {len(counted)} modes")
     flops = {m: count_step_flops(step_of(opts, layers, every_layer(layers, m), batch, fake)) for m in counted}
-    terms = memory_terms({a: t for (a, _), t in traces.items() if set(a) <= set(modes)}, layers)
     cost = layer_costs(layers, modes, flops, traces, rates)
     measured = Measured(batch, terms, cost, flops[AS_BUILT].total, traces, rates, notes=notes)
     measure_actions(opts, layers, measured, fake, progress, earlier)

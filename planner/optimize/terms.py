@@ -117,15 +117,11 @@ def segment_of_times(trace: Trace, layers: tuple[str, ...]) -> dict[int, Segment
     return segments
 
 
-def measure(trace: Trace, layers: tuple[str, ...], alignment: int) -> tuple[dict, dict]:
-    """One uniform trace's E (per segment) and H (per layer and segment)."""
-    # 1. Live bytes of the whole step, and of each layer's own buffers, at every time.
-    size = align_up(trace.size.astype(np.int64), alignment)
-    end = trace.end
-    total = live_bytes(size, trace.alloc, trace.free, end)
-    segment_at = segment_of_times(trace, layers)
+def owners(trace: Trace, layers: tuple[str, ...], segment_at: dict[int, Segment]) -> np.ndarray:
+    """Each buffer's owner: its layer's index, PREFIX for one made before the first layer outside any layer, or -2
+    for the rest (resident storages, the head's and the optimizer's buffers)."""
     first = next(iter(segment_at.values()))  # the segment before the first layer: the PREFIX's
-    owner = np.array(
+    return np.array(
         [
             -2
             if a == 0
@@ -136,7 +132,17 @@ def measure(trace: Trace, layers: tuple[str, ...], alignment: int) -> tuple[dict
             else -2
             for m, a in zip(trace.module, trace.alloc.tolist())
         ]
-    )  # -2: the rest (resident storages, the head's and the optimizer's buffers)
+    )
+
+
+def measure(trace: Trace, layers: tuple[str, ...], alignment: int) -> tuple[dict, dict]:
+    """One uniform trace's E (per segment) and H (per layer and segment)."""
+    # 1. Live bytes of the whole step, and of each layer's own buffers, at every time.
+    size = align_up(trace.size.astype(np.int64), alignment)
+    end = trace.end
+    total = live_bytes(size, trace.alloc, trace.free, end)
+    segment_at = segment_of_times(trace, layers)
+    owner = owners(trace, layers, segment_at)
     indices = [PREFIX, *range(len(layers))]
     own = {j: live_bytes(np.where(owner == j, size, 0), trace.alloc, trace.free, end) for j in indices}
     # 2. Per segment, the most of everything but the other layers (and the PREFIX), and each one's most.
