@@ -128,11 +128,20 @@ def test_compare_and_plot_read_the_run_as_a_rank_family(pipeline_run, tmp_path):
 
 def test_run_shows_fsdp2_ranks_equal(monkeypatch, tmp_path):
     """FSDP2 shards every parameter equally: under --fake its two ranks are alike by construction, traced once (and
-    checked on rank 1), so run shows one row standing for both."""
+    checked on rank 1), so run shows one row standing for both. An earlier run's rank files in the folder (rank 1
+    traced alone, rank 3 of a world of 4) are removed, not read into the new family."""
     monkeypatch.setenv("MEMPLAN_LAYERS", "2")
+    traces = tmp_path / "out" / "traces"
+    stale = [rank_trace(traces, 1, 2), rank_trace(traces, 3, 4)]
+    for path in stale:
+        path.rename(rank_path(traces / "as-built.trace.json.gz", int(path.name.split(".rank")[1].split(".")[0])))
     result = api.run(EXAMPLES / "llama_fsdp2.py", tmp_path / "out", batch=2, seq=16, nproc=2, capture="fake",
                      modes=("as-built",), time_limit=2)  # fmt: skip
     assert [r.ranks for r in result.rows] == [[0, 1]] and result.rows[0].peak_live > 0
+    family = load_family(traces / "as-built.trace.json.gz")
+    assert [m.ranks for m in family] == [(0, 1)] and sorted(p.name for p in traces.iterdir()) == [
+        "as-built.trace.rank0.json.gz"
+    ]
 
 
 def test_fit_names_the_tightest_rank(monkeypatch):

@@ -36,7 +36,7 @@ from memplan.files import atomic_write
 from memplan.step import StepSpec
 from memplan.traces.alike import Layout, propose, same_step, watching
 from memplan.traces.format import load, save
-from memplan.traces.rank_family import rank_path
+from memplan.traces.rank_family import rank_path, remove_stale
 from memplan.traces.summary import summarize
 from memplan.traces.trace_model import trace_step
 
@@ -251,4 +251,5 @@ def trace_ranks(
             for path in moved:
                 path.unlink(missing_ok=True)
             raise RankError(f"{output}: cannot write the rank traces ({e.strerror or e})") from None
+        remove_stale(moved)
     return [(rank_path(output, ranks[0]), ranks, summary) for ranks, summary in distinct]

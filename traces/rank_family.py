@@ -88,6 +88,21 @@ def family_paths(base: str | os.PathLike) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
+def remove_stale(written: list[Path]) -> list[Path]:
+    """Remove the files of the rank families in `written` that it does not hold (an earlier run's ranks: a larger
+    world, or ranks traced one by one that are now stood for by one trace), so they never join the new family;
+    returns those removed."""
+    kept: dict[Path, set[Path]] = {}
+    for path in written:
+        split = _split(path.name)
+        if split is not None:
+            kept.setdefault(path.with_name(split[0]), set()).add(path)
+    stale = [path for base, paths in kept.items() for path in family_paths(base) if path not in paths]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
 def _rank_trace(path: Path, trace: Trace) -> RankTrace:
     meta = trace.meta
     if meta.get("rank") is None or meta.get("world_size") is None:

@@ -33,7 +33,7 @@ from memplan.step import StepSpec
 from memplan.traces.compile import Compile, CompileError, require_real_tensors
 from memplan.traces.distributed import trace_ranks
 from memplan.traces.format import Trace, save
-from memplan.traces.rank_family import load_family, rank_path, ranks_label
+from memplan.traces.rank_family import load_family, rank_path, ranks_label, remove_stale
 from memplan.traces.trace_model import CaptureChoice, choose_capture, rank_capture, trace_step
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "workloads" / "bert_large_slice.py"  # ships in the wheel
@@ -338,11 +338,14 @@ def replay_plan(opts: RunOptions, work: Path, progress: Callable[[str], None]) -
 
 
 def move_into(work: Path, out: Path) -> None:
-    """Move every file of `work` to the same place under `out` (replacing older ones of the same name)."""
+    """Move every file of `work` to the same place under `out` (replacing older ones of the same name, and an
+    older rank family's files the new one does not hold)."""
+    moved = []
     for path in sorted(p for p in work.rglob("*") if p.is_file()):
-        dest = out / path.relative_to(work)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(path, dest)
+        moved.append(out / path.relative_to(work))
+        moved[-1].parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, moved[-1])
+    remove_stale(moved)
 
 
 def reference_row(rows: list[ModeRow]) -> ModeRow:
