@@ -175,15 +175,17 @@ def fit(
     routing: str = DEFAULT_ROUTING,
     optimizer: str = AS_BUILT,
     nproc: int | None = None,
+    every_rank: bool = False,
 ) -> FitResult:
     """The largest batch of `model_file` whose step fits `memory` bytes (or `gpu`: its memory less what it holds
     outside the caching allocator) under each layer mode (with the step's `loss` and `optimizer`), under the caching
     allocator and under a plan, each proven by direct traces (real or fake, as `capture` says; fake ones route a
     mixture of experts by `routing`). With `nproc`, a distributed model file on that many ranks: a batch fits only
-    where it fits on every rank."""
+    where it fits on every rank (`every_rank`: each traced, even those alike by construction)."""
     require_fake_for_routing(routing, capture != "real")
     step = StepSpec(model_file, seq=seq, dtype=dtype, loss=loss, routing=routing, optimizer=optimizer)
-    return fit_model(step, memory, gpu=as_gpu(gpu), modes=tuple(layers), capture=capture, nproc=nproc)
+    modes = tuple(layers)
+    return fit_model(step, memory, gpu=as_gpu(gpu), modes=modes, capture=capture, nproc=nproc, every_rank=every_rank)
 
 
 def tradeoff(model_file: PathLike, **options) -> TradeoffResult:

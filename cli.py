@@ -195,6 +195,13 @@ def main() -> None:
     """memplan: trace a training step, plan its memory, replay and simulate it, and plot it."""
 
 
+every_rank_option = click.option(
+    "--every-rank",
+    is_flag=True,
+    help="With --nproc --fake: trace every rank, even those alike by construction.",
+)
+
+
 @main.command("trace")
 @click.argument("model_file", type=MODEL_FILE)
 @click.option(
@@ -234,11 +241,7 @@ def main() -> None:
     "process on torch.distributed's fake process group, and ranks alike by construction are traced once "
     '(one file each, meta "ranks" the ranks it stands for).',
 )
-@click.option(
-    "--every-rank",
-    is_flag=True,
-    help="With --nproc --fake: trace every rank, even those alike by construction.",
-)
+@every_rank_option
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def trace_command(
@@ -334,14 +337,20 @@ capture_option = click.option(
 
 
 def nproc_option(what: str):
-    """--nproc N for a command that runs a model file's step (run, fit): a distributed model file on N ranks."""
-    return click.option(
-        "--nproc",
-        type=click.IntRange(min=1),
-        default=None,
-        help=f"Trace a distributed model file on N ranks (as memplan trace --nproc; auto: the fake process group, "
-        f"real: a process per rank) and {what}",
-    )
+    """--nproc N and --every-rank for a command that runs a model file's step (run, fit): a distributed model file on
+    N ranks."""
+
+    def decorate(function):
+        function = every_rank_option(function)
+        return click.option(
+            "--nproc",
+            type=click.IntRange(min=1),
+            default=None,
+            help=f"Trace a distributed model file on N ranks (as memplan trace --nproc; auto: the fake process group, "
+            f"real: a process per rank) and {what}",
+        )(function)
+
+    return decorate
 
 
 fake_option = click.option("--fake", is_flag=True, help="The same as --capture fake.")
@@ -665,7 +674,7 @@ def solve_command(source, output, time_limit, capacity, method, alignment, scope
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def run_command(
     model_file, out_dir, batch, seq, dtype, loss, optimizer, routing, time_limit, replay_steps, modes, capture, fake,
-    nproc, gpu_name, compile, as_json
+    nproc, every_rank, gpu_name, compile, as_json
 ):  # fmt: skip
     """The main job: trace MODEL_FILE under every layer mode (as-built, baseline, tempo, selective,
     tempo+selective, full, tempo+full), solve and simulate each, replay the tempo plan on the CPU, and
@@ -689,7 +698,7 @@ def run_command(
                     routing=routing, optimizer=optimizer)  # fmt: skip
     modes = tuple(modes) or ((AS_BUILT,) if nproc is not None else ())
     opts = RunOptions(step, out_dir, time_limit=time_limit, replay_steps=replay_steps, capture=capture,
-                      gpu=find_gpu(gpu_name), nproc=nproc, **run_modes(modes))  # fmt: skip
+                      gpu=find_gpu(gpu_name), nproc=nproc, every_rank=every_rank, **run_modes(modes))  # fmt: skip
     result = run(opts, progress=progress)
     summary = result.summary()
     emit(summary, as_json, render_text(summary))
@@ -722,7 +731,7 @@ def run_command(
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def fit_command(
     model_file, memory, gpu_name, modes, seq, dtype, loss, optimizer, routing, alloc_conf, tie_break, time_limit,
-    capture, fake, nproc, compile, as_json
+    capture, fake, nproc, every_rank, compile, as_json
 ):  # fmt: skip
     """The largest batch size whose training step fits --memory (or --gpu), under the caching allocator and under
     a plan.
@@ -753,6 +762,7 @@ def fit_command(
         capture=capture,
         progress=progress,
         nproc=nproc,
+        every_rank=every_rank,
     )
     summary = result.summary()
     emit(summary, as_json, render_fit(summary))

@@ -142,6 +142,14 @@ def test_run_shows_fsdp2_ranks_equal(monkeypatch, tmp_path):
     assert [m.ranks for m in family] == [(0, 1)] and sorted(p.name for p in traces.iterdir()) == [
         "as-built.trace.rank0.json.gz"
     ]
+    # --every-rank: each rank traced and shown, into the same folder (the one file for both replaced)
+    args = ["run", str(EXAMPLES / "llama_fsdp2.py"), "-o", str(tmp_path / "out"), "--batch", "2", "--seq", "16",
+            "--nproc", "2", "--fake", "--every-rank", "--layers", "as-built", "--time-limit", "2"]  # fmt: skip
+    result = CliRunner().invoke(main, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["rows"]
+    assert [r["ranks"] for r in rows] == [[0], [1]] and rows[0]["peak_live"] == rows[1]["peak_live"]
+    assert [m.ranks for m in load_family(traces / "as-built.trace.json.gz")] == [(0,), (1,)]
 
 
 def test_fit_names_the_tightest_rank(monkeypatch):

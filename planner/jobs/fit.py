@@ -241,9 +241,11 @@ class BatchProbe:
         progress: Callable[[str], None],
         tie_break: str = "lowest_address",
         nproc: int | None = None,
+        every_rank: bool = False,
     ):
         self.step, self.memory, self.time_limit, self.progress = step, memory, time_limit, progress
         self.nproc = nproc  # ranks of a distributed model file; None: one process
+        self.every_rank = every_rank  # with nproc on fake tensors: every rank traced, even those alike
         self.alloc_conf, self.tie_break = alloc_conf, tie_break
         self.conf = parse_alloc_conf(alloc_conf, tie_break)
         self.points: dict[int, Point] = {}
@@ -285,7 +287,7 @@ class BatchProbe:
             return self._judge(trace_step(step, progress=self.progress), batch)
         with tempfile.TemporaryDirectory(prefix=".memplan-fit-") as folder:
             output = Path(folder) / "rank.json.gz"
-            trace_ranks(step, output, self.nproc)
+            trace_ranks(step, output, self.nproc, alike=not self.every_rank)
             members = load_family(output)
         point = Point.of_ranks(batch, [self._judge(m.trace, batch, m.ranks) for m in members])
         oom = [ranks_label(p.ranks) for p in point.per_rank if not p.caching_fits]
@@ -411,12 +413,14 @@ def fit_model(
     capture: str = "auto",
     progress: Callable[[str], None] = lambda _: None,
     nproc: int | None = None,
+    every_rank: bool = False,
 ) -> FitResult:
     """The largest batch of `step` fitting `memory` bytes (or `gpu`: its memory less what it holds outside the
     caching allocator) for every mode, under both allocator models, on real or fake traces as `capture` (auto,
     real, fake) chooses for steps near that size; compiled by torch.compile when the step says so (real traces
     only). The step's own batch and mode are not used. With `nproc`, every batch is traced on that many ranks of a
-    distributed model file (auto: the fake process group) and fits only where it fits on every distinct rank."""
+    distributed model file (auto: the fake process group) and fits only where it fits on every distinct rank (on fake
+    tensors ranks alike by construction are traced once, unless `every_rank`)."""
     step = step.on_gpu(gpu)  # a CUDA step on that GPU (fake CUDA traces where this machine has none)
     for mode in modes:
         if mode not in MODES:
@@ -443,6 +447,7 @@ def fit_model(
             progress=progress,
             tie_break=tie_break,
             nproc=nproc,
+            every_rank=every_rank,
         )
         fits.append(fit_mode(probe))
     return FitResult(step, memory, alloc_conf, fits, choice, tie_break, budget, nproc)

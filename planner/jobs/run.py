@@ -53,6 +53,7 @@ class RunOptions:
     capture: str = "auto"  # real or fake traces: auto, real, fake
     gpu: GPU | None = None  # a GPU each mode's step is judged against (planner/simulate/verdict.py); None: none
     nproc: int | None = None  # ranks of a distributed model file (traces/distributed.py); None: one process
+    every_rank: bool = False  # with nproc on fake tensors: trace every rank, even those alike by construction
 
     def __post_init__(self) -> None:
         # a CUDA step on that GPU (fake CUDA traces where this machine has none)
@@ -256,7 +257,7 @@ def run_mode_ranks(
     step = opts.step.replace(mode=mode, fake=fake)
     how = "fake process group" if fake else "gloo" if step.device == "cpu" else "nccl"
     progress(f"[{mode}] tracing one training step on {opts.nproc} ranks ({how})")
-    trace_ranks(step, work / trace_rel, opts.nproc)
+    trace_ranks(step, work / trace_rel, opts.nproc, alike=not opts.every_rank)
     members = load_family(work / trace_rel)
     return [run_mode(opts, mode, work, out, fake, m.trace, progress, ranks=m.ranks) for m in members]
 
