@@ -35,6 +35,7 @@ from memplan.planner.optimize.terms import (
     TermsError,
     contexts,
     measure,
+    measure_all,
     owner_of,
     owners,
     segment_of_times,
@@ -135,12 +136,7 @@ def alike_terms(traces: dict[Assignment, Trace], layers: tuple[str, ...], alignm
     spans: dict[Assignment, Spans] = {}  # the PREFIX's buffers in each trace
     segments: tuple[Segment, ...] = ()
     # 1. Every trace's bytes, by relation and context.
-    for assignment, trace in traces.items():
-        everything_but, held = measure(trace, layers, alignment)
-        if segments and set(everything_but) != set(segments):
-            raise TermsError(
-                f"the trace of {', '.join(assignment)} runs the layers in another order: no per-layer model"
-            )
+    for assignment, trace, everything_but, held in measure_all(traces, layers, alignment):
         segments = segments or tuple(everything_but)
         orders = phase_orders(segments, count)
         around = contexts(assignment)

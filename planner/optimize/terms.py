@@ -24,6 +24,7 @@ under other layer modes, is the model's assumption: the chosen configuration's o
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -159,19 +160,30 @@ def measure(trace: Trace, layers: tuple[str, ...], alignment: int) -> tuple[dict
     return everything_but, held
 
 
-def memory_terms(traces: dict[Assignment, Trace], layers: tuple[str, ...], alignment: int = 512) -> MemoryTerms:
-    """The model from traces of the assignments_to_trace: a context measured twice keeps its larger bytes."""
+def measure_all(
+    traces: dict[Assignment, Trace], layers: tuple[str, ...], alignment: int
+) -> Iterator[tuple[Assignment, Trace, dict, dict]]:
+    """Each trace with its E and H (`measure`), in order; TermsError when one's segments are not the first's (its
+    layers ran in another order)."""
     if not layers:
         raise TermsError("the model has no list of Transformer layers to choose modes for")
-    own: dict[tuple[Segment, Context | None], Bytes] = {}
-    held: dict[tuple[int, Segment, Context], Bytes] = {}
-    segments: tuple[Segment, ...] = ()
+    first = None
     for assignment, trace in traces.items():
-        everything_but, most = measure(trace, layers, alignment)
-        if segments and set(everything_but) != set(segments):
+        everything_but, held = measure(trace, layers, alignment)
+        if first is not None and set(everything_but) != first:
             raise TermsError(
                 f"the trace of {', '.join(assignment)} runs the layers in another order: no per-layer model"
             )
+        first = set(everything_but)
+        yield assignment, trace, everything_but, held
+
+
+def memory_terms(traces: dict[Assignment, Trace], layers: tuple[str, ...], alignment: int = 512) -> MemoryTerms:
+    """The model from traces of the assignments_to_trace: a context measured twice keeps its larger bytes."""
+    own: dict[tuple[Segment, Context | None], Bytes] = {}
+    held: dict[tuple[int, Segment, Context], Bytes] = {}
+    segments: tuple[Segment, ...] = ()
+    for assignment, _, everything_but, most in measure_all(traces, layers, alignment):
         segments = segments or tuple(everything_but)
         around = contexts(assignment)
         for segment, value in everything_but.items():
