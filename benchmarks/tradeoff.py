@@ -25,6 +25,7 @@ Example: .venv/bin/python benchmarks/tradeoff.py                   # both models
 from __future__ import annotations
 
 import argparse
+import pickle
 import sys
 import tempfile
 import time
@@ -165,9 +166,23 @@ def added_seconds(step: StepSpec, trace, base_flops: int, rates) -> float:
     return seconds
 
 
-def run_llama3_8b(alone: bool = True, batches: list[int] | None = None) -> None:
+def measured_at(opts, layers, batch: int, earlier, cache: Path | None):
+    """optimize's measurement of the 8B step at `batch` (its traces: 20 minutes and more here), kept in `cache` as a
+    pickle when given, so that the choice can be asked again without tracing."""
+    path = None if cache is None else cache / f"llama3-8b-{opts.step.seq}-b{batch}.pickle"
+    if path is not None and path.exists():
+        log(f"[batch {batch}] the measurement from {path}")
+        return pickle.loads(path.read_bytes())
+    measured = measure_batch(opts, layers, batch, True, log, earlier)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(pickle.dumps(measured))
+    return measured
+
+
+def run_llama3_8b(alone: bool = True, batches: list[int] | None = None, cache: Path | None = None) -> None:
     """Issue 34's benchmark (the module docstring); without `alone`, optimize's part only; with `batches`, optimize
-    at each of them instead of its --max-batch search."""
+    at each of them instead of its --max-batch search (each batch's measurement kept in `cache` when given)."""
     step = StepSpec(str(LLAMA3_8B), batch=1, **LLAMA3_8B_STEP).on_gpu(H100)
     memory, _ = device_memory(None, H100, step)
     rates = step_rates(step.dtype, H100, None)
@@ -195,7 +210,7 @@ def run_llama3_8b(alone: bool = True, batches: list[int] | None = None) -> None:
     layers, earlier = model_layers(opts), None
     for batch in batches:
         start = time.monotonic()
-        measured = measure_batch(opts, layers, batch, True, log, earlier)
+        measured = measured_at(opts, layers, batch, earlier, cache)
         earlier = earlier or measured
         print(f"\n## Llama-3-8B: optimize at batch {batch}, every mode and action ({time.monotonic() - start:.0f} s "
               "to measure)")  # fmt: skip
@@ -213,11 +228,13 @@ def main() -> None:
     parser.add_argument("--optimize-only", action="store_true", help="only the optimize part")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per trade-off point")
     parser.add_argument("--batches", help="llama3-8b: optimize at these batches (1,2) instead of --max-batch")
+    parser.add_argument("--cache", type=Path, help="llama3-8b with --batches: keep each batch's traces here")
     args = parser.parse_args()
     torch.set_num_threads(1)
     budgets = () if args.no_compile else DEFAULT_BUDGETS
     if args.only == "llama3-8b":
-        run_llama3_8b(not args.optimize_only, [int(b) for b in args.batches.split(",")] if args.batches else None)
+        batches = [int(b) for b in args.batches.split(",")] if args.batches else None
+        run_llama3_8b(not args.optimize_only, batches, args.cache)
         return
     with tempfile.TemporaryDirectory() as folder:
         for name in [args.only] if args.only else MODELS:
