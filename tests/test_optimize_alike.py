@@ -129,6 +129,8 @@ def test_optimize_measures_alike_layers_on_walks_and_its_choice_fits(alike):
     result = optimize(options)
     assert any("walks through the modes" in note for note in result.notes)
     assert result.chosen is not None and result.chosen.fits and result.chosen.plan_arena <= memory
+    assert result.choice.status == "optimal" and result.choice.least_work == result.choice.work
+    assert result.gap_seconds() == 0 and result.summary()["gap_seconds"] == 0
     assert len(set(result.chosen.assignment)) > 1, result.chosen.assignment
     every = optimize(replace(options, alike=False))
     assert not any("walks" in note for note in every.notes)

@@ -152,6 +152,14 @@ class OptimizeResult:
             self.chosen.digest,
         )
 
+    def gap_seconds(self) -> float | None:
+        """How much less time a choice that fits the model might add than CP-SAT's answer (0 when proven optimal);
+        None with no answer."""
+        choice = self.choice
+        if choice.work is None or choice.least_work is None or self.rates is None:
+            return None
+        return (choice.work - choice.least_work) / self.rates.flops
+
     def summary(self) -> dict:
         return {
             "model_file": self.options.step.model_file,
@@ -167,6 +175,7 @@ class OptimizeResult:
             "capture_reason": self.capture.reason,
             "layers": list(self.layers),
             "status": self.choice.status,
+            "gap_seconds": self.gap_seconds(),
             "actions": self.options.actions,
             "chosen": asdict(self.chosen) if self.chosen else None,
             "rejected": [asdict(c) for c in self.rejected],

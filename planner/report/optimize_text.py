@@ -40,7 +40,8 @@ def render_optimize(summary: dict) -> str:
             f"{human_bytes(c['plan_arena'])} <= {human_bytes(s['memory'])} ({c['status']}), added time "
             f"{added_text(c, flops)}{moved}"
         )
-    lines.append(f"proof: {PROOF[s['status']]}")
+    gap = s.get("gap_seconds")
+    lines.append(f"proof: {PROOF[s['status']]}" + (f", at most {gap * 1e3:.3g} ms from the least" if gap else ""))
     if s["rates"] is not None:
         r = s["rates"]
         link = "no host link" if r["host_bandwidth"] is None else f"host link {human_bytes(r['host_bandwidth'])}/s"
