@@ -22,10 +22,18 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
+from memplan.errors import MemplanError
 from memplan.modes import BASELINE, mode
 from memplan.planner.optimize.terms import PREFIX, Action, Assignment, Bytes, Context, MemoryTerms, Mode, owner_of
 
 Flops = int  # work: FLOPs, or seconds at the device's FLOP rate
+OBJECTIVE_LIMIT = (
+    2**50
+)  # the most the objective may reach: CP-SAT's integers are 64-bit, its LP's doubles exact to 2^53
+
+
+class ChooseError(MemplanError):
+    """CP-SAT refused the model built from the terms (a defect of this module, said as one line)."""
 
 
 @dataclass(frozen=True)
@@ -124,12 +132,16 @@ def choose_modes(
         chosen = [act[a].Not() for a in actions if a in act]
         chosen += [act[a] for a in act if a not in actions]
         model.AddBoolOr([pick[j, m].Not() for j, m in enumerate(assignment)] + chosen)
-    # 5. The least work; then the fewest changes (all of them together worth less than one FLOP).
-    work = sum(cost[j, m] * pick[j, m] for j in range(count) for m in modes)
-    work += sum(action_cost[a] * act[a] for a in act)
+    # 5. The least work; then the fewest changes (all of them together worth less than one unit of work). Work is
+    #    counted in units of `unit` FLOPs, rounded up, where in FLOPs the objective would pass what CP-SAT's integers
+    #    hold (a host optimizer's 72 s at an H100's rate is 7e16 FLOPs): a unit is then nanoseconds' work.
+    most_changed = count * max(changes(m) for m in modes) + sum(len(members) for members in grouped.values())
+    most_work = sum(max(cost[j, m] for m in modes) for j in range(count)) + sum(action_cost.values())
+    unit = max(1, math.ceil(most_work * (most_changed + 1) / OBJECTIVE_LIMIT))
+    work = sum(math.ceil(cost[j, m] / unit) * pick[j, m] for j in range(count) for m in modes)
+    work += sum(math.ceil(action_cost[a] / unit) * act[a] for a in act)
     changed = sum(changes(m) * pick[j, m] for j in range(count) for m in modes)
     changed += sum((1 + members.index(a)) * act[a] for members in grouped.values() for a in members)
-    most_changed = count * max(changes(m) for m in modes) + sum(len(members) for members in grouped.values())
     model.Minimize((most_changed + 1) * work + changed)
     # 6. The hint, where given: its layers' modes, their contexts and its actions.
     if hint is not None:
@@ -147,16 +159,16 @@ def choose_modes(
     solver.parameters.linearization_level = 2  # the LP of every constraint: on 32 alike layers of 8 modes it proves
     #                                             or bounds within a FLOP what level 1 left at a bound of 0 in 10 s
     status = solver.Solve(model)
+    if status == cp_model.MODEL_INVALID:  # a defect here, never "no answer in the time limit"
+        raise ChooseError(f"CP-SAT refused the model: {model.Validate()}")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return Choice(None, None, None, "infeasible" if status == cp_model.INFEASIBLE else "unknown")
     assignment = tuple(next(m for m in modes if solver.Value(pick[j, m])) for j in range(count))
     actions = tuple(a for a in act if solver.Value(act[a]))
     added = work_of(assignment, actions, cost, action_cost)
-    least = (
-        added
-        if status == cp_model.OPTIMAL
-        else min(added, math.ceil(solver.BestObjectiveBound()) // (most_changed + 1))
-    )
+    bound = math.ceil(solver.BestObjectiveBound()) // (most_changed + 1)  # in units, each term rounded up (< 1 each)
+    rounded = 0 if unit == 1 else count + len(act)
+    least = added if status == cp_model.OPTIMAL and unit == 1 else min(added, max(0, bound - rounded) * unit)
     return Choice(
         assignment,
         terms.peak(assignment, actions),
