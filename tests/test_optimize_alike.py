@@ -12,8 +12,17 @@ import pytest
 import torch
 
 from memplan.modes import AS_BUILT
-from memplan.planner.jobs.optimize import OptimizeError, OptimizeOptions, every_layer, model_layers, optimize, step_of
+from memplan.planner.jobs.optimize import (
+    OptimizeError,
+    OptimizeOptions,
+    every_layer,
+    measure_batch,
+    model_layers,
+    optimize,
+    step_of,
+)
 from memplan.planner.optimize.alike import EDGE, alike_terms, layers_alike, walks_to_trace
+from memplan.planner.optimize.choose import choose_modes
 from memplan.planner.optimize.terms import assignments_to_trace, memory_terms, owner_of
 from memplan.planner.problem import align_up
 from memplan.step import StepSpec
@@ -140,3 +149,18 @@ def test_optimize_measures_alike_layers_on_walks_and_its_choice_fits(alike):
 def test_offloading_modes_without_a_host_link_are_refused_before_any_trace(alike):
     with pytest.raises(OptimizeError, match="host link"):
         OptimizeOptions(alike.opts.step, 1 << 30, modes=MODES)
+
+
+def test_work_at_an_h100s_scale_is_chosen_as_at_a_cpus(alike):
+    """Costs a billion times larger (a host optimizer's 72 s at an H100's rate is 7e16 FLOPs): CP-SAT counts work in
+    coarser units then, and answers as at 1x; it refused such a model before, which read as no answer."""
+    options = OptimizeOptions(alike.opts.step, 1 << 40, capture="real", modes=MODES, host_bandwidth=BANDWIDTH)
+    measured = measure_batch(options, alike.layers, 2, False, lambda _: None)
+    memory = measured.terms.peak(every_layer(alike.layers, "tempo")) - 64 * 1024  # tempo alone does not fit
+    scale = 10**9
+    small = choose_modes(measured.terms, measured.cost, memory, (), 10, measured.action_cost)
+    large = choose_modes(measured.terms, {k: v * scale for k, v in measured.cost.items()}, memory, (), 10,
+                         {a: v * scale for a, v in measured.action_cost.items()})  # fmt: skip
+    assert small.status == "optimal" and large.status in ("optimal", "feasible")
+    assert (large.assignment, large.actions) == (small.assignment, small.actions)
+    assert large.work == small.work * scale and large.least_work <= large.work
