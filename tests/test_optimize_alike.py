@@ -164,3 +164,27 @@ def test_work_at_an_h100s_scale_is_chosen_as_at_a_cpus(alike):
     assert small.status == "optimal" and large.status in ("optimal", "feasible")
     assert (large.assignment, large.actions) == (small.assignment, small.actions)
     assert large.work == small.work * scale and large.least_work <= large.work
+
+
+def test_a_plan_above_the_models_peak_narrows_the_memory_of_the_next_choice(alike, monkeypatch):
+    """Plans that take 1 MiB beyond their peak (a packing that leaves room, as near a full GPU): the first choice
+    is rejected by its trace, and the next is asked for the memory less what it took beyond the model's peak, so
+    it fits at once rather than after its neighbours are cut one by one."""
+    import memplan.planner.jobs.optimize as optimize_job
+
+    room, measure = 1 << 20, optimize_job.measure
+
+    class Roomy:
+        def __init__(self, measurement):
+            self.measurement = measurement
+
+        def figures(self):
+            return {**self.measurement.figures(), "plan_arena": self.measurement.figures()["plan_arena"] + room}
+
+    monkeypatch.setattr(optimize_job, "measure", lambda *args, **kwargs: Roomy(measure(*args, **kwargs)))
+    memory = traced_peak(alike(every_layer(alike.layers, "tempo"))) - (1 << 18)
+    result = optimize(OptimizeOptions(alike.opts.step, memory, capture="real", time_limit=5, actions=False,
+                                      modes=MODES, host_bandwidth=BANDWIDTH))  # fmt: skip
+    assert len(result.rejected) == 1 and result.rejected[0].plan_arena > memory
+    margin = result.rejected[0].plan_arena - result.rejected[0].predicted_peak
+    assert result.chosen.fits and result.chosen.predicted_peak <= memory - margin

@@ -445,10 +445,14 @@ def choose(measured: Measured, memory: int, excluded=(), time_limit: float = 10.
 
 def choose_and_verify(opts, layers, measured: Measured, fake: bool, progress) -> tuple[Choice, Candidate | None, list]:
     """CP-SAT's choice at the measured batch, traced; a choice whose plan does not fit is cut and CP-SAT asked
-    again, at most VERIFY_ROUNDS times."""
+    again, for the memory less the most a cut plan took beyond the model's peak, at most VERIFY_ROUNDS times."""
     rejected: list[Candidate] = []
     for _ in range(VERIFY_ROUNDS):
-        choice = choose(measured, opts.memory, [(c.assignment, c.actions) for c in rejected], opts.time_limit)
+        # a plan packs the peak's buffers with some room left over: the most a rejected one needed beyond the
+        # model's peak is asked of the rest too, so near the memory CP-SAT does not offer its neighbours one by one
+        margin = max([c.plan_arena - c.predicted_peak for c in rejected] + [0])
+        excluded = [(c.assignment, c.actions) for c in rejected]
+        choice = choose(measured, opts.memory - margin, excluded, opts.time_limit)
         if choice.assignment is None:
             return choice, None, rejected
         chosen = trace_candidate(
