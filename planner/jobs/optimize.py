@@ -335,6 +335,7 @@ def measure_batch(
     offered action's trace (an optimizer choice's from an `earlier` batch's measurement, if any)."""
     rates = step_rates(opts.step.dtype, opts.step.gpu, opts.host_bandwidth)
     modes, notes = offered_modes(opts, rates)
+    traces: dict[tuple[Assignment, tuple[Action, ...]], Trace] = {}  # every trace taken, by assignment and actions
 
     def trace_all(assignments: list[Assignment], what: str) -> dict[Assignment, Trace]:
         progress(f"[batch {batch}] tracing {len(assignments)} assignments: {what}")
@@ -343,7 +344,6 @@ def measure_batch(
         return traced
 
     # 1. Every layer in each mode (as-built too: the actions' deltas are taken against it).
-    traces: dict[tuple[Assignment, tuple[Action, ...]], Trace] = {}
     uniform = trace_all([every_layer(layers, m) for m in dict.fromkeys([*modes, AS_BUILT])], "every layer in a mode")
     offered = {a: trace for a, trace in uniform.items() if set(a) <= set(modes)}
     # 2. The contexts of distinct modes: walks where the layers are alike and walks are fewer, else alternating pairs.

@@ -137,8 +137,9 @@ def alike_terms(traces: dict[Assignment, Trace], layers: tuple[str, ...], alignm
     segments: tuple[Segment, ...] = ()
     # 1. Every trace's bytes, by relation and context.
     for assignment, trace, everything_but, held in measure_all(traces, layers, alignment):
-        segments = segments or tuple(everything_but)
-        orders = phase_orders(segments, count)
+        if not segments:  # every trace has the first's (measure_all checks)
+            segments = tuple(everything_but)
+            orders = phase_orders(segments, count)
         around = contexts(assignment)
         spans[assignment] = prefix_spans(trace, layers, alignment)
         for segment, value in everything_but.items():
@@ -151,7 +152,6 @@ def alike_terms(traces: dict[Assignment, Trace], layers: tuple[str, ...], alignm
                 held_by[key] = max(held_by.get(key, 0), value)
     # 2. Every layer's terms in every context, from the relation's (or, not shown, the mode's most).
     modes = tuple(dict.fromkeys(m for assignment in traces for m in assignment))
-    orders = phase_orders(segments, count)
 
     def shown(where: Relation, context: Context) -> Bytes:
         if (where, context) in held_by:

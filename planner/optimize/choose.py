@@ -27,9 +27,8 @@ from memplan.modes import BASELINE, mode
 from memplan.planner.optimize.terms import PREFIX, Action, Assignment, Bytes, Context, MemoryTerms, Mode, owner_of
 
 Flops = int  # work: FLOPs, or seconds at the device's FLOP rate
-OBJECTIVE_LIMIT = (
-    2**50
-)  # the most the objective may reach: CP-SAT's integers are 64-bit, its LP's doubles exact to 2^53
+# the most the objective may reach: CP-SAT's integers are 64-bit, its LP's doubles exact to 2^53
+OBJECTIVE_LIMIT = 2**50
 
 
 class ChooseError(MemplanError):
