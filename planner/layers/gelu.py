@@ -1,9 +1,9 @@
 """Tempo's in-place GELU: keeps the output and a 1-byte branch mask instead of the input.
 
-Backward recovers the input from the output on the branch the mask names (left or right of GELU's
-minimum x*) with the inverse tables of `inverse.py`, and evaluates the exact derivative there with
-torch's own GELU backward. Tempo's published kernel used piecewise polynomials instead, with a sign
-error and fp32 cancellation (REFERENCE §2). Both the erf form (BERT) and the tanh form (GPT-2) are
+Backward reads the derivative at the input whose output it kept, on the branch the mask names (left or
+right of GELU's minimum x*), from the tables of `inverse.py`: the input found by bisection and torch's
+own GELU backward there, in float64, once. Tempo's published kernel used piecewise polynomials instead,
+with a sign error and fp32 cancellation (REFERENCE §2). Both the erf form (BERT) and the tanh form (GPT-2) are
 handled; fp32, bf16 and fp16 recover in fp32.
 """
 

@@ -1,11 +1,13 @@
 """Recover an activation's input from its output, so a layer can keep the output instead of the input.
 
 Serves activations with one minimum x* whose left branch tends to 0⁻ (GELU in both forms, SiLU): a
-1-byte mask (x ≥ x*) names the branch, and tables of the inverse built once in float64 by bisection
-give x back. Near the minimum the inverse is smooth in the signed s = ±sqrt(y - y*), in the far left
-tail it is smooth in log(-y), so linear interpolation recovers x to about 1e-6. Backward then
-evaluates torch's own derivative at the recovered x, chunk by chunk, so its temporaries stay within
-one activation's bytes.
+1-byte mask (x ≥ x*) names the branch, and tables built once in float64 by bisection give x back, and
+the derivative f'(x) there. Near the minimum both are smooth in the signed s = ±sqrt(y - y*); in the
+far left tail they are smooth in log(-y), which the bit pattern of |y| follows piecewise linearly
+(exponent and mantissa), so the tail tables are uniform in those bits and a lookup needs no logarithm.
+Linear interpolation recovers x to about 1e-6. Backward reads the derivative from its table (no
+erf or exp per element), in one fused kernel or chunk by chunk, its temporaries within one
+activation's bytes.
 """
 
 from __future__ import annotations
@@ -21,59 +23,62 @@ from torch._guards import detect_fake_mode
 
 from memplan.planner.layers import fusion
 
-TINY = 2.0**-149  # the smallest positive fp32 number (a subnormal): the tail table reaches every fp32 output
-LOG_Y_MIN = math.log(TINY)
+TINY = 2.0**-149  # the smallest positive fp32 number (a subnormal, bit pattern 1): the tail reaches every output
+MANTISSA = 2**23  # fp32 bit patterns per octave (the mantissa's range)
+TAIL_STEP = MANTISSA // 64  # bit patterns between tail entries: 64 an octave, one on each octave's first number
 MAIN_POINTS = 8192
 TAIL_POINTS = 8192
 BISECTION_STEPS = 80
-WORK_BYTES = 32  # bytes per element a chunk's temporaries may hold at once (measured: 20 for fp32, 24 for bf16)
+WORK_BYTES = 32  # bytes per element a chunk's temporaries may hold at once (measured: 17 for fp32, 21 for bf16)
 
 
 @dataclass(frozen=True)
 class InverseTables:
-    """An activation's minimum (x*, y*) and the two uniform interpolation tables of its inverse, as fp32,
-    stored end to end in `joined` so one lookup serves both."""
+    """An activation's minimum (x*, y*) and its uniform interpolation tables as fp32: a main one over the signed
+    s = ±sqrt(y - y*) and a tail one over the bit pattern of |y| on the left branch, stored end to end so that one
+    lookup serves both; one pair for the inverse, one for the derivative."""
 
     x_min: float
     y_min: float
-    main_start: float  # signed s of the main table's first entry (left branch at y_tail)
+    main_start: float  # signed s of the main tables' first entry (left branch at y_tail)
     main_step: float
-    tail_step: float
-    joined: torch.Tensor  # the main table, then the tail table
+    tail_step: float  # bit patterns of |y| from one tail entry to the next (TAIL_STEP; the first entry at 0)
+    joined: torch.Tensor  # x - y: the main table, then the tail table (0 past the main's end, where x = y)
+    derivative: torch.Tensor  # f'(x) at the main table's entries, then f'(x)/y at the tail's (smooth there)
 
     @property
     def main(self) -> torch.Tensor:
-        """x - y at s = main_start + i·main_step, s = ±sqrt(y - y*); 0 past the end, where x = y."""
+        """x - y at s = main_start + i·main_step; 0 past the end, where x = y."""
         return self.joined[:MAIN_POINTS]
 
     @property
     def tail(self) -> torch.Tensor:
-        """x - y at log(-y) = LOG_Y_MIN + i·tail_step, up to log(-y_tail)."""
+        """x - y at |y| of bit pattern i·tail_step (TINY for i = 0); read up to the entry after |y_tail|."""
         return self.joined[MAIN_POINTS:]
 
 
 @dataclass(frozen=True)
 class Activation:
-    """An activation with one minimum whose left branch tends to 0⁻, and the tables of its inverse
-    (built when the activation is made: make it at import, outside fake tensors)."""
+    """An activation with one minimum whose left branch tends to 0⁻, and the tables of its inverse and its
+    derivative (built when the activation is made: make it at import, outside fake tensors)."""
 
     name: str
     function: Callable[[torch.Tensor], torch.Tensor]  # torch's forward, any dtype (float64 builds the tables)
     function_inplace: Callable[[torch.Tensor], torch.Tensor]  # the same, written over its argument
     backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # torch's backward op: (grad, x) -> grad·f'(x)
     y_linear: float  # from this output on f(x) = x in fp32: the main table ends there
-    y_tail: float  # left-branch outputs in (y_tail, 0) use the log(-y) table
+    y_tail: float  # left-branch outputs in (y_tail, 0) use the tail tables
     x_far: float  # far enough left that |f(x)| < TINY in float64: the left end of every bisection
     tables: InverseTables = field(init=False, repr=False, compare=False)
     fused_gradient: fusion.Fused = field(init=False, repr=False, compare=False)  # `gradient_math`, its own kernels
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tables", build_tables(self))
-        # The table lookups' indices are clamped into the table (`recovered`): no bounds check per element, which
+        # The table lookups' indices are clamped into the table (`positions`): no bounds check per element, which
         # costs the CPU kernel a third of its time.
         kernel = fusion.fused(rounded_gradient, assert_indirect_indexing=False)
         object.__setattr__(self, "fused_gradient", kernel)
-        TABLES.append(self.tables.joined)
+        TABLES.extend([self.tables.joined, self.tables.derivative])
 
 
 def invert(activation: Activation, y: torch.Tensor, lo: float, hi: float, increasing: bool) -> torch.Tensor:
@@ -95,32 +100,51 @@ def locate_minimum(activation: Activation) -> float:
     return float(0.5 * (lo + hi))
 
 
+def bits_of(value: float) -> int:
+    """The bit pattern of a positive fp32 number, as an integer (monotonic in the number)."""
+    return int(torch.tensor(value, dtype=torch.float32).view(torch.int32))
+
+
+def value_of_bits(bits: torch.Tensor) -> torch.Tensor:
+    """The positive number of (fractional) fp32 bit patterns, in float64: linear in the bits within an octave,
+    as a kernel's position in the tail table is (subnormals below 2^-126, where the exponent field is 0)."""
+    octave, mantissa = torch.div(bits, MANTISSA, rounding_mode="floor"), torch.remainder(bits, MANTISSA) / MANTISSA
+    normal = (1.0 + mantissa) * torch.exp2(octave - 127.0)
+    return torch.where(octave > 0, normal, mantissa * 2.0**-126)
+
+
 def build_tables(activation: Activation) -> InverseTables:
-    """Locate the minimum and tabulate the inverse on both branches, in float64.
+    """Locate the minimum and tabulate the inverse and the derivative on both branches, in float64.
 
     1. x* by bisection on the sign of f'; y* = f(x*).
-    2. Main table: s uniform from the left branch at y_tail to the right branch at y_linear, y = y* + s².
-    3. Tail table: log(-y) uniform from LOG_Y_MIN to log(-y_tail), on the left branch.
-    Both hold x - y, so one interpolation and one addition of y give x.
+    2. Main tables: s uniform from the left branch at y_tail to the right branch at y_linear, y = y* + s²;
+       x - y (one interpolation and one addition of y give x) and f'(x).
+    3. Tail tables: the bit pattern of |y| uniform from 0 in TAIL_STEPs, an entry on each octave's first number
+       (the bits follow log|y| piecewise linearly, with a kink there), on the left branch between TINY and y_tail;
+       x - y and f'(x)/y, which is smooth where f'(x) itself falls through every octave with y.
     """
     x_min = locate_minimum(activation)
     y_min = float(activation.function(torch.tensor(x_min, dtype=torch.float64)))
     s_start, s_end = -math.sqrt(activation.y_tail - y_min), math.sqrt(activation.y_linear - y_min)
     s = torch.linspace(s_start, s_end, MAIN_POINTS, dtype=torch.float64)
-    y = y_min + s * s
-    right = invert(activation, y, x_min, activation.y_linear + 1.0, increasing=True)
-    left = invert(activation, y, activation.x_far, x_min, increasing=False)
-    main = torch.where(s >= 0, right, left) - y
-    log_y = torch.linspace(LOG_Y_MIN, math.log(-activation.y_tail), TAIL_POINTS, dtype=torch.float64)
-    y = -torch.exp(log_y)
-    tail = invert(activation, y, activation.x_far, x_min, increasing=False) - y
+    y_main = y_min + s * s
+    right = invert(activation, y_main, x_min, activation.y_linear + 1.0, increasing=True)
+    left = invert(activation, y_main, activation.x_far, x_min, increasing=False)
+    x_main = torch.where(s >= 0, right, left)
+    if bits_of(-activation.y_tail) >= (TAIL_POINTS - 1) * TAIL_STEP:
+        raise ValueError(f"{activation.name}: y_tail {activation.y_tail} is past the tail table's end")
+    bits = torch.arange(TAIL_POINTS, dtype=torch.float64) * TAIL_STEP
+    y_tail = -value_of_bits(bits).clamp(TINY, -y_min)  # past y*, the left branch's end: entries never read
+    x_tail = invert(activation, y_tail, activation.x_far, x_min, increasing=False)
+    slope = lambda x: activation.backward(torch.ones_like(x), x)  # noqa: E731 - f'(x), torch's own op
     return InverseTables(
         x_min,
         y_min,
         s_start,
         (s_end - s_start) / (MAIN_POINTS - 1),
-        (math.log(-activation.y_tail) - LOG_Y_MIN) / (TAIL_POINTS - 1),
-        torch.cat([main, tail]).float(),
+        float(TAIL_STEP),
+        torch.cat([x_main - y_main, x_tail - y_tail]).float(),
+        torch.cat([slope(x_main), slope(x_tail) / y_tail]).float(),
     )
 
 
@@ -143,8 +167,8 @@ def shared_tables() -> list[torch.Tensor]:
 
 
 def table_on(activation: Activation, which: str, device: torch.device) -> torch.Tensor:
-    """One of `activation`'s tables ("joined", "main" or "tail") on `device`, copied there once; under fake
-    tensors once per fake mode, so a fake copy never outlives its mode or reaches a real step."""
+    """One of `activation`'s tables ("joined", "derivative", "main" or "tail") on `device`, copied there once;
+    under fake tensors once per fake mode, so a fake copy never outlives its mode or reaches a real step."""
     mode = detect_fake_mode()
     if mode is None:
         return _copied(activation, which, device)
@@ -163,35 +187,43 @@ def interpolate(table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return low.addcmul_(frac, table.index_select(0, index.add_(1)).sub_(low))
 
 
-def recover_chunk(y: torch.Tensor, right: torch.Tensor, activation: Activation) -> torch.Tensor:
-    """The input x (fp32) with f(x) = y for a flat chunk, on the right branch (x ≥ x*) where `right` is set,
-    else the left (see `recovered`)."""
-    return recovered(y, right, table_on(activation, "joined", y.device), activation.tables)
-
-
-def recovered(y: torch.Tensor, right: torch.Tensor, table: torch.Tensor, t: InverseTables) -> torch.Tensor:
-    """The input x (fp32) with f(x) = y, from the joined `table` of tables `t`; reads y and right, writes only
-    its own tensors (so torch.compile fuses it whole).
+def positions(y: torch.Tensor, right: torch.Tensor, t: InverseTables) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each output's fractional position in the joined tables of `t`, and whether it lies in the tail (a left
+    output nearer zero than y_tail): y as fp32, `right` as 1 byte an element (x ≥ x*). Reads y and right, writes
+    only its own tensors (so torch.compile fuses it whole).
 
     In-place ops throughout and no data-dependent selection, so fake tensors trace it as it runs:
-    1. the main table's position from the signed s = ±sqrt(y - y*);
-    2. the tail table's position from log(-y) (every element: a select would depend on the data; log|y| where y is
-       positive, a right-branch output whose tail position is never used);
-    3. left outputs nearer zero than y_tail lie before the main table: they take the tail position;
-    4. interpolate x - y in the joined table and add y back.
+    1. the main tables' position from the signed s = ±sqrt(y - y*);
+    2. the tail tables' position from the bit pattern of |y| (every element: a select would depend on the data;
+       past the tail's end where y is a right-branch output, whose tail position is never used);
+    3. left outputs nearer zero than y_tail lie before the main tables: they take the tail position. Positions are
+       clamped into the tables by comparisons, so a NaN output takes the main's last entry, not an index out of
+       bounds (a NaN's integer conversion is undefined; `nan_to_num` runs element by element on a CPU).
     """
-    y = y.float()
     s = torch.sub(y, t.y_min).clamp_(min=0.0).sqrt_()
     s.neg_().addcmul_(s, right, value=-2.0)  # -s + 2s·right: the sign of the branch
     main = s.sub_(t.main_start).div_(t.main_step)
-    # log|y|, not log(max(-y, TINY)): where y > 0 (never before the main table) the logarithm of a normal number
-    # instead of the subnormal TINY, which a CPU computes many times slower.
-    tail = y.neg().abs_().clamp_(min=TINY).log_().sub_(LOG_Y_MIN).div_(t.tail_step)
-    tail.clamp_(0.0, TAIL_POINTS - 1.001).add_(MAIN_POINTS)
+    bits = y.abs().view(torch.int32).float()  # |y|'s bit pattern: 0 for zero, 1 for TINY
+    tail = bits.div_(t.tail_step).clamp_(max=TAIL_POINTS - 1.001).add_(MAIN_POINTS)
     before = main < 0
-    pos = torch.where(before, tail, main.clamp_(max=MAIN_POINTS - 1.001), out=main).nan_to_num_(0.0)
-    del tail, before  # freed before the lookup's own temporaries
-    return interpolate(table, pos).add_(y)
+    last = MAIN_POINTS - 1.001
+    beyond = (main < last).logical_not_()  # past the main's end, or NaN
+    position = main.masked_fill_(beyond, last)
+    del beyond
+    return torch.where(before, tail, position, out=main), before
+
+
+def recovered(y: torch.Tensor, right: torch.Tensor, table: torch.Tensor, t: InverseTables) -> torch.Tensor:
+    """The input x (fp32) with f(x) = y, from the joined inverse `table` of tables `t` (see `positions`)."""
+    y = y.float()
+    position, _ = positions(y, right, t)
+    return interpolate(table, position).add_(y)
+
+
+def recover_chunk(y: torch.Tensor, right: torch.Tensor, activation: Activation) -> torch.Tensor:
+    """The input x (fp32) with f(x) = y for a flat chunk, on the right branch (x ≥ x*) where `right` is set,
+    else the left."""
+    return recovered(y, right.view(torch.uint8), table_on(activation, "joined", y.device), activation.tables)
 
 
 def gradient_math(
@@ -201,17 +233,22 @@ def gradient_math(
     factor: torch.Tensor | None,
     table: torch.Tensor,
     t: InverseTables,
-    backward: Callable,
 ) -> torch.Tensor:
-    """grad·factor·f'(x) in fp32 (factor None: grad alone), x recovered from the flat output y: the backward of an
-    in-place activation as one pure function of a chunk (x first, then the product, freed once in fp32)."""
-    x = recovered(y, right, table, t)
-    return backward((grad if factor is None else grad * factor).float(), x)
+    """grad·factor·f'(x) in fp32 (factor None: grad alone) at the x whose output is y, from the derivative
+    `table` of tables `t`: the backward of an in-place activation as one pure function of a chunk. `right` is
+    1 byte an element (a bool mask viewed as uint8, which a CPU kernel loads as bytes, not lane by lane)."""
+    y = y.float()
+    position, before = positions(y, right, t)
+    slope = interpolate(table, position)
+    slope.mul_(torch.where(before, y, 1.0))  # the tail holds f'(x)/y
+    del position, before
+    product = grad if factor is None else grad * factor
+    return slope.mul_(product)
 
 
-def rounded_gradient(y, right, grad, factor, table, t: InverseTables, backward: Callable) -> torch.Tensor:
+def rounded_gradient(y, right, grad, factor, table, t: InverseTables) -> torch.Tensor:
     """`gradient_math` rounded to grad's dtype: what one fused kernel computes over a whole tensor."""
-    return gradient_math(y, right, grad, factor, table, t, backward).to(grad.dtype)
+    return gradient_math(y, right, grad, factor, table, t).to(grad.dtype)
 
 
 def spans(numel: int, element_size: int) -> Iterator[slice]:
@@ -238,23 +275,20 @@ def input_gradient(
     grad: torch.Tensor,
     factor: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """grad·factor·f'(x) shaped like y, in grad's dtype (factor None: grad alone), x recovered from the output y:
+    """grad·factor·f'(x) shaped like y, in grad's dtype (factor None: grad alone), at the x whose output is y:
     one fused kernel over the whole tensor where `fusion.runs_fused` allows, else eagerly chunk by chunk, the
     chunks' temporaries within one activation's bytes."""
     shape = y.shape
-    y, right, grad = y.reshape(-1), right.reshape(-1), grad.reshape(-1)
+    y, right, grad = y.reshape(-1), right.reshape(-1).view(torch.uint8), grad.reshape(-1)
     factor = None if factor is None else factor.reshape(-1)
-    table = table_on(activation, "joined", y.device)
+    table = table_on(activation, "derivative", y.device)
     operands = [y, right, grad, table] + ([] if factor is None else [factor])
     if fusion.runs_fused(operands):
-        kernel = activation.fused_gradient
-        return kernel.run(y, right, grad, factor, table, activation.tables, activation.backward).view(shape)
+        return activation.fused_gradient.run(y, right, grad, factor, table, activation.tables).view(shape)
     grad_input = torch.empty(y.shape, dtype=grad.dtype, device=grad.device)
     for span in spans(y.numel(), y.element_size()):
         part = None if factor is None else factor[span]
-        grad_input[span] = gradient_math(
-            y[span], right[span], grad[span], part, table, activation.tables, activation.backward
-        )
+        grad_input[span] = gradient_math(y[span], right[span], grad[span], part, table, activation.tables)
     return grad_input.view(shape)
 
 

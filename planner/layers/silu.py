@@ -1,8 +1,8 @@
 """Tempo's in-place SiLU: keeps the output and a 1-byte branch mask instead of the input.
 
 SiLU(x) = x·sigmoid(x) has one minimum (x* ≈ -1.2785) and a left branch tending to 0⁻, like GELU:
-backward recovers the input from the output with the inverse tables of `inverse.py` and evaluates
-torch's own SiLU backward there. fp32, bf16 and fp16 recover in fp32.
+backward reads the derivative at the kept output from the tables of `inverse.py` (torch's own SiLU
+backward at the inverse, in float64, once). fp32, bf16 and fp16 recover in fp32.
 """
 
 from __future__ import annotations
