@@ -86,8 +86,8 @@ class OptimizeOptions:
         object.__setattr__(self, "step", self.step.on_gpu(self.gpu))
         offloading = [name for name in self.modes or () if mode(name).offloads]
         if offloading and self.gpu is None and self.host_bandwidth is None:
-            raise OptimizeError(f"--modes {', '.join(offloading)}: an offloading mode's cost is the host link's; "
-                                "name a GPU (--gpu) or give --host-bandwidth")  # fmt: skip
+            reason = needs_host_link("an offloading mode's")
+            raise OptimizeError(f"--modes {', '.join(offloading)}: {reason}")
         memory, budget = device_memory(self.memory, self.gpu, self.step)
         object.__setattr__(self, "memory", memory)
         object.__setattr__(self, "budget", budget)
@@ -229,6 +229,11 @@ def step_of(
     )
 
 
+def needs_host_link(whose: str) -> str:
+    """Why a choice that moves bytes to the host is not offered: `whose` cost is the host link's, unknown."""
+    return f"{whose} cost is the host link's; name a GPU (--gpu) or give --host-bandwidth"
+
+
 def offered_modes(opts: OptimizeOptions, rates: Rates) -> tuple[tuple[str, ...], list[str]]:
     """The layer modes offered, and a note when the offloading modes are left out for want of a host link."""
     if opts.modes is not None:
@@ -236,8 +241,7 @@ def offered_modes(opts: OptimizeOptions, rates: Rates) -> tuple[tuple[str, ...],
     if not opts.actions:
         return OPTIMIZE_MODES, []
     if rates.host_bandwidth is None:
-        return OPTIMIZE_MODES, [f"{', '.join(OFFLOAD_MODES)} not offered: their cost is the host link's; name a "
-                                "GPU (--gpu) or give --host-bandwidth"]  # fmt: skip
+        return OPTIMIZE_MODES, [f"{', '.join(OFFLOAD_MODES)} not offered: {needs_host_link('their')}"]
     return OPTIMIZE_MODES + OFFLOAD_MODES, []
 
 
@@ -274,8 +278,7 @@ def offered_actions(opts: OptimizeOptions, rates: Rates) -> tuple[list[Action], 
     if opts.step.optimizer == AS_BUILT:
         for name in OPTIMIZERS:
             if name == ADAMW_HOST and rates.host_bandwidth is None:
-                notes.append(f"optimizer {name} not offered: its cost is the host link's; name a GPU (--gpu) or "
-                             "give --host-bandwidth")  # fmt: skip
+                notes.append(f"optimizer {name} not offered: {needs_host_link('its')}")
             elif name != AS_BUILT:
                 actions.append((OPTIMIZER, name))
     return actions, notes
