@@ -131,12 +131,17 @@ def build_tables(activation: Activation) -> InverseTables:
     right = invert(activation, y_main, x_min, activation.y_linear + 1.0, increasing=True)
     left = invert(activation, y_main, activation.x_far, x_min, increasing=False)
     x_main = torch.where(s >= 0, right, left)
-    if bits_of(-activation.y_tail) >= (TAIL_POINTS - 1) * TAIL_STEP:
-        raise ValueError(f"{activation.name}: y_tail {activation.y_tail} is past the tail table's end")
+    # a tail output's lookup reads up to the entry after |y_tail|'s: it must be in the table and on the left branch
+    if bits_of(-activation.y_tail) + TAIL_STEP >= min((TAIL_POINTS - 1) * TAIL_STEP, bits_of(-y_min)):
+        raise ValueError(f"{activation.name}: y_tail {activation.y_tail} leaves the tail table or the left branch")
     bits = torch.arange(TAIL_POINTS, dtype=torch.float64) * TAIL_STEP
     y_tail = -value_of_bits(bits).clamp(TINY, -y_min)  # past y*, the left branch's end: entries never read
     x_tail = invert(activation, y_tail, activation.x_far, x_min, increasing=False)
-    slope = lambda x: activation.backward(torch.ones_like(x), x)  # noqa: E731 - f'(x), torch's own op
+
+    def slope(x: torch.Tensor) -> torch.Tensor:
+        """f'(x), torch's own backward op."""
+        return activation.backward(torch.ones_like(x), x)
+
     return InverseTables(
         x_min,
         y_min,
@@ -149,7 +154,7 @@ def build_tables(activation: Activation) -> InverseTables:
 
 
 FAKE_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fake mode -> its copies of the tables
-TABLES: list[torch.Tensor] = []  # every activation's joined table (CPU, made at import)
+TABLES: list[torch.Tensor] = []  # every activation's tables (CPU, made at import)
 COPIES: dict[tuple[Activation, str, torch.device], torch.Tensor] = {}  # the real tables copied to a device
 
 
