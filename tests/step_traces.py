@@ -4,7 +4,8 @@ The step follows a real one's shape: parameters and optimizer state exist before
 forward pass keeps one activation per layer and frees a temporary, the backward pass frees the
 activations in reverse and allocates gradients, the optimizer allocates and frees temporaries.
 `bytes_by_category` totals any trace's bytes per category and `buffer_events` lists what fake and real
-traces of one step share, for tests that compare two traces.
+traces of one step share, for tests that compare two traces; `comparable` what a fake rank and a gloo rank share
+when gloo's threads time some frees.
 """
 
 from __future__ import annotations
@@ -113,3 +114,41 @@ def buffer_events(trace: Trace) -> list[tuple]:
         if trace.free[i] < trace.end and not trace.internal[i]:
             timed.append((int(trace.free[i]), labelled(i, -int(trace.size[i]))))
     return state + [event for _, event in sorted(timed)]
+
+
+GLOO_REDUCE_SCATTER = "c10d::_reduce_scatter_base_"  # gloo's own buffers: an all-reduce and a copy of the slice
+FSDP_COLLECTIVES = ("all_gather", "reduce_scatter")  # the op of FSDP2's collective buffers (traces/communication.py)
+
+
+def gloo_held(event: tuple) -> bool:
+    """A buffer a gloo collective works on: gloo's worker thread holds it until it takes its next work, so the
+    program's last reference may not be the last, and its free comes when that thread lets go (the recorder sees it
+    there). FSDP2's all-gather outputs and reduce-scatter inputs, a functional all-reduce's clone (tensor
+    parallelism's, forward and backward), or a reduce-scatter's input or output made in backward."""
+    size, op, module, phase, category = event
+    return (
+        op in FSDP_COLLECTIVES
+        or (op == "aten::clone" and module != "loss")
+        or (op == "aten::empty" and phase == "backward")
+    )
+
+
+def comparable(trace: Trace, gloo: bool = False) -> tuple[list[tuple], list[tuple]]:
+    """(every allocation in order with its size and labels, and the buffer events of the buffers no collective
+    holds, frees and categories included); on a gloo rank without gloo's own reduce-scatter buffers and CPU scalars.
+    A buffer's category follows its free (a temporary outlives its forward as an activation), so an allocation in
+    forward or backward is compared without it."""
+    events = buffer_events(trace)
+    if gloo:
+        events = [e for e in events if e[-1] != "unknown" and e[1] != GLOO_REDUCE_SCATTER]
+    allocated = [e if e[3] == "other" else e[:4] for e in events if e[0] > 0]
+    return allocated, [e for e in events if not gloo_held(e)]
+
+
+def unfreed_collective_buffers(trace: Trace) -> list[int]:
+    """Sizes of FSDP2's collective buffers made in the step and never freed in it (each is freed within its step)."""
+    return [
+        int(trace.size[i])
+        for i in range(len(trace))
+        if trace.op[i] in FSDP_COLLECTIVES and trace.alloc[i] > 0 and trace.free[i] == trace.end
+    ]

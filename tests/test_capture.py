@@ -4,6 +4,7 @@ determinism of the allocation sequence, and labels (phase, category, module, op)
 from __future__ import annotations
 
 import textwrap
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -340,3 +341,20 @@ def test_a_tied_parameter_and_its_optimizer_state_share_one_module_label(tmp_pat
     params = {m for c, m, _ in resident if c == "parameter"}
     state = {m for c, m, _ in resident if c == "optimizer"}
     assert params == state == {"model.emb", "model.body"}  # model.head holds nothing of its own
+
+
+def test_a_free_on_another_thread_is_recorded_where_it_happens():
+    """A storage whose last reference goes on another thread (as a gloo worker thread drops a collective's tensors
+    after the program dropped its own) is freed in the trace there, not kept alive to the step's end: that thread
+    reports to no memory reporter, so the recorder's wrapper of the CPU allocator reports the free itself."""
+    from memplan.traces.recorder import recording
+
+    with recording(torch.device("cpu")) as recorder:
+        recorder.begin_step()
+        held = [torch.empty(1000)]
+        worker = threading.Thread(target=held.clear)
+        worker.start()
+        worker.join()
+        torch.empty(2000)
+        events = recorder.end_step()
+    assert events.size.tolist() == [4000, -4000, 8000, -8000]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from step_traces import buffer_events, state_bytes
+from step_traces import comparable, state_bytes
 
 from memplan.planner.workloads.llama import PRESETS, Llama
 from memplan.step import StepSpec
@@ -22,7 +22,6 @@ FSDP2 = str(ROOT / "examples" / "llama_fsdp2.py")
 COLUMNS = ("attention.q", "attention.k", "attention.v", "mlp.gate", "mlp.up")  # split by output rows over tp
 ROWS = ("attention.o", "mlp.down")  # split by input columns over tp
 SCALARS = 16  # bytes of CPU scalars a gloo rank may hold beside the fake rank's buffers
-GLOO_REDUCE_SCATTER = "c10d::_reduce_scatter_base_"  # gloo's: an all-reduce and a copy of the slice, timed by threads
 
 
 def ranks(traced_ranks, nproc: int, fake: bool) -> list[Trace]:
@@ -85,23 +84,6 @@ def test_tp_splits_what_fsdp_alone_does_not(traced_ranks, monkeypatch):
     assert state_bytes(one_d)["parameter"] - state_bytes(two_d)["parameter"] == shard_bytes(model, 4, 1) - shard_bytes(
         model, 2, 2
     )
-
-
-def gloo_held(event: tuple) -> bool:
-    """A buffer a gloo collective works on, which gloo's threads may release late: a functional all-reduce's clone
-    (tensor parallelism's, forward and backward) or an FSDP2 reduce-scatter's input or output."""
-    size, op, module, phase, category = event
-    return (op == "aten::clone" and module != "loss") or (op == "aten::empty" and phase == "backward")
-
-
-def comparable(trace: Trace, gloo: bool = False) -> tuple[list[tuple], list[tuple]]:
-    """(every allocation in order with its size and labels, and the buffer events of the buffers no collective
-    holds, frees and categories included); on a gloo rank without its reduce-scatter's own buffers and scalars."""
-    events = buffer_events(trace)
-    if gloo:
-        events = [e for e in events if e[-1] != "unknown" and e[1] != GLOO_REDUCE_SCATTER]
-    allocated = [e if e[3] == "other" else e[:4] for e in events if e[0] > 0]
-    return allocated, [e for e in events if not gloo_held(e)]
 
 
 @pytest.mark.slow

@@ -79,7 +79,7 @@ def ddp_buckets(model: nn.Module) -> list[tuple[int, str]]:
 def name_buckets(buffers: list, buckets: list[tuple[int, str]]) -> None:
     """Label as `communication` the last-made unnamed buffer alive at the start (`alloc` 0, category unknown) of each
     bucket's size, with the DDP module's path and the op ALL_REDUCE: the latest, as a real rank may still hold the
-    buckets it replaced when it rebuilt them (a gloo thread's, released unseen)."""
+    buckets it replaced when it rebuilt them (a gloo thread's, released when that thread lets go)."""
     for size, module in buckets:
         for b in reversed(buffers):
             if b.alloc == 0 and b.category == "unknown" and b.size == size:

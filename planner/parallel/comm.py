@@ -28,9 +28,9 @@ def _collective(group, op, *tensors: torch.Tensor) -> None:
     """Run a blocking collective op(*tensors) on `group` and return only once the backend has let go of them.
 
     gloo runs collectives on its own worker threads, and a worker can hold the last reference to a
-    tensor for a moment after the collective completed; a tensor freed there is freed on a thread the
-    profiler does not record, and the trace would keep it live. So the collective gets fresh views
-    (their own TensorImpls, each counted by the storage) and this waits until those are gone.
+    tensor for a moment after the collective completed; a tensor freed there is freed when that thread
+    gets to it, not where the program dropped it. So the collective gets fresh views (their own
+    TensorImpls, each counted by the storage) and this waits until those are gone.
     """
     if dist.get_backend(group) != "gloo":
         op(*tensors)
@@ -75,8 +75,8 @@ def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     sums they drop) and may be overwritten.
 
     On gloo this is an in-place all-reduce of x followed by a copy of the slice: gloo's own
-    reduce-scatter leaves internal temporaries to its worker threads, freed where the profiler cannot
-    see them. Memory is the same as a reduce-scatter's (x, then the slice); the traffic is twice.
+    reduce-scatter leaves internal temporaries to its worker threads, freed when those threads get to
+    them. Memory is the same as a reduce-scatter's (x, then the slice); the traffic is twice.
     """
     t = world(group)
     if t == 1:

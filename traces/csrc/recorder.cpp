@@ -1,7 +1,8 @@
 // memplan's step recorder: every allocation and free of one device, labelled as it happens.
 //
 // Real tensors: the recorder is c10's memory reporter for the thread (the slot the profiler uses), so
-// the CPU allocator and CUDA's caching allocator call it synchronously with every allocation and free.
+// the CPU allocator and CUDA's caching allocator call it synchronously with every allocation and free; on CPU the
+// allocator is wrapped too, so that a free on a thread without the reporter (a process group's worker) is seen.
 // Fake tensors: a meta allocator that reports each storage's creation and death the same way.
 // Labels come from RecordFunction callbacks (the op as fake tensors see it: the outermost aten or c10d op
 // that is not a composite on the device; the autograd engine's evaluate_function record with the node's
@@ -20,6 +21,7 @@
 #include <ATen/record_function.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/csrc/profiler/orchestration/observer.h>
 #include <torch/extension.h>
@@ -446,6 +448,53 @@ struct Reporter final : public torch::profiler::impl::ProfilerStateBase {
   bool memoryProfilingEnabled() const override { return true; }
 };
 
+// Real CPU: a storage's last reference may be dropped on a thread that reports to no one. A process group's worker
+// thread holds a collective's work (and its tensors) until it takes the next one; when the program has already
+// dropped its own references (FSDP2's all-gather output after its copy-out), the free happens there. This wrapper of
+// the CPU allocator gives every storage of the default allocator a deleter that reports such a free itself.
+c10::DeleterFnPtr default_cpu_delete() {
+  static const c10::DeleterFnPtr deleter = c10::GetDefaultCPUAllocator()->raw_deleter();
+  return deleter;
+}
+
+// Whether this thread's frees reach the recorder through its Reporter (the capturing thread, the autograd engine's
+// threads, a process group's worker while it runs a collective under the program's thread-local state).
+bool reports_here() {
+  return dynamic_cast<Reporter*>(c10::ThreadLocalDebugInfo::get(c10::DebugInfoKind::PROFILER_STATE)) != nullptr;
+}
+
+// Recorded before the memory goes back, so no allocation can take its address first.
+void reporting_delete(void* ptr) {
+  if (!reports_here()) recorder().freed(reinterpret_cast<StorageKey>(ptr));
+  default_cpu_delete()(ptr);
+}
+
+class ReportingCPUAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override {
+    c10::DataPtr data = previous_->allocate(nbytes);
+    if (data.get() == data.get_context()) (void)data.compare_exchange_deleter(default_cpu_delete(), &reporting_delete);
+    return data;
+  }
+  c10::DeleterFnPtr raw_deleter() const override {
+    c10::DeleterFnPtr deleter = previous_->raw_deleter();
+    return deleter == default_cpu_delete() ? &reporting_delete : deleter;
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    previous_->copy_data(dest, src, count);
+  }
+  void set_previous(c10::Allocator* previous) { previous_ = previous; }
+  c10::Allocator* previous() const { return previous_; }
+
+ private:
+  c10::Allocator* previous_ = nullptr;
+};
+
+ReportingCPUAllocator& reporting_cpu_allocator() {
+  static ReportingCPUAllocator* a = new ReportingCPUAllocator();  // never destroyed: its storages may outlive it
+  return *a;
+}
+
 // The meta allocator behind fake tensors, reporting like a real one; data stays nullptr as meta's does,
 // and the storage's key rides in the DataPtr's context so its deleter can report the free.
 std::atomic<int64_t> next_meta_key{1};
@@ -584,10 +633,12 @@ struct Installed {
   bool reporter = false;
   at::CallbackHandle callback = 0;
   c10::Allocator* previous_meta = nullptr;
+  bool reporting_cpu = false;
 };
 Installed installed;
 
 constexpr uint8_t kMetaPriority = 100;  // above the built-in meta allocator's 0
+constexpr uint8_t kCPUPriority = 100;   // above the default CPU allocator's 0, as the plan allocator's
 
 void start(const std::string& device_type, int64_t device_index, bool fake) {
   TORCH_CHECK(!recorder().active(), "the step recorder is already recording");
@@ -600,6 +651,11 @@ void start(const std::string& device_type, int64_t device_index, bool fake) {
   } else {
     c10::ThreadLocalDebugInfo::_push(c10::DebugInfoKind::PROFILER_STATE, std::make_shared<Reporter>());
     installed.reporter = true;
+    if (type == c10::DeviceType::CPU) {
+      reporting_cpu_allocator().set_previous(c10::GetCPUAllocator());
+      c10::SetCPUAllocator(&reporting_cpu_allocator(), kCPUPriority);
+      installed.reporting_cpu = true;
+    }
   }
   checks_reads = !fake;
   installed.callback = at::addThreadLocalCallback(
@@ -615,6 +671,8 @@ void stop() {
   if (installed.callback) at::removeCallback(installed.callback);
   if (installed.reporter) c10::ThreadLocalDebugInfo::_pop(c10::DebugInfoKind::PROFILER_STATE);
   if (installed.previous_meta) c10::SetAllocator(c10::DeviceType::Meta, installed.previous_meta, kMetaPriority);
+  if (installed.reporting_cpu && c10::GetCPUAllocator() == &reporting_cpu_allocator())
+    c10::SetCPUAllocator(reporting_cpu_allocator().previous(), kCPUPriority);
   installed = Installed{};
   this_thread = ThreadState{};
 }
