@@ -655,6 +655,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("step_events", []() { return recorder().step_events(); },
         "Events of the step so far that the trace keeps (call between ops)");
   m.def("storage_key", &storage_key);
+  m.def("storage_nbytes", [](const at::Tensor& t) { return static_cast<int64_t>(t.storage().nbytes()); },
+        "The bytes of a tensor's storage, read without making the storage a Python object (which, once made, holds "
+        "a reference to it for good)");
+  m.def("share_storage", [](at::Tensor& self, const at::Tensor& source, int64_t offset, std::vector<int64_t> sizes,
+                            std::vector<int64_t> strides) { self.set_(source.storage(), offset, sizes, strides); },
+        "self.set_(source's storage, offset, sizes, strides), the storage never made a Python object");
   m.def("accumulating", []() {
     const ThreadState& t = this_thread;
     return !t.nodes.empty() && t.applying == 0 && t.ops.size() == 1 && std::strcmp(t.ops.back().name, "aten::add") == 0;
