@@ -50,6 +50,7 @@ from collections import Counter
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import (
+    _DISPATCH_META_HANDLERS,
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensor,
@@ -332,6 +333,7 @@ def _dropout_mask_first(x: torch.Tensor, p: float, train: bool | None = None) ->
     return x.device.type == "cuda" and train is not False and p != 1 and x.numel() > 0
 
 
+DEVICE = torch.ops.prim.device.default
 # torch.distributed's functional collectives (DTensor's redistributions, tensor parallelism's all-reduces)
 FUNCTIONAL_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 FUNCTIONAL_WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -399,6 +401,8 @@ class FakeCapture(ExactCache):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is DEVICE:  # C++ asking a fake tensor its device (the autograd engine, for each gradient)
+            return _DISPATCH_META_HANDLERS[func](args)  # answered as FakeTensorMode answers it, first of all
         if func.overloadpacket in RANDOM_FILLS:
             forget(args[0])
             return args[0]

@@ -15,6 +15,7 @@ tests/test_fake_cache.py that a hit and a miss leave the same counts.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch._subclasses import fake_tensor
@@ -30,11 +31,57 @@ from torch._subclasses.fake_tensor import (
 from memplan.traces.recorder import Recorder
 
 
+@dataclass(slots=True)
+class StridedMetadata(TensorMetadata):
+    """TensorMetadata of a dense strided tensor with sizes of plain ints, flattened into a cache key as one tuple
+    (FakeTensorMode flattens it field by field, each size through its walk of an op's arguments: most of a lookup's
+    time); its memory format is left out, as it follows from the sizes and strides."""
+
+    def _flatten_into(self, result: list, mode: FakeTensorMode, state) -> None:
+        result.append(StridedMetadata)  # a class no op argument is: never equal to FakeTensorMode's flattening
+        result.append(
+            (
+                self.dtype,
+                self.shape,
+                self.stride,
+                self.device,
+                self.storage_offset,
+                self.storage_bytes,
+                self.requires_grad,
+                self.is_quantized,
+                self.is_conj,
+                self.is_neg,
+                self.is_inference,
+            )
+        )
+
+
 def metadata(storage_nbytes: Callable[[torch.Tensor], int]) -> Callable[[torch.Tensor], TensorMetadata]:
-    """fake_tensor.extract_tensor_metadata with the storage's size from `storage_nbytes` (read in C++)."""
+    """fake_tensor.extract_tensor_metadata with the storage's size from `storage_nbytes` (read in C++), a dense
+    strided tensor's as StridedMetadata."""
 
     def extract_tensor_metadata(t: torch.Tensor) -> TensorMetadata:
         sparse = is_sparse_any(t)
+        if not (sparse or t._has_symbolic_sizes_strides) and t.layout == torch.strided:
+            return StridedMetadata(
+                t.dtype,
+                t.shape,
+                t.stride(),
+                t.device,
+                torch.strided,
+                None,
+                t.storage_offset(),
+                storage_nbytes(t),
+                t.requires_grad,
+                t.is_quantized,
+                t.is_conj(),
+                t.is_neg(),
+                t.is_inference(),
+                False,
+                None,
+                None,
+                None,
+            )
         memory_format = suggest_memory_format(t)
         if t._has_symbolic_sizes_strides or sparse or not t.is_contiguous(memory_format=memory_format):
             memory_format = None

@@ -486,6 +486,9 @@ bool is_node(const char* name) { return std::strncmp(name, kEvaluateFunction, si
 
 // Whether ops' inputs are checked for storages the capture lacks (a real capture: fake tensors are all made inside).
 bool checks_reads = false;
+// Whether ops' outputs are marked as they return (a real capture: a fake one marks what is claimed, in end_step, and
+// asking a fake tensor its device would call into Python for each output).
+bool marks_outputs = false;
 
 // Note a read of the tensor's storage (a plain tensor of the recorded device; a Python subclass has none of its own).
 void note_read(const at::Tensor& t) {
@@ -573,7 +576,7 @@ void on_exit(const at::RecordFunction& fn, at::ObserverContext*) {
   } else if ((is_op(name) || is_compiled_region(name)) && !t.ops.empty()) {
     if (t.ops.back().seen) {
       t.seen_frames -= 1;
-      if (recorder().programs(t)) mark_outputs(fn, t.ops.back());
+      if (marks_outputs && recorder().programs(t)) mark_outputs(fn, t.ops.back());
     }
     t.ops.pop_back();
   }
@@ -601,12 +604,12 @@ void start(const std::string& device_type, int64_t device_index, bool fake) {
     c10::ThreadLocalDebugInfo::_push(c10::DebugInfoKind::PROFILER_STATE, std::make_shared<Reporter>());
     installed.reporter = true;
   }
-  checks_reads = !fake;
+  checks_reads = marks_outputs = !fake;
   installed.callback = at::addThreadLocalCallback(
       at::RecordFunctionCallback(&on_enter, &on_exit)
           .needsIds(true)
           .needsInputs(!fake)
-          .needsOutputs(true)
+          .needsOutputs(!fake)
           .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION, at::RecordScope::USER_SCOPE}));
 }
 
