@@ -83,8 +83,8 @@ RANDOM_FILLS = frozenset(
 )  # every overload: all in place
 # The autograd engine sums gradients in place when it holds the only reference to the first and to its storage.
 # Seen from fake tensor mode, that first gradient has 4 references more (the engine's call, boxed and handed to
-# Python), its storage none (with fake tensor mode's dispatch cache off). tests/test_capture_fidelity.py pins
-# it: fake and real traces of every bundled model allocate the same sequence.
+# Python), its storage none (the dispatch cache adds none: traces/fake_cache.py). tests/test_capture_fidelity.py
+# pins it: fake and real traces of every bundled model allocate the same sequence.
 DISPATCH_REFERENCES = 4
 # Composite ops and backward formulas that call an op out of place for tensor subclasses and in place for real
 # tensors: (caller: composite op or autograd node, op it calls) -> the in-place op real tensors get.
