@@ -128,10 +128,7 @@ class ExactCache(FakeTensorMode):
             return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
         with in_kernel_invocation_manager(self):
             view = torch.empty(0, dtype=found.dtype, device="meta", requires_grad=found.requires_grad)
-        if found.is_conj:
-            torch._C._set_conj(view, True)
-        if found.is_neg:
-            torch._C._set_neg(view, True)
-        with in_kernel_invocation_manager(self):
+            torch._C._set_conj(view, found.is_conj)
+            torch._C._set_neg(view, found.is_neg)
             self._storages.share_storage(view, args[entry.view_idx], found.storage_offset, found.shape, found.stride)
         return FakeTensor(self, view, found.device)
