@@ -22,6 +22,9 @@
 - Composite ops and backward formulas that take another path for tensor subclasses (fake tensors
   are one) take the real tensors' path (SUBCLASS_PATHS): the math attention adds its mask in place,
   the backward of gather, max and indexing write into their zeros in place.
+- Fake tensor mode's dispatch cache is on (an op seen before is answered from its metadata), and leaves every
+  storage's reference count as without it (traces/fake_cache.py), so a trace never depends on what the process ran
+  before it.
 - Only what an op returns is claimed, its new storages allocated in the order it returns them, as
   kernels allocate their outputs: what fake tensor mode makes inside an op (a decomposition) is the
   op's own work, in the decomposition's order, as a real kernel's scratch is.
@@ -333,7 +336,7 @@ def _dropout_mask_first(x: torch.Tensor, p: float, train: bool | None = None) ->
     return x.device.type == "cuda" and train is not False and p != 1 and x.numel() > 0
 
 
-DEVICE = torch.ops.prim.device.default
+DEVICE = torch.ops.prim.device.default  # how C++ asks a tensor subclass for its device
 # torch.distributed's functional collectives (DTensor's redistributions, tensor parallelism's all-reduces)
 FUNCTIONAL_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 FUNCTIONAL_WAIT = torch.ops._c10d_functional.wait_tensor.default
