@@ -42,7 +42,6 @@ class InverseTables:
     y_min: float
     main_start: float  # signed s of the main tables' first entry (left branch at y_tail)
     main_step: float
-    tail_step: float  # bit patterns of |y| from one tail entry to the next (TAIL_STEP; the first entry at 0)
     joined: torch.Tensor  # x - y: the main table, then the tail table (0 past the main's end, where x = y)
     derivative: torch.Tensor  # f'(x) at the main table's entries, then f'(x)/y at the tail's (smooth there)
 
@@ -53,7 +52,7 @@ class InverseTables:
 
     @property
     def tail(self) -> torch.Tensor:
-        """x - y at |y| of bit pattern i·tail_step (TINY for i = 0); read up to the entry after |y_tail|."""
+        """x - y at |y| of bit pattern i·TAIL_STEP (TINY for i = 0); read up to the entry after |y_tail|."""
         return self.joined[MAIN_POINTS:]
 
 
@@ -147,7 +146,6 @@ def build_tables(activation: Activation) -> InverseTables:
         y_min,
         s_start,
         (s_end - s_start) / (MAIN_POINTS - 1),
-        float(TAIL_STEP),
         torch.cat([x_main - y_main, x_tail - y_tail]).float(),
         torch.cat([slope(x_main), slope(x_tail) / y_tail]).float(),
     )
@@ -209,7 +207,7 @@ def positions(y: torch.Tensor, right: torch.Tensor, t: InverseTables) -> tuple[t
     s.neg_().addcmul_(s, right, value=-2.0)  # -s + 2s·right: the sign of the branch
     main = s.sub_(t.main_start).div_(t.main_step)
     bits = y.abs().view(torch.int32).float()  # |y|'s bit pattern: 0 for zero, 1 for TINY
-    tail = bits.div_(t.tail_step).clamp_(max=TAIL_POINTS - 1.001).add_(MAIN_POINTS)
+    tail = bits.div_(TAIL_STEP).clamp_(max=TAIL_POINTS - 1.001).add_(MAIN_POINTS)
     before = main < 0
     last = MAIN_POINTS - 1.001
     beyond = (main < last).logical_not_()  # past the main's end, or NaN
