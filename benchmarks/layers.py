@@ -70,8 +70,9 @@ def memory_table(seqs, dtypes, batch: int, method: str, device: str) -> None:
                 formula = shape.formula(mode)
                 base = per_layer if base is None else base
                 saving, formula_saving = 1 - per_layer / base, 1 - formula / shape.formula("baseline")
+                ratio = f"{per_layer / formula:>9.4f}" if formula else f"{'-':>9}"  # offloaded: 0 B on the device
                 print(
-                    f"{seq:>4} {name:>5} {mode:>16} {per_layer:>12,} {formula:>12,} {per_layer / formula:>9.4f} "
+                    f"{seq:>4} {name:>5} {mode:>16} {per_layer:>12,} {formula:>12,} {ratio} "
                     f"{saving:>7.1%} {formula_saving:>14.1%}",
                     flush=True,
                 )

@@ -136,7 +136,8 @@ def patches() -> Iterator[tuple[object, str, object]]:
     if dist.is_initialized():  # pipelining (2 s to import: it loads Dynamo) only for a distributed program
         from torch.distributed.pipelining.schedules import _PipelineSchedule
 
-        yield _PipelineSchedule, "_warmup_p2p", _own_metadata(_PipelineSchedule._warmup_p2p)
+        if hasattr(_PipelineSchedule, "_warmup_p2p"):  # torch 2.13's; 2.11 infers shapes elsewhere and has none
+            yield _PipelineSchedule, "_warmup_p2p", _own_metadata(_PipelineSchedule._warmup_p2p)
     for name in ("isend", "irecv"):  # the same function under both names: P2POp and the schedules read either
         held = _holding(getattr(c10d, name))
         yield c10d, name, held
