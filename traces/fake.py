@@ -22,6 +22,9 @@
 - Composite ops and backward formulas that take another path for tensor subclasses (fake tensors
   are one) take the real tensors' path (SUBCLASS_PATHS): the math attention adds its mask in place,
   the backward of gather, max and indexing write into their zeros in place.
+- Fake tensor mode's dispatch cache is on (an op seen before is answered from its metadata), and leaves every
+  storage's reference count as without it (traces/fake_cache.py), so a trace never depends on what the process ran
+  before it.
 - Only what an op returns is claimed, its new storages allocated in the order it returns them, as
   kernels allocate their outputs: what fake tensor mode makes inside an op (a decomposition) is the
   op's own work, in the decomposition's order, as a real kernel's scratch is.
@@ -50,10 +53,10 @@ from collections import Counter
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import (
+    _DISPATCH_META_HANDLERS,
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensor,
-    FakeTensorMode,
     unset_fake_temporarily,
 )
 from torch.optim import optimizer
@@ -62,7 +65,8 @@ from torch.utils._pytree import tree_leaves
 from memplan.errors import MemplanError
 from memplan.routing import DEFAULT, Routing
 from memplan.traces import fake_distributed, hf_fake
-from memplan.traces.known_values import ATTRIBUTE, KnownValues, forget
+from memplan.traces.fake_cache import ExactCache
+from memplan.traces.known_values import ATTRIBUTE, KnownValues, forget, tensor_arguments
 from memplan.traces.recorder import Recorder
 
 aten = torch.ops.aten
@@ -82,8 +86,8 @@ RANDOM_FILLS = frozenset(
 )  # every overload: all in place
 # The autograd engine sums gradients in place when it holds the only reference to the first and to its storage.
 # Seen from fake tensor mode, that first gradient has 4 references more (the engine's call, boxed and handed to
-# Python), its storage none (with fake tensor mode's dispatch cache off). tests/test_capture_fidelity.py pins
-# it: fake and real traces of every bundled model allocate the same sequence.
+# Python), its storage none (the dispatch cache adds none: traces/fake_cache.py). tests/test_capture_fidelity.py
+# pins it: fake and real traces of every bundled model allocate the same sequence.
 DISPATCH_REFERENCES = 4
 # Composite ops and backward formulas that call an op out of place for tensor subclasses and in place for real
 # tensors: (caller: composite op or autograd node, op it calls) -> the in-place op real tensors get.
@@ -93,6 +97,7 @@ SUBCLASS_PATHS = {
     ("aten::value_selecting_reduction_backward", aten.scatter.src): aten.scatter_.src,  # max, min, ... into zeros
     ("IndexBackward0", aten.index_put.default): aten.index_put_.default,  # index_backward, into zeros
 }
+SUBCLASS_CALLED = frozenset(op for _, op in SUBCLASS_PATHS)  # the ops a caller may want in place
 # The ops whose CUDA kernels run through a cuBLAS handle: the first on a thread makes the thread's handle, and the
 # handle's workspace comes from the caching allocator and stays for the process (ATen's CublasHandlePool.cpp).
 CUBLAS_OPS = frozenset(
@@ -284,6 +289,13 @@ def _cuda(to):
     return cuda
 
 
+def _leaves(out) -> list:
+    """What an op returned, flattened in order (an op returns a tensor, a scalar, or tuples and lists of them)."""
+    if not isinstance(out, (tuple, list)):
+        return [out]
+    return [leaf for o in out for leaf in _leaves(o)]
+
+
 def _bf16_or(dtype: torch.dtype) -> torch.dtype:
     """bf16 for a floating dtype (what _grouped_mm's meta function takes), any other (offsets' int32) unchanged."""
     return torch.bfloat16 if dtype.is_floating_point else dtype
@@ -324,12 +336,13 @@ def _dropout_mask_first(x: torch.Tensor, p: float, train: bool | None = None) ->
     return x.device.type == "cuda" and train is not False and p != 1 and x.numel() > 0
 
 
+DEVICE = torch.ops.prim.device.default  # how C++ asks a tensor subclass for its device
 # torch.distributed's functional collectives (DTensor's redistributions, tensor parallelism's all-reduces)
 FUNCTIONAL_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 FUNCTIONAL_WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
-class FakeCapture(FakeTensorMode):
+class FakeCapture(ExactCache):
     """FakeTensorMode whose op outputs on the captured device type claim their storages in `recorder` (an
     optimizer's step counters on the CPU are not a CUDA step's), with DATA_RULE."""
 
@@ -341,11 +354,8 @@ class FakeCapture(FakeTensorMode):
         cublaslt_workspace: int = 0,
         routing: Routing | str = DEFAULT,
     ):
-        super().__init__(allow_non_fake_inputs=True)
-        # The dispatch cache is shared by every fake tensor mode of the process, and an output it has not cached
-        # yet has a storage reference more (see DISPATCH_REFERENCES): off, a trace never depends on what ran
-        # before it (the 7B Llama step takes 7 s instead of 4).
-        self.cache_enabled = False
+        # with the dispatch cache on, every reference count as without it (traces/fake_cache.py)
+        super().__init__(recorder, allow_non_fake_inputs=True)
         self._recorder, self._claim, self._device_type = recorder, recorder.claim, device_type
         self._key = recorder.storage_key
         self.data_dependent: Counter[str] = Counter()  # op -> times DATA_RULE read values nobody knows as 0
@@ -374,6 +384,7 @@ class FakeCapture(FakeTensorMode):
                 (nn.functional, "one_hot", _one_hot(nn.functional.one_hot)),
                 (torch.Tensor, "__format__", _tensor_format(torch.Tensor.__format__)),
                 (torch.UntypedStorage, "resize_", _recorded_resize(torch.UntypedStorage.resize_, self._recorder)),
+                *self.patches(),
                 *fake_distributed.patches(),
                 *hf_fake.patches(),
             ):
@@ -393,6 +404,8 @@ class FakeCapture(FakeTensorMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is DEVICE:  # C++ asking a fake tensor its device (the autograd engine, for each gradient)
+            return _DISPATCH_META_HANDLERS[func](args)  # answered as FakeTensorMode answers it, first of all
         if func.overloadpacket in RANDOM_FILLS:
             forget(args[0])
             return args[0]
@@ -401,7 +414,8 @@ class FakeCapture(FakeTensorMode):
         if func is FUNCTIONAL_WAIT:  # the real wait hands back the collective's result; the meta kernel makes another
             return args[0]
         if func is FUNCTIONAL_ALL_REDUCE:  # the real kernel: a contiguous clone, reduced in place
-            func, args, kwargs = aten.clone.default, args[:1], {"memory_format": torch.contiguous_format}
+            with self:  # called as an op, so its output is labelled aten::clone, as the kernel's is
+                return aten.clone.default(args[0], memory_format=torch.contiguous_format)
         if self._dispatching:  # what a decomposition makes is the op's own work, as a real kernel's scratch
             return super().__torch_dispatch__(func, types, args, kwargs)
         if func is aten.native_dropout.default and _dropout_mask_first(*args):
@@ -414,9 +428,11 @@ class FakeCapture(FakeTensorMode):
             return self._fused_rms_norm(*args, **(kwargs or {}))
         if func is aten.add.Tensor and self._recorder.accumulating() and self._sums_in_place(args[0]):
             func = aten.add_.Tensor
-        func = SUBCLASS_PATHS.get((self._recorder.caller(), func), func)
+        if func in SUBCLASS_CALLED:
+            func = SUBCLASS_PATHS.get((self._recorder.caller(), func), func)
         kwargs = kwargs or {}
-        known = self.known.inputs(func, args, kwargs)
+        inputs = tensor_arguments(args, kwargs)
+        known = self.known.inputs(func, inputs)
         self._dispatching += 1
         try:
             try:
@@ -435,9 +451,9 @@ class FakeCapture(FakeTensorMode):
                 self.known.after(func, args, kwargs, known, out)
         finally:
             self._dispatching -= 1
-        aliased = self._allocated_in_return_order(out, (args, kwargs))
+        aliased = self._allocated_in_return_order(out, inputs)
         host = HOST_OUTPUTS.get(func, ()) if self._device_type == "cuda" else ()
-        for t in tree_leaves([o for i, o in enumerate(out) if i not in host] if host else out):
+        for t in _leaves([o for i, o in enumerate(out) if i not in host] if host else out):
             if isinstance(t, FakeTensor) and t.device.type == self._device_type:
                 self._claim(t, self._key(t) in aliased)  # a view: the op that made its storage decided if internal
         if func.overloadpacket in CUBLAS_OPS and self._cublas_workspace:
@@ -450,8 +466,10 @@ class FakeCapture(FakeTensorMode):
         """A CUDA matmul's first use of `library` (cuBLAS or cuBLASLt) on this thread: the thread's handle takes its
         workspace of `size` bytes from the caching allocator, after the op's output is allocated, and keeps it."""
         key = (library, threading.get_ident())
+        if key in self.workspaces:
+            return
         device = next((t.device for t in tree_leaves(out) if isinstance(t, FakeTensor)), None)
-        if key in self.workspaces or device is None or device.type != "cuda":
+        if device is None or device.type != "cuda":
             return
         with self:
             workspace = torch.empty(size, dtype=torch.uint8, device=device)
@@ -462,13 +480,13 @@ class FakeCapture(FakeTensorMode):
         """The storage keys of the cuBLAS and cuBLASLt workspaces made so far."""
         return {self._recorder.storage_key(t) for t in self.workspaces.values()}
 
-    def _allocated_in_return_order(self, out, inputs) -> set[int]:
+    def _allocated_in_return_order(self, out, inputs: list[torch.Tensor]) -> set[int]:
         """Put the allocations of the op's new storages in the order it returns them, as kernels allocate their
         outputs (fake tensor mode may have run a decomposition, which makes them in its own order); returns the
-        storage keys of the op's inputs (an output among them is a view or written in place, not new)."""
-        keys = self._recorder.storage_key
-        aliased = {keys(t) for t in tree_leaves(inputs) if isinstance(t, FakeTensor)}
-        fresh = [keys(t) for t in tree_leaves(out) if isinstance(t, FakeTensor) and t.device.type == self._device_type]
+        storage keys of the op's tensor inputs (an output among them is a view or written in place, not new)."""
+        keys = self._key
+        aliased = {keys(t) for t in inputs if isinstance(t, FakeTensor)}
+        fresh = [keys(t) for t in _leaves(out) if isinstance(t, FakeTensor) and t.device.type == self._device_type]
         fresh = list(dict.fromkeys(key for key in fresh if key not in aliased))
         if len(fresh) > 1:
             self._recorder.in_order(fresh)

@@ -104,7 +104,7 @@ def forget(t) -> None:
         t.__dict__.pop(ATTRIBUTE, None)
 
 
-def _tensors(args, kwargs) -> list[torch.Tensor]:
+def tensor_arguments(args, kwargs) -> list[torch.Tensor]:
     """The op's tensor arguments in order (an aten op takes tensors and lists of them, never deeper): the order
     `_replace_tensors` takes them in."""
     found = []
@@ -117,7 +117,8 @@ def _tensors(args, kwargs) -> list[torch.Tensor]:
 
 
 def _replace_tensors(args, kwargs, replace, kind=torch.Tensor) -> tuple[tuple, dict]:
-    """The op's arguments with each `kind` (a tensor, a Slot) replaced by `replace(it)`, in `_tensors`' order."""
+    """The op's arguments with each `kind` (a tensor, a Slot) replaced by `replace(it)`, in `tensor_arguments`'
+    order."""
 
     def one(value):
         if isinstance(value, kind):
@@ -205,10 +206,10 @@ class KnownValues:
         self.computed: Counter[str] = Counter()  # op -> data-dependent results computed from known values
         self.lost: Counter[str] = Counter()  # op -> times a router's choice could not be followed through it
 
-    def inputs(self, func, args, kwargs) -> list | None:
-        """The known values of the op's tensor inputs (None for one nobody knows), or None when the op touches
-        nothing known and makes nothing known (the common case: nothing to do)."""
-        found = [known(t) for t in _tensors(args, kwargs)]
+    def inputs(self, func, tensors: list[torch.Tensor]) -> list | None:
+        """The known values of the op's tensor inputs (`tensor_arguments`; None for one nobody knows), or None when
+        the op touches nothing known and makes nothing known (the common case: nothing to do)."""
+        found = [known(t) for t in tensors]
         if any(k is not None for k in found) or func.overloadpacket in FACTORIES or func in ROUTERS:
             return found
         return None
@@ -228,7 +229,7 @@ class KnownValues:
             self.computed[str(func.overloadpacket)] += 1
         if not isinstance(real, (torch.Tensor, tuple, list)):
             return real  # a scalar (.item())
-        device = next(t.device for t in _tensors(args, kwargs) if isinstance(t, FakeTensor))
+        device = next(t.device for t in tensor_arguments(args, kwargs) if isinstance(t, FakeTensor))
         with mode:
             fake_out = tree_map(
                 lambda r: (

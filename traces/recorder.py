@@ -96,6 +96,15 @@ class Recorder:
     def storage_key(self, tensor: torch.Tensor) -> int:
         return self._native.storage_key(tensor)
 
+    def storage_nbytes(self, tensor: torch.Tensor) -> int:
+        """The bytes of the tensor's storage, read without making the storage a Python object (`untyped_storage()`
+        would, and that object then holds a reference to it for good)."""
+        return self._native.storage_nbytes(tensor)
+
+    def share_storage(self, tensor: torch.Tensor, source: torch.Tensor, offset: int, sizes, strides) -> None:
+        """`tensor.set_(source's storage, offset, sizes, strides)`, the storage never made a Python object."""
+        self._native.share_storage(tensor, source, offset, list(sizes), list(strides))
+
     def adopt(self, tensor: torch.Tensor) -> None:
         """Count the storage of a tensor made before recording began as alive from now on (its free is seen)."""
         self._native.adopt(tensor)

@@ -535,6 +535,9 @@ bool is_node(const char* name) { return std::strncmp(name, kEvaluateFunction, si
 
 // Whether ops' inputs are checked for storages the capture lacks (a real capture: fake tensors are all made inside).
 bool checks_reads = false;
+// Whether ops' outputs are marked as they return (a real capture: a fake one marks what is claimed, in end_step, and
+// asking a fake tensor its device would call into Python for each output).
+bool marks_outputs = false;
 
 // Note a read of the tensor's storage (a plain tensor of the recorded device; a Python subclass has none of its own).
 void note_read(const at::Tensor& t) {
@@ -622,7 +625,7 @@ void on_exit(const at::RecordFunction& fn, at::ObserverContext*) {
   } else if ((is_op(name) || is_compiled_region(name)) && !t.ops.empty()) {
     if (t.ops.back().seen) {
       t.seen_frames -= 1;
-      if (recorder().programs(t)) mark_outputs(fn, t.ops.back());
+      if (marks_outputs && recorder().programs(t)) mark_outputs(fn, t.ops.back());
     }
     t.ops.pop_back();
   }
@@ -657,12 +660,12 @@ void start(const std::string& device_type, int64_t device_index, bool fake) {
       installed.reporting_cpu = true;
     }
   }
-  checks_reads = !fake;
+  checks_reads = marks_outputs = !fake;
   installed.callback = at::addThreadLocalCallback(
       at::RecordFunctionCallback(&on_enter, &on_exit)
           .needsIds(true)
           .needsInputs(!fake)
-          .needsOutputs(true)
+          .needsOutputs(!fake)
           .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION, at::RecordScope::USER_SCOPE}));
 }
 
@@ -713,6 +716,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("step_events", []() { return recorder().step_events(); },
         "Events of the step so far that the trace keeps (call between ops)");
   m.def("storage_key", &storage_key);
+  m.def("storage_nbytes", [](const at::Tensor& t) { return static_cast<int64_t>(t.storage().nbytes()); },
+        "The bytes of a tensor's storage, read without making the storage a Python object (which, once made, holds "
+        "a reference to it for good)");
+  m.def("share_storage", [](at::Tensor& self, const at::Tensor& source, int64_t offset, std::vector<int64_t> sizes,
+                            std::vector<int64_t> strides) { self.set_(source.storage(), offset, sizes, strides); },
+        "self.set_(source's storage, offset, sizes, strides), the storage never made a Python object");
   m.def("accumulating", []() {
     const ThreadState& t = this_thread;
     return !t.nodes.empty() && t.applying == 0 && t.ops.size() == 1 && std::strcmp(t.ops.back().name, "aten::add") == 0;
