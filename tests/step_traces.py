@@ -152,3 +152,14 @@ def unfreed_collective_buffers(trace: Trace) -> list[int]:
         for i in range(len(trace))
         if trace.op[i] in FSDP_COLLECTIVES and trace.alloc[i] > 0 and trace.free[i] == trace.end
     ]
+
+
+def first_difference(fake: tuple[list, list], gloo: tuple[list, list]) -> str:
+    """Where two `comparable` results part (empty when equal): which list, the index, and the entries about it, so
+    that a rank that differs once in many runs (gloo's threads time some frees) says how."""
+    for name, a, b in zip(("allocations", "events"), fake, gloo):
+        if a != b:
+            index = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            window = slice(max(0, index - 2), index + 3)
+            return f"{name} part at {index} of {len(a)} (fake) and {len(b)} (gloo): fake {a[window]}, gloo {b[window]}"
+    return ""

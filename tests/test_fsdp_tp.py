@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from step_traces import comparable, state_bytes
+from step_traces import comparable, first_difference, state_bytes
 
 from memplan.planner.workloads.llama import PRESETS, Llama
 from memplan.step import StepSpec
@@ -98,7 +98,8 @@ def test_fake_ranks_equal_gloo_ranks_buffer_for_buffer(traced_ranks, monkeypatch
     monkeypatch.setenv("MEMPLAN_TP", "2")
     fake, real = ranks(traced_ranks, 4, fake=True), ranks(traced_ranks, 4, fake=False)
     for predicted, measured in zip(fake, real):
-        assert comparable(predicted) == comparable(measured, gloo=True)
+        fake, gloo = comparable(predicted), comparable(measured, gloo=True)
+        assert fake == gloo, first_difference(fake, gloo)
         assert predicted.peak()[0] <= measured.peak()[0] + SCALARS
 
 

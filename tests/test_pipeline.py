@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from step_traces import buffer_events, comparable, unfreed_collective_buffers
+from step_traces import buffer_events, comparable, first_difference, unfreed_collective_buffers
 
 from memplan.step import StepSpec
 from memplan.traces.distributed import RankError, rank_path, trace_ranks
@@ -84,7 +84,8 @@ def test_pp_fsdp_fake_ranks_equal_gloo_ranks(traced_ranks, monkeypatch):
     monkeypatch.setenv("MEMPLAN_LAYERS", "4")
     fake, real = ranks(traced_ranks, 4, 2, fake=True), ranks(traced_ranks, 4, 2, fake=False)
     for predicted, measured in zip(fake, real):
-        assert comparable(predicted) == comparable(measured, gloo=True)
+        fake, gloo = comparable(predicted), comparable(measured, gloo=True)
+        assert fake == gloo, first_difference(fake, gloo)
         assert unfreed_collective_buffers(predicted) == unfreed_collective_buffers(measured) == []
         assert predicted.peak()[0] <= measured.peak()[0]
 
