@@ -162,7 +162,7 @@ def model_errors(sequence_parallel: bool, seq_len: int = 16, group=None) -> dict
 
 def collective_frees(repeats: int = 20, group=None) -> dict:
     """Record `repeats` rounds of every collective on fresh temporaries and count the allocations the
-    recorder saw and the frees it saw: equal when no tensor is freed on the backend's own threads."""
+    recorder saw and the frees it saw: equal when every free is seen, the backend's own threads' included."""
 
     with recording(torch.device("cpu")) as recorder:
         recorder.begin_step()
