@@ -13,6 +13,8 @@ import math
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from memplan.planner.layers import fusion
 
@@ -26,13 +28,47 @@ BACKWARD_TEMPORARIES = 3  # fp32 (rows × n) buffers a backward chunk holds at o
 
 def exact_channels(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Indices (flattened) of the channels whose x̂ cannot be recovered accurately from an output of `dtype`
-    (default the weight's)."""
+    (default the weight's). Their number is a size, read on the host (on CUDA a sync): so for real tensors they
+    are found once per version of the weight and bias (`FOUND`), and a forward that meets them unchanged (the
+    micro-batches of an accumulated step, a recomputation, evaluation) reads nothing from the device."""
     dtype = dtype or weight.dtype
+    if not remembered(weight, bias):
+        return search_channels(weight, bias, dtype)
+    stamp = (version_of(weight), version_of(bias), dtype)
+    found = FOUND.get(weight)
+    if found is None or found[0] != stamp:
+        found = FOUND[weight] = (stamp, search_channels(weight, bias, dtype))
+    return found[1]
+
+
+# weight -> (its stamp and its bias's, the output dtype; the channels found then): gone with the weight
+FOUND = WeakIdKeyDictionary()
+
+
+def search_channels(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """`exact_channels`, searched: |γ| below the smallest normal number of `dtype`, or |β| > RATIO·|γ|."""
     w = weight.detach().flatten().float().abs()
     hard = w < torch.finfo(dtype).tiny
     if bias is not None:
         hard |= bias.detach().flatten().float().abs() > RECOVERY_RATIO.get(dtype, 4.0) * w
     return hard.nonzero().flatten()
+
+
+def remembered(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the channels found for `weight` and `bias` may be remembered: real plain tensors, no dispatch mode
+    watching (fake tracing, FLOP counting: they see the search each time), no model compiling."""
+    return (
+        type(weight) in fusion.PLAIN
+        and (bias is None or type(bias) in fusion.PLAIN)
+        and _get_current_dispatch_mode() is None
+        and not torch.compiler.is_compiling()
+    )
+
+
+def version_of(t: torch.Tensor | None) -> tuple | None:
+    """What changes when a tensor's values may have: its identity, version (in-place writes), storage (`.data`
+    swapped), dtype, shape and device."""
+    return None if t is None else (id(t), t._version, t.data_ptr(), t.dtype, t.shape, t.device)
 
 
 def exact_part(
