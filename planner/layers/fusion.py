@@ -138,16 +138,17 @@ def _signature(arg) -> object:
 
 def _metadata(args: tuple) -> tuple:
     """What a compiled graph called directly must share with the call it was recorded on: each tensor's shape,
-    strides, offset, dtype and device, each other argument's `_signature`, and the grad and autocast modes."""
-    device_type = "cpu"
-    key = []
+    strides, offset and dtype, each other argument's `_signature`, the tensors' device (`runs_fused`: one), and
+    the grad and autocast modes."""
+    key = [torch.is_grad_enabled()]
+    device = None
     for a in args:
         if isinstance(a, torch.Tensor):
-            device_type = a.device.type
-            key.append((a.shape, a.stride(), a.storage_offset(), a.dtype, a.device))
+            device = a.device
+            key.append((a.shape, a.stride(), a.storage_offset(), a.dtype))
         else:
             key.append(_signature(a))
-    key.append((torch.is_grad_enabled(), torch.is_autocast_enabled(device_type)))
+    key += (device, device is not None and torch.is_autocast_enabled(device.type))
     return tuple(key)
 
 

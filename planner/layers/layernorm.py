@@ -82,6 +82,8 @@ def exact_part(
     """The channels exact_channels names for an output of `dtype` (none without a weight) and their fp32
     x̂ = (x - mean)·rstd, from the input's (rows × n) view (mean None: no centring, as in RMSNorm)."""
     keep = rows.new_empty(0, dtype=torch.long) if weight is None else exact_channels(weight, bias, dtype)
+    if not keep.numel():  # no channel: no ops on an empty selection (each one host time, nothing computed)
+        return keep, rows.new_empty((rows.shape[0], 0), dtype=torch.float32)
     xhat = rows[:, keep].float()
     if mean is not None:
         xhat.sub_(mean.reshape(-1, 1))
@@ -161,7 +163,8 @@ def _shaped(dx, dweight, dbias, weight, bias):
 
 
 def affine_fp32(weight, bias, n: int):
-    """γ, the divisor x̂ is recovered by (γ, a zero as one) and β, each per channel in fp32 (None without them)."""
+    """γ, the divisor x̂ is recovered by (γ, a zero as one) and β, each per channel (n of them, -1: all) in fp32
+    (None without them)."""
     w = None if weight is None else weight.reshape(n).float()
     divisor = None if w is None else torch.where(w == 0, torch.ones_like(w), w)
     shift = None if bias is None else bias.reshape(n).float()
@@ -170,17 +173,17 @@ def affine_fp32(weight, bias, n: int):
 
 def fused_normalized_backward(dy_rows, y_rows, rstd_rows, weight, bias, dtype, centered, weight_grad, bias_grad):
     """`normalized_backward` as one compiled kernel over all rows (no exact channels): dx, dγ, dβ."""
-    w, divisor, shift = affine_fp32(weight, bias, y_rows.shape[1])
     with torch.autocast(y_rows.device.type, enabled=False):
-        dx, dweight, dbias = FUSED_BACKWARD[centered].run(
-            dy_rows, y_rows, rstd_rows, w, divisor, shift, centered, dtype, weight_grad, bias_grad
+        return FUSED_BACKWARD[centered].run(
+            dy_rows, y_rows, rstd_rows, weight, bias, centered, dtype, weight_grad, bias_grad
         )
-    return _shaped(dx, dweight, dbias, weight, bias)
 
 
-def normalized_math(dy, y, rstd, w, divisor, shift, centered: bool, dtype, weight_grad: bool, bias_grad: bool):
+def normalized_math(dy, y, rstd, weight, bias, centered: bool, dtype, weight_grad: bool, bias_grad: bool):
     """`normalized_backward`'s arithmetic over all rows at once, as one pure function for a fused kernel: dx (in
-    `dtype`), dγ and dβ in fp32 (None unless asked), every column's x̂ recovered from y (no exact channels)."""
+    `dtype`), dγ and dβ shaped and typed as γ and β (None unless asked), every column's x̂ recovered from y (no
+    exact channels). γ and β are made fp32 inside, so the kernel's call is the only op on the host."""
+    w, divisor, shift = affine_fp32(weight, bias, -1)
     dy, xhat = dy.float(), y.float()
     if shift is not None:
         xhat = xhat - shift
@@ -193,7 +196,7 @@ def normalized_math(dy, y, rstd, w, divisor, shift, centered: bool, dtype, weigh
     projection = (dy * xhat).mean(-1, keepdim=True)
     if centered:
         dy = dy - dy.mean(-1, keepdim=True)
-    return ((dy - xhat * projection) * rstd).to(dtype), dweight, dbias
+    return _shaped(((dy - xhat * projection) * rstd).to(dtype), dweight, dbias, weight, bias)
 
 
 FUSED_BACKWARD = {True: fusion.fused(normalized_math), False: fusion.fused(normalized_math)}  # by `centered`
