@@ -8,7 +8,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memplan.planner.layers import layernorm
 from memplan.planner.layers.layernorm import InplaceLayerNorm, exact_channels
 from memplan.planner.layers.memory import saved_bytes
 
@@ -95,20 +94,6 @@ def test_exact_channels_are_found_again_when_the_weight_or_bias_changes():
     assert exact_channels(w, None).tolist() == [0] and exact_channels(w, b, torch.bfloat16).tolist() == [0, 2]
     w.data = torch.tensor([1.0, 0.0, 1.0])  # swapped, at the same version
     assert exact_channels(w, b).tolist() == [1, 2]
-
-
-def test_where_reads_wait_every_stale_weight_is_searched_in_the_same_read(monkeypatch):
-    monkeypatch.setattr(layernorm, "WAITING_DEVICES", frozenset({"cpu"}))  # the CPU as a GPU would be
-    norms = [InplaceLayerNorm(4) for _ in range(3)]
-    assert all(exact_channels(norm.weight, norm.bias).tolist() == [] for norm in norms)
-    with torch.no_grad():
-        for i, norm in enumerate(norms):  # an optimizer step: every weight changes
-            norm.weight[i] = 0.0
-    first = exact_channels(norms[0].weight, norms[0].bias)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        rest = [exact_channels(norm.weight, norm.bias) for norm in norms[1:]]
-    assert not [event.name for event in profile.events() if event.name.startswith("aten::")]  # found already
-    assert [first.tolist(), *(channels.tolist() for channels in rest)] == [[0], [1], [2]]
 
 
 def test_holds_output_and_rstd_not_input():

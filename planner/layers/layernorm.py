@@ -10,7 +10,6 @@ most one activation, so the layer never raises the peak it is meant to lower.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -29,68 +28,30 @@ BACKWARD_TEMPORARIES = 3  # fp32 (rows × n) buffers a backward chunk holds at o
 
 def exact_channels(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Indices (flattened) of the channels whose x̂ cannot be recovered accurately from an output of `dtype`
-    (default the weight's). Their number is a size, read on the host (on a GPU a wait for its queue): so for real
-    tensors they are found once per version of the weight and bias and remembered (`FOUND`), and a forward that
-    meets them unchanged (the micro-batches of an accumulated step, a recomputation, evaluation) reads nothing."""
+    (default the weight's). Their number is a size, read on the host (on CUDA a sync): so for real tensors they
+    are found once per version of the weight and bias (`FOUND`), and a forward that meets them unchanged (the
+    micro-batches of an accumulated step, a recomputation, evaluation) reads nothing from the device."""
     dtype = dtype or weight.dtype
     if not remembered(weight, bias):
-        return hard_channels(weight, bias, dtype).nonzero().flatten()
+        return search_channels(weight, bias, dtype)
+    stamp = (version_of(weight), version_of(bias), dtype)
     found = FOUND.get(weight)
-    if found is None or found.bias is not bias or found.dtype != dtype or found.stamp != stamp_of(weight, bias):
-        FOUND[weight] = Found(None, bias, dtype, None)
-        find(weight)
-    return FOUND[weight].channels
+    if found is None or found[0] != stamp:
+        found = FOUND[weight] = (stamp, search_channels(weight, bias, dtype))
+    return found[1]
 
 
-@dataclass
-class Found:
-    """The exact channels found for a weight (None: to find), and what for: the weight's and bias's stamps
-    (`stamp_of`), the bias and the output dtype."""
-
-    stamp: tuple | None
-    bias: torch.Tensor | None
-    dtype: torch.dtype
-    channels: torch.Tensor | None
+# weight -> (its stamp and its bias's, the output dtype; the channels found then): gone with the weight
+FOUND = WeakIdKeyDictionary()
 
 
-FOUND = WeakIdKeyDictionary()  # weight -> Found: gone with the weight
-WAITING_DEVICES = frozenset({"cuda", "xpu", "mps"})  # where reading a value waits for the device's queue
-
-
-def find(weight: torch.Tensor) -> None:
-    """Find the channels of `weight`'s entry in FOUND. On a device whose reads wait, every other remembered weight
-    there whose channels are stale (an optimizer step changed them all) is searched too, and all are read at once:
-    one wait a step, not one a norm. On the CPU, `weight`'s alone (the search's ops as they always were)."""
-    device = weight.device
-    entries = [(weight, FOUND[weight])]
-    if device.type in WAITING_DEVICES:
-        entries += [
-            (other, found)
-            for other, found in FOUND.items()
-            if other is not weight and other.device == device and stale(other, found)
-        ]
-    masks = [hard_channels(w, found.bias, found.dtype) for w, found in entries]
-    if device.type in WAITING_DEVICES:
-        read = torch.cat(masks).cpu().split([mask.numel() for mask in masks])  # the one wait
-        channels = [part.nonzero().flatten().to(device, non_blocking=True) for part in read]
-    else:
-        channels = [mask.nonzero().flatten() for mask in masks]
-    for (w, found), found_channels in zip(entries, channels):
-        found.stamp, found.channels = stamp_of(w, found.bias), found_channels
-
-
-def stale(weight: torch.Tensor, found: Found) -> bool:
-    """Whether a remembered weight's channels were found for other values of it or its bias."""
-    return remembered(weight, found.bias) and found.stamp != stamp_of(weight, found.bias)
-
-
-def hard_channels(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """A mask (flattened) of `exact_channels`: |γ| below the smallest normal number of `dtype`, or |β| > RATIO·|γ|."""
+def search_channels(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """`exact_channels`, searched: |γ| below the smallest normal number of `dtype`, or |β| > RATIO·|γ|."""
     w = weight.detach().flatten().float().abs()
     hard = w < torch.finfo(dtype).tiny
     if bias is not None:
         hard |= bias.detach().flatten().float().abs() > RECOVERY_RATIO.get(dtype, 4.0) * w
-    return hard
+    return hard.nonzero().flatten()
 
 
 def remembered(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -104,12 +65,10 @@ def remembered(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     )
 
 
-def stamp_of(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
-    """What changes when a weight's or bias's values may have: each one's identity, version (in-place writes),
-    storage (`.data` swapped), dtype, shape and device."""
-    return tuple(
-        None if t is None else (id(t), t._version, t.data_ptr(), t.dtype, t.shape, t.device) for t in (weight, bias)
-    )
+def version_of(t: torch.Tensor | None) -> tuple | None:
+    """What changes when a tensor's values may have: its identity, version (in-place writes), storage (`.data`
+    swapped), dtype, shape and device."""
+    return None if t is None else (id(t), t._version, t.data_ptr(), t.dtype, t.shape, t.device)
 
 
 def exact_part(
