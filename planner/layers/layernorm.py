@@ -28,35 +28,45 @@ BACKWARD_TEMPORARIES = 3  # fp32 (rows × n) buffers a backward chunk holds at o
 
 def exact_channels(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Indices (flattened) of the channels whose x̂ cannot be recovered accurately from an output of `dtype`
-    (default the weight's). Their number is a size, read on the host (on CUDA a sync): so for real tensors they
-    are found once per version of the weight and bias (`FOUND`), and a forward that meets them unchanged (the
-    micro-batches of an accumulated step, a recomputation, evaluation) reads nothing from the device."""
+    (default the weight's).
+
+    Their number is a size, read on the host (`nonzero`; on a GPU a wait for its queue). Real weights that had
+    none keep that answer until they or the bias change (`NONE_FOUND`), so a forward that meets them unchanged (a
+    recomputation, the micro-batches of an accumulated step, evaluation) reads nothing. The mask is computed every
+    time all the same: a trace, fake or real, allocates the search's buffers at every call (a fake search cannot
+    remember), and a real step must allocate what its trace does; an empty answer allocates nothing."""
     dtype = dtype or weight.dtype
+    hard = hard_channels(weight, bias, dtype)
     if not remembered(weight, bias):
-        return search_channels(weight, bias, dtype)
-    stamp = (version_of(weight), version_of(bias), dtype)
-    found = FOUND.get(weight)
-    if found is None or found[0] != stamp:
-        found = FOUND[weight] = (stamp, search_channels(weight, bias, dtype))
-    return found[1]
+        return hard.nonzero().flatten()
+    stamp = (stamp_of(weight), stamp_of(bias), dtype)
+    if NONE_FOUND.get(weight) == stamp:
+        return hard.new_empty(0, dtype=torch.long)
+    channels = hard.nonzero().flatten()
+    if channels.numel():
+        NONE_FOUND.pop(weight, None)
+    else:
+        NONE_FOUND[weight] = stamp
+    return channels
 
 
-# weight -> (its stamp and its bias's, the output dtype; the channels found then): gone with the weight
-FOUND = WeakIdKeyDictionary()
+# weight -> the stamps (`stamp_of` its and its bias's, the output dtype) at which it had no exact channel
+NONE_FOUND = WeakIdKeyDictionary()
 
 
-def search_channels(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """`exact_channels`, searched: |γ| below the smallest normal number of `dtype`, or |β| > RATIO·|γ|."""
+def hard_channels(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The mask (flattened) of `exact_channels`: |γ| below the smallest normal number of `dtype`, or
+    |β| > RATIO·|γ|."""
     w = weight.detach().flatten().float().abs()
     hard = w < torch.finfo(dtype).tiny
     if bias is not None:
         hard |= bias.detach().flatten().float().abs() > RECOVERY_RATIO.get(dtype, 4.0) * w
-    return hard.nonzero().flatten()
+    return hard
 
 
 def remembered(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the channels found for `weight` and `bias` may be remembered: real plain tensors, no dispatch mode
-    watching (fake tracing, FLOP counting: they see the search each time), no model compiling."""
+    """Whether an answer for `weight` and `bias` may be remembered: real plain tensors, no dispatch mode watching
+    (fake tracing, FLOP counting: they see the search each time), no model compiling."""
     return (
         type(weight) in fusion.PLAIN
         and (bias is None or type(bias) in fusion.PLAIN)
@@ -65,7 +75,7 @@ def remembered(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     )
 
 
-def version_of(t: torch.Tensor | None) -> tuple | None:
+def stamp_of(t: torch.Tensor | None) -> tuple | None:
     """What changes when a tensor's values may have: its identity, version (in-place writes), storage (`.data`
     swapped), dtype, shape and device."""
     return None if t is None else (id(t), t._version, t.data_ptr(), t.dtype, t.shape, t.device)
