@@ -157,6 +157,8 @@ class Recorded:
 
     def __init__(self, graph: Callable, calls: list):
         self.graph, self.calls = graph, calls
+        # Called as the graph asks (a boxed graph takes one list: `Direct.of` then finds no tensor it can place).
+        self._boxed_call = getattr(graph, "_boxed_call", False)
 
     def __call__(self, *graph_args):
         outputs = self.graph(*graph_args)
