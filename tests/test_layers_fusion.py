@@ -196,3 +196,63 @@ def test_an_activation_backward_under_fake_tensors_runs_the_eager_chunks():
         y = torch.randn(64, 32)
         grad = inverse.input_gradient(y, y >= 0, GELU["tanh"], torch.randn(64, 32))
     assert grad.shape == (64, 32) and GELU["tanh"].fused_gradient.runs == runs
+
+
+def _norm_operands(rows: int, n: int):
+    generator = torch.Generator().manual_seed(1)
+    dy, y = torch.randn(rows, n, generator=generator), torch.randn(rows, n, generator=generator)
+    rstd, w = torch.rand(rows, 1, generator=generator) + 0.5, torch.rand(n, generator=generator) + 0.5
+    return dy, y, rstd, w, torch.randn(n, generator=generator)
+
+
+def test_a_call_seen_before_runs_its_compiled_graph_directly_with_the_same_bits():
+    kernel = fusion.fused(layernorm.normalized_math)  # a function of its own: its first call goes through Dynamo
+    args = (*_norm_operands(6, 10), True, torch.float32, True, False)  # dβ not asked: a None among the outputs
+    first = kernel.run(*args)
+    assert kernel.direct_runs == 0
+    second = kernel.run(*args)
+    assert kernel.direct_runs == 1 and second[2] is None
+    for got, want in zip(second[:2], first[:2]):
+        assert torch.equal(got, want) and got.data_ptr() != want.data_ptr()
+    other = (*_norm_operands(7, 12), True, torch.float32, True, False)  # new shapes: Dynamo's guards choose again
+    for got, want in zip(kernel.run(*other)[:2], layernorm.normalized_math(*other)[:2]):
+        torch.testing.assert_close(got, want)
+    assert kernel.direct_runs == 1 and kernel.run(*other) is not None and kernel.direct_runs == 2
+
+
+def test_a_call_with_a_tensor_passed_twice_is_never_replayed_directly():
+    kernel = fusion.fused(attention.dropout_gradient)
+    grad = torch.randn(4, 8)
+    for _ in range(2):
+        torch.testing.assert_close(kernel.run(grad, grad, 2.0), attention.dropout_gradient(grad, grad, 2.0))
+    assert kernel.runs == 2 and kernel.direct_runs == 0
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_layer_runs_its_kernels_directly_from_its_second_call_with_the_same_bits(name, monkeypatch):
+    module, x = _make(name, torch.float32, "cpu")
+    kernels = CASES[name][1]
+    for kernel in kernels:
+        monkeypatch.setattr(kernel, "_direct", {})  # the first call through Dynamo, whatever ran before
+    first = _run(module, x)
+    direct = [kernel.direct_runs for kernel in kernels]
+    for p in module.parameters() if isinstance(module, torch.nn.Module) else ():
+        p.grad = None
+    second = _run(module, x)
+    assert all(kernel.direct_runs > n for kernel, n in zip(kernels, direct))
+    assert all(torch.equal(got, want) for got, want in zip(second, first))
+
+
+SYNCS = {"aten::nonzero", "aten::_local_scalar_dense", "aten::item", "aten::is_nonzero"}  # reads of device values
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_repeated_forward_and_backward_reads_no_value_on_the_host(name, device):
+    module, x = _make(name, torch.float32, device)
+    _run(module, x)  # kernels compiled, a norm's exact channels found for its weights
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        _run(module, x)
+    ops = {event.name for event in profile.events()}
+    assert "aten::native_dropout" in ops or "aten::mm" in ops or len(ops) > 5  # the profiler saw the ops
+    assert not SYNCS & ops

@@ -84,6 +84,24 @@ def test_exact_channels_only_where_recovery_fails():
     assert exact_channels(w, b).tolist() == [] and exact_channels(w, b, torch.bfloat16).tolist() == [1]
 
 
+def test_no_exact_channel_is_remembered_until_the_weight_or_bias_changes():
+    w, b = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.0, 0.0, 0.0])
+    assert exact_channels(w, b).tolist() == []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        assert exact_channels(w, b).tolist() == []  # remembered: the mask computed, not read
+    ops = {event.name for event in profile.events()}
+    assert "aten::abs" in ops and "aten::nonzero" not in ops
+    w[0] = 0.0  # written in place: a new version
+    assert exact_channels(w, b).tolist() == [0] and exact_channels(w, b).tolist() == [0]
+    b[2] = 1000.0
+    assert exact_channels(w, b).tolist() == [0, 2]
+    assert exact_channels(w, None).tolist() == [0] and exact_channels(w, b, torch.bfloat16).tolist() == [0, 2]
+    w.data, b.data = torch.ones(3), torch.zeros(3)
+    assert exact_channels(w, b).tolist() == [] and exact_channels(w, b).tolist() == []
+    w.data = torch.tensor([1.0, 0.0, 1.0])  # swapped, at the same version
+    assert exact_channels(w, b).tolist() == [1]
+
+
 def test_holds_output_and_rstd_not_input():
     ln = InplaceLayerNorm.from_layernorm(make_layernorm("random"))
     x = torch.randn(32, H, requires_grad=True)

@@ -9,6 +9,11 @@ math itself), where autograd would record the call, with MEMPLAN_FUSED=0, and in
 allocates its outputs and nothing the eager math does not: its intermediates live in registers. Each function
 compiles once per process for each dtype and device it meets (shapes are dynamic); Inductor caches the generated
 code on disk, so a later process reuses it.
+
+A call through torch.compile costs tens of microseconds of Python (Dynamo's frame hook and guards) on top of the
+kernel's own call, and a tempo step makes hundreds of them: so a call whose arguments' exact metadata (shapes,
+strides, dtypes, devices, other arguments) was seen before calls the compiled graph Dynamo ran for it directly
+(`Direct`); the first call of each goes through torch.compile, whose guards chose that graph.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ ENV = "MEMPLAN_FUSED"  # "0": the eager math everywhere (the figures of record b
 _EAGER = contextvars.ContextVar("memplan_eager_math", default=False)
 _SUPPORTED: dict[str, bool] = {}
 PLAIN = (torch.Tensor, torch.nn.Parameter)  # what a kernel takes: no fake tensors, no other subclass
+DIRECT_CALLS = 256  # distinct call metadata a function keeps direct calls for (a model meets a few shapes a layer)
 
 
 @contextlib.contextmanager
@@ -90,17 +96,30 @@ class Fused:
         self.function = function
         self.options = options  # Inductor's options for its kernels
         self._compiled: dict[tuple, Callable] = {}
+        self._direct: dict[tuple, Direct | None] = {}  # exact metadata -> its graph called directly (None: never)
+        self._graph_calls: list[tuple] = []  # (graph, its arguments, its outputs) of the calls `Recorded` saw
         self.runs = 0  # calls that ran a compiled kernel (what a test checks ran)
+        self.direct_runs = 0  # of them, calls that ran the compiled graph directly
         self.__doc__ = function.__doc__
 
     def run(self, *args):
         """Run the compiled kernel on `args` (compiled on first use, counted in `runs`): for callers that chunk
         their eager math, and so ask `runs_fused` themselves first."""
-        key = tuple(_signature(a) for a in args)
-        if key not in self._compiled:
-            self._compiled[key] = _compiled(self.function, self.options)
         self.runs += 1
-        return self._compiled[key](*args)
+        key = _metadata(args)
+        direct = self._direct.get(key)
+        if direct is not None:
+            self.direct_runs += 1
+            return direct(args)
+        signature = tuple(_signature(a) for a in args)
+        if signature not in self._compiled:
+            self._compiled[signature] = _compiled(self.function, self.options, self._graph_calls)
+        self._graph_calls.clear()
+        result = self._compiled[signature](*args)
+        if key not in self._direct and len(self._direct) < DIRECT_CALLS:
+            self._direct[key] = Direct.of(args, self._graph_calls, result)
+        self._graph_calls.clear()
+        return result
 
     def __call__(self, *args):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -117,15 +136,95 @@ def _signature(arg) -> object:
     return id(arg)
 
 
-def _compiled(function: Callable, options: dict | None) -> Callable:
-    """`function` compiled with dynamic shapes as one graph, from a copy with a code object of its own. Python
-    numbers (a dropout's scale, an activation's table constants) are constants of the kernel, as shapes are not: a
-    number passed as a graph input would be wrapped in a tensor at every call."""
+def _metadata(args: tuple) -> tuple:
+    """What a compiled graph called directly must share with the call it was recorded on: each tensor's shape,
+    strides, offset and dtype, each other argument's `_signature`, the tensors' device (`runs_fused`: one), and
+    the grad and autocast modes."""
+    key = [torch.is_grad_enabled()]
+    device = None
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            device = a.device
+            key.append((a.shape, a.stride(), a.storage_offset(), a.dtype))
+        else:
+            key.append(_signature(a))
+    key += (device, device is not None and torch.is_autocast_enabled(device.type))
+    return tuple(key)
+
+
+class Recorded:
+    """A graph Inductor compiled, as Dynamo calls it: each call noted in `calls` (graph, arguments, outputs)."""
+
+    def __init__(self, graph: Callable, calls: list):
+        self.graph, self.calls = graph, calls
+        # Called as the graph asks (a boxed graph takes one list: `Direct.of` then finds no tensor it can place).
+        self._boxed_call = getattr(graph, "_boxed_call", False)
+
+    def __call__(self, *graph_args):
+        outputs = self.graph(*graph_args)
+        self.calls.append((self.graph, graph_args, outputs))
+        return outputs
+
+
+class Direct:
+    """A compiled graph called without Dynamo, for calls whose metadata equals the recorded call's (so Dynamo's
+    guards would pick the same graph): its arguments taken from the call's by position, or the recorded numbers
+    (sizes: fixed by the shapes), its outputs arranged as the function returned them."""
+
+    def __init__(self, graph: Callable, inputs: list, outputs: object):
+        self.graph = graph
+        self.inputs = inputs  # per graph argument: (True, index of the call's argument) or (False, a number)
+        self.outputs = outputs  # index of the graph's output, or a tuple of such indices and Nones
+
+    @classmethod
+    def of(cls, args: tuple, graph_calls: list, result: object) -> Direct | None:
+        """The direct call of the one graph a call through torch.compile ran (`graph_calls`), or None where the
+        call cannot be replayed so: not one graph, a tensor passed twice, a graph argument or an output that is
+        neither a call's tensor argument nor a number."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if len(graph_calls) != 1 or len({id(t) for t in tensors}) != len(tensors):
+            return None
+        graph, graph_args, graph_outputs = graph_calls[0]
+        positions = {id(a): i for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+        inputs = []
+        for value in graph_args:
+            if isinstance(value, torch.Tensor):
+                if id(value) not in positions:
+                    return None
+                inputs.append((True, positions[id(value)]))
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                inputs.append((False, value))
+            else:
+                return None
+        indices = {id(t): i for i, t in enumerate(graph_outputs)}
+        if isinstance(result, torch.Tensor):
+            outputs = indices.get(id(result))
+            return None if outputs is None else cls(graph, inputs, outputs)
+        if not isinstance(result, tuple) or any(r is not None and id(r) not in indices for r in result):
+            return None
+        return cls(graph, inputs, tuple(None if r is None else indices[id(r)] for r in result))
+
+    def __call__(self, args: tuple):
+        outputs = self.graph(*[args[value] if is_argument else value for is_argument, value in self.inputs])
+        if isinstance(self.outputs, int):
+            return outputs[self.outputs]
+        return tuple(None if i is None else outputs[i] for i in self.outputs)
+
+
+def _compiled(function: Callable, options: dict | None, graph_calls: list) -> Callable:
+    """`function` compiled with dynamic shapes as one graph, from a copy with a code object of its own, each call
+    of its compiled graphs noted in `graph_calls`. Python numbers (a dropout's scale, an activation's table
+    constants) are constants of the kernel, as shapes are not: a number passed as a graph input would be wrapped in
+    a tensor at every call."""
     import torch._dynamo  # what torch.compile loads anyway (seconds): only once a kernel is wanted
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(graph: torch.fx.GraphModule, example_inputs: list) -> Recorded:
+        return Recorded(compile_fx(graph, example_inputs, config_patches=options or {}), graph_calls)
 
     code, name = function.__code__.replace(), function.__name__
     copy = types.FunctionType(code, function.__globals__, name, function.__defaults__, function.__closure__)
-    compiled = torch.compile(copy, dynamic=True, fullgraph=True, options=options)
+    compiled = torch.compile(copy, backend=backend, dynamic=True, fullgraph=True)
     return torch._dynamo.config.patch(specialize_float=True)(compiled)
 
 

@@ -13,6 +13,8 @@ import math
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from memplan.planner.layers import fusion
 
@@ -26,13 +28,57 @@ BACKWARD_TEMPORARIES = 3  # fp32 (rows × n) buffers a backward chunk holds at o
 
 def exact_channels(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Indices (flattened) of the channels whose x̂ cannot be recovered accurately from an output of `dtype`
-    (default the weight's)."""
+    (default the weight's).
+
+    Their number is a size, read on the host (`nonzero`; on a GPU a wait for its queue). Real weights that had
+    none keep that answer until they or the bias change (`NONE_FOUND`), so a forward that meets them unchanged (a
+    recomputation, the micro-batches of an accumulated step, evaluation) reads nothing. The mask is computed every
+    time all the same: a trace, fake or real, allocates the search's buffers at every call (a fake search cannot
+    remember), and a real step must allocate what its trace does; an empty answer allocates nothing."""
     dtype = dtype or weight.dtype
+    hard = hard_channels(weight, bias, dtype)
+    if not remembered(weight, bias):
+        return hard.nonzero().flatten()
+    stamp = (stamp_of(weight), stamp_of(bias), dtype)
+    if NONE_FOUND.get(weight) == stamp:
+        return hard.new_empty(0, dtype=torch.long)
+    channels = hard.nonzero().flatten()
+    if channels.numel():
+        NONE_FOUND.pop(weight, None)
+    else:
+        NONE_FOUND[weight] = stamp
+    return channels
+
+
+# weight -> the stamps (`stamp_of` its and its bias's, the output dtype) at which it had no exact channel
+NONE_FOUND = WeakIdKeyDictionary()
+
+
+def hard_channels(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The mask (flattened) of `exact_channels`: |γ| below the smallest normal number of `dtype`, or
+    |β| > RATIO·|γ|."""
     w = weight.detach().flatten().float().abs()
     hard = w < torch.finfo(dtype).tiny
     if bias is not None:
         hard |= bias.detach().flatten().float().abs() > RECOVERY_RATIO.get(dtype, 4.0) * w
-    return hard.nonzero().flatten()
+    return hard
+
+
+def remembered(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether an answer for `weight` and `bias` may be remembered: real plain tensors, no dispatch mode watching
+    (fake tracing, FLOP counting: they see the search each time), no model compiling."""
+    return (
+        type(weight) in fusion.PLAIN
+        and (bias is None or type(bias) in fusion.PLAIN)
+        and _get_current_dispatch_mode() is None
+        and not torch.compiler.is_compiling()
+    )
+
+
+def stamp_of(t: torch.Tensor | None) -> tuple | None:
+    """What changes when a tensor's values may have: its identity, version (in-place writes), storage (`.data`
+    swapped), dtype, shape and device."""
+    return None if t is None else (id(t), t._version, t.data_ptr(), t.dtype, t.shape, t.device)
 
 
 def exact_part(
@@ -46,6 +92,8 @@ def exact_part(
     """The channels exact_channels names for an output of `dtype` (none without a weight) and their fp32
     x̂ = (x - mean)·rstd, from the input's (rows × n) view (mean None: no centring, as in RMSNorm)."""
     keep = rows.new_empty(0, dtype=torch.long) if weight is None else exact_channels(weight, bias, dtype)
+    if not keep.numel():  # no channel: no ops on an empty selection (each one host time, nothing computed)
+        return keep, rows.new_empty((rows.shape[0], 0), dtype=torch.float32)
     xhat = rows[:, keep].float()
     if mean is not None:
         xhat.sub_(mean.reshape(-1, 1))
@@ -125,7 +173,8 @@ def _shaped(dx, dweight, dbias, weight, bias):
 
 
 def affine_fp32(weight, bias, n: int):
-    """γ, the divisor x̂ is recovered by (γ, a zero as one) and β, each per channel in fp32 (None without them)."""
+    """γ, the divisor x̂ is recovered by (γ, a zero as one) and β, each per channel (n of them, -1: all) in fp32
+    (None without them)."""
     w = None if weight is None else weight.reshape(n).float()
     divisor = None if w is None else torch.where(w == 0, torch.ones_like(w), w)
     shift = None if bias is None else bias.reshape(n).float()
@@ -134,17 +183,17 @@ def affine_fp32(weight, bias, n: int):
 
 def fused_normalized_backward(dy_rows, y_rows, rstd_rows, weight, bias, dtype, centered, weight_grad, bias_grad):
     """`normalized_backward` as one compiled kernel over all rows (no exact channels): dx, dγ, dβ."""
-    w, divisor, shift = affine_fp32(weight, bias, y_rows.shape[1])
     with torch.autocast(y_rows.device.type, enabled=False):
-        dx, dweight, dbias = FUSED_BACKWARD[centered].run(
-            dy_rows, y_rows, rstd_rows, w, divisor, shift, centered, dtype, weight_grad, bias_grad
+        return FUSED_BACKWARD[centered].run(
+            dy_rows, y_rows, rstd_rows, weight, bias, centered, dtype, weight_grad, bias_grad
         )
-    return _shaped(dx, dweight, dbias, weight, bias)
 
 
-def normalized_math(dy, y, rstd, w, divisor, shift, centered: bool, dtype, weight_grad: bool, bias_grad: bool):
+def normalized_math(dy, y, rstd, weight, bias, centered: bool, dtype, weight_grad: bool, bias_grad: bool):
     """`normalized_backward`'s arithmetic over all rows at once, as one pure function for a fused kernel: dx (in
-    `dtype`), dγ and dβ in fp32 (None unless asked), every column's x̂ recovered from y (no exact channels)."""
+    `dtype`), dγ and dβ shaped and typed as γ and β (None unless asked), every column's x̂ recovered from y (no
+    exact channels). γ and β are made fp32 inside, so the kernel's call is the only op on the host."""
+    w, divisor, shift = affine_fp32(weight, bias, -1)
     dy, xhat = dy.float(), y.float()
     if shift is not None:
         xhat = xhat - shift
@@ -157,7 +206,7 @@ def normalized_math(dy, y, rstd, w, divisor, shift, centered: bool, dtype, weigh
     projection = (dy * xhat).mean(-1, keepdim=True)
     if centered:
         dy = dy - dy.mean(-1, keepdim=True)
-    return ((dy - xhat * projection) * rstd).to(dtype), dweight, dbias
+    return _shaped(((dy - xhat * projection) * rstd).to(dtype), dweight, dbias, weight, bias)
 
 
 FUSED_BACKWARD = {True: fusion.fused(normalized_math), False: fusion.fused(normalized_math)}  # by `centered`

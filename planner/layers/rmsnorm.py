@@ -65,6 +65,20 @@ def rows_forward(x, weight, shape: tuple[int, ...], eps, flavour: str) -> tuple[
     return FLAVOURS[flavour](x, rstd, weight, eps, shape), rstd
 
 
+OUTPUT_DTYPES: dict[tuple, torch.dtype] = {}  # (flavour, dtypes, autocast) -> the dtype of the flavour's output
+
+
+def output_dtype(x_rows: torch.Tensor, weight, shape: tuple[int, ...], eps, flavour: str) -> torch.dtype:
+    """The dtype of the flavour's output for rows `x_rows` (promotion, autocast): seen on zero rows once for each
+    flavour, input and weight dtype and autocast setting, and remembered (a zero-row forward is host time only)."""
+    device_type = x_rows.device.type
+    autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type)
+    key = (flavour, x_rows.dtype, None if weight is None else weight.dtype, device_type, autocast)
+    if key not in OUTPUT_DTYPES:
+        OUTPUT_DTYPES[key] = rows_forward(x_rows[:0], weight, shape, eps, flavour)[0].dtype
+    return OUTPUT_DTYPES[key]
+
+
 def scale_of(weight: torch.Tensor | None, flavour: str) -> torch.Tensor | None:
     """What x̂ is multiplied by: the weight, or for the offset flavour 1 + weight in fp32."""
     return weight.detach().float() + 1.0 if flavour == "offset" and weight is not None else weight
@@ -117,9 +131,9 @@ class InplaceRMSNormFunction(torch.autograd.Function):
         n = math.prod(normalized_shape)
         rows = x.numel() // n
         x_rows = x.reshape(rows, n)
-        # Step 1: the output, of the dtype the flavour gives it (promotion, autocast: seen on zero rows), and rstd.
-        empty = rows_forward(x_rows[:0], weight, normalized_shape, eps, flavour)[0]
-        y, rstd = x.new_empty(x.shape, dtype=empty.dtype), x.new_empty((rows, 1), dtype=torch.float32)
+        # Step 1: the output, of the dtype the flavour gives it (`output_dtype`), and rstd.
+        dtype = output_dtype(x_rows, weight, normalized_shape, eps, flavour)
+        y, rstd = x.new_empty(x.shape, dtype=dtype), x.new_empty((rows, 1), dtype=torch.float32)
         # Step 2: both, a chunk of rows at a time.
         y_rows = y.view(rows, n)
         for chunk in row_chunks(rows, n, x.numel() * x.element_size(), FORWARD_TEMPORARIES):
