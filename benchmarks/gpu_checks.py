@@ -1,7 +1,8 @@
 """GPU checks (../shared/GPU_CHECKS.md) on a CUDA machine: capture against PyTorch's own counters, the CUDA
 replay plugin, the memory-saving layers on CUDA, and a rank on NCCL. Prints every figure it compares.
 
-Usage: python benchmarks/gpu_checks.py [capture] [replay] [layers] [parallel] [llama] [--out DIR] [--jobs N]
+Usage: python benchmarks/gpu_checks.py [capture] [replay] [layers] [parallel] [llama] [host] [cuda-traces]
+       [--out DIR] [--jobs N]
 With no part named, all of them. Captures and replays run memplan's CLI in processes of their own: a capture
 starts from a fresh CUDA context, and the replay plugin must be installed before CUDA starts. The fidelity
 check against the shared snapshots is benchmarks/fidelity.py, which adds a real CUDA row on a GPU.
@@ -37,7 +38,16 @@ BERT = str(ROOT / "examples" / "bert.py")
 CAPTURE_SHAPES = [("bert", "tiny", 2, 128), ("bert", "base", 8, 512)]
 OTHER_MODELS = [(name, "tiny", 2, 128) for name in ("gpt2", "llama", "hf_bert", "hf_gpt2", "hf_llama")]
 DTYPES = ("float32", "bfloat16", "bf16-mixed")
-PARTS = ["capture", "replay", "layers", "parallel", "llama"]
+PARTS = ["capture", "replay", "layers", "parallel", "llama", "host", "cuda-traces"]
+# tests/data/cuda-traces: name -> (model file, its arguments to `memplan trace --device cuda`, ranks or 0)
+CUDA_TRACES = {
+    "llama-offload-bf16-mixed-s512": ("llama", ["--layers", "offload", "--dtype", "bf16-mixed", "--seq", "512"], 0),
+    "llama-bf16-mixed-s512": ("llama", ["--dtype", "bf16-mixed", "--seq", "512"], 0),
+    "llama-adamw-8bit": ("llama", ["--optimizer", "adamw-8bit"], 0),
+    "llama-adamw": ("llama", [], 0),
+    "gpt2-ddp-nccl1": ("gpt2_ddp", [], 1),
+    "llama-fsdp2-nccl1": ("llama_fsdp2", ["--batch", "2", "--seq", "128"], 1),
+}
 
 
 def memplan(*args: str, preset: str = "tiny", env: dict | None = None) -> dict:
@@ -259,6 +269,59 @@ def check_parallel(out: Path) -> None:
         print(json.dumps(summary, indent=1)[:1500])
 
 
+def check_host(steps: int) -> None:
+    """A baseline and a tempo step (fused kernels) at GPT-2 small's shape, bf16: each step's wall time, and
+    torch.profiler's host (CPU) and GPU (kernel) time of one step: a step whose host time exceeds its kernels' is
+    host-bound, the GPU waiting on Python."""
+    from tempo_kernels import build  # this folder's: the same model as its step-time benchmark
+
+    print("\n## Host cost: wall, host and GPU kernel time of a step, GPT-2 small (12 layers, b 8, s 1024, bf16)")
+    shape = argparse.Namespace(layers=12, seq=1024, batch=8, vocab=1024, dtype="bf16", device="cuda")
+    for mode in ("baseline", "tempo"):
+        workload = build(mode, shape)
+        for _ in range(3):  # the optimizer's state, the kernels compiled
+            workload.step()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            workload.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / steps
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        ) as profile:
+            workload.step()
+            torch.cuda.synchronize()
+        events = profile.key_averages()
+        totals = [line.strip() for line in events.table(row_limit=1).splitlines() if "time total" in line]
+        reads = sum(e.count for e in events if e.key in ("aten::nonzero", "aten::_local_scalar_dense", "aten::item"))
+        print(f"{mode}: wall {wall * 1e3:.1f} ms a step; {'; '.join(totals)}; host reads {reads}")
+        print(events.table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
+        del workload
+        torch.cuda.empty_cache()
+
+
+def check_cuda_traces(out: Path) -> None:
+    """The real CUDA traces tests/data/cuda-traces keeps (its README.md), written to OUT/cuda-traces under the
+    same names: tests/test_cuda_traces.py compares a fake trace made on any machine with each."""
+    print("\n## Real CUDA traces of the actions and NCCL ranks (tests/data/cuda-traces)")
+    folder = out / "cuda-traces"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, (model, arguments, ranks) in CUDA_TRACES.items():
+        path = folder / f"{name}.json.gz"
+        launch = ["--nproc", str(ranks)] if ranks else []
+        summary = memplan("trace", str(ROOT / "examples" / f"{model}.py"), "--device", "cuda", *launch, *arguments,
+                          "-o", str(path))  # fmt: skip
+        if "error" in summary:
+            print(f"{name}: FAILED: {summary['error']}")
+            continue
+        if ranks:
+            (folder / f"{name}.rank0.json.gz").replace(path)
+        trace = load(path)
+        measured = trace.meta.get("cuda_measured", {}).get("peak_requested", 0)  # none on a fake trace
+        print(f"{name}: peak {trace.peak()[0]:,} B, requested_bytes.all.peak {measured:,} B -> {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("parts", nargs="*", help=f"any of {', '.join(PARTS)} (default: all)")
@@ -292,6 +355,10 @@ def main() -> None:
         check_parallel(out)
     if "llama" in parts:
         check_llama(args.steps)
+    if "host" in parts:
+        check_host(args.steps)
+    if "cuda-traces" in parts:
+        check_cuda_traces(out)
 
 
 if __name__ == "__main__":
