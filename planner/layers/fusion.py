@@ -72,10 +72,16 @@ def _can_compile(device_type: str) -> bool:
     return False
 
 
+def watched() -> bool:
+    """Whether what runs now is being traced: a dispatch mode active (fake tensors, the FLOP counter) or a model
+    compiling. Such a run sees every op each time: no fused kernel, nothing remembered from an earlier call."""
+    return _get_current_dispatch_mode() is not None or torch.compiler.is_compiling()
+
+
 def runs_fused(tensors: list[torch.Tensor]) -> bool:
     """Whether a call on `tensors` runs the compiled kernel: all plain real tensors (or Parameters) on one device
     that can compile, none that autograd would record, no dispatch mode active, no model compiling, fusion on."""
-    if not tensors or not enabled() or torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+    if not tensors or not enabled() or watched():
         return False
     device = tensors[0].device
     grad_mode = torch.is_grad_enabled()

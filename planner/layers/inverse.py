@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch._guards import detect_fake_mode
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from memplan.planner.layers import fusion
 
@@ -173,8 +172,7 @@ def shared_tables() -> list[torch.Tensor]:
 def table_on(activation: Activation, which: str, device: torch.device) -> torch.Tensor:
     """One of `activation`'s tables ("joined", "derivative", "main" or "tail") on `device`, copied there once;
     under fake tensors once per fake mode, so a fake copy never outlives its mode or reaches a real step."""
-    watched = _get_current_dispatch_mode() is not None or torch.compiler.is_compiling()
-    mode = detect_fake_mode() if watched else None  # a fake mode is on the mode stack, or a compile's context
+    mode = detect_fake_mode() if fusion.watched() else None  # a fake mode is on the mode stack, or a compile's context
     if mode is None:
         return _copied(activation, which, device)
     copies = FAKE_COPIES.setdefault(mode, {})

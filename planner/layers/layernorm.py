@@ -13,7 +13,6 @@ import math
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memplan.planner.layers import fusion
@@ -67,12 +66,7 @@ def hard_channels(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.
 def remembered(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether an answer for `weight` and `bias` may be remembered: real plain tensors, no dispatch mode watching
     (fake tracing, FLOP counting: they see the search each time), no model compiling."""
-    return (
-        type(weight) in fusion.PLAIN
-        and (bias is None or type(bias) in fusion.PLAIN)
-        and _get_current_dispatch_mode() is None
-        and not torch.compiler.is_compiling()
-    )
+    return type(weight) in fusion.PLAIN and (bias is None or type(bias) in fusion.PLAIN) and not fusion.watched()
 
 
 def stamp_of(t: torch.Tensor | None) -> tuple | None:
