@@ -163,3 +163,9 @@ def first_difference(fake: tuple[list, list], gloo: tuple[list, list]) -> str:
             window = slice(max(0, index - 2), index + 3)
             return f"{name} part at {index} of {len(a)} (fake) and {len(b)} (gloo): fake {a[window]}, gloo {b[window]}"
     return ""
+
+
+def off_default_sizes(trace: Trace) -> list[int]:
+    """Sizes of the buffers off the default stream (stream 0), in the order they were allocated."""
+    by_time = sorted(range(len(trace)), key=lambda i: trace.alloc[i])
+    return [int(trace.size[i]) for i in by_time if trace.stream[i]]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from step_traces import off_default_sizes
 
 from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.planner.simulate.fidelity import fidelity, predict, recorded_steps
@@ -111,11 +112,7 @@ def fsdp2_streams_are_the_real_step_s(recorded, real, predicted):
     """FSDP2 on one NCCL rank made its reduce-scatter outputs on a stream of its own: the fake CUDA trace makes the
     same sizes in the same order on its reduce-scatter stream (and nothing else off the default stream), so the
     simulator's reserved on it is the real step's, to the byte (a trace on one stream was a 2 MiB segment low)."""
-
-    def off_default(trace) -> list[int]:
-        return [int(trace.size[i]) for i in sorted(range(len(trace)), key=lambda i: trace.alloc[i]) if trace.stream[i]]
-
-    assert off_default(predicted) == off_default(real) != []
+    assert off_default_sizes(predicted) == off_default_sizes(real) != []
     scatter = next(int(s) for s, stream in predicted.meta["streams"].items() if stream == "fsdp reduce-scatter")
     assert {int(s) for s in predicted.stream} == {0, scatter}
     assert simulate_caching(predicted).peak_reserved == recorded.facts["from_empty_cache"]["at_end"]["reserved_peak"]

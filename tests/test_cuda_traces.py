@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from step_traces import bytes_by_category, off_default_sizes
 
 from memplan.planner.simulate.fidelity import reproduced, sizes_in_order
 from memplan.step import StepSpec
@@ -52,10 +53,6 @@ def fake_twin(real: Trace, monkeypatch) -> Trace:
         return load(rank_path(Path(folder) / "rank.json.gz", 0))
 
 
-def category_bytes(trace: Trace, category: str) -> int:
-    return sum(int(size) for size, c in zip(trace.size, trace.category) if c == category)
-
-
 def named_syncs(trace: Trace) -> set[tuple[str, str]]:
     """The trace's orderings between streams, by the streams' names (their numbers follow first use); an ordering
     relayed through a stream of its own (traces/streams.py's RELAY) is taken whole, from its start to its end."""
@@ -92,10 +89,10 @@ def test_a_fake_cuda_trace_here_predicts_the_real_cuda_trace(name, monkeypatch):
         assert Counter(real.meta["host"]["size"]) == Counter(fake.meta["host"]["size"])
     if "optimizer_state" in real.meta:
         assert real.meta["optimizer_state"] == fake.meta["optimizer_state"]
-    assert category_bytes(fake, "communication") == category_bytes(real, "communication")
-    assert category_bytes(fake, "optimizer") == category_bytes(real, "optimizer")
+    real_bytes, fake_bytes = bytes_by_category(real), bytes_by_category(fake)
+    assert fake_bytes["communication"] == real_bytes["communication"]
+    assert fake_bytes["optimizer"] == real_bytes["optimizer"]
     if "streams" in real.meta:  # FSDP2: a fake ordering the real step lacks would let a plan reuse bytes too early
         assert stream_names(real) == stream_names(fake)
         assert set() != named_syncs(fake) <= named_syncs(real)
-        off_default = [[int(trace.size[i]) for i in trace.recorded if trace.stream[i]] for trace in (real, fake)]
-        assert off_default[0] == off_default[1] != []
+        assert off_default_sizes(real) == off_default_sizes(fake) != []
