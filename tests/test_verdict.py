@@ -95,7 +95,8 @@ def test_a_step_that_does_not_fit_runs_out_at_an_op_in_a_phase(too_big):
     assert v.total == unlimited.peak_reserved + v.outside_bytes > H100.memory
     text = render_verdict(v.to_dict())
     assert text.startswith(
-        f"the whole program (2 training steps, construction included) runs out of memory on H100-80GB (79.19 GiB) at {o.op} in forward (module {o.module})"
+        "the whole program (2 training steps, construction included) runs out of memory on H100-80GB (79.19 GiB) "
+        f"at {o.op} in forward (module {o.module})"
     )
     assert "needs" in text and "more than the GPU has" in text
     assert simulate_trace(too_big, "too big", gpu=gpu("H200")).verdict.fits  # the same step fits an H200
