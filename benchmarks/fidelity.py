@@ -15,6 +15,8 @@ and its error against the real reserved, and how many of the snapshot's allocati
 order with the same size (the longest common subsequence of the two size sequences). Target: every error within
 1% (reserved within 2%). `--real` adds a real CPU trace of the medium steps (minutes, ~12-20 GB), `--timing`
 the wall time of the xl step's `--fake` CPU trace against its `--fake --device cuda` trace (target: at most 2x).
+`--programs` adds the whole-program verdict on the H200 runs at the edge of memory (benchmarks/h200_programs.py:
+each run's step peaks and verdict against the real run, and fit's batch against the largest that ran).
 The programs' torch took cuBLAS workspaces of 8,519,680 B per handle (the snapshots' two framed-less
 active blocks of that size): CUBLAS_WORKSPACE_CONFIG=:4096:2:16:8 says so (torch 2.13 on an sm90 GPU takes 32 MiB).
 """
@@ -55,6 +57,7 @@ class Program:
 
 
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 from cs336_lm import SNAPSHOTS  # noqa: E402  the table of the snapshots and their rebuilds
 
 PROGRAMS = tuple(Program(name, *program) for name, program in SNAPSHOTS.items())
@@ -133,6 +136,7 @@ def main() -> None:
     parser.add_argument("--real", action="store_true", help="add a real CPU trace of the medium steps")
     parser.add_argument("--timing", action="store_true", help="time the xl step's --fake CPU trace too")
     parser.add_argument("--own-only", action="store_true", help="the project's own snapshots alone")
+    parser.add_argument("--programs", action="store_true", help="add the H200 whole programs (about 6 minutes)")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     only = {name for name in args.only.split(",") if name}
@@ -162,6 +166,11 @@ def main() -> None:
         for label, fake, device in runs:
             trace, seconds, note = traced(program, fake, device)
             row(label, trace, real_peak, real_reserved, real_sizes, seconds, note)
+    if args.programs:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)  # the H200 runs' torch 2.11 took its defaults
+        from h200_programs import report
+
+        report(Path(args.shared))
 
 
 if __name__ == "__main__":

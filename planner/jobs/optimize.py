@@ -38,8 +38,9 @@ from memplan.planner.optimize.terms import (
     assignments_to_trace,
     memory_terms,
 )
+from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.planner.simulate.measure import measure
-from memplan.planner.simulate.verdict import Budget, device_memory
+from memplan.planner.simulate.verdict import Budget, device_memory, judged
 from memplan.step import StepSpec
 from memplan.traces.capture import recording_session
 from memplan.traces.format import Trace, trace_digest
@@ -107,7 +108,9 @@ class Candidate:
     peak_live: int | None = None  # of its trace, when traced (its Measurement's figures)
     plan_arena: int | None = None  # of its plan, when traced
     status: str | None = None  # its plan's proof, when traced
-    fits: bool | None = None  # plan arena <= the memory size, when traced
+    fits: bool | None = None  # plan arena <= the memory size (and, with a GPU, caching_fits), when traced
+    caching_reserved: int | None = None  # with a GPU: its whole program's peak reserved on the caching allocator
+    caching_fits: bool | None = None  # with a GPU: the caching allocator serves its whole program on the GPU
     digest: str | None = None  # its trace's digest (traces.format.trace_digest), when traced
     host_moved: int | None = None  # bytes its offloading layers moved each way, when traced and any offload
 
@@ -386,6 +389,12 @@ def trace_candidate(
         figures["status"],
     )
     candidate.fits = candidate.plan_arena <= opts.memory
+    if opts.budget is not None:  # the GPU runs it with PyTorch's caching allocator: its whole program must run
+        program = judged(trace)
+        candidate.caching_reserved = simulate_caching(program).peak_reserved
+        fits = candidate.caching_reserved <= opts.memory or simulate_caching(program, capacity=opts.memory).oom is None
+        candidate.caching_fits = fits
+        candidate.fits = candidate.fits and fits
     candidate.digest = trace_digest(trace)
     host = host_bytes(trace)
     candidate.host_moved = None if host is None else host.moved
@@ -453,7 +462,7 @@ def choose_and_verify(opts, layers, measured: Measured, fake: bool, progress) ->
     for _ in range(VERIFY_ROUNDS):
         # a plan packs the peak's buffers with some room left over: the most a rejected one needed beyond the
         # model's peak is asked of the rest too, so near the memory CP-SAT does not offer its neighbours one by one
-        margin = max([c.plan_arena - c.predicted_peak for c in rejected] + [0])
+        margin = max([max(c.plan_arena, c.caching_reserved or 0) - c.predicted_peak for c in rejected] + [0])
         excluded = [(c.assignment, c.actions) for c in rejected]
         choice = choose(measured, opts.memory - margin, excluded, opts.time_limit)
         if choice.assignment is None:
@@ -463,10 +472,13 @@ def choose_and_verify(opts, layers, measured: Measured, fake: bool, progress) ->
         )
         if chosen.fits:
             return choice, chosen, rejected
-        progress(
-            f"[batch {measured.batch}] the chosen modes' plan takes {human_bytes(chosen.plan_arena)}, "
-            f"more than the model said: excluded, asking CP-SAT again"
-        )
+        needs = f"plan takes {human_bytes(chosen.plan_arena)}"
+        if chosen.caching_fits is False:
+            needs = (
+                f"program does not run on the caching allocator (it reserves {human_bytes(chosen.caching_reserved)})"
+            )
+        progress(f"[batch {measured.batch}] the chosen modes' {needs}, more than the model said: excluded, asking "
+                 "CP-SAT again")  # fmt: skip
         rejected.append(chosen)
     return Choice(None, None, None, "unknown"), None, rejected
 

@@ -40,6 +40,11 @@ def render_optimize(summary: dict) -> str:
             f"{human_bytes(c['plan_arena'])} <= {human_bytes(s['memory'])} ({c['status']}), added time "
             f"{added_text(c, flops)}{moved}"
         )
+        if c.get("caching_reserved") is not None:
+            lines.append(
+                f"  on the GPU's caching allocator the whole program reserves {human_bytes(c['caching_reserved'])} "
+                "at most, and runs"
+            )
     gap = s.get("gap_seconds")
     lines.append(f"proof: {PROOF[s['status']]}" + (f", at most {gap * 1e3:.3g} ms from the least" if gap else ""))
     if s["rates"] is not None:
@@ -58,7 +63,8 @@ def render_optimize(summary: dict) -> str:
     for c in s["rejected"]:
         lines.append(
             f"rejected by its trace: {', '.join(c['assignment'])}; actions {actions_text(c['actions'])} "
-            f"(plan arena {human_bytes(c['plan_arena'])})"
+            f"(plan arena {human_bytes(c['plan_arena'])}"
+            + (", its program runs out of memory on the caching allocator)" if c.get("caching_fits") is False else ")")
         )
     lines.append(f"wall time {s['seconds']:.1f} s")
     return "\n".join(lines)
