@@ -70,6 +70,8 @@ class TraceSummary:
     # a trace on several CUDA streams: each stream's id, name (meta "streams") and buffers; [] on one stream
     streams: list = field(default_factory=list)
     syncs: int = 0  # orderings between streams (the trace's syncs)
+    # the whole program the step ran in (Trace.program): its steps, which is measured, its buffers and peak live; {}
+    program: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """The summary as plain data (the JSON of `memplan trace --json`)."""
@@ -142,7 +144,24 @@ def summarize(trace: Trace, top: int = 5) -> TraceSummary:
         host=host_summary(trace, t),
         streams=_streams(trace),
         syncs=len(trace.syncs),
+        program=program_summary(trace),
     )
+
+
+def program_summary(trace: Trace) -> dict:
+    """The trace's whole program in figures: steps, the measured one (1-based), buffers, events and peak live
+    bytes; {} when the trace holds none."""
+    program = trace.program
+    if program is None:
+        return {}
+    measured = program.measured
+    return {
+        "steps": len(program.steps),
+        "measured": None if measured is None else measured + 1,
+        "buffers": len(program.trace),
+        "events": program.trace.end - 1,
+        "peak_bytes": program.trace.peak()[0],
+    }
 
 
 def _streams(trace: Trace) -> list[dict]:

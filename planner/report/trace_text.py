@@ -92,6 +92,14 @@ def render_trace(s: TraceSummary) -> str:
         f"trace of {s.model} ({s.layers}{loss}, {s.device}, {s.dtype}{tensors}): {s.buffers} buffers, "
         f"{s.recorded} allocated during the step, {s.end - 1} events"
     ]
+    if s.program:
+        p = s.program
+        measured = f", step {p['measured']} measured" if p["measured"] else ""
+        lines.append(
+            f"the whole program: construction and {p['steps']} training step{'s' * (p['steps'] != 1)}{measured}; "
+            f"{p['buffers']:,} buffers, {p['events']:,} events, peak live {human_bytes(p['peak_bytes'], grouped=True)}"
+            " (what a GPU verdict judges)"
+        )
     if s.unrecorded:
         lines.append(f"warning: {unrecorded_text(s.unrecorded)}")
     if s.internal:
