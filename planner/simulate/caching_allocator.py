@@ -276,10 +276,10 @@ class CachingAllocator:
         return b
 
     def _alloc_block(self, size: int, alloc: int, small: bool, stream: int) -> Block | None:
+        if self.conf.expandable_segments:  # maps only the pages it lacks: a free block it grows counts as its own
+            return self._alloc_expandable(size, small, stream)
         if self.capacity is not None and self.reserved + alloc > self.capacity:
             return None
-        if self.conf.expandable_segments:
-            return self._alloc_expandable(size, small, stream)
         addr = self.segment_address(alloc, stream, small)
         if addr > ADDR_MASK:
             raise ValueError(f"segment address {addr:#x} beyond 2**{ADDR_BITS}")
