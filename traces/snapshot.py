@@ -24,7 +24,7 @@ from typing import Any
 from memplan.errors import SnapshotError, TraceError
 from memplan.files import read_input
 from memplan.limits import MAX_PICKLE_BYTES, MAX_PICKLE_DEPTH, LimitError, check_nesting, short_repr
-from memplan.traces.format import CATEGORIES, PHASES, Trace, make_trace
+from memplan.traces.format import CATEGORIES, COLUMNS, INT_COLUMNS, PHASES, Trace, make_trace
 from memplan.units import MiB, human_bytes
 
 PLAIN_TYPES = (dict, list, tuple, str, int, float, bool, type(None))
@@ -436,6 +436,24 @@ def import_summary(trace: Trace) -> dict:
         "ooms": len(trace.meta.get("ooms", [])),
         "oom": last_oom(trace),
     }
+
+
+def with_failed_requests(trace: Trace) -> tuple[Trace, list[int]]:
+    """The imported trace with each out-of-memory error's request (meta `ooms`) made at the failure's own time
+    and freed right after, and those buffers' indices: the program as it ran, for a simulation to serve, or fail
+    at, the same request. What the program would have done had a request been served is not in the snapshot."""
+    ooms = trace.meta.get("ooms") or []
+    if not ooms:
+        return trace, []
+    columns = {c: getattr(trace, c).tolist() if c in INT_COLUMNS else list(getattr(trace, c)) for c in COLUMNS}
+    start = len(trace)
+    for o in ooms:
+        row = {"size": o["size"], "alloc": o["time"], "free": o["time"], "stream": o["stream"], "addr": -1,
+               "internal": 0, "category": "unknown", "phase": o.get("phase", "other"), "op": o.get("op", ""),
+               "module": ""}  # fmt: skip
+        for c in COLUMNS:
+            columns[c].append(row[c])
+    return make_trace(columns, trace.syncs, trace.meta), list(range(start, start + len(ooms)))
 
 
 def last_oom(trace: Trace) -> dict | None:
