@@ -409,13 +409,19 @@ def snapshot_to_trace(snap: Snapshot, source: str = "") -> Trace:
     return make_trace({**columns, "module": module, "category": category}, meta=meta)
 
 
-def import_snapshot(path: str | os.PathLike, device: int | None = None) -> Trace:
-    """Read a snapshot file and return its trace for one device."""
+def read_snapshot_trace(path: str | os.PathLike, device: int | None = None) -> tuple[Snapshot, Trace]:
+    """Read a snapshot file and import one device's trace: the parsed snapshot and its trace (every error names
+    the file)."""
     snap = read_snapshot(path, device)
     try:
-        return snapshot_to_trace(snap, source=os.path.basename(os.fspath(path)))
+        return snap, snapshot_to_trace(snap, source=os.path.basename(os.fspath(path)))
     except (SnapshotError, TraceError, LimitError) as e:  # entries out of order; a value no trace can hold
         raise type(e)(f"{os.fspath(path)}: {e}") from None
+
+
+def import_snapshot(path: str | os.PathLike, device: int | None = None) -> Trace:
+    """Read a snapshot file and return its trace for one device."""
+    return read_snapshot_trace(path, device)[1]
 
 
 def import_summary(trace: Trace) -> dict:

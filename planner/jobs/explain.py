@@ -22,7 +22,7 @@ from memplan.planner.simulate.caching_allocator import SimResult, allocation_siz
 from memplan.planner.simulate.snapshot_check import ProgramCheck, capacity_at_oom, check_program, oom_entries
 from memplan.planner.simulate.verdict import trace_budget
 from memplan.traces.format import Trace
-from memplan.traces.snapshot import read_snapshot, snapshot_to_trace, with_failed_requests
+from memplan.traces.snapshot import read_snapshot_trace, with_failed_requests
 from memplan.units import MiB
 
 TOP = 8  # ops listed by name among the live bytes; the rest are summed
@@ -241,8 +241,7 @@ def explain_snapshot(path: str | os.PathLike, gpu: GPU | None = None, memory: in
         raise ExplainError("give the GPU as --gpu NAME or its memory as --memory SIZE, not both")
     if outside is not None and outside < 0:
         raise ExplainError(f"--outside {outside}: a number of bytes, not negative")
-    snap = read_snapshot(path, cuda_device)
-    trace = snapshot_to_trace(snap, source=os.path.basename(os.fspath(path)))
+    snap, trace = read_snapshot_trace(path, cuda_device)
     total = gpu.memory if gpu is not None else memory
     own, source = own_outside(gpu, memory, outside, trace)
     if total is not None and own is not None and own >= total:
