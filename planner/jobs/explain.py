@@ -39,7 +39,10 @@ WHOLE_GPU = "the whole GPU"  # the change of capacity: the GPU's memory less thi
 # Changes a snapshot cannot be re-run with (it holds allocations, not the model), with the command that checks them.
 NEEDS_MODEL = (  # {device}: --gpu NAME or --memory BYTES
     ("a smaller batch", "memplan fit MODEL {device}"),
-    ("a layer mode (recomputation, Tempo's layers)", f"memplan fit MODEL {{device}} --layers {SELECTIVE} --layers {FULL}"),
+    (
+        "a layer mode (recomputation, Tempo's layers)",
+        f"memplan fit MODEL {{device}} --layers {SELECTIVE} --layers {FULL}",
+    ),
     ("the fused loss (no whole logits)", f"memplan fit MODEL {{device}} --loss {FUSED}"),
     ("a smaller optimizer state", f"memplan fit MODEL {{device}} --optimizer {ADAMW_8BIT}"),
     ("all of them, layer by layer", "memplan optimize MODEL {device} --batch B --actions"),

@@ -579,8 +579,15 @@ def simulate_caching(trace: Trace, conf: AllocConf = AllocConf(), capacity: int 
                 try:
                     addr[i] = malloc(size, streams[i])
                 except SimulatedOOM as e:
-                    oom = OutOfMemory(time=t, size=size, buffer=i, details=str(e), allocated=a.allocated,
-                                      reserved=a.reserved, largest_free=a.largest_free_block(size, streams[i]))
+                    oom = OutOfMemory(
+                        time=t,
+                        size=size,
+                        buffer=i,
+                        details=str(e),
+                        allocated=a.allocated,
+                        reserved=a.reserved,
+                        largest_free=a.largest_free_block(size, streams[i]),
+                    )
                     after_alloc[t], after_res[t] = a.allocated, a.reserved
                     break
             else:
