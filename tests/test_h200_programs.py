@@ -6,13 +6,17 @@ PyTorch's figures. Every expected figure is read from PROGRAMS.md, as measured o
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
+from click.testing import CliRunner
 
+from memplan.cli import main
 from memplan.planner.report.explain_text import torch_size
 from memplan.planner.simulate.snapshot_check import SEGMENT_CHANGE, capacity_at_oom, check_program
-from memplan.traces.snapshot import read_snapshot
+from memplan.traces.format import load
+from memplan.traces.snapshot import load_plain_pickle, read_snapshot
 
 FOLDER = "traces/h200-programs"
 SHRINKS = {action for action, sign in SEGMENT_CHANGE.items() if sign < 0}  # segment_free, segment_unmap
@@ -93,3 +97,20 @@ def test_the_out_of_memory_run_fails_at_the_same_request_with_pytorch_s_figures(
         facts["message"],
     ).groupdict()
     assert printed == expected
+
+
+def test_memplan_import_reads_the_snapshot_that_ends_in_an_out_of_memory_error(shared, tmp_path):
+    """The b9 snapshot ends in PyTorch's `oom` entry (no address) and the frees that follow it: it imports, the error
+    in the trace's meta (written and read back) and in the summary."""
+    out = tmp_path / "b9.trace.json.gz"
+    r = CliRunner().invoke(main, ["import", str(shared / FOLDER / f"{RUNS[2]}.pickle"), "-o", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout)
+    raw = load_plain_pickle((shared / FOLDER / f"{RUNS[2]}.pickle").read_bytes())["device_traces"][0]
+    entry = next(k for k, e in enumerate(raw) if e["action"] == "oom")
+    assert summary["ooms"] == 1 and summary["allocated_in_trace"] == sum(e["action"] == "alloc" for e in raw)
+    assert (summary["oom"]["entry"], summary["oom"]["size"], summary["oom"]["device_free"]) == (
+        entry, raw[entry]["size"], raw[entry]["device_free"])  # fmt: skip
+    assert load(out).meta["ooms"] == [summary["oom"]]
+    assert "out of memory at entry" in CliRunner().invoke(main, ["import", str(shared / FOLDER / f"{RUNS[2]}.pickle"),
+                                                                 "-o", str(out)]).stdout  # fmt: skip
