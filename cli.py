@@ -322,6 +322,45 @@ def import_command(snapshot, output, cuda_device, as_json):
     emit(summary, as_json, render_import(summary))
 
 
+@main.command("explain")
+@click.argument("snapshot", type=click.Path(dir_okay=False))
+@gpu_option("the GPU the program ran on: the error's total capacity, the program simulated with all of it, and "
+            "without an error the headroom on it.")  # fmt: skip
+@click.option("--memory", type=SIZE, default=None, help="The GPU's memory (80GB, 150109880320) instead of --gpu.")
+@click.option(
+    "--outside",
+    type=SIZE,
+    default=None,
+    help="What the program's process holds outside the caching allocator (its CUDA context, library handles; "
+    "default: --gpu's estimate, 0 with --memory).",
+)
+@click.option(
+    "--device",
+    "cuda_device",
+    type=click.IntRange(min=0),
+    default=None,
+    help="CUDA device whose trace to explain (default: the one with the most entries).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the explanation as JSON.")
+def explain_command(snapshot, gpu_name, memory, outside, cuda_device, as_json):
+    """Explain a CUDA memory snapshot (torch.cuda.memory._dump_snapshot): for one that ends in an out-of-memory
+    error, the error with PyTorch's figures, what was live, the fragmentation, and which allocator changes would
+    have let it run, each checked by simulating the program; otherwise its peak and the headroom on --gpu.
+
+    \b
+    Example: memplan explain oom.pickle --gpu H200
+    Example: memplan explain step.pickle --memory 80GB --outside 600MiB --json
+    """
+    from memplan.planner.jobs.explain import explain_snapshot
+    from memplan.planner.report.explain_text import render_explain
+
+    if gpu_name is not None and memory is not None:
+        raise click.UsageError("give --gpu NAME or --memory SIZE, not both", ctx=click.get_current_context())
+    progress(f"reading {snapshot}")
+    result = explain_snapshot(snapshot, find_gpu(gpu_name), memory, outside, cuda_device).to_dict()
+    emit(result, as_json, render_explain(result))
+
+
 ALLOC_CONF_HELP = (
     "PYTORCH_CUDA_ALLOC_CONF string for the simulated caching allocator, e.g. "
     "'max_split_size_mb:128,roundup_power2_divisions:4' (default: PyTorch's defaults)."

@@ -66,6 +66,15 @@ BAD = {
         ["{d}/exits.py", "--fake"],
     ],
     "import": [["{d}/missing.pickle"], ["{d}/text.pickle"], ["{d}/object.pickle"], ["{d}/t.json"]],
+    "explain": [
+        ["{d}/missing.pickle"],
+        ["{d}/text.pickle"],
+        ["{d}/object.pickle"],
+        ["{d}/t.json", "--gpu", "H200"],
+        ["{d}/object.pickle", "--gpu", "H9000"],
+        ["{d}/object.pickle", "--gpu", "H200", "--memory", "80GB"],
+        ["{d}/object.pickle", "--outside", "lots"],
+    ],
     "export": [
         ["{d}/missing.json"],
         ["{d}/cut.json.gz"],

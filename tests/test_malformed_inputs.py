@@ -57,7 +57,7 @@ def readers(kind: str, path: str, out: Path) -> dict[str, list[str]]:
         }
     if kind == "csv":
         return {"solve": ["solve", path, "-o", str(out / "p.csv")]}
-    return {"import": ["import", path, "-o", str(out / "t.json.gz")]}
+    return {"import": ["import", path, "-o", str(out / "t.json.gz")], "explain": ["explain", path]}
 
 
 @contextmanager
@@ -158,6 +158,10 @@ EXPECTED = {
     "csv/upper_below_lower.csv": ":2: upper 4 is below lower 5",
     "pickle/300_streams.pickle": "300_streams.pickle: buffers.stream: 300 distinct streams",
     "pickle/a_list.pickle": "expected a dict at the top level, got list",
+    "pickle/alloc_at_live_address.pickle": "[0][1]: alloc at address 0x0, which is still live (allocated at entry 0)",
+    "pickle/double_free.pickle": "[0][4]: free_requested of address 0x0, already freed at entry 3 and not allocated",
+    "pickle/oom_without_device_free.pickle": "device_traces[0][1].device_free: expected an integer, got None",
+    "pickle/unknown_action.pickle": "device_traces[0][1]: unknown action 'realloc'; PyTorch writes alloc,",
     "pickle/calls_os_system.pickle": "refused: the pickle asks for os.system",
     "pickle/empty.pickle": "not a readable pickle (EOFError",
     "pickle/entry_without_action.pickle": "device_traces[0][0]: expected an entry with an 'action'",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -11,7 +12,14 @@ from click.testing import CliRunner
 from memplan.cli import main
 from memplan.errors import SnapshotError
 from memplan.traces.format import load
-from memplan.traces.snapshot import import_snapshot, load_plain_pickle, parse_snapshot, snapshot_to_trace
+from memplan.traces.snapshot import (
+    import_snapshot,
+    import_summary,
+    load_plain_pickle,
+    parse_snapshot,
+    snapshot_to_trace,
+    with_failed_requests,
+)
 from memplan.units import MiB
 
 SNAPSHOTS = ("gpt_ctx128_fullstep", "gpt2_medium_ctx128_training", "gpt2_medium_ctx512_training")
@@ -220,3 +228,101 @@ def test_every_shared_snapshot_imports_and_round_trips(shared, tmp_path, name):
     trace = load(out)
     assert len(trace) > 6000 and trace.meta["source"] == "cuda-snapshot"
     assert (trace.addr > 0).all()
+
+
+def _snapshot(*entries) -> dict:
+    return {"segments": [], "device_traces": [list(entries)]}
+
+
+def _rows(trace) -> list[tuple[int, int, int, int]]:
+    """(alloc, free, size, addr) of every buffer, sorted."""
+    return sorted(zip(trace.alloc.tolist(), trace.free.tolist(), trace.size.tolist(), trace.addr.tolist()))
+
+
+def test_an_out_of_memory_error_is_kept_with_a_time_of_its_own():
+    """PyTorch's `oom` entry has no address: its request (rounded), the device's free bytes and where it came from
+    go to meta `ooms`, at a time no other event has; the frees that follow it (the exception unwinding) are kept."""
+    oom = {"action": "oom", "size": 40 * MiB, "device_free": 30 * MiB, "stream": 7, "time_us": 5,
+           "frames": _entry("alloc", 0, 0, line=21)["frames"]}  # fmt: skip
+    trace = snapshot_to_trace(parse_snapshot(_snapshot(
+        _entry("alloc", 1 << 20, 4 * MiB, line=20), oom, _entry("free_completed", 1 << 20, 4 * MiB),
+    )))  # fmt: skip
+    assert trace.meta["ooms"] == [{"entry": 1, "time": 2, "size": 40 * MiB, "device_free": 30 * MiB, "stream": 7,
+                                   "time_us": 5, "op": "model.py:21 forward", "phase": "other"}]  # fmt: skip
+    assert _rows(trace) == [(1, 3, 4 * MiB, 1 << 20)]
+    assert not trace.live_at(2).tolist() == []  # the buffer was live when the request failed
+    with_request, requests = with_failed_requests(trace)
+    assert requests == [1] and (with_request.alloc[1], with_request.free[1], with_request.size[1]) == (2, 2, 40 * MiB)
+    assert import_summary(trace)["oom"]["size"] == 40 * MiB and import_summary(trace)["ooms"] == 1
+
+
+@pytest.mark.parametrize(
+    ("entries", "refusal"),
+    [
+        pytest.param(  # the issue's double free: a phantom 1,024 B buffer gave a peak of 2,560 B against 1,536
+            [("alloc", 0, 1024), ("alloc", 1024, 512), ("free_completed", 0, 1024), ("free_completed", 0, 1024)],
+            "[0][3]: free_completed of address 0x0, already freed at entry 2 and not allocated since (a double free)",
+            id="free-completed-twice",
+        ),
+        pytest.param(
+            [("alloc", 0, 512), ("free_requested", 0, 512), ("free_requested", 0, 512), ("free_completed", 0, 512)],
+            "[0][2]: free_requested of address 0x0, whose free was already requested at entry 1 (a double free)",
+            id="free-requested-twice",
+        ),
+        pytest.param(  # a block from before recording, freed twice
+            [("free_completed", 4096, 512), ("free_completed", 4096, 512)],
+            "[0][1]: free_completed of address 0x1000, already freed at entry 0",
+            id="before-recording-freed-twice",
+        ),
+        pytest.param(
+            [("alloc", 0, 512), ("alloc", 0, 512)],
+            "[0][1]: alloc at address 0x0, which is still live (allocated at entry 0)",
+            id="alloc-at-live",
+        ),
+        pytest.param(  # record_stream: the block is the program's until its free completes
+            [("alloc", 0, 512), ("free_requested", 0, 512), ("alloc", 0, 512), ("free_completed", 0, 512)],
+            "[0][2]: alloc at address 0x0, which is still live (allocated at entry 0, its free requested at entry 1)",
+            id="alloc-while-free-pending",
+        ),
+        pytest.param(
+            [("alloc", 0, 512), ("resize", 0, 1024)],
+            "[0][1]: unknown action 'resize'; PyTorch writes alloc, free_requested, free_completed",
+            id="unknown-action",
+        ),
+    ],
+)
+def test_entries_pytorch_never_writes_are_refused_by_their_index(entries, refusal):
+    snap = _snapshot(*(_entry(*e) for e in entries))
+    with pytest.raises(SnapshotError) as e:
+        snapshot_to_trace(parse_snapshot(snap))
+    assert refusal in str(e.value) and str(e.value).startswith("device_traces[0][")
+
+
+def test_a_ring_buffer_frees_blocks_allocated_before_it_and_record_stream_frees_late():
+    """A snapshot of the last N entries (`max_entries`) frees blocks it never saw allocated, its first free perhaps
+    without its request: each is one buffer from before recording, and the address may be allocated again. A block
+    freed while another stream used it (record_stream) is the program's until `free_completed`."""
+    trace = snapshot_to_trace(parse_snapshot(_snapshot(*(_entry(*e) for e in [
+        ("free_completed", 0, 512),  # its free_requested fell out of the ring
+        ("free_requested", 4096, 1024), ("free_completed", 4096, 1024),
+        ("alloc", 0, 512), ("alloc", 8192, 512),
+        ("free_requested", 0, 512), ("alloc", 16384, 512), ("free_completed", 0, 512),  # freed late: record_stream
+        ("free_requested", 8192, 512),  # the recording ends before its free completes
+    ]))))  # fmt: skip
+    assert _rows(trace) == [(0, 1, 512, 0), (0, 2, 1024, 4096), (3, 6, 512, 0), (4, 7, 512, 8192), (5, 7, 512, 16384)]
+
+
+def test_a_snapshot_recorded_without_free_completed_frees_at_free_requested():
+    """`_record_memory_history(skip_actions=["free_completed"])` leaves only the requests: they close the blocks."""
+    entries = [("alloc", 0, 512), ("free_requested", 0, 512), ("alloc", 0, 1024), ("free_requested", 0, 1024)]
+    trace = snapshot_to_trace(parse_snapshot(_snapshot(*(_entry(*e) for e in entries))))
+    assert _rows(trace) == [(1, 2, 512, 0), (3, 4, 1024, 0)]
+
+
+def test_the_malformed_double_free_snapshot_was_the_issue_s_phantom_peak():
+    """tests/data/malformed/pickle/double_free.pickle without its second free is a valid snapshot of peak 1,536 B;
+    the second free made today's importer invent a 1,024 B buffer alive from the start (2,560 B)."""
+    path = Path(__file__).parent / "data" / "malformed" / "pickle" / "double_free.pickle"
+    raw = load_plain_pickle(path.read_bytes())
+    raw["device_traces"][0] = raw["device_traces"][0][:4] + raw["device_traces"][0][6:]
+    assert snapshot_to_trace(parse_snapshot(raw)).peak()[0] == 1536

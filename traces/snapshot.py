@@ -4,8 +4,11 @@ A snapshot is a pickle; it is read with an unpickler that builds only dict, list
 int, float, bool and None, so a file holding any object is refused before anything runs; its bytes and
 nesting are bounded (memplan/limits.py), and a container that holds itself is refused.
 The trace keeps one buffer per `alloc` entry plus one per block that was allocated before
-recording began (alloc time 0); times count the `alloc` and `free_completed` entries. A snapshot
-memplan exported (planner/simulate/snapshot_export.py) names each buffer's labels in its frames
+recording began (alloc time 0); times count the `alloc` and `free_completed` entries and the `oom` entries (an
+out-of-memory error: the request that failed, kept in the trace's meta `ooms` with a time of its own at which
+nothing else happens, so a simulation can make the request there). Entries are checked as PyTorch writes them
+(ACTIONS): an unknown action, a double free and an allocation at a live address are refused with the entry's
+index. A snapshot memplan exported (planner/simulate/snapshot_export.py) names each buffer's labels in its frames
 (LABEL_FRAMES), and they come back as the trace's labels.
 """
 
@@ -21,13 +24,18 @@ from typing import Any
 from memplan.errors import SnapshotError, TraceError
 from memplan.files import read_input
 from memplan.limits import MAX_PICKLE_BYTES, MAX_PICKLE_DEPTH, LimitError, check_nesting, short_repr
-from memplan.traces.format import CATEGORIES, PHASES, Trace, make_trace
+from memplan.traces.format import CATEGORIES, COLUMNS, INT_COLUMNS, PHASES, Trace, make_trace
 from memplan.units import MiB, human_bytes
 
 PLAIN_TYPES = (dict, list, tuple, str, int, float, bool, type(None))
 SNAPSHOT_DEPTH = 8  # how deep PyTorch's snapshots nest (dict, device list, entries, entry, frames, frame, ...)
 KEYS = ("segments", "device_traces")
 FREE_ACTIONS = ("free_completed", "free")  # when the allocator gets a block back ("free": old snapshots)
+FREE_REQUESTED = "free_requested"  # the program let go of the block; with record_stream it is reused only later
+OOM = "oom"  # the allocator raised OutOfMemoryError: no address; `size` (rounded) and `device_free` instead
+# TraceEntry's actions (c10/core/CachingDeviceAllocator.h, torch/cuda/memory.py's _snapshot); "free": old snapshots
+ACTIONS = ("alloc", FREE_REQUESTED, *FREE_ACTIONS, "segment_alloc", "segment_free", "segment_map", "segment_unmap",
+           "snapshot", OOM)  # fmt: skip
 ENGINE_FRAME = "torch::autograd::Engine::evaluate_function"
 AUTOGRAD_NODE = re.compile(r"torch::autograd::(?:generated::)?(\w+)::apply\(")
 ATEN_OP = re.compile(r"at::_ops::(\w+)::call\(")  # the op and its overload: sum_dim_IntList
@@ -77,12 +85,13 @@ class SnapshotEntry:
     """One trace entry of a device: action, address, size (the request for alloc/free), stream, op."""
 
     action: str
-    addr: int
-    size: int
+    addr: int  # 0 for an `oom` entry, which has none
+    size: int  # an `oom` entry's: the request rounded as the allocator rounds it
     stream: int
-    op: str
+    op: str  # where an `alloc` (or an `oom`'s failed request) came from, when its frames say
     time_us: int
     backward: bool = False  # made while the autograd engine ran
+    device_free: int = 0  # an `oom` entry's: the bytes cudaMemGetInfo reported free
     labels: dict[str, str] = field(default_factory=dict)  # memplan's labels, when memplan exported the snapshot
 
 
@@ -219,16 +228,21 @@ def parse_snapshot(raw: Any, device: int | None = None) -> Snapshot:
         where = f"device_traces[{device}][{i}]"
         if not isinstance(e, dict) or not isinstance(e.get("action"), str):
             raise SnapshotError(f"{where}: expected an entry with an 'action'")
+        action = e["action"]
+        if action not in ACTIONS:
+            raise SnapshotError(f"{where}: unknown action {short_repr(action)}; PyTorch writes {', '.join(ACTIONS)}")
+        request = action in ("alloc", OOM)  # entries whose frames say where a request came from
         entries.append(
             SnapshotEntry(
-                action=e["action"],
-                addr=_int(e, "addr", where),
+                action=action,
+                addr=0 if action == OOM else _int(e, "addr", where),
                 size=_int(e, "size", where),
                 stream=_int(e, "stream", where) if "stream" in e else 0,
-                op=top_user_frame(e.get("frames")) if e["action"] == "alloc" else "",
+                op=top_user_frame(e.get("frames")) if request else "",
                 time_us=e["time_us"] if isinstance(e.get("time_us"), int) else 0,
-                backward=e["action"] == "alloc" and in_backward(e.get("frames")),
-                labels=memplan_labels(e.get("frames")) if e["action"] == "alloc" else {},
+                backward=request and in_backward(e.get("frames")),
+                labels=memplan_labels(e.get("frames")) if action == "alloc" else {},
+                device_free=_int(e, "device_free", where) if action == OOM else 0,
             )
         )
     segments = []
@@ -292,16 +306,38 @@ def is_live_block(block: SnapshotBlock) -> bool:
     return block.state.startswith("active")
 
 
+def closing_actions(entries: list[SnapshotEntry]) -> tuple[str, ...]:
+    """The actions that give a block back to the allocator: `free_completed` (PyTorch's own; a block freed while
+    another stream still used it, record_stream, completes later), or `free_requested` in a snapshot recorded
+    with `skip_actions=["free_completed"]`, which has no other."""
+    if any(e.action in FREE_ACTIONS for e in entries) or not any(e.action == FREE_REQUESTED for e in entries):
+        return FREE_ACTIONS
+    return (FREE_REQUESTED,)
+
+
+def _hex(addr: int) -> str:
+    return f"{addr:#x}"
+
+
 def snapshot_to_trace(snap: Snapshot, source: str = "") -> Trace:
     """One buffer per `alloc` entry plus one per block allocated before recording (alloc 0).
 
     A buffer's free time is its `free_completed` entry (when the allocator got the memory back);
     buffers never freed live to the end; pre-recording blocks come from frees without an
-    allocation in the trace and from final allocated blocks the trace never allocated.
+    allocation in the trace and from final allocated blocks the trace never allocated. A ring buffer
+    (`max_entries`) keeps the latest entries, so only a block allocated before its first entry can be freed
+    without an allocation; a second free of an address, an allocation at a live one and (in parse_snapshot) an
+    unknown action are refused, naming the entry. Each `oom` entry takes a time of its own and is kept in meta
+    `ooms`.
     """
     size, alloc, free, stream, addr, op, phase, module, category = [], [], [], [], [], [], [], [], []
     open_at: dict[int, int] = {}  # address -> buffer index of the live buffer there
+    made_at: dict[int, int] = {}  # address -> entry index of its live buffer's allocation
+    requested: dict[int, int] = {}  # address -> entry index of a free_requested not completed yet
+    freed: dict[int, int] = {}  # address -> entry index of the free that gave it back (not allocated since)
+    ooms: list[dict] = []
     windows = snap.optimizer_windows
+    closing = closing_actions(snap.entries)
 
     def phase_of(e: SnapshotEntry) -> str:
         if any(a <= e.time_us <= b for a, b in windows):
@@ -315,19 +351,45 @@ def snapshot_to_trace(snap: Snapshot, source: str = "") -> Trace:
         module.append(labels.get("module", "")), category.append(labels.get("category", "unknown"))
         return len(size) - 1
 
+    def refuse(k: int, what: str) -> SnapshotError:
+        return SnapshotError(f"device_traces[{snap.device}][{k}]: {what}")
+
+    def second_free(k: int, e: SnapshotEntry) -> None:
+        if e.addr in freed:
+            raise refuse(k, f"{e.action} of address {_hex(e.addr)}, already freed at entry {freed[e.addr]} and not "
+                            "allocated since (a double free)")  # fmt: skip
+
     t = 0
-    for e in snap.entries:
+    for k, e in enumerate(snap.entries):
         if e.action == "alloc":
+            if e.addr in open_at or e.addr in requested:
+                when = f"allocated at entry {made_at[e.addr]}" if e.addr in made_at else "allocated before recording"
+                pending = f", its free requested at entry {requested[e.addr]}" if e.addr in requested else ""
+                raise refuse(k, f"alloc at address {_hex(e.addr)}, which is still live ({when}{pending})")
             t += 1
-            if e.addr in open_at:  # a free this ring buffer lost: close the old buffer here
-                free[open_at.pop(e.addr)] = t
+            freed.pop(e.addr, None)
+            made_at[e.addr] = k
             open_at[e.addr] = add(e.size, t, e.stream, e.addr, e.op, phase_of(e), e.labels)
-        elif e.action in FREE_ACTIONS:
+        elif e.action in closing:
+            second_free(k, e)
             t += 1
+            requested.pop(e.addr, None)
+            made_at.pop(e.addr, None)
             i = open_at.pop(e.addr, None)
             if i is None:  # allocated before recording began
                 i = add(e.size, 0, e.stream, e.addr, "", "other")
             free[i] = t
+            freed[e.addr] = k
+        elif e.action == FREE_REQUESTED:
+            second_free(k, e)
+            if e.addr in requested:
+                raise refuse(k, f"free_requested of address {_hex(e.addr)}, whose free was already requested at "
+                                f"entry {requested[e.addr]} (a double free)")  # fmt: skip
+            requested[e.addr] = k
+        elif e.action == OOM:
+            t += 1  # the failed request's own time: nothing else happens then
+            ooms.append({"entry": k, "time": t, "size": e.size, "device_free": e.device_free, "stream": e.stream,
+                         "time_us": e.time_us, "op": e.op, "phase": phase_of(e)})  # fmt: skip
     end = t + 1
     for seg in snap.segments:
         for b in seg.blocks:
@@ -341,17 +403,25 @@ def snapshot_to_trace(snap: Snapshot, source: str = "") -> Trace:
         "cuda_device": snap.device,
         "alloc_conf": str(snap.settings.get("PYTORCH_CUDA_ALLOC_CONF", "") or ""),
     }
+    if ooms:
+        meta["ooms"] = ooms
     columns = {"size": size, "alloc": alloc, "free": free, "stream": stream, "addr": addr, "op": op, "phase": phase}
     return make_trace({**columns, "module": module, "category": category}, meta=meta)
 
 
-def import_snapshot(path: str | os.PathLike, device: int | None = None) -> Trace:
-    """Read a snapshot file and return its trace for one device."""
+def read_snapshot_trace(path: str | os.PathLike, device: int | None = None) -> tuple[Snapshot, Trace]:
+    """Read a snapshot file and import one device's trace: the parsed snapshot and its trace (every error names
+    the file)."""
     snap = read_snapshot(path, device)
     try:
-        return snapshot_to_trace(snap, source=os.path.basename(os.fspath(path)))
-    except (TraceError, LimitError) as e:  # a value no trace can hold (a size past 64 bits, too many streams)
+        return snap, snapshot_to_trace(snap, source=os.path.basename(os.fspath(path)))
+    except (SnapshotError, TraceError, LimitError) as e:  # entries out of order; a value no trace can hold
         raise type(e)(f"{os.fspath(path)}: {e}") from None
+
+
+def import_snapshot(path: str | os.PathLike, device: int | None = None) -> Trace:
+    """Read a snapshot file and return its trace for one device."""
+    return read_snapshot_trace(path, device)[1]
 
 
 def import_summary(trace: Trace) -> dict:
@@ -369,4 +439,31 @@ def import_summary(trace: Trace) -> dict:
         "peak_time": when,
         "cuda_device": trace.meta.get("cuda_device"),
         "alloc_conf": trace.meta.get("alloc_conf", ""),
+        "ooms": len(trace.meta.get("ooms", [])),
+        "oom": last_oom(trace),
     }
+
+
+def with_failed_requests(trace: Trace) -> tuple[Trace, list[int]]:
+    """The imported trace with each out-of-memory error's request (meta `ooms`) made at the failure's own time
+    and freed right after, and those buffers' indices: the program as it ran, for a simulation to serve, or fail
+    at, the same request. What the program would have done had a request been served is not in the snapshot."""
+    ooms = trace.meta.get("ooms") or []
+    if not ooms:
+        return trace, []
+    columns = {c: getattr(trace, c).tolist() if c in INT_COLUMNS else list(getattr(trace, c)) for c in COLUMNS}
+    start = len(trace)
+    for o in ooms:
+        row = {"size": o["size"], "alloc": o["time"], "free": o["time"], "stream": o["stream"], "addr": -1,
+               "internal": 0, "category": "unknown", "phase": o.get("phase", "other"), "op": o.get("op", ""),
+               "module": ""}  # fmt: skip
+        for c in COLUMNS:
+            columns[c].append(row[c])
+    return make_trace(columns, trace.syncs, trace.meta), list(range(start, start + len(ooms)))
+
+
+def last_oom(trace: Trace) -> dict | None:
+    """The last out-of-memory error an imported snapshot recorded (meta `ooms`: its entry, time, the request's
+    rounded size, device_free, stream, time_us, op, phase), or None."""
+    ooms = trace.meta.get("ooms") or []
+    return dict(ooms[-1]) if ooms else None

@@ -193,5 +193,18 @@ def render_import(s: dict) -> str:
         f"{s['before_recording']} alive before, {s['never_freed']} never freed)\n"
         f"device cuda:{s['cuda_device']}, streams {s['streams']}, {s['events_end'] - 1} events\n"
         f"peak live: {s['peak_live_bytes']} bytes ({human_bytes(s['peak_live_bytes'], unit='GiB')}) "
-        f"at time {s['peak_time']}\nwritten to {s['output']}"
+        f"at time {s['peak_time']}\n{_import_oom(s)}written to {s['output']}"
+    )
+
+
+def _import_oom(s: dict) -> str:
+    """A line for a snapshot that recorded out-of-memory errors: the last one, and where to look further."""
+    o = s.get("oom")
+    if not o:
+        return ""
+    count = f" (the last of {s['ooms']})" if s["ooms"] > 1 else ""
+    return (
+        f"out of memory at entry {o['entry']}{count}: a request of {human_bytes(o['size'], unit='GiB')} with "
+        f"{human_bytes(o['device_free'], unit='GiB')} free on the device (memplan explain SNAPSHOT: why, and what "
+        "would have run)\n"
     )

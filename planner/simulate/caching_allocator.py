@@ -276,10 +276,10 @@ class CachingAllocator:
         return b
 
     def _alloc_block(self, size: int, alloc: int, small: bool, stream: int) -> Block | None:
+        if self.conf.expandable_segments:  # maps only the pages it lacks: a free block it grows counts as its own
+            return self._alloc_expandable(size, small, stream)
         if self.capacity is not None and self.reserved + alloc > self.capacity:
             return None
-        if self.conf.expandable_segments:
-            return self._alloc_expandable(size, small, stream)
         addr = self.segment_address(alloc, stream, small)
         if addr > ADDR_MASK:
             raise ValueError(f"segment address {addr:#x} beyond 2**{ADDR_BITS}")
@@ -491,6 +491,12 @@ class CachingAllocator:
             self._insert_unmapped(b)
 
     # -- inspection ---------------------------------------------------------------------------
+    def largest_free_block(self, size: int, stream: int = 0) -> int:
+        """The largest cached (free, mapped) block a request of `size` bytes on `stream` could be served from: its
+        pool's (small or large), on its stream; 0 when there is none."""
+        keys = self.free_lists.get((round_size(size, self.conf) <= SMALL_SIZE, stream))
+        return self.free_at[keys[-1] & ADDR_MASK].size if keys else 0
+
     def segment_blocks(self) -> list[tuple[Segment, list[Block]]]:
         """Every live segment with its blocks in address order (for checks and tests)."""
         heads: dict[int, Block] = {}
@@ -516,6 +522,9 @@ class OutOfMemory:
     size: int  # bytes the buffer requested
     buffer: int  # index of the buffer in the trace
     details: str  # the allocator's message: bytes it tried to reserve, allocated, reserved and the capacity
+    allocated: int = 0  # the allocator's allocated bytes after its retries (PyTorch's "allocated by PyTorch")
+    reserved: int = 0  # its reserved bytes then (less allocated: "reserved by PyTorch but unallocated")
+    largest_free: int = 0  # the largest cached block of the request's pool and stream then (fragmentation)
 
 
 @dataclass
@@ -570,7 +579,15 @@ def simulate_caching(trace: Trace, conf: AllocConf = AllocConf(), capacity: int 
                 try:
                     addr[i] = malloc(size, streams[i])
                 except SimulatedOOM as e:
-                    oom = OutOfMemory(time=t, size=size, buffer=i, details=str(e))
+                    oom = OutOfMemory(
+                        time=t,
+                        size=size,
+                        buffer=i,
+                        details=str(e),
+                        allocated=a.allocated,
+                        reserved=a.reserved,
+                        largest_free=a.largest_free_block(size, streams[i]),
+                    )
                     after_alloc[t], after_res[t] = a.allocated, a.reserved
                     break
             else:

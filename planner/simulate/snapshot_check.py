@@ -1,9 +1,14 @@
-"""Judge the caching-allocator simulator against a real CUDA snapshot, address by address.
+"""Judge the caching-allocator simulator against a real CUDA snapshot, address by address, and a whole program's.
 
 The segments that existed before recording are rebuilt from the snapshot's final `segments`
 (with the blocks allocated before recording in place), new segments get the base addresses of
 the trace's `segment_alloc` entries, and every `alloc` entry is replayed: the simulator must
 return the address the real allocator returned and create the same new segments at the same step.
+
+A whole program's snapshot (recorded from before its first allocation; `check_program`) is simulated as memplan
+simulates any trace, from an empty cache, at the device's capacity, with the request of each out-of-memory error
+made where it failed: its peak reserved must be the one the snapshot's own segment entries give, and it must fail
+at the same request with the same reserved (so the same free) memory.
 """
 
 from __future__ import annotations
@@ -11,11 +16,23 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from memplan.errors import MemplanError
 from memplan.planner.simulate.alloc_conf import AllocConf, conf_from_snapshot_settings
-from memplan.planner.simulate.caching_allocator import MIN_BLOCK, SMALL_BUFFER, SMALL_SIZE, CachingAllocator, round_size
-from memplan.traces.snapshot import FREE_ACTIONS, Snapshot, is_live_block
+from memplan.planner.simulate.caching_allocator import (
+    MIN_BLOCK,
+    SMALL_BUFFER,
+    SMALL_SIZE,
+    CachingAllocator,
+    SimResult,
+    round_size,
+    simulate_caching,
+)
+from memplan.traces.format import Trace
+from memplan.traces.snapshot import FREE_ACTIONS, OOM, Snapshot, is_live_block, snapshot_to_trace, with_failed_requests
+
+SEGMENT_CHANGE = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}  # reserved +/-
 
 
 @dataclass
@@ -200,4 +217,102 @@ def replay_snapshot(snap: Snapshot, conf: AllocConf | None = None, keep_mismatch
         peak_allocated=peak_alloc,
         peak_reserved=peak_res,
         mismatches=mismatches,
+    )
+
+
+def reserved_by_entry(snap: Snapshot) -> tuple[int, list[int]]:
+    """The allocator's reserved bytes before the first trace entry and after each one, from the snapshot's own
+    segment entries (cudaMalloc/cudaFree, expandable segments' map/unmap), ending at its final segments' sum:
+    a snapshot recorded mid-program starts from what the allocator held when recording began (0 for a whole
+    program's)."""
+    changes = [SEGMENT_CHANGE.get(e.action, 0) * e.size for e in snap.entries]
+    start = sum(seg.size for seg in snap.segments) - sum(changes)
+    return start, list(accumulate(changes, initial=start))[1:]
+
+
+def oom_entries(snap: Snapshot) -> list[int]:
+    """The indices of the snapshot's `oom` entries (its out-of-memory errors), in order."""
+    return [k for k, e in enumerate(snap.entries) if e.action == OOM]
+
+
+def capacity_at_oom(snap: Snapshot) -> int | None:
+    """What the allocator could have reserved at the snapshot's first out-of-memory error: what it held then (its
+    retries done) plus the free bytes the device reported (`device_free`); None without an error. The GPU's total
+    less this is what it held outside the allocator then, other processes included."""
+    ooms = oom_entries(snap)
+    if not ooms:
+        return None
+    _, reserved = reserved_by_entry(snap)
+    return reserved[ooms[0]] + snap.entries[ooms[0]].device_free
+
+
+@dataclass(frozen=True)
+class ProgramCheck:
+    """A snapshot's own figures against the simulator's run of its imported trace (up to its first out-of-memory
+    error, when it has one): peak reserved, and the request that failed with the memory reserved then."""
+
+    capacity: int | None  # the allocator's capacity simulated (None: unlimited)
+    from_start: bool  # recorded from the program's first allocation: no block from before recording
+    real_max_reserved: int  # the most the snapshot's own segment entries reserved (up to its first error)
+    real_oom_size: int | None  # the first error's request, rounded as the allocator rounds it
+    real_oom_reserved: int | None  # reserved when it failed (its retries done)
+    real_oom_free: int | None  # the bytes the device reported free then
+    simulated: SimResult  # the trace with its failed requests (with_failed_requests), at the capacity
+    requests: tuple[int, ...]  # the failed requests' buffers in the simulated trace
+
+    @property
+    def fails_at_the_same_request(self) -> bool:
+        """The simulation failed at the snapshot's first failed request (and nowhere before), with the same reserved
+        memory; True when neither failed."""
+        oom = self.simulated.oom
+        if self.real_oom_size is None or oom is None:
+            return self.real_oom_size is None and oom is None
+        return oom.buffer == self.requests[0] and oom.reserved == self.real_oom_reserved
+
+    @property
+    def exact(self) -> bool:
+        """The simulation's peak reserved is the snapshot's, and it fails where the snapshot did (or neither)."""
+        return self.simulated.peak_reserved == self.real_max_reserved and self.fails_at_the_same_request
+
+    def summary(self) -> dict:
+        """The figures as a JSON-ready dict."""
+        oom = self.simulated.oom
+        return {
+            "capacity": self.capacity,
+            "from_start": self.from_start,
+            "real_max_reserved": self.real_max_reserved,
+            "simulated_max_reserved": self.simulated.peak_reserved,
+            "simulated_max_allocated": self.simulated.peak_allocated,
+            "real_oom_size": self.real_oom_size,
+            "real_oom_reserved": self.real_oom_reserved,
+            "real_oom_free": self.real_oom_free,
+            "simulated_oom_size": oom.size if oom else None,
+            "simulated_oom_allocated": oom.allocated if oom else None,
+            "simulated_oom_reserved": oom.reserved if oom else None,
+            "fails_at_the_same_request": self.fails_at_the_same_request,
+            "exact": self.exact,
+        }
+
+
+def check_program(snap: Snapshot, capacity: int | None, conf: AllocConf | None = None,
+                  trace: Trace | None = None) -> ProgramCheck:  # fmt: skip
+    """Simulate a snapshot's imported trace (`trace`, imported here when not given) with its failed requests at
+    `capacity` (the GPU's memory less what it holds outside the allocator) under `conf` (default: the snapshot's
+    allocator settings), against the snapshot's own reserved memory and out-of-memory error."""
+    conf = conf or conf_from_snapshot_settings(snap.settings)
+    trace = trace if trace is not None else snapshot_to_trace(snap)
+    program, requests = with_failed_requests(trace)
+    start, reserved = reserved_by_entry(snap)
+    ooms = oom_entries(snap)
+    upto = reserved[: ooms[0]] if ooms else reserved
+    first = snap.entries[ooms[0]] if ooms else None
+    return ProgramCheck(
+        capacity=capacity,
+        from_start=not bool((trace.alloc == 0).any()) and start == 0,
+        real_max_reserved=max([start, *upto]),
+        real_oom_size=first.size if first else None,
+        real_oom_reserved=reserved[ooms[0]] if ooms else None,
+        real_oom_free=first.device_free if first else None,
+        simulated=simulate_caching(program, conf, capacity),
+        requests=tuple(requests),
     )
