@@ -69,3 +69,32 @@ def human_bytes(n: int | float, unit: str | None = None, digits: int = 2, groupe
 def format_size(n: int) -> str:
     """Bytes as GiB with two decimals, or MiB with one below a GiB: a memory size in a sentence or a table."""
     return human_bytes(n, unit="GiB") if n >= GiB else human_bytes(n, unit="MiB", digits=1)
+
+
+def torch_size(n: int) -> str:
+    """Bytes as PyTorch's caching allocator prints them in its messages (c10's format_size): two decimals of bytes,
+    KiB, MiB or GiB, each unit up to and including its next power of 1024."""
+    if n <= 1024:
+        return f"{n} bytes"
+    for limit, divisor, unit in ((1 << 20, 1 << 10, "KiB"), (1 << 30, 1 << 20, "MiB")):
+        if n <= limit:
+            return f"{n / divisor:.2f} {unit}"
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def cuda_oom_message(tried: int, total: int | None, free: int, allocated: int, reserved: int, device: int = 0,
+                     process: int | None = None) -> str:  # fmt: skip
+    """PyTorch's CUDA out-of-memory error as c10/cuda/CUDACachingAllocator.cpp words it: the segment it tried to
+    allocate, the GPU's total and free bytes, the process's use (NVML's line; left out when not known), allocated and
+    reserved-but-unallocated bytes."""
+    capacity = torch_size(total) if total is not None else "(not known: give --gpu or --memory)"
+    used = (
+        ""
+        if process is None
+        else f"Including non-PyTorch memory, this process has {torch_size(process)} memory in use. "
+    )
+    return (
+        f"CUDA out of memory. Tried to allocate {torch_size(tried)}. GPU {device} has a total capacity of {capacity} "
+        f"of which {torch_size(free)} is free. {used}Of the allocated memory {torch_size(allocated)} is allocated by "
+        f"PyTorch, and {torch_size(reserved - allocated)} is reserved by PyTorch but unallocated."
+    )

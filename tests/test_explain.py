@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from memplan.cli import main
 from memplan.gpus import gpu
 from memplan.planner.jobs.explain import ALLOCATOR_CHANGES, WHOLE_GPU, explain_snapshot
-from memplan.planner.report.explain_text import pytorch_oom_message, torch_size
-from memplan.units import MiB
+from memplan.planner.report.explain_text import pytorch_oom_message
+from memplan.units import MiB, torch_size
 
 BASE = 1 << 32
 

@@ -13,10 +13,10 @@ import pytest
 from click.testing import CliRunner
 
 from memplan.cli import main
-from memplan.planner.report.explain_text import torch_size
 from memplan.planner.simulate.snapshot_check import SEGMENT_CHANGE, capacity_at_oom, check_program
 from memplan.traces.format import load
 from memplan.traces.snapshot import load_plain_pickle, read_snapshot
+from memplan.units import torch_size
 
 FOLDER = "traces/h200-programs"
 SHRINKS = {action for action, sign in SEGMENT_CHANGE.items() if sign < 0}  # segment_free, segment_unmap

@@ -4,30 +4,14 @@ or the peak and the headroom."""
 
 from __future__ import annotations
 
-from memplan.units import format_size
-
-
-def torch_size(n: int) -> str:
-    """Bytes as PyTorch's caching allocator prints them in its messages (c10's format_size): two decimals of bytes,
-    KiB, MiB or GiB, each unit up to and including its next power of 1024."""
-    if n <= 1024:
-        return f"{n} bytes"
-    for limit, divisor, unit in ((1 << 20, 1 << 10, "KiB"), (1 << 30, 1 << 20, "MiB")):
-        if n <= limit:
-            return f"{n / divisor:.2f} {unit}"
-    return f"{n / (1 << 30):.2f} GiB"
+from memplan.units import cuda_oom_message, format_size
 
 
 def pytorch_oom_message(oom: dict, device: int) -> str:
     """The error PyTorch raised, as its CUDACachingAllocator words it, from an out-of-memory error's figures (its
     per-process line, read from NVML, is not in a snapshot and is left out)."""
-    total = torch_size(oom["total"]) if oom["total"] is not None else "(not known: give --gpu or --memory)"
-    return (
-        f"CUDA out of memory. Tried to allocate {torch_size(oom['tried'])}. GPU {device} has a total capacity of "
-        f"{total} of which {torch_size(oom['device_free'])} is free. Of the allocated memory "
-        f"{torch_size(oom['allocated'])} is allocated by PyTorch, and {torch_size(oom['cached'])} is reserved by "
-        f"PyTorch but unallocated."
-    )
+    reserved = oom["allocated"] + oom["cached"]
+    return cuda_oom_message(oom["tried"], oom["total"], oom["device_free"], oom["allocated"], reserved, device)
 
 
 def _groups(title: str, groups: list[dict]) -> str:

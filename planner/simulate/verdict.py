@@ -17,6 +17,7 @@ from memplan.planner.simulate.alloc_conf import AllocConf
 from memplan.planner.simulate.caching_allocator import SimResult, allocation_size, round_size, simulate_caching
 from memplan.step import StepSpec
 from memplan.traces.format import Trace
+from memplan.units import cuda_oom_message
 
 STEP_HANDLES = 2  # cuBLAS handles of a training step: its own thread's and the autograd engine's backward thread's
 LT_OPS = ("aten::addmm",)  # ops that run through cuBLASLt (a fused bias), so take its workspace too
@@ -133,27 +134,6 @@ class OutOfMemoryAt:
     message: str = ""  # PyTorch's error for it, as torch.OutOfMemoryError would print it
 
 
-def format_size(size: int) -> str:
-    """A byte count as PyTorch's allocator messages print it (c10's format_size: 2 decimals, bytes to GiB)."""
-    if size <= 1024:
-        return f"{size} bytes"
-    if size <= 1 << 20:
-        return f"{size / 1024:.2f} KiB"
-    if size <= 1 << 30:
-        return f"{size / (1 << 20):.2f} MiB"
-    return f"{size / (1 << 30):.2f} GiB"
-
-
-def pytorch_oom_message(tried: int, memory: int, free: int, allocated: int, reserved: int, device: int = 0) -> str:
-    """The text of PyTorch's CUDA out-of-memory error (c10/cuda/CUDACachingAllocator.cpp, malloc's failure path)."""
-    return (
-        f"CUDA out of memory. Tried to allocate {format_size(tried)}. GPU {device} has a total capacity of "
-        f"{format_size(memory)} of which {format_size(free)} is free. Including non-PyTorch memory, this process "
-        f"has {format_size(memory - free)} memory in use. Of the allocated memory {format_size(allocated)} is "
-        f"allocated by PyTorch, and {format_size(reserved - allocated)} is reserved by PyTorch but unallocated."
-    )
-
-
 @dataclass(frozen=True)
 class Verdict:
     """Whether a step fits a GPU: its peaks, the outside terms, their sum against the GPU's memory; where it runs
@@ -243,6 +223,6 @@ def _out_of_memory(trace: Trace, subject: Trace, on_gpu: SimResult, budget: Budg
     tried = allocation_size(round_size(on_gpu.oom.size, conf))
     free = budget.gpu.memory - budget.outside_bytes - reserved
     where = trace.program.where(t) if subject is not trace else "the step"
-    message = pytorch_oom_message(tried, budget.gpu.memory, free, allocated, reserved)
+    message = cuda_oom_message(tried, budget.gpu.memory, free, allocated, reserved, process=budget.gpu.memory - free)
     return OutOfMemoryAt(t, i, on_gpu.oom.size, subject.op[i], subject.phase[i], subject.module[i], allocated,
                          reserved, where, tried, free, message)  # fmt: skip
