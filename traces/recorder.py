@@ -169,6 +169,12 @@ class Recorder:
         columns, marks, adopted = self._native.program()
         return Events.from_columns(columns), list(marks), list(adopted)
 
+    def program_tail(self, since: int) -> tuple[Events, int]:
+        """The program's kept events logged outside a step from raw position `since` on, and the position to ask
+        from next: a live consumer's feed (memplan check's simulated allocator)."""
+        columns, size = self._native.program_tail(since)
+        return Events.from_columns(columns), size
+
     def unseen(self) -> Unseen:
         """Storages the step's ops read that were never seen allocated (made before recording began, not adopted):
         what the trace lacks. Real captures only; a fake one is empty."""

@@ -386,6 +386,16 @@ class Recorder {
     program_marks_.push_back(static_cast<int64_t>(program_.size()));
   }
 
+  // The events logged outside a step since raw position `since` of the program's log, those kept now (claimed when
+  // fake), and the log's length: a live consumer's next `since`.
+  std::pair<std::vector<Event>, int64_t> program_tail(int64_t since) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    std::vector<Event> out;
+    for (size_t i = static_cast<size_t>(std::max<int64_t>(since, 0)); i < program_.size(); ++i)
+      if (kept(program_[i])) out.push_back(program_[i]);
+    return {out, static_cast<int64_t>(program_.size())};
+  }
+
   // Every kept event since start() in order (a recorded step's events as end_step gave them), the marks as indices
   // into them, and the storages adopted (alive before recording began), in order.
   std::tuple<std::vector<Event>, std::vector<int64_t>, std::vector<StorageKey>> program() {
@@ -759,6 +769,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     auto [events, marks, adopted] = recorder().program();
     return py::make_tuple(columns(events), marks, adopted);
   }, "The program's kept events since start as columns, the marks as indices into them, the storages adopted");
+  m.def("program_tail", [](int64_t since) {
+    auto [events, size] = recorder().program_tail(since);
+    return py::make_tuple(columns(events), size);
+  }, "The program's kept events from raw position `since` on (outside a step), and the log's length");
   m.def("step_events", []() { return recorder().step_events(); },
         "Events of the step so far that the trace keeps (call between ops)");
   m.def("storage_key", &storage_key);
