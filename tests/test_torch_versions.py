@@ -16,7 +16,7 @@ from torch.nn.attention import SDPBackend
 import memplan
 from memplan.cli import main
 from memplan.gpus import CUBLAS_WORKSPACE_DEFAULT, CUBLAS_WORKSPACE_LARGE, GIVEN_SOURCE, GPUError, gpu
-from memplan.planner.simulate.verdict import outside_terms
+from memplan.planner.simulate.verdict import device_memory, outside_terms
 from memplan.step import StepSpec
 from memplan.torch_versions import INSTALLED, TORCH_2_11, TORCH_2_13, TorchVersionError, torch_rules
 from memplan.traces.sdpa_cuda import Operand, SdpaCall, SdpaFlags, priority_order, select_backend
@@ -174,3 +174,12 @@ def test_simulate_takes_the_outside_as_given(tmp_path):
     assert [t["bytes"] for t in measured["verdict"]["outside"]] == [MEASURED_H200_TORCH_211]
     wrong = runner.invoke(main, ["simulate", str(path), "--outside", "1GiB"])
     assert wrong.exit_code == 2 and "--outside needs --gpu" in wrong.output
+
+
+def test_fit_and_optimize_budget_for_the_torch_the_step_runs_on():
+    """device_memory (fit's and optimize's budget) counts the measured outside for an H200 step on torch 2.11."""
+    step = StepSpec("examples/llama.py", device="cuda", fake=True, gpu="H200")
+    _, old = device_memory(None, H200, step.replace(torch="2.11"))
+    _, new = device_memory(None, H200, step)
+    assert [t.bytes for t in old.outside] == [MEASURED_H200_TORCH_211]
+    assert [t.bytes for t in new.outside] == [H200.cuda_context]
