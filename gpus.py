@@ -191,8 +191,9 @@ GPUS = (
     # total_memory 81,008 MiB (torch, _CudaDeviceProperties of an "NVIDIA H100 PCIe", 114 SMs).
     GPU("H100-PCIe-80GB", ("H100-PCIe", "NVIDIA H100 PCIe"),
         81_008 * MiB, (9, 0), "PCIe gen5 x16", PCIE_GEN5_X16, dense_flops=(756 * TFLOPS, 51 * TFLOPS)),
-    # total_memory 143,156 MiB (torch, "NVIDIA H200"); nvidia-smi shows 143,771 MiB.
-    GPU("H200", ("H200-141GB", "H200-SXM", "NVIDIA H200"), 143_156 * MiB, (9, 0), "PCIe gen5 x16", PCIE_GEN5_X16,
+    # total_memory 150,109,880,320 B (143,155.875 MiB; torch 2.11, "NVIDIA H200", driver 580.159.04,
+    # ../shared/traces/h200-programs); nvidia-smi shows 143,771 MiB.
+    GPU("H200", ("H200-141GB", "H200-SXM", "NVIDIA H200"), 150_109_880_320, (9, 0), "PCIe gen5 x16", PCIE_GEN5_X16,
         dense_flops=(989 * TFLOPS, 67 * TFLOPS)),
     # total_memory 102,005,473,280 B (97,280 MiB, exactly 95 GiB): deviceQuery of an "NVIDIA GH200 480GB",
     # driver 12.2: the "95 GiB GPU" of the shared xl snapshots. Grace Hopper: NVLink-C2C to the Grace CPU.

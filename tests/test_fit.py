@@ -220,6 +220,23 @@ def test_fit_bisects_between_a_fitting_and_a_failing_batch(monkeypatch, caching_
         assert mode.points[b].fits(allocator) and not mode.points[b + 1].fits(allocator)
 
 
+def test_fit_answers_the_batches_that_run_when_fragmentation_fails_a_smaller_one(monkeypatch):
+    """Fragmentation makes "fits" non-monotone in the batch (batch 1 runs out, larger batches fit): fit gives the
+    boundary above the batches that run and names the traced ones below it that do not, never 0."""
+    memory = BISECT_MEMORY
+    plan_point = synthetic(1000, False)
+
+    def point(batch: int) -> Point:
+        p = plan_point(batch)
+        return Point(batch, p.caching_peak_reserved, batch not in (1, 2) and batch <= 40, p.plan_arena, p.bound,
+                     p.plan_fits, p.plan_miss_proven)  # fmt: skip
+
+    monkeypatch.setattr(fit_job.BatchProbe, "_measure", lambda self, batch: point(batch))
+    (mode,) = fit_model(StepSpec("unused.py"), memory, modes=("baseline",), capture="real").modes
+    assert mode.batch["caching"] == 40 and mode.points[40].caching_fits and not mode.points[41].caching_fits
+    assert mode.runs_out_below("caching") == [1, 2] and mode.runs_out_below("plan") == []
+
+
 @pytest.mark.slow
 def test_fit_of_gpt2_gives_the_answer_of_stepping_batch_by_batch(monkeypatch):
     monkeypatch.delenv("MEMPLAN_PRESET", raising=False)  # tiny

@@ -22,7 +22,7 @@ from memplan.planner.report.verdict_text import render_verdict
 from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.caching_allocator import allocation_size, round_size, simulate_caching
 from memplan.planner.simulate.measure import simulate_trace
-from memplan.planner.simulate.verdict import device_memory, judge, trace_budget
+from memplan.planner.simulate.verdict import device_memory, judge, judged, trace_budget
 from memplan.step import StepSpec
 from memplan.traces import make_trace, save
 from memplan.traces.trace_model import trace_step
@@ -34,7 +34,8 @@ LLAMA = str(ROOT / "examples" / "llama.py")
 BERT = str(ROOT / "examples" / "bert.py")
 H100 = gpu("H100-80GB")
 VERDICT_KEYS = {"gpu", "memory", "alloc_conf", "peak_live", "peak_allocated", "peak_reserved", "outside",
-                "outside_bytes", "capacity", "total", "fits", "headroom", "oom"}  # fmt: skip
+                "outside_bytes", "capacity", "total", "fits", "headroom", "oom", "program", "steps",
+                "step_peak_allocated", "step_peak_reserved"}  # fmt: skip
 
 
 def gpt2_step(batch: int):
@@ -66,7 +67,12 @@ def test_a_step_that_fits_an_h100_is_reported_with_its_headroom(fitting):
     assert v.total == v.peak_reserved + v.outside_bytes and v.capacity == H100.memory - v.outside_bytes
     assert v.headroom == H100.memory - v.total > 40 * GiB  # fits by a margin
     text = render_verdict(v.to_dict())
-    assert text.startswith("fits H100-80GB (79.19 GiB): peak reserved ") and "+ CUDA context 512.0 MiB" in text
+    assert (
+        text.startswith(
+            "the whole program (2 training steps, construction included) fits H100-80GB (79.19 GiB): peak reserved "
+        )
+        and "+ CUDA context 512.0 MiB" in text
+    )
     assert "headroom" in text and "\n" not in text
 
 
@@ -74,19 +80,24 @@ def test_a_step_that_does_not_fit_runs_out_at_an_op_in_a_phase(too_big):
     v = simulate_trace(too_big, "too big", gpu=H100).verdict
     assert not v.fits and v.headroom < 0
     o = v.oom
-    # the failed allocation is the trace's buffer, named by its op, phase and module
-    assert (too_big.op[o.buffer], too_big.phase[o.buffer], too_big.module[o.buffer]) == (o.op, o.phase, o.module)
-    assert int(too_big.alloc[o.buffer]) == o.time and int(too_big.size[o.buffer]) == o.size
+    assert v.program and v.steps == 2 and o.where == "step 1"  # the whole program was judged: the first step fails
+    program = too_big.program.trace
+    # the failed allocation is the program's buffer, named by its op, phase and module
+    assert (program.op[o.buffer], program.phase[o.buffer], program.module[o.buffer]) == (o.op, o.phase, o.module)
+    assert int(program.alloc[o.buffer]) == o.time and int(program.size[o.buffer]) == o.size
     assert o.op.startswith("aten::") and o.phase == "forward" and o.module.startswith("model.layers.")
     # it fails where the allocator, given the GPU less the outside terms, cannot add the segment it needs ...
     capacity = H100.memory - v.outside_bytes
     assert o.reserved + allocation_size(round_size(o.size, parse_alloc_conf(""))) > capacity
     # ... never before the unlimited allocator first reserves more than that
-    unlimited = simulate_caching(too_big)
+    unlimited = simulate_caching(program)
     assert o.time >= int(np.argmax(unlimited.reserved > capacity))
     assert v.total == unlimited.peak_reserved + v.outside_bytes > H100.memory
     text = render_verdict(v.to_dict())
-    assert text.startswith(f"runs out of memory on H100-80GB (79.19 GiB) at {o.op} in forward (module {o.module})")
+    assert text.startswith(
+        "the whole program (2 training steps, construction included) runs out of memory on H100-80GB (79.19 GiB) "
+        f"at {o.op} in forward (module {o.module})"
+    )
     assert "needs" in text and "more than the GPU has" in text
     assert simulate_trace(too_big, "too big", gpu=gpu("H200")).verdict.fits  # the same step fits an H200
 
@@ -94,7 +105,7 @@ def test_a_step_that_does_not_fit_runs_out_at_an_op_in_a_phase(too_big):
 def test_the_alloc_conf_is_the_one_simulated(too_big):
     conf = "expandable_segments:True"
     v = simulate_trace(too_big, "too big", alloc_conf=conf, gpu=H100).verdict
-    expected = simulate_caching(too_big, parse_alloc_conf(conf), capacity=H100.memory - v.outside_bytes).oom
+    expected = simulate_caching(judged(too_big), parse_alloc_conf(conf), capacity=H100.memory - v.outside_bytes).oom
     assert v.alloc_conf == conf and (v.oom.buffer, v.oom.size) == (expected.buffer, expected.size)
     assert f"with alloc-conf {conf} at" in render_verdict(v.to_dict())
 

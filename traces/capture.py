@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from memplan.errors import MemplanError
 from memplan.gpus import GPU, planned_gpu
@@ -47,6 +48,7 @@ from memplan.traces.communication import COMMUNICATION, ddp_buckets, fsdp_stream
 from memplan.traces.fake import DATA_RULE, FakeCapture
 from memplan.traces.fake_cuda import fake_cuda_runtime
 from memplan.traces.format import PHASES, Trace, make_trace, save
+from memplan.traces.program import MeasuredStep, StepWindow, assemble_program
 from memplan.traces.progress import CaptureProgress, progress_interval
 from memplan.traces.recorder import Events, Recorder, recording
 from memplan.traces.resident import resident_storages, resident_tensors
@@ -257,6 +259,72 @@ class Recording:
         self._recorder, self._device, self._fake, self._meta = recorder, device, fake, meta
         self._progress = progress
         self._streams = streams if streams is not None else StreamLedger()
+        self._marks = 0  # marks made on the recorder
+        self._windows: list[StepWindow] = []  # the program's training steps, in order
+        self._measured: MeasuredStep | None = None
+        self._open: int | None = None  # the start mark of a step the program's own calls opened (see `watch_steps`)
+        self._marking = False  # memplan marks the step running now itself
+
+    def _mark(self) -> int:
+        """Mark the program's time now; returns the mark's index."""
+        self._recorder.mark()
+        self._marks += 1
+        return self._marks - 1
+
+    @contextlib.contextmanager
+    def program_step(self, workload: Workload | None = None) -> Iterator[None]:
+        """Mark the block as one (unmeasured) training step of the program: a warm-up step. With `workload`, its
+        phases and modules are labelled as the measured step's are."""
+        self._marking = True
+        start = self._mark()
+        try:
+            if workload is None:
+                yield
+            else:
+                with marked_step(workload, self._recorder):
+                    yield
+        finally:
+            self._windows.append(StepWindow(start, self._mark()))
+            self._marking = False
+
+    @contextlib.contextmanager
+    def watch_steps(self) -> Iterator[None]:
+        """Mark the training steps of a program memplan does not run itself (`record`): a step begins at the first
+        module call after the last step ended and ends when an optimizer's step() returns."""
+
+        def started(_module, _inputs):
+            if self._open is None and not self._marking:
+                self._open = self._mark()
+
+        def stepped(_optimizer, _args, _kwargs):
+            if not self._marking:
+                start = self._open if self._open is not None else self._mark()
+                self._windows.append(StepWindow(start, self._mark()))
+                self._open = None
+
+        handles = [
+            nn.modules.module.register_module_forward_pre_hook(started),
+            register_optimizer_step_post_hook(stepped),
+        ]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def finish(self) -> None:
+        """Attach the whole program to the measured step's trace (`Trace.program`), once the session's block ended."""
+        if self.trace is None:
+            return
+        events, marks, adopted = self._recorder.program()
+        measured = self._measured
+        sizes = {k: int(s) for k, s, a in zip(measured.keys, measured.trace.size, measured.trace.alloc) if a == 0}
+        real_cuda = self._device.type == "cuda" and self._fake is None
+        meta = {"sizes": "block sizes outside the measured step" if real_cuda else "requested"}
+        windows = sorted(self._windows, key=lambda w: w.start_mark)
+        self.trace.program = assemble_program(
+            events, marks, adopted, sizes, self._recorder.names(), windows, measured, meta
+        )
 
     def announce(self, stage: str) -> None:
         """Name what runs now, before the recorded step (building the model, a warm-up step), in progress lines."""
@@ -297,6 +365,7 @@ class Recording:
                 self._recorder.adopt(tensor)
         # 1. The storages alive now, labelled; no cycle collection inside, so frees happen where dropped.
         gc.collect(_garbage_generation())
+        self._marking, start_mark = True, self._mark()
         live = self._recorder.begin_step()
         resident = _resident_at_start(workload, self._recorder, live, device, adopt)
         host = host_ledger(workload.model)  # offloaded layers' host copies, timed by the step's events
@@ -313,8 +382,11 @@ class Recording:
                 stack.callback(self._streams.end)
                 yield
             events = self._recorder.end_step()
+            self._windows.append(StepWindow(start_mark, self._mark(), measured=True))
             host_columns = host.end(len(events) + 1) if host is not None else None
         finally:
+            self._marking = False
+            self._open = None
             gc.enable()
             if host is not None:
                 host.stop()  # a step that raised records no more
@@ -361,6 +433,7 @@ class Recording:
             },
             streams.syncs,
         )
+        self._measured = MeasuredStep(self.trace, [b.key for b in buffers], start_mark)
 
 
 def _streams(buffers: list[_Buffer], ledger: StreamLedger, real: bool, end: int) -> StreamColumns:
@@ -454,7 +527,10 @@ def recording_session(
                 planned = planned if fake_cuda else {}
                 hooks = cuda_stream_hooks(streams, recorder.storage_key) if device.type == "cuda" else None
                 with fake_mode or contextlib.nullcontext(), hooks or contextlib.nullcontext():
-                    yield Recording(recorder, device, fake_mode, {**planned, **(meta or {})}, reporting, streams)
+                    session = Recording(recorder, device, fake_mode, {**planned, **(meta or {})}, reporting, streams)
+                    with session.watch_steps():
+                        yield session
+                    session.finish()
 
 
 def capture_step(
@@ -481,7 +557,8 @@ def capture_step(
         device = session.check_device(workload)
         for _ in range(workload.warmup_steps() if warmup else 0):
             session.announce("the warm-up step")
-            run_user_code("warm-up step", workload.name, workload.step)
+            with session.program_step(workload):
+                run_user_code("warm-up step", workload.name, workload.step)
         real_cuda = device.type == "cuda" and not fake
         with (
             session.workload_step(workload),

@@ -6,6 +6,11 @@ Logical time counts allocation and free events in the order the allocator saw th
 Time 0 stands for "before recording": buffers that already existed when recording began
 (parameters, optimizer state, blocks a CUDA snapshot shows only in its segments) have
 alloc 0, and the recorded events take times 1, 2, ... A buffer never freed has free = end.
+
+A trace may carry its whole program (`Trace.program`, the file's "program" section): every buffer from the
+program's first allocation (construction, moves, warm-up steps, the measured step and what follows), with each
+training step's window marked. The trace itself is the measured step as always (its digest, plans and views are
+the step's); the program is what a verdict simulates, since the cache the measured step meets was shaped by it.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class Trace:
     module: list[str]
     syncs: list[tuple[int, int, int]] = field(default_factory=list)  # (time, from_stream, to_stream)
     meta: dict[str, Any] = field(default_factory=dict)
+    program: Program | None = None  # the whole program this step ran in, when the capture recorded it
 
     def __len__(self) -> int:
         return int(self.size.shape[0])
@@ -93,6 +99,39 @@ class Trace:
     def live_at(self, t: int) -> np.ndarray:
         """Indices of the buffers live at logical time t."""
         return np.nonzero((self.alloc <= t) & (self.free > t))[0]
+
+
+@dataclass(frozen=True)
+class ProgramStep:
+    """One training step's window in a program's logical time: its events are those at times [start, end)."""
+
+    start: int  # logical time of the step's first event
+    end: int  # one past its last event
+    measured: bool = False  # the step the trace is
+
+
+@dataclass
+class Program:
+    """A whole program as one trace (times count every event from the program's first allocation; alloc 0 only for
+    storages made before recording began) and the windows of its training steps, in order."""
+
+    trace: Trace  # every buffer of the program
+    steps: list[ProgramStep]  # the training steps, in order; at most one measured
+
+    @property
+    def measured(self) -> int | None:
+        """The index of the measured step among `steps`, None when none is."""
+        return next((k for k, s in enumerate(self.steps) if s.measured), None)
+
+    def where(self, t: int) -> str:
+        """The part of the program logical time `t` falls in, in words: `construction`, `step 2 (measured)`,
+        `between steps 1 and 2`, `after step 3`."""
+        for k, s in enumerate(self.steps, start=1):
+            if s.start <= t < s.end:
+                return f"step {k}" + (" (measured)" if s.measured else "")
+            if t < s.start:
+                return "construction" if k == 1 else f"between steps {k - 1} and {k}"
+        return f"after step {len(self.steps)}" if self.steps else "the program"
 
 
 def live_bytes(size: np.ndarray, alloc: np.ndarray, free: np.ndarray, end: int) -> np.ndarray:
@@ -229,7 +268,33 @@ def from_dict(data: Any) -> Trace:
             raise TraceError(f"syncs[{i}]: negative time {s[0]}")
         syncs.append((s[0], s[1], s[2]))
     _check_bounds(cols, syncs)
-    return Trace(syncs=syncs, meta=meta, **cols)
+    program = _program(data["program"]) if data.get("program") is not None else None
+    return Trace(syncs=syncs, meta=meta, program=program, **cols)
+
+
+def _program(raw: Any) -> Program:
+    """The "program" section: a trace document of its own (without a program) and its steps' windows."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("steps"), list):
+        raise TraceError("program: expected an object with the program's buffers and its steps")
+    inner = {k: v for k, v in raw.items() if k != "steps"}
+    if "program" in inner:
+        raise TraceError("program.program: a program holds no program of its own")
+    try:
+        trace = from_dict({"format": FORMAT, **inner})
+    except (TraceError, LimitError) as e:
+        raise type(e)(f"program.{e}") from None
+    steps, end = [], trace.end
+    for i, step in enumerate(raw["steps"]):
+        ok = isinstance(step, list) and len(step) == 3 and all(type(x) is int for x in step[:2])
+        if not ok or not isinstance(step[2], bool) or not 0 <= step[0] <= step[1] <= max(end, 1):
+            raise TraceError(f"program.steps[{i}]: expected [start, end, measured] within the program's {end} "
+                             f"events, got {short_repr(step)}")  # fmt: skip
+        if steps and step[0] < steps[-1].end:
+            raise TraceError(f"program.steps[{i}]: starts before step {i} ends")
+        steps.append(ProgramStep(step[0], step[1], step[2]))
+    if sum(s.measured for s in steps) > 1:
+        raise TraceError("program.steps: more than one step is marked measured")
+    return Program(trace, steps)
 
 
 def _check_bounds(cols: dict[str, Any], syncs: list[tuple[int, int, int]]) -> None:
@@ -258,7 +323,13 @@ def to_dict(trace: Trace) -> dict[str, Any]:
     """The JSON-ready memplan-trace/1 document of a trace."""
     buffers = {name: [int(x) for x in getattr(trace, name)] for name in INT_COLUMNS}
     buffers.update({name: list(getattr(trace, name)) for name in STR_COLUMNS})
-    return {"format": FORMAT, "meta": trace.meta, "buffers": buffers, "syncs": [list(s) for s in trace.syncs]}
+    data = {"format": FORMAT, "meta": trace.meta, "buffers": buffers, "syncs": [list(s) for s in trace.syncs]}
+    if trace.program is not None:
+        inner = to_dict(trace.program.trace)
+        del inner["format"]
+        inner.pop("program", None)
+        data["program"] = {**inner, "steps": [[s.start, s.end, s.measured] for s in trace.program.steps]}
+    return data
 
 
 def load(path: str | os.PathLike) -> Trace:

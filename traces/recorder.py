@@ -159,6 +159,16 @@ class Recorder:
     def end_step(self) -> Events:
         return Events.from_columns(self._native.end_step())
 
+    def mark(self) -> None:
+        """Mark the program's time now (a step's start or end): `program()` gives each mark's logical time."""
+        self._native.mark()
+
+    def program(self) -> tuple[Events, list[int], list[int]]:
+        """Every event the capture keeps since recording began, in order (a recorded step's as `end_step` gave
+        them), each mark as the number of those events before it, and the storages adopted before recording."""
+        columns, marks, adopted = self._native.program()
+        return Events.from_columns(columns), list(marks), list(adopted)
+
     def unseen(self) -> Unseen:
         """Storages the step's ops read that were never seen allocated (made before recording began, not adopted):
         what the trace lacks. Real captures only; a fake one is empty."""

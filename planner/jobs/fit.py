@@ -24,7 +24,7 @@ from memplan.planner.report.trace_text import describe_loss, describe_patch
 from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.planner.simulate.measure import measure
-from memplan.planner.simulate.verdict import Budget, device_memory
+from memplan.planner.simulate.verdict import Budget, device_memory, judged
 from memplan.solvers import CapacityError, solve
 from memplan.step import StepSpec
 from memplan.traces.compile import Compile, CompileError, require_real_tensors
@@ -120,6 +120,11 @@ class ModeFit:
     points: dict[int, Point] = field(default_factory=dict)
     loss_patch: dict | None = None  # what the step's loss choice changed (the traces' meta "loss_patch")
 
+    def runs_out_below(self, allocator: str) -> list[int]:
+        """Traced batches below the answer that do not fit under `allocator`: memory is not monotone in the batch
+        there (the caching allocator's fragmentation), so a smaller batch is no safer."""
+        return sorted(b for b, p in self.points.items() if b < self.batch[allocator] and not p.fits(allocator))
+
     @property
     def traces(self) -> int:
         return len(self.points)
@@ -147,6 +152,7 @@ class ModeFit:
                 "predicted": self.predicted[a],
                 "at_batch": at.figure(a) if at else None,
                 "at_next": above.figure(a),
+                "runs_out_below": self.runs_out_below(a),
             }
         above = self.boundary("plan")[1]
         out["plan"]["next_bound"] = above.bound
@@ -303,8 +309,12 @@ class BatchProbe:
                            tie_break=self.tie_break)  # fmt: skip
         figures, problem = measured.figures(), measured.problem
         reserved, arena, bound = figures["caching_peak_reserved"], figures["plan_arena"], figures["bound"]
-        # with a capacity the allocator frees its cache and retries before failing: only that decides a miss
-        caching_fits = reserved <= self.memory or simulate_caching(trace, self.conf, self.memory).oom is None
+        # The caching allocator judges the whole program when the trace holds it (the cache the step meets); with a
+        # capacity the allocator frees its cache and retries before failing: only that decides a miss.
+        program = judged(trace)
+        if program is not trace:
+            reserved = simulate_caching(program, self.conf).peak_reserved
+        caching_fits = reserved <= self.memory or simulate_caching(program, self.conf, self.memory).oom is None
         proven = bound > self.memory
         if bound <= self.memory < arena:
             try:
@@ -322,7 +332,9 @@ class BatchProbe:
 
 
 def boundary_search(probe: BatchProbe, allocator: str, start: int) -> int:
-    """Largest b with probe(b) fitting and probe(b+1) not, from a predicted b; needs batch 1 to fit.
+    """Largest b with probe(b) fitting and probe(b+1) not, from a predicted b; needs a traced batch that fits. A batch
+    below the largest that fits may run out (fragmentation makes "fits" non-monotone in the batch): the answer is the
+    boundary above the largest that fits, and `runs_out_below` names those that do not.
 
     Until a batch that does not fit is known it extrapolates: the prediction, then the secant through
     the two largest traced batches (at most GROWTH times the largest batch that fits), and at least 1,
@@ -338,12 +350,7 @@ def boundary_search(probe: BatchProbe, allocator: str, start: int) -> int:
     while True:
         points = probe.points
         lo = max((x for x, p in points.items() if p.fits(allocator)), default=0)
-        hi = min((x for x, p in points.items() if not p.fits(allocator)), default=None)
-        if hi is not None and hi <= lo:
-            raise FitError(
-                f"{probe.mode}: batch {hi} does not fit under the {allocator} model but batch {lo} "
-                "does; memory is not monotone in the batch here"
-            )
+        hi = min((x for x, p in points.items() if not p.fits(allocator) and x > lo), default=None)
         if lo >= MAX_BATCH:
             raise FitError(
                 f"{probe.mode}: batch {MAX_BATCH} still fits under the {allocator} model; the search stops there"
@@ -371,7 +378,7 @@ def boundary_search(probe: BatchProbe, allocator: str, start: int) -> int:
         # next guess: secant through the closest traced batches on both sides (or the two largest)
         points = probe.points
         lo = max(x for x, p in points.items() if p.fits(allocator))
-        hi = min((x for x, p in points.items() if not p.fits(allocator)), default=None)
+        hi = min((x for x, p in points.items() if not p.fits(allocator) and x > lo), default=None)
         near = [points[lo], points[hi]] if hi is not None else [points[x] for x in sorted(points)[-2:]]
         guess = affine_prediction(near, allocator, probe.memory)
 
@@ -390,7 +397,7 @@ def fit_mode(probe: BatchProbe) -> ModeFit:
     batch, predicted = {}, {}
     for allocator in ALLOCATORS:
         predicted[allocator] = affine_prediction(measured, allocator, probe.memory)
-        if not first.fits(allocator):
+        if not any(p.fits(allocator) for p in probe.points.values()) and not _fitting_above(probe, allocator):
             batch[allocator] = 0
             continue
         batch[allocator] = boundary_search(probe, allocator, predicted[allocator])
@@ -399,6 +406,20 @@ def fit_mode(probe: BatchProbe) -> ModeFit:
             f"(predicted {predicted[allocator]}, {len(probe.points)} traces so far)"
         )
     return ModeFit(probe.mode, probe.patch, batch, predicted, probe.points, probe.loss_patch)
+
+
+def _fitting_above(probe: BatchProbe, allocator: str) -> bool:
+    """Whether a batch above those traced fits under `allocator` when none traced does: the caching allocator's
+    fragmentation can fail a small batch and serve a larger one, so batches double up to the plan's predicted answer
+    (where the bytes live still fit) before the answer is 0."""
+    plan = affine_prediction(list(probe.points.values()), "plan", probe.memory)
+    limit = plan if allocator == "caching" and any(p.plan_fits for p in probe.points.values()) else 0
+    batch = max(probe.points) * 2
+    while batch <= limit:
+        if probe(batch).fits(allocator):
+            return True
+        batch *= 2
+    return limit > max(probe.points) and probe(limit).fits(allocator)
 
 
 def fit_model(

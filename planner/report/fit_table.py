@@ -78,9 +78,17 @@ def render_fit(summary: dict) -> str:
     lines.append(
         "each batch b is checked by direct traces: b fits and b+1 does not (caching: simulated OOM "
         "at capacity; plan: no plan within the memory, proven by the lower bound or the solver)\n"
-        "* peak reserved without a capacity; at the capacity the allocator's OOM retry frees cached "
-        "blocks, so b may fit above it"
+        "* peak reserved without a capacity, over the whole program (construction and warm-up steps included) "
+        "when traced; at the capacity the allocator's OOM retry frees cached blocks, so b may fit above it"
     )
+    for m in s["modes"]:
+        below = m["caching"].get("runs_out_below") or []
+        if below:
+            lines.append(
+                f"! {m['mode']}: memory is not monotone in the batch under the caching allocator: batch "
+                f"{m['caching']['batch']} runs, but batch{'es' * (len(below) > 1)} {', '.join(map(str, below))} "
+                "(traced) run out of memory (fragmentation): choose among the batches that run"
+            )
     none = [m["mode"] for m in s["modes"] if m["caching"]["batch"] == 0 and m["plan"]["batch"] == 0]
     if none:
         lines.append(f"! {', '.join(none)}: no batch fits; the b+1 columns are batch 1's figures")

@@ -15,17 +15,30 @@ def render_verdict(v: dict) -> str:
     """Whether the step fits the GPU, with the sum that says so; where it runs out of memory when it does not."""
     gpu = f"{v['gpu']} ({format_size(v['memory'])})"
     conf = f" with alloc-conf {v['alloc_conf']}" if v["alloc_conf"] else ""
+    what = program_text(v)
     parts = f"peak reserved {format_size(v['peak_reserved'])} + {terms_text(v['outside'])}"
     if v["fits"]:
-        return f"fits {gpu}{conf}: {parts} = {format_size(v['total'])}, headroom {format_size(v['headroom'])}"
+        return (f"{what} fits {gpu}{conf}: {parts} = {format_size(v['total'])}, headroom "
+                f"{format_size(v['headroom'])}")  # fmt: skip
     o = v["oom"]
     module = f" (module {o['module']})" if o["module"] else ""
-    where = f"at {o['op'] or 'buffer ' + str(o['buffer'])} in {o['phase']}{module}"
-    return (
-        f"runs out of memory on {gpu}{conf} {where}: a request of {format_size(o['size'])} with "
-        f"{format_size(o['reserved'])} of the allocator's {format_size(v['capacity'])} reserved\n"
-        f"  needs {format_size(v['total'])} = {parts}: {format_size(-v['headroom'])} more than the GPU has"
-    )
+    where = f"at {o['op'] or 'buffer ' + str(o['buffer'])} in {o['phase']}{module}, {o.get('where', 'the step')}"
+    lines = [
+        f"{what} runs out of memory on {gpu}{conf} {where}: a request of {format_size(o['size'])} with "
+        f"{format_size(o['reserved'])} of the allocator's {format_size(v['capacity'])} reserved",
+        f"  needs {format_size(v['total'])} = {parts}: {format_size(-v['headroom'])} more than the GPU has",
+    ]
+    if o.get("message"):
+        lines.append(f"  PyTorch would say: {o['message']}")
+    return "\n".join(lines)
+
+
+def program_text(v: dict) -> str:
+    """What was judged, in words: the whole program (its steps) or the step alone."""
+    steps = v.get("steps", 1)
+    if v.get("program"):
+        return f"the whole program ({steps} training step{'s' * (steps != 1)}, construction included)"
+    return "the step (from an empty cache)"
 
 
 def render_budget(b: dict) -> str:

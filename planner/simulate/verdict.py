@@ -1,7 +1,10 @@
-"""Does a training step fit a GPU? The step's caching allocator simulated with the GPU's memory less what the GPU
-holds outside PyTorch's allocator (the CUDA context, the cuBLAS workspaces a trace does not hold, NCCL's buffers per
+"""Does a training program fit a GPU? Its caching allocator simulated with the GPU's memory less what the GPU holds
+outside PyTorch's allocator (the CUDA context, the cuBLAS workspaces a trace does not hold, NCCL's buffers per
 process group) as its capacity: it fits with the headroom left, or it runs out of memory at the allocation the
-allocator (with its alloc conf and out-of-memory retry) could not serve, named by op, phase and module.
+allocator (with its alloc conf and out-of-memory retry) could not serve, named by op, phase, module and step, with
+the figures PyTorch's error prints. A trace that holds its whole program (`Trace.program`) is judged over all of it
+(construction, the first step that makes the optimizer's state, the warm-ups), since that shapes the cache the
+measured step meets; a trace of one step alone, over that step from an empty cache.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from memplan.gpus import (
     outside_measurement,
 )
 from memplan.planner.simulate.alloc_conf import AllocConf
-from memplan.planner.simulate.caching_allocator import SimResult, simulate_caching
+from memplan.planner.simulate.caching_allocator import SimResult, allocation_size, round_size, simulate_caching
 from memplan.step import StepSpec
 from memplan.torch_versions import INSTALLED, TorchRules, TorchVersionError, torch_rules
 from memplan.traces.format import Trace
@@ -147,14 +150,39 @@ def device_memory(memory: int | None, gpu: GPU | None, step: StepSpec) -> tuple[
 class OutOfMemoryAt:
     """The allocation the simulated allocator could not serve on the GPU, even after releasing its cache."""
 
-    time: int  # logical time of the allocation
-    buffer: int  # its index in the trace
+    time: int  # logical time of the allocation (in the program's time when the whole program was judged)
+    buffer: int  # its index in the trace judged (the program's when the whole program was)
     size: int  # bytes it requested
     op: str  # the op that made it ("" when the trace does not say)
     phase: str  # forward, backward, optimizer, other
     module: str  # the module it ran in ("" when the trace does not say)
     allocated: int  # the allocator's allocated bytes then
     reserved: int  # its reserved bytes then
+    where: str = "the step"  # the part of the program: construction, step 2 (measured), between steps 1 and 2
+    tried: int = 0  # what PyTorch's error says it tried to allocate: the request's segment size
+    free: int = 0  # the GPU's free bytes then, as PyTorch reads them: its memory less reserved and outside bytes
+    message: str = ""  # PyTorch's error for it, as torch.OutOfMemoryError would print it
+
+
+def format_size(size: int) -> str:
+    """A byte count as PyTorch's allocator messages print it (c10's format_size: 2 decimals, bytes to GiB)."""
+    if size <= 1024:
+        return f"{size} bytes"
+    if size <= 1 << 20:
+        return f"{size / 1024:.2f} KiB"
+    if size <= 1 << 30:
+        return f"{size / (1 << 20):.2f} MiB"
+    return f"{size / (1 << 30):.2f} GiB"
+
+
+def pytorch_oom_message(tried: int, memory: int, free: int, allocated: int, reserved: int, device: int = 0) -> str:
+    """The text of PyTorch's CUDA out-of-memory error (c10/cuda/CUDACachingAllocator.cpp, malloc's failure path)."""
+    return (
+        f"CUDA out of memory. Tried to allocate {format_size(tried)}. GPU {device} has a total capacity of "
+        f"{format_size(memory)} of which {format_size(free)} is free. Including non-PyTorch memory, this process "
+        f"has {format_size(memory - free)} memory in use. Of the allocated memory {format_size(allocated)} is "
+        f"allocated by PyTorch, and {format_size(reserved - allocated)} is reserved by PyTorch but unallocated."
+    )
 
 
 @dataclass(frozen=True)
@@ -175,26 +203,47 @@ class Verdict:
     fits: bool
     headroom: int  # memory - total: what is left when it fits, what is missing (negative) when not
     oom: OutOfMemoryAt | None  # where it runs out of memory; None when it fits
+    program: bool = False  # the whole program was judged (the trace held it), not the measured step alone
+    steps: int = 1  # training steps judged (the program's), the measured one included
+    step_peak_allocated: int = 0  # the measured step's peak allocated, in the cache the program left it
+    step_peak_reserved: int = 0  # ... and its peak reserved: what max_memory_reserved() reads after a reset before it
 
     def to_dict(self) -> dict:
         """The verdict as the commands' --json gives it (keys in docs/cli.md)."""
         return asdict(self)
 
 
+def judged(trace: Trace) -> Trace:
+    """What a verdict simulates of `trace`: its whole program when it holds one, else the step itself."""
+    return trace.program.trace if trace.program is not None else trace
+
+
+def step_peaks(trace: Trace, result: SimResult) -> tuple[int, int]:
+    """The measured step's peak allocated and reserved within a simulation of `judged(trace)`: over its window in the
+    program (from the event before it, where a reset of the peak statistics would read), else over the whole run."""
+    program = trace.program
+    step = None if program is None or program.measured is None else program.steps[program.measured]
+    if step is None:
+        return int(result.peak_allocated), int(result.peak_reserved)
+    window = slice(max(step.start - 1, 0), step.end)
+    return int(result.allocated[window].max()), int(result.reserved[window].max())
+
+
 def judge(trace: Trace, budget: Budget, conf: AllocConf, alloc_conf: str = "",
           unlimited: SimResult | None = None) -> Verdict:  # fmt: skip
     """The verdict for `trace` on `budget`'s GPU: the caching allocator (with `conf`) simulated at the budget's
-    capacity. `unlimited` is the trace simulated without a capacity when the caller has it: when it never reserves
-    more than the capacity (and no garbage-collection threshold acts) it is the same run, and it is not run twice."""
-    capacity = budget.capacity
-    same = unlimited is not None and unlimited.oom is None and not conf.garbage_collection_threshold
-    on_gpu = unlimited if same and unlimited.peak_reserved <= capacity else simulate_caching(trace, conf, capacity)
+    capacity over the whole program when the trace holds it (else the step). `unlimited` is the step simulated without
+    a capacity when the caller has it: when the step is what is judged, never reserves more than the capacity and no
+    garbage-collection threshold acts, it is the same run, and it is not run twice."""
+    capacity, subject = budget.capacity, judged(trace)
+    same = subject is trace and unlimited is not None and unlimited.oom is None
+    same = same and not conf.garbage_collection_threshold
+    on_gpu = unlimited if same and unlimited.peak_reserved <= capacity else simulate_caching(subject, conf, capacity)
     oom, whole = None, on_gpu
     if on_gpu.oom is not None:
-        whole = unlimited if same else simulate_caching(trace, conf)
-        i, t = on_gpu.oom.buffer, on_gpu.oom.time
-        oom = OutOfMemoryAt(t, i, on_gpu.oom.size, trace.op[i], trace.phase[i], trace.module[i],
-                            int(on_gpu.allocated[t]), int(on_gpu.reserved[t]))  # fmt: skip
+        whole = unlimited if same else simulate_caching(subject, conf)
+        oom = _out_of_memory(trace, subject, on_gpu, budget, conf)
+    step_allocated, step_reserved = step_peaks(trace, whole)
     total = int(whole.peak_reserved) + budget.outside_bytes
     return Verdict(
         gpu=budget.gpu.name,
@@ -210,4 +259,21 @@ def judge(trace: Trace, budget: Budget, conf: AllocConf, alloc_conf: str = "",
         fits=oom is None,
         headroom=budget.gpu.memory - total,
         oom=oom,
+        program=subject is not trace,
+        steps=len(trace.program.steps) if subject is not trace else 1,
+        step_peak_allocated=step_allocated,
+        step_peak_reserved=step_reserved,
     )
+
+
+def _out_of_memory(trace: Trace, subject: Trace, on_gpu: SimResult, budget: Budget, conf: AllocConf) -> OutOfMemoryAt:
+    """The failed request of `on_gpu` (a simulation of `subject`, the step or its program), labelled, with the figures
+    PyTorch's error gives: the segment it tried to allocate, the GPU's free bytes, allocated and reserved."""
+    i, t = on_gpu.oom.buffer, on_gpu.oom.time
+    allocated, reserved = int(on_gpu.allocated[t]), int(on_gpu.reserved[t])
+    tried = allocation_size(round_size(on_gpu.oom.size, conf))
+    free = budget.gpu.memory - budget.outside_bytes - reserved
+    where = trace.program.where(t) if subject is not trace else "the step"
+    message = pytorch_oom_message(tried, budget.gpu.memory, free, allocated, reserved)
+    return OutOfMemoryAt(t, i, on_gpu.oom.size, subject.op[i], subject.phase[i], subject.module[i], allocated,
+                         reserved, where, tried, free, message)  # fmt: skip

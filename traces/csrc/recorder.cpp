@@ -174,6 +174,9 @@ class Recorder {
     inside_.clear();
     live_.clear();
     events_.clear();
+    program_.clear();
+    program_marks_.clear();
+    adopted_.clear();
     counted_ = kept_events_ = 0;
     module_of_node_.clear();
     unseen_.clear();
@@ -216,7 +219,10 @@ class Recorder {
     std::lock_guard<std::mutex> guard(mutex_);
     Event e = labelled(key, nbytes);
     live_[key] = Live{order_++, e, stepping_ ? static_cast<int64_t>(events_.size()) : -1};
-    if (stepping_) events_.push_back(e);
+    if (stepping_)
+      events_.push_back(e);
+    else
+      program_.push_back(e);
   }
 
   // An op fake tensors see returned this storage: its allocation was an op's output.
@@ -266,7 +272,10 @@ class Recorder {
   void adopt(StorageKey key, int64_t nbytes) {
     if (!active() || nbytes <= 0) return;
     std::lock_guard<std::mutex> guard(mutex_);
-    if (live_.count(key) == 0) live_[key] = Live{order_++, Event{key, nbytes, 0, 0, kOther, true}, -1};
+    if (live_.count(key) == 0) {
+      live_[key] = Live{order_++, Event{key, nbytes, 0, 0, kOther, true}, -1};
+      adopted_.push_back(key);
+    }
   }
 
   // An op of the step read this storage: noted once if the recorder never saw it allocated (not in the capture).
@@ -314,7 +323,10 @@ class Recorder {
     if (std::uncaught_exceptions() > 0 && it->second.step_index >= 0) events_[it->second.step_index].output = true;
     Event e = labelled(key, -it->second.event.size);
     live_.erase(it);
-    if (stepping_) events_.push_back(e);
+    if (stepping_)
+      events_.push_back(e);
+    else
+      program_.push_back(e);
   }
 
   // A storage resized in place from `old_nbytes` to `nbytes` (FSDP2 frees its unsharded parameters by resizing their
@@ -361,9 +373,35 @@ class Recorder {
       if (kept(e)) out.push_back(e);
     if (claimed_only_)  // fake: a claimed storage is the output of the op that claimed it, unless run inside another
       for (Event& e : out) e.output = inside_.count(e.key) == 0;
+    program_.insert(program_.end(), out.begin(), out.end());  // the program's log holds the step as the step has it
     events_.clear();
     counted_ = kept_events_ = 0;
     return out;
+  }
+
+  // Mark a point of the program (a step's start or end); its index among the program's kept events is given by
+  // program().
+  void mark() {
+    std::lock_guard<std::mutex> guard(mutex_);
+    program_marks_.push_back(static_cast<int64_t>(program_.size()));
+  }
+
+  // Every kept event since start() in order (a recorded step's events as end_step gave them), the marks as indices
+  // into them, and the storages adopted (alive before recording began), in order.
+  std::tuple<std::vector<Event>, std::vector<int64_t>, std::vector<StorageKey>> program() {
+    std::lock_guard<std::mutex> guard(mutex_);
+    std::vector<Event> out;
+    std::vector<int64_t> marks;
+    size_t next = 0;
+    for (size_t i = 0; i <= program_.size(); ++i) {
+      for (; next < program_marks_.size() && program_marks_[next] == static_cast<int64_t>(i); ++next)
+        marks.push_back(static_cast<int64_t>(out.size()));
+      if (i < program_.size() && kept(program_[i])) out.push_back(program_[i]);
+    }
+    std::vector<StorageKey> adopted;
+    for (StorageKey key : adopted_)
+      if (!claimed_only_ || claimed_.count(key) > 0) adopted.push_back(key);
+    return {out, marks, adopted};
   }
 
  private:
@@ -411,6 +449,9 @@ class Recorder {
   size_t counted_ = 0;  // step events step_events() has looked at, of which kept_events_ are kept
   int64_t kept_events_ = 0;
   std::vector<Event> events_;
+  std::vector<Event> program_;          // every event since start(): outside a step as they came, a step's as kept
+  std::vector<int64_t> program_marks_;  // mark()s: indices into program_
+  std::vector<StorageKey> adopted_;     // storages adopted, in order
   c10::DeviceType device_ = c10::DeviceType::CPU;
   c10::DispatchKey backend_ = c10::DispatchKey::CPU;  // the kernels of the device recorded (faked)
   std::thread::id capturing_;                         // the thread that started the recording
@@ -713,6 +754,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("begin_step", []() { return columns(recorder().begin_step()); },
         "Storages alive now as columns; later events belong to the step");
   m.def("end_step", []() { return columns(recorder().end_step()); }, "The step's events as columns");
+  m.def("mark", []() { recorder().mark(); }, "Mark a point of the program (a step's start or end)");
+  m.def("program", []() {
+    auto [events, marks, adopted] = recorder().program();
+    return py::make_tuple(columns(events), marks, adopted);
+  }, "The program's kept events since start as columns, the marks as indices into them, the storages adopted");
   m.def("step_events", []() { return recorder().step_events(); },
         "Events of the step so far that the trace keeps (call between ops)");
   m.def("storage_key", &storage_key);
