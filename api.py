@@ -78,6 +78,7 @@ def trace_model_file(
     loss: str = AS_BUILT,
     routing: str = DEFAULT_ROUTING,
     optimizer: str = AS_BUILT,
+    torch: str | None = None,
 ) -> Trace:
     """One training step of a model file (docs/capture.md) with memplan's `layers` mode (or a mode per
     Transformer layer: {"layers.0": "full", ...}), as `memplan trace` records it; `fake` runs it under fake
@@ -85,11 +86,11 @@ def trace_model_file(
     loads=W0,W1,...); `compile` under torch.compile at that activation memory budget; `warmup=False` records the
     first step (the optimizer creates its state inside it), not the steady one; `loss="fused"` computes a causal
     LM's loss fused with its head, the logits never whole; `optimizer` rebuilds the model file's AdamW with smaller
-    state (memplan.modes.OPTIMIZERS: adamw-8bit, adamw-4bit, adamw-host)."""
+    state (memplan.modes.OPTIMIZERS: adamw-8bit, adamw-4bit, adamw-host); `torch` ("2.11") the torch a fake CUDA
+    step will run on (its attention and cuBLAS rules; default the installed one)."""
     require_fake_for_routing(routing, fake)
-    step = StepSpec(
-        path, batch, seq, dtype, device, layers, fake, compile, warmup, loss=loss, routing=routing, optimizer=optimizer
-    )
+    step = StepSpec(path, batch, seq, dtype, device, layers, fake, compile, warmup, loss=loss, routing=routing,
+                    optimizer=optimizer, torch=torch)  # fmt: skip
     return trace_step(step)
 
 
@@ -176,14 +177,16 @@ def fit(
     optimizer: str = AS_BUILT,
     nproc: int | None = None,
     every_rank: bool = False,
+    torch: str | None = None,
 ) -> FitResult:
     """The largest batch of `model_file` whose step fits `memory` bytes (or `gpu`: its memory less what it holds
     outside the caching allocator) under each layer mode (with the step's `loss` and `optimizer`), under the caching
     allocator and under a plan, each proven by direct traces (real or fake, as `capture` says; fake ones route a
     mixture of experts by `routing`). With `nproc`, a distributed model file on that many ranks: a batch fits only
-    where it fits on every rank (`every_rank`: each traced, even those alike by construction)."""
+    where it fits on every rank (`every_rank`: each traced, even those alike by construction). `torch` ("2.11"): the
+    torch the step will run on, whose rules a fake CUDA step and the budget follow (default the installed one)."""
     require_fake_for_routing(routing, capture != "real")
-    step = StepSpec(model_file, seq=seq, dtype=dtype, loss=loss, routing=routing, optimizer=optimizer)
+    step = StepSpec(model_file, seq=seq, dtype=dtype, loss=loss, routing=routing, optimizer=optimizer, torch=torch)
     modes = tuple(layers)
     return fit_model(step, memory, gpu=as_gpu(gpu), modes=modes, capture=capture, nproc=nproc, every_rank=every_rank)
 

@@ -14,6 +14,7 @@ from memplan.gpus import GPU, GPUS, gpu
 from memplan.modes import LOSSES, OPTIMIZERS, PER_LAYER_MODES, losses_help, modes_help, optimizers_help
 from memplan.planner.simulate.alloc_conf import TIE_BREAKS
 from memplan.step import DTYPES, StepSpec, require_fake_for_routing
+from memplan.torch_versions import INSTALLED, RELEASES
 from memplan.units import SizeError, human_bytes, parse_bandwidth, parse_size
 
 
@@ -148,9 +149,43 @@ def compile_options(command):
 GPU_HELP = f"A GPU of memplan's catalogue ({', '.join(g.name for g in GPUS)}; any case, aliases such as h100 too)"
 
 
-def gpu_option(what: str):
-    """--gpu NAME for a command, `what` saying what it does with the GPU; the command gets the name."""
-    return click.option("--gpu", "gpu_name", default=None, metavar="NAME", help=f"{GPU_HELP}: {what}")
+def gpu_option(what: str, outside: bool = False):
+    """--gpu NAME for a command, `what` saying what it does with the GPU; the command gets the name. With `outside`,
+    also --outside BYTES, what the GPU holds outside the caching allocator given by hand: the command then gets, as
+    `gpu_name`, the GPU with those bytes (gpus.GPU.given_outside) in place of its name."""
+    option = click.option("--gpu", "gpu_name", default=None, metavar="NAME", help=f"{GPU_HELP}: {what}")
+    if not outside:
+        return option
+
+    def decorate(command):
+        @functools.wraps(command)
+        def with_outside(*args, gpu_name, outside, **kwargs):
+            if outside is not None and gpu_name is None:
+                raise click.UsageError("--outside needs --gpu", ctx=click.get_current_context())
+            named = gpu_name if outside is None else gpu(gpu_name).given_outside(outside)
+            return command(*args, gpu_name=named, **kwargs)
+
+        outside_option = click.option("--outside", type=SIZE, default=None, metavar="BYTES", help=OUTSIDE_HELP)
+        return option(outside_option(with_outside))
+
+    return decorate
+
+
+OUTSIDE_HELP = (
+    "What the GPU holds outside PyTorch's caching allocator (804061184, 800MiB), as `total_memory - "
+    "torch.cuda.mem_get_info()[0] - torch.cuda.memory_reserved()` reads it after a step: it replaces the CUDA "
+    "context's measured or estimated figure and NCCL's (the verdict names it 'given'). Needs --gpu."
+)
+TORCH_HELP = (
+    f"The torch the step will run on: {', '.join(r.version for r in RELEASES)} (default {INSTALLED.version}, the one "
+    "memplan is installed with). A --fake CUDA step takes its attention kernel rules and cuBLAS workspace, the "
+    "verdict its measured outside terms (docs/torch-versions.md)."
+)
+
+
+def torch_option(command):
+    """--torch VERSION for a command that plans a CUDA step: the command gets `torch_version` (None: installed)."""
+    return click.option("--torch", "torch_version", default=None, metavar="VERSION", help=TORCH_HELP)(command)
 
 
 def plans_option(text: str):
@@ -158,9 +193,10 @@ def plans_option(text: str):
     return click.option("--plan", "plan_files", multiple=True, type=click.Path(dir_okay=False), help=text)
 
 
-def find_gpu(name: str | None) -> GPU | None:
-    """The catalogue's GPU called `name` (None for None); an unknown name is one `Error:` line, exit code 1."""
-    return None if name is None else gpu(name)
+def find_gpu(name: str | GPU | None) -> GPU | None:
+    """The catalogue's GPU called `name` (None for None; a GPU stays itself: --outside made it); an unknown name is
+    one `Error:` line, exit code 1."""
+    return name if name is None or isinstance(name, GPU) else gpu(name)
 
 
 def memory_or_gpu(memory: int | None, gpu_name: str | None) -> None:
@@ -222,6 +258,7 @@ every_rank_option = click.option(
     "the GPU a --fake CUDA step is planned for (implies --device cuda): its compute capability picks "
     "the attention backend and the cuBLAS workspace, torch.cuda answers for it [default: H100-80GB]."
 )
+@torch_option
 @host_bandwidth_option
 @click.option("--top", type=click.IntRange(min=0), default=5, show_default=True, help="Largest buffers to list.")
 @click.option(
@@ -257,6 +294,7 @@ def trace_command(
     device,
     fake,
     gpu_name,
+    torch_version,
     host_bandwidth,
     top,
     warmup,
@@ -286,7 +324,7 @@ def trace_command(
 
     require_fake_for_routing(routing, fake)
     step = StepSpec(model_file, batch, seq, dtype, device, layers, fake, compile, bool(warmup), loss=loss,
-                    routing=routing, optimizer=optimizer)  # fmt: skip
+                    routing=routing, optimizer=optimizer, torch=torch_version)  # fmt: skip
     step = step.on_gpu(gpu_name)
     bandwidth = None if host_bandwidth is None else parse_bandwidth(host_bandwidth)
     summary = trace_to_file(
@@ -429,7 +467,8 @@ tie_break_option = click.option(
     help="Device capacity (16GiB, 80GB or bytes): the allocator's out-of-memory retry and failure are simulated.",
 )
 @gpu_option("whether the step fits it (the caching allocator at its memory less the CUDA context, the cuBLAS "
-            "workspaces and NCCL's buffers) and, when not, at which op it runs out of memory.")  # fmt: skip
+            "workspaces and NCCL's buffers) and, when not, at which op it runs out of memory.",
+            outside=True)  # fmt: skip
 @click.option(
     "--timeline",
     type=click.Path(dir_okay=False),
@@ -708,12 +747,13 @@ def solve_command(source, output, time_limit, capacity, method, alignment, scope
 @capture_option
 @fake_option
 @nproc_option("show each distinct rank's figures side by side (no replay: it runs one process's step).")
-@gpu_option("each mode's verdict: whether its step fits the GPU, or where it runs out of memory.")
+@gpu_option("each mode's verdict: whether its step fits the GPU, or where it runs out of memory.", outside=True)
+@torch_option
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def run_command(
     model_file, out_dir, batch, seq, dtype, loss, optimizer, routing, time_limit, replay_steps, modes, capture, fake,
-    nproc, every_rank, gpu_name, compile, as_json
+    nproc, every_rank, gpu_name, torch_version, compile, as_json
 ):  # fmt: skip
     """The main job: trace MODEL_FILE under every layer mode (as-built, baseline, tempo, selective,
     tempo+selective, full, tempo+full), solve and simulate each, replay the tempo plan on the CPU, and
@@ -734,7 +774,7 @@ def run_command(
     capture = capture_of(capture, fake)
     require_fake_for_routing(routing, capture != "real")
     step = StepSpec(model_file or os.path.relpath(DEFAULT_MODEL), batch, seq, dtype, compile=compile, loss=loss,
-                    routing=routing, optimizer=optimizer)  # fmt: skip
+                    routing=routing, optimizer=optimizer, torch=torch_version)  # fmt: skip
     modes = tuple(modes) or ((AS_BUILT,) if nproc is not None else ())
     opts = RunOptions(step, out_dir, time_limit=time_limit, replay_steps=replay_steps, capture=capture,
                       gpu=find_gpu(gpu_name), nproc=nproc, every_rank=every_rank, **run_modes(modes))  # fmt: skip
@@ -746,7 +786,8 @@ def run_command(
 @main.command("fit")
 @click.argument("model_file", type=MODEL_FILE)
 @click.option("--memory", type=SIZE, default=None, help="Device memory: 11GiB, 16GB, 512MiB or a number of bytes.")
-@gpu_option("fit its memory less what it holds outside the caching allocator (instead of --memory).")
+@gpu_option("fit its memory less what it holds outside the caching allocator (instead of --memory).", outside=True)
+@torch_option
 @click.option(
     "--layers",
     "modes",
@@ -769,8 +810,8 @@ def run_command(
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def fit_command(
-    model_file, memory, gpu_name, modes, seq, dtype, loss, optimizer, routing, alloc_conf, tie_break, time_limit,
-    capture, fake, nproc, every_rank, compile, as_json
+    model_file, memory, gpu_name, torch_version, modes, seq, dtype, loss, optimizer, routing, alloc_conf, tie_break,
+    time_limit, capture, fake, nproc, every_rank, compile, as_json
 ):  # fmt: skip
     """The largest batch size whose training step fits --memory (or --gpu), under the caching allocator and under
     a plan.
@@ -791,7 +832,16 @@ def fit_command(
     capture = capture_of(capture, fake)
     require_fake_for_routing(routing, capture != "real")
     result = fit_model(
-        StepSpec(model_file, seq=seq, dtype=dtype, compile=compile, loss=loss, routing=routing, optimizer=optimizer),
+        StepSpec(
+            model_file,
+            seq=seq,
+            dtype=dtype,
+            compile=compile,
+            loss=loss,
+            routing=routing,
+            optimizer=optimizer,
+            torch=torch_version,
+        ),
         memory,
         gpu=find_gpu(gpu_name),
         modes=tuple(modes) or ((AS_BUILT,) if nproc is not None else SWEPT_MODES),
@@ -897,7 +947,8 @@ def layer_mode_list(_ctx, _param, value: str | None) -> tuple[str, ...] | None:
 @main.command("optimize")
 @click.argument("model_file", type=MODEL_FILE)
 @click.option("--memory", type=SIZE, default=None, help="Memory the plan must fit: 11GiB, 16GB, 512MiB or bytes.")
-@gpu_option("fit its memory less what it holds outside the caching allocator (instead of --memory).")
+@gpu_option("fit its memory less what it holds outside the caching allocator (instead of --memory).", outside=True)
+@torch_option
 @click.option("--batch", type=click.IntRange(min=1), default=None, help="Batch size passed to build() [default: 2].")
 @click.option("--max-batch", is_flag=True, help="Choose the largest batch that fits too.")
 @step_options(loss=True)
@@ -943,6 +994,7 @@ def optimize_command(
     model_file,
     memory,
     gpu_name,
+    torch_version,
     batch,
     max_batch,
     seq,
@@ -976,7 +1028,14 @@ def optimize_command(
     memory_or_gpu(memory, gpu_name)
     require_fake_for_routing(routing, capture != "real")
     step = StepSpec(
-        model_file, 1 if max_batch else batch or 2, seq, dtype, loss=loss, routing=routing, optimizer=optimizer
+        model_file,
+        1 if max_batch else batch or 2,
+        seq,
+        dtype,
+        loss=loss,
+        routing=routing,
+        optimizer=optimizer,
+        torch=torch_version,
     )
     bandwidth = None if host_bandwidth is None else parse_bandwidth(host_bandwidth)
     gpu = find_gpu(gpu_name)

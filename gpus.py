@@ -6,11 +6,13 @@ names. Every figure says where it comes from (docs/fit-optimize.md: The GPU cata
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
 
 from memplan.errors import MemplanError
+from memplan.torch_versions import INSTALLED, TorchRules
 from memplan.units import MiB
 
 # The vocabulary, first. `memory` is what torch.cuda.get_device_properties().total_memory reports
@@ -27,8 +29,9 @@ PCIE_GEN5_X16 = 16 * 32_000_000_000 * 128 // 130 // 8  # 63,015,384,615 B/s
 NVLINK_C2C = 450_000_000_000  # 900 GB/s both ways
 
 # PyTorch's default cuBLAS workspace (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize, when
-# CUBLAS_WORKSPACE_CONFIG is unset): 32 MiB (4096 KiB x 8) on compute capability 9.x, 10.x and 12.x (Hopper and
-# Blackwell; older releases gave it to sm_90 alone), else ":4096:2:16:8" = 2 x 4096 KiB + 8 x 16 KiB.
+# CUBLAS_WORKSPACE_CONFIG is unset): 32 MiB (4096 KiB x 8) on the compute capability majors of the release's
+# `TorchRules.cublas_large_majors` (torch 2.13: 9, 10, 11, 12, Hopper and Blackwell; torch 2.0 to 2.11: 9 alone,
+# pytorch/pytorch#89027 and #175344), else ":4096:2:16:8" = 2 x 4096 KiB + 8 x 16 KiB.
 # One is allocated through the caching allocator per (cuBLAS handle, stream); handles are per thread, so a
 # training step holds two: its own thread's and the autograd engine's backward thread's. cuBLASLt (addmm's fused
 # bias, for one) takes its own CUBLASLT_WORKSPACE_SIZE, default 1024 KiB, per handle and stream, unless
@@ -37,7 +40,6 @@ NVLINK_C2C = 450_000_000_000  # 900 GB/s both ways
 # models without biases (Llama) 2 x 32 MiB.
 CUBLAS_WORKSPACE_LARGE = 4096 * 8 * 1024  # 33,554,432 B: one real set of Hopper snapshots measured this
 CUBLAS_WORKSPACE_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8  # 8,519,680 B: another real set measured this
-CUBLAS_LARGE_MAJORS = (9, 10, 11, 12)
 CUBLASLT_WORKSPACE = 1024 * 1024  # 1,048,576 B
 
 # Dense peak FLOP/s (no 2:4 sparsity), from NVIDIA's datasheets: bf16 on the tensor cores with fp32 accumulation,
@@ -51,7 +53,8 @@ TFLOPS = 10**12
 # An ESTIMATE of the CUDA context during a training step: driver state, the kernels loaded so far, the
 # device-side stack. With lazy module loading (CUDA 11.7+, PyTorch's default) PyTorch's maintainers put the
 # context at about 300 MB (pytorch/pytorch#107667, 2023) to 400 MB (#109888, 2023) right after the first CUDA
-# call; a training step lazily loads cuBLAS, cuDNN and NCCL kernels on top, so memplan counts 512 MiB.
+# call; a training step lazily loads cuBLAS, cuDNN and NCCL kernels on top, so memplan counts 512 MiB. Where
+# OUTSIDE_MEASURED has a row for the GPU and the torch the step runs on, the verdict counts that instead.
 CUDA_CONTEXT_ESTIMATE = 512 * MiB
 
 # An ESTIMATE of what one NCCL communicator (one process group) holds outside the caching allocator: measured
@@ -61,20 +64,52 @@ CUDA_CONTEXT_ESTIMATE = 512 * MiB
 NCCL_PER_PROCESS_GROUP = 688 * MiB
 NCCL_SOURCE = "estimate: NVIDIA/nccl#964, 4 A100s over NVLink"
 CUDA_CONTEXT_SOURCE = "estimate: pytorch/pytorch#107667 and #109888, plus the step's kernels"
+GIVEN_SOURCE = "given (--outside)"
+
+
+@dataclass(frozen=True)
+class OutsideMeasurement:
+    """Memory a GPU held outside the caching allocator after real training steps, with one torch and CUDA: the
+    CUDA context, the kernels a step loaded and the libraries' handles (cuBLAS's and cuBLASLt's workspaces are not
+    among them: PyTorch takes them through the caching allocator, so a trace holds them or the verdict adds them)."""
+
+    gpu: str  # the catalogue's name
+    torch: str  # the TorchRules version the step ran on ("2.11")
+    cuda: str  # the CUDA runtime of its wheel ("13.0")
+    bytes: int  # total_memory - torch.cuda.mem_get_info()[0] - torch.cuda.memory_reserved(), read after the steps
+    source: str  # when, what program, how read
+
+
+# What real runs measured, one row per (GPU, torch, CUDA); a step's verdict on that GPU and torch counts the row
+# instead of CUDA_CONTEXT_ESTIMATE. Measure more when a GPU is lent (../shared/GPU_CHECKS.md, item 2).
+OUTSIDE_MEASURED = (
+    # The b7 (default allocator) and b8 (expandable segments) runs read the same bytes after three steps; the b9 run
+    # that ran out of memory in its first step read 728,563,712 B: its context had not loaded every kernel yet.
+    OutsideMeasurement("H200", "2.11", "13.0", 804_061_184,
+                       "measured 2026-11-28 on an H200 (driver 580.159.04), torch 2.11.0+cu130: total_memory - "
+                       "mem_get_info()[0] - memory_reserved() after three training steps of a Llama-3.2-1B-shaped "
+                       "HuggingFace loop, bf16 autocast, AdamW, no NCCL (../shared/traces/h200-programs/PROGRAMS.md)"),
+)  # fmt: skip
+
+
+def outside_measurement(gpu: GPU, rules: TorchRules = INSTALLED) -> OutsideMeasurement | None:
+    """The measurement of what `gpu` holds outside the caching allocator with torch `rules`'s release, or None."""
+    return next((m for m in OUTSIDE_MEASURED if m.gpu == gpu.name and m.torch == rules.version), None)
 
 
 class GPUError(MemplanError):
     """A GPU name the catalogue does not know, or a memory size given both as bytes and as a GPU."""
 
 
-def cublas_workspace_size(capability: tuple[int, int]) -> int:
-    """PyTorch's cuBLAS workspace bytes per (handle, stream) on a GPU of `capability`: what each handle's first
-    matmul takes through the caching allocator. CUBLAS_WORKSPACE_CONFIG's ":SIZE:COUNT" pairs (KiB x count) when
-    the environment sets it, as PyTorch reads it; else PyTorch's default for the architecture."""
+def cublas_workspace_size(capability: tuple[int, int], rules: TorchRules = INSTALLED) -> int:
+    """PyTorch's cuBLAS workspace bytes per (handle, stream) on a GPU of `capability` with torch `rules`'s release
+    (default: the installed one): what each handle's first matmul takes through the caching allocator.
+    CUBLAS_WORKSPACE_CONFIG's ":SIZE:COUNT" pairs (KiB x count) when the environment sets it, as PyTorch reads it;
+    else that release's default for the architecture."""
     pairs = re.findall(r":([0-9]+):([0-9]+)", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""))
     if pairs:
         return sum(int(size) * 1024 * int(count) for size, count in pairs)
-    return CUBLAS_WORKSPACE_LARGE if capability[0] in CUBLAS_LARGE_MAJORS else CUBLAS_WORKSPACE_DEFAULT
+    return CUBLAS_WORKSPACE_LARGE if capability[0] in rules.cublas_large_majors else CUBLAS_WORKSPACE_DEFAULT
 
 
 @dataclass(frozen=True)
@@ -88,6 +123,8 @@ class GPU:
     host_link: str  # the link to the host: "PCIe gen5 x16", "NVLink-C2C"
     host_bandwidth: int  # bytes/s one way over that link (PCIE_GEN4_X16, PCIE_GEN5_X16, NVLINK_C2C)
     cuda_context: int = CUDA_CONTEXT_ESTIMATE  # bytes held outside the caching allocator by the CUDA context (estimate)
+    outside: int | None = None  # bytes outside the caching allocator given by hand (--outside): instead of the
+    #                             context's and NCCL's measured or estimated figures
     dense_flops: tuple[int, int] = (0, 0)  # FLOP/s peak without sparsity: bf16 on the tensor cores, fp32 without them
 
     def flop_rate(self, dtype: str) -> int:
@@ -107,8 +144,22 @@ class GPU:
 
     @property
     def cublas_workspace_bytes(self) -> int:
-        """Bytes of one cuBLAS handle's workspace (per stream), taken through the caching allocator by default."""
-        return cublas_workspace_size(self.capability)
+        """Bytes of one cuBLAS handle's workspace (per stream) with the installed torch, taken through the caching
+        allocator by default."""
+        return self.cublas_workspace(INSTALLED)
+
+    def cublas_workspace(self, rules: TorchRules) -> int:
+        """Bytes of one cuBLAS handle's workspace (per stream) with torch `rules`'s release."""
+        return cublas_workspace_size(self.capability, rules)
+
+    def given_outside(self, outside: int | None) -> GPU:
+        """This GPU with `outside` bytes held outside the caching allocator given by hand (None: unchanged);
+        GPUError when they are negative or leave it nothing."""
+        if outside is None:
+            return self
+        if isinstance(outside, bool) or not isinstance(outside, int) or not 0 <= outside < self.memory:
+            raise GPUError(f"--outside {outside!r}: bytes from 0 to less than {self.name}'s memory ({self.memory:,} B)")
+        return dataclasses.replace(self, outside=outside)
 
     @property
     def cublaslt_workspace_bytes(self) -> int:
@@ -125,6 +176,7 @@ class GPU:
             "cublas_workspace_bytes": self.cublas_workspace_bytes,
             "cublaslt_workspace_bytes": self.cublaslt_workspace_bytes,
             "cuda_context": self.cuda_context,
+            "outside": self.outside,
             "host_link": self.host_link,
             "host_bandwidth": self.host_bandwidth,
             "dense_flops": list(self.dense_flops),

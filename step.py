@@ -14,6 +14,7 @@ from memplan.gpus import GPU, gpu
 from memplan.modes import AS_BUILT, check_layer_modes, check_loss, check_optimizer, describe_assignment, mode
 from memplan.routing import DEFAULT as DEFAULT_ROUTING
 from memplan.routing import Routing
+from memplan.torch_versions import INSTALLED, TorchRules, torch_rules
 
 DTYPES = ("float32", "bfloat16", "bf16-mixed")
 # Each dtype's parameters and autocast: bf16-mixed is fp32 parameters with forward and loss under bf16 autocast.
@@ -45,6 +46,8 @@ class StepSpec:
     #                                 balanced, worst, loads=W0,W1,...); a real step routes by its router's values
     optimizer: str = AS_BUILT  # one of modes.OPTIMIZERS: the model file's optimizer as built, or its AdamW rebuilt
     #                            with smaller state (planner/layers/optimizer_choice.py)
+    torch: TorchRules = INSTALLED  # the torch the step will run on (torch_versions.py; a version is looked up): a
+    #                                fake CUDA step takes its attention and cuBLAS rules, the verdict its measurements
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_file", os.fspath(self.model_file))
@@ -64,6 +67,7 @@ class StepSpec:
             check_budget(self.compile)
         if isinstance(self.gpu, str):
             object.__setattr__(self, "gpu", gpu(self.gpu))
+        object.__setattr__(self, "torch", torch_rules(self.torch))
         if check_loss(self.loss) != AS_BUILT and self.compile is not None:
             raise StepError(f"--loss {self.loss} does not take --compile: Dynamo does not trace its deferred head")
         object.__setattr__(self, "routing", str(Routing.parse(self.routing)))
@@ -103,6 +107,7 @@ class StepSpec:
         parts += ["--fake"] if self.fake else []
         parts += [f"--routing {self.routing}"] if self.fake and self.routing != DEFAULT_ROUTING else []
         parts += [] if self.gpu is None else [f"--gpu {shlex.quote(self.gpu.name)}"]
+        parts += [] if self.torch is INSTALLED else [f"--torch {self.torch.version}"]
         parts += [] if self.compile is None else [f"--compile --memory-budget {self.compile:g}"]
         return " ".join(parts)
 

@@ -19,7 +19,8 @@ FOLDERS = ("traces", "planner", "solvers", "integrations")
 # The flow, earliest first: a module may import its own stage and earlier ones, never a later one.
 STAGES = (
     ("memplan.errors", "memplan.units", "memplan.limits", "memplan.files", "memplan.cxx"),  # shared by every stage
-    ("memplan.modes", "memplan.routing", "memplan.step", "memplan.gpus"),  # modes; fake routing rules; a step; GPUs
+    ("memplan.modes", "memplan.routing", "memplan.step", "memplan.gpus", "memplan.torch_versions"),  # modes; fake
+    #                                  routing rules; a step; GPUs; the rules of the torch a step runs on
     ("memplan.planner.layers",),  # the layers the modes swap in, and the patcher that applies a mode
     ("memplan.traces",),  # a step of a model file, patched with its mode, recorded
     ("memplan.planner.problem", "memplan.planner.safety", "memplan.planner.verify", "memplan.planner.plan",

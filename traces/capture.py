@@ -43,6 +43,7 @@ from memplan.planner.layers.patch import host_ledger, idle_notes
 from memplan.routing import DEFAULT as DEFAULT_ROUTING
 from memplan.routing import Routing
 from memplan.step import require_fake_for_routing
+from memplan.torch_versions import TorchRules, torch_rules
 from memplan.traces.communication import COMMUNICATION, ddp_buckets, fsdp_stream_names, name_buckets
 from memplan.traces.fake import DATA_RULE, FakeCapture
 from memplan.traces.fake_cuda import fake_cuda_runtime
@@ -498,29 +499,31 @@ def recording_session(
     gpu: GPU | str | None = None,
     progress: Callable[[str], None] | None = None,
     routing: Routing | str = DEFAULT_ROUTING,
+    torch_version: TorchRules | str | None = None,
 ) -> Iterator[Recording]:
     """Install the step recorder on `device` (and, with `fake`, fake tensors) for the block; what is built
     inside is seen from its first allocation, and `Recording.step` marks the step to record. A fake CUDA step
-    follows the rules of `gpu` (gpus.py; default gpus.DEFAULT_GPU), a fake mixture of experts routes its tokens by
-    `routing` (memplan.routing). With `progress`, a block that runs long is reported through it every few seconds
-    (traces/progress.py)."""
+    follows the rules of `gpu` (gpus.py; default gpus.DEFAULT_GPU) and of torch `torch_version` (torch_versions.py;
+    default the installed one), a fake mixture of experts routes its tokens by `routing` (memplan.routing). With
+    `progress`, a block that runs long is reported through it every few seconds (traces/progress.py)."""
     device = torch.device(device)
     fake_cuda = fake and device.type == "cuda"
-    gpu = planned_gpu(gpu)
+    gpu, rules = planned_gpu(gpu), torch_rules(torch_version)
     interval = progress_interval() if progress is not None else 0.0  # a bad setting fails before the work
     streams = StreamLedger()
     # The tempo layers' eager math (planner/layers/fusion.py): a trace holds the ops fake tensors see, and a fused
     # kernel's intermediates only ever lower the peak of the step it runs in.
-    runtime = fake_cuda_runtime(gpu, streams) if fake_cuda else contextlib.nullcontext()
+    runtime = fake_cuda_runtime(gpu, streams, rules) if fake_cuda else contextlib.nullcontext()
     with one_cpu_thread(device), fusion.eager(), runtime:
         with recording(device, fake=fake) as recorder:
             streams.storage_key = recorder.storage_key
             reporting = CaptureProgress(recorder, progress, interval) if progress is not None else None
             with reporting or contextlib.nullcontext():
-                workspace = gpu.cublas_workspace_bytes if fake_cuda else 0
+                workspace = gpu.cublas_workspace(rules) if fake_cuda else 0
                 lt_workspace = gpu.cublaslt_workspace_bytes if fake_cuda else 0
                 fake_mode = FakeCapture(recorder, device.type, workspace, lt_workspace, routing) if fake else None
-                planned = {"gpu": gpu.name, "cublas_workspace": workspace, "cublaslt_workspace": lt_workspace}
+                planned = {"gpu": gpu.name, "torch_rules": rules.version, "cublas_workspace": workspace,
+                           "cublaslt_workspace": lt_workspace}  # fmt: skip
                 planned = planned if fake_cuda else {}
                 hooks = cuda_stream_hooks(streams, recorder.storage_key) if device.type == "cuda" else None
                 with fake_mode or contextlib.nullcontext(), hooks or contextlib.nullcontext():
@@ -540,13 +543,15 @@ def capture_step(
     gpu: GPU | str | None = None,
     progress: Callable[[str], None] | None = None,
     routing: Routing | str = DEFAULT_ROUTING,
+    torch_version: TorchRules | str | None = None,
 ) -> Trace:
     """Build a workload with `build()` and record one `workload.step()` (after its warm-up steps,
     Workload.warmup_steps, unless `warmup=False`) on `device` as a labelled Trace; with `fake`, under fake tensors
-    (on CUDA, `gpu`'s rules; a mixture of experts routed by `routing`). A capture that runs long reports through
-    `progress` every few seconds, when given."""
+    (on CUDA, `gpu`'s and torch `torch_version`'s rules; a mixture of experts routed by `routing`). A capture that
+    runs long reports through `progress` every few seconds, when given."""
     meta = {"warmup": warmup, **(meta or {})}
-    with recording_session(device, fake=fake, meta=meta, gpu=gpu, progress=progress, routing=routing) as session:
+    with recording_session(device, fake=fake, meta=meta, gpu=gpu, progress=progress, routing=routing,
+                           torch_version=torch_version) as session:  # fmt: skip
         session.announce("building the model")
         workload = build()
         device = session.check_device(workload)
@@ -597,12 +602,14 @@ def record(
     gpu: GPU | str | None = None,
     progress: Callable[[str], None] | None = None,
     routing: Routing | str = DEFAULT_ROUTING,
+    torch: TorchRules | str | None = None,
 ) -> Iterator[Recording]:
     """Record one training step of your own loop. With `model` and `optimizer` (built before, real tensors)
     the block is the step; with neither, build them inside and mark the step with `recording.step(model,
-    optimizer)` (so under `fake=True` too; a fake CUDA step follows `gpu`'s rules, gpus.py, and a fake mixture of
-    experts routes its tokens by `routing`, memplan.routing). The trace is `recording.trace`, written to `output`
-    if given; nothing is written when the block raises. An UnrecordedWarning says when the step read tensors made
+    optimizer)` (so under `fake=True` too; a fake CUDA step follows `gpu`'s rules, gpus.py, and those of the torch
+    it will run on, `torch` ("2.11"; default the installed one, torch_versions.py), and a fake mixture of experts
+    routes its tokens by `routing`, memplan.routing). The trace is `recording.trace`, written to `output` if given;
+    nothing is written when the block raises. An UnrecordedWarning says when the step read tensors made
     before the block that it was not given (a frozen reference model): the trace lacks them. With `progress`
     (print, say), a block that runs long is reported through it every few seconds."""
     if (model is None) != (optimizer is None):
@@ -616,7 +623,8 @@ def record(
     if device is None:
         device = next(model.parameters()).device if model is not None else "cpu"
     meta = {"source": "memplan.record", **(meta or {})}
-    with recording_session(device, fake=fake, meta=meta, gpu=gpu, progress=progress, routing=routing) as session:
+    with recording_session(device, fake=fake, meta=meta, gpu=gpu, progress=progress, routing=routing,
+                           torch_version=torch) as session:  # fmt: skip
         if model is None:
             yield session
         else:

@@ -29,6 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from memplan.cxx import torch_extension
 from memplan.errors import MemplanError
 from memplan.gpus import GPU
+from memplan.torch_versions import INSTALLED, TorchRules
 from memplan.traces.sdpa_dispatch import cuda_attention
 from memplan.traces.streams import StreamLedger
 
@@ -267,9 +268,10 @@ def _never_runs(*args, **kwargs):
 
 
 @contextlib.contextmanager
-def fake_cuda_runtime(gpu: GPU, ledger: StreamLedger | None = None) -> Iterator[None]:
+def fake_cuda_runtime(gpu: GPU, ledger: StreamLedger | None = None, rules: TorchRules = INSTALLED) -> Iterator[None]:
     """While the block runs, a CPU-only torch has a CUDA device for fake tensors, a `gpu`, whose streams, events and
-    `Tensor.record_stream` report to `ledger`; nothing changes on a CUDA build."""
+    `Tensor.record_stream` report to `ledger`, and whose attention kernels follow torch `rules`'s release; nothing
+    changes on a CUDA build."""
     if not needs_runtime():
         yield
         return
@@ -290,7 +292,7 @@ def fake_cuda_runtime(gpu: GPU, ledger: StreamLedger | None = None) -> Iterator[
             ledger.record_stream(ledger.storage_key(tensor), stream.cuda_stream) if ledger.storage_key else None
         )
         # scaled_dot_product_attention takes the GPU's kernel; rms_norm CUDA's fused one (FakeCapture allocates it)
-        with cuda_attention(gpu.capability), fused_rms_norm():
+        with cuda_attention(gpu.capability, rules), fused_rms_norm():
             yield
     finally:
         torch.Tensor.record_stream = record_stream

@@ -21,6 +21,11 @@ March 2026, and the move to 9.23.1 in June did not reach 2.13.0), so CUDNN_VERSI
 `versionRuntimeCuDNN()` reports 9.20.0. The CUDA 12.6 wheels' 9.10.2 (91002, not checked for 2.13) is not newer
 than 9.15: there flash keeps the lead on an H100.
 
+Other releases. A step runs on the torch the user has (memplan's --torch, torch_versions.py): torch 2.11's
+rules (`TorchRules` TORCH_2_11) lack the dropout check of #174245 and the batch and head limit of #180718, and its
+CUDA 13.0 wheels load cuDNN 9.19.0 (91900); everything else here is the same for it. Each function that reads a
+release's rules takes `rules` (default: the installed torch's) and the cuDNN version from them unless given.
+
 Not modelled: nested tensors (left to the composite), ROCm, builds without flash/memory-efficient/cuDNN
 attention, FA3/FA4 kernels registered at run time (only FA3's dtype rule is), the per-process `static` reads of
 the environment and of the cuDNN version (read at each call here), and the priority order's one-time cuDNN
@@ -37,8 +42,10 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend
 
+from memplan.torch_versions import INSTALLED, TorchRules
+
 # torch 2.13.0's CUDA 12.9/13.0 wheels: nvidia-cudnn 9.20.0.48 -> major * 10000 + minor * 100 + patch.
-CUDNN_VERSION = 92000
+CUDNN_VERSION = INSTALLED.cudnn_version
 # at::Context's sdp_priority_order before check_prefer_cudnn_attention changes it (ATen/Context.h).
 DEFAULT_ORDER = (
     SDPBackend.FLASH_ATTENTION,
@@ -301,13 +308,21 @@ def cudnn_head_dim_limit(capability: Capability, cudnn_version: int, d_qk: int, 
 
 
 def cudnn_rejection(
-    c: SdpaCall, capability: Capability, cudnn_version: int = CUDNN_VERSION, flags: SdpaFlags = SdpaFlags()
+    c: SdpaCall,
+    capability: Capability,
+    cudnn_version: int | None = None,
+    flags: SdpaFlags = SdpaFlags(),
+    rules: TorchRules = INSTALLED,
 ) -> str | None:
-    """Why cuDNN attention may not run the call, or None: can_use_cudnn_attention (L752-809)."""
+    """Why cuDNN attention may not run the call, or None: can_use_cudnn_attention (L752-809) of torch `rules`'s
+    release, with cuDNN `cudnn_version` (default: the one its wheels load)."""
+    cudnn_version = rules.cudnn_version if cudnn_version is None else cudnn_version
 
     def tensor_shapes() -> bool:  # check_cudnn_tensor_shapes (L498-590)
         (b, h, s_q, d_qk), s_k, d_v = c.query.shape, c.key.shape[2], c.value.shape[3]
-        if b > 65535 or h > 65535 or cudnn_version < 8903 or (cudnn_version < 8906 and c.dropout != 0.0):
+        if rules.cudnn_batch_heads_limit and (b > 65535 or h > 65535):  # #180718
+            return False
+        if cudnn_version < 8903 or (cudnn_version < 8906 and c.dropout != 0.0):
             return False
         limit = cudnn_head_dim_limit(capability, cudnn_version, d_qk, d_v)
         if d_qk > limit or d_v > limit or d_qk % 8 or d_v % 8 or (cudnn_version < 8906 and s_k % 64):
@@ -325,7 +340,7 @@ def cudnn_rejection(
             ("check_dtypes_low_precision", lambda: _low_precision(c, capability)),
             ("check_attn_mask_shape", lambda: _mask_shape(c)),
             ("check_cudnn_hardware_support", lambda: _sm_in(capability, (8, 0), (12, 1))),
-            ("check_cudnn_dropout", lambda: c.dropout * 16.0 == math.floor(c.dropout * 16.0)),
+            ("check_cudnn_dropout", lambda: not rules.cudnn_dropout_sixteenths or sixteenths(c.dropout)),
             ("check_nonzero_sequence_lengths_dense", lambda: _nonzero_sequences(c)),
             ("check_last_dim_stride_equals_1_dense", lambda: _last_dim_stride_one(c, ignore_singleton_dim=True)),
             ("check_batch_size_and_num_heads_dense", lambda: _batch_and_heads(c, True, requires_same_num_heads=False)),
@@ -334,16 +349,28 @@ def cudnn_rejection(
     )
 
 
+def sixteenths(dropout: float) -> bool:
+    """check_cudnn_dropout (L486-496, from #174245): the dropout a multiple of 1/16, the resolution of cuDNN's."""
+    return dropout * 16.0 == math.floor(dropout * 16.0)
+
+
 def select_backend(
-    c: SdpaCall, capability: Capability, cudnn_version: int = CUDNN_VERSION, flags: SdpaFlags | None = None
+    c: SdpaCall,
+    capability: Capability,
+    cudnn_version: int | None = None,
+    flags: SdpaFlags | None = None,
+    rules: TorchRules = INSTALLED,
 ) -> SDPBackend:
-    """The kernel CUDA's select_sdp_backend (L956-1019) picks for the call on a GPU of `capability`:
-    SDPBackend.ERROR when every backend is switched off; NoAttentionKernel when none that is on fits."""
+    """The kernel CUDA's select_sdp_backend (L956-1019) of torch `rules`'s release (default: the installed one)
+    picks for the call on a GPU of `capability` with cuDNN `cudnn_version` (default: the one that release's wheels
+    load): SDPBackend.ERROR when every backend is switched off; NoAttentionKernel when none that is on fits."""
     flags = SdpaFlags.current() if flags is None else flags
+    cudnn_version = rules.cudnn_version if cudnn_version is None else cudnn_version
     if not (flags.math or flags.flash or flags.mem_efficient or flags.cudnn):
         return SDPBackend.ERROR
     for backend in priority_order(capability, cudnn_version, flags):
-        if backend == SDPBackend.CUDNN_ATTENTION and cudnn_rejection(c, capability, cudnn_version, flags) is None:
+        cudnn = backend == SDPBackend.CUDNN_ATTENTION
+        if cudnn and cudnn_rejection(c, capability, cudnn_version, flags, rules) is None:
             return backend
         if backend == SDPBackend.FLASH_ATTENTION and flash_rejection(c, capability, flags) is None:
             return backend
@@ -356,7 +383,7 @@ def select_backend(
     reasons = {
         "memory efficient": efficient_rejection(c, capability, flags),
         "flash": flash_rejection(c, capability, flags),
-        "cuDNN": cudnn_rejection(c, capability, cudnn_version, flags),
+        "cuDNN": cudnn_rejection(c, capability, cudnn_version, flags, rules),
     }
     why = "; ".join(f"{name}: {reason}" for name, reason in reasons.items())
     raise NoAttentionKernel(f"No available kernel. Aborting execution. (on sm{capability[0]}{capability[1]}: {why})")

@@ -32,7 +32,8 @@ import torch
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend
 
-from memplan.traces.sdpa_cuda import CUDNN_VERSION, Capability, NoAttentionKernel, Operand, SdpaCall, select_backend
+from memplan.torch_versions import INSTALLED, TorchRules
+from memplan.traces.sdpa_cuda import Capability, NoAttentionKernel, Operand, SdpaCall, select_backend
 
 aten = torch.ops.aten
 KEY = "AutogradCUDA"  # below Autocast, above the composite (CompositeImplicitAutograd) for CUDA tensors
@@ -134,7 +135,7 @@ def _validate(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
 
 def attend(
     capability: Capability,
-    cudnn_version: int,
+    rules: TorchRules,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -145,8 +146,9 @@ def attend(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """aten::scaled_dot_product_attention on CUDA tensors as a CUDA build runs it on a GPU of `capability`
-    (attention.cpp's composite): validate, choose the kernel, call it; the math branch as the composite's."""
+    """aten::scaled_dot_product_attention on CUDA tensors as a CUDA build of torch `rules`'s release runs it on a
+    GPU of `capability` (attention.cpp's composite): validate, choose the kernel, call it; the math branch as the
+    composite's."""
     _validate(query, key, value, attn_mask)
     call = SdpaCall(
         *(None if t is None else Operand.of(t) for t in (query, key, value, attn_mask)),
@@ -155,7 +157,7 @@ def attend(
         enable_gqa=bool(enable_gqa),
         grad_enabled=torch.is_grad_enabled(),
     )
-    backend = select_backend(call, capability, cudnn_version)
+    backend = select_backend(call, capability, rules=rules)
     if backend == SDPBackend.ERROR:
         raise NoAttentionKernel(
             "No viable backend for scaled_dot_product_attention was found. "
@@ -168,14 +170,14 @@ def attend(
 
 
 @contextlib.contextmanager
-def cuda_attention(capability: Capability, cudnn_version: int = CUDNN_VERSION) -> Iterator[None]:
+def cuda_attention(capability: Capability, rules: TorchRules = INSTALLED) -> Iterator[None]:
     """While the block runs, aten::scaled_dot_product_attention on CUDA tensors runs `attend` for a GPU of
-    `capability` with cuDNN `cudnn_version`: a kernel registered for AutogradCUDA, below autocast (whose casts
-    come first, as on a GPU) and above the composite, for every caller and thread (a checkpoint's recomputation
-    in backward too); deregistered after the block."""
+    `capability` and torch `rules`'s release (its cuDNN included): a kernel registered for AutogradCUDA, below
+    autocast (whose casts come first, as on a GPU) and above the composite, for every caller and thread (a
+    checkpoint's recomputation in backward too); deregistered after the block."""
     library = torch.library.Library("aten", "IMPL")
     try:
-        library.impl("scaled_dot_product_attention", functools.partial(attend, tuple(capability), cudnn_version), KEY)
+        library.impl("scaled_dot_product_attention", functools.partial(attend, tuple(capability), rules), KEY)
         yield
     finally:
         library._destroy()  # as torch.library's own scoped libraries end

@@ -57,6 +57,7 @@ def trace_step(step: StepSpec, meta: dict | None = None, progress: Callable[[str
         gpu=step.gpu,
         progress=progress,
         routing=step.routing,
+        torch_version=step.torch,
     )
     for compilation in compilations:
         compilation.require_steady(step.model_file, steps=2 if step.warmup else 1)

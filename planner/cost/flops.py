@@ -292,7 +292,11 @@ def count_step_flops(step: StepSpec) -> StepFlops:
     # 1. The device checked and the model file imported (outside fake tensors: import-time tensors are real).
     require_device(step.device, step.fake)
     build = import_model_file(step.model_file)
-    fake = recording_session(step.device, fake=True, gpu=step.gpu, routing=step.routing) if step.fake else None
+    fake = (
+        recording_session(step.device, fake=True, gpu=step.gpu, routing=step.routing, torch_version=step.torch)
+        if step.fake
+        else None
+    )
     with fake or contextlib.nullcontext():
         # 2. The workload, with its layer mode, compiled with the counting backend if asked.
         workload = build_workload(step, build)

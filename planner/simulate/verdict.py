@@ -12,10 +12,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
-from memplan.gpus import CUDA_CONTEXT_SOURCE, GPU, NCCL_PER_PROCESS_GROUP, NCCL_SOURCE, GPUError
+from memplan.gpus import (
+    CUDA_CONTEXT_SOURCE,
+    GIVEN_SOURCE,
+    GPU,
+    NCCL_PER_PROCESS_GROUP,
+    NCCL_SOURCE,
+    GPUError,
+    outside_measurement,
+)
 from memplan.planner.simulate.alloc_conf import AllocConf
 from memplan.planner.simulate.caching_allocator import SimResult, allocation_size, round_size, simulate_caching
 from memplan.step import StepSpec
+from memplan.torch_versions import INSTALLED, TorchRules, TorchVersionError, torch_rules
 from memplan.traces.format import Trace
 from memplan.units import cuda_oom_message
 
@@ -43,22 +52,43 @@ def held_workspaces(meta: Mapping) -> tuple[bool, bool]:
     )
 
 
+def target_torch(meta: Mapping) -> TorchRules | None:
+    """The torch a trace's step runs on: the rules a fake CUDA capture followed (meta `torch_rules`), else the torch
+    that recorded it (meta `torch`) when memplan has its rules, else the installed torch's for a trace that names
+    none; None for a torch memplan has no rules for (a real snapshot's older torch)."""
+    try:
+        return torch_rules(meta.get("torch_rules") or meta.get("torch"))
+    except TorchVersionError:
+        return None
+
+
 def outside_terms(gpu: GPU, meta: Mapping, handles: int = STEP_HANDLES, lt: bool = True) -> tuple[OutsideTerm, ...]:
-    """What `gpu` holds outside the caching allocator for a step whose trace has `meta`: the CUDA context; what
-    the trace does not hold of the cuBLAS workspaces of `handles` handles and (`lt`: the step runs cuBLASLt) of
-    cuBLASLt's; NCCL's buffers for each process group when the trace is a rank's (meta `world_size`;
-    `process_groups`, 1 unless it says)."""
-    terms = [OutsideTerm("CUDA context", gpu.cuda_context, CUDA_CONTEXT_SOURCE)]
+    """What `gpu` holds outside the caching allocator for a step whose trace has `meta`, each term named with its
+    source: the bytes given by hand (`gpu.outside`, --outside) instead of the CUDA context's and NCCL's; else the
+    CUDA context as measured on that GPU with the step's torch (gpus.OUTSIDE_MEASURED), or estimated; what the trace
+    does not hold of the cuBLAS workspaces of `handles` handles and (`lt`: the step runs cuBLASLt) of cuBLASLt's, at
+    the step's torch's sizes (they live in the caching allocator, so no measurement of the outside counts them); NCCL's
+    buffers for each process group when the trace is a rank's (meta `world_size`; `process_groups`, 1 unless it
+    says)."""
+    rules = target_torch(meta)
+    measured = None if rules is None else outside_measurement(gpu, rules)
+    if gpu.outside is not None:
+        terms = [OutsideTerm("outside the caching allocator", gpu.outside, GIVEN_SOURCE)]
+    elif measured is not None:
+        terms = [OutsideTerm("CUDA context", measured.bytes, measured.source)]
+    else:
+        terms = [OutsideTerm("CUDA context", gpu.cuda_context, CUDA_CONTEXT_SOURCE)]
     cublas_held, lt_held = held_workspaces(meta)
-    cublas = 0 if cublas_held else handles * gpu.cublas_workspace_bytes
+    workspace = gpu.cublas_workspace(rules or INSTALLED)
+    cublas = 0 if cublas_held else handles * workspace
     lt_bytes = gpu.cublaslt_workspace_bytes if lt and not lt_held else 0
     if cublas or lt_bytes:
-        parts = [f"{handles} handles x {gpu.cublas_workspace_bytes:,} B"] if cublas else []
+        parts = [f"{handles} handles x {workspace:,} B"] if cublas else []
         parts += [f"cuBLASLt's {lt_bytes:,} B"] if lt_bytes else []
-        source = (f"PyTorch's defaults for compute capability {gpu.capability[0]}.{gpu.capability[1]}, absent "
-                  f"from the trace: {' + '.join(parts)}")  # fmt: skip
+        source = (f"torch {(rules or INSTALLED).version}'s defaults for compute capability "
+                  f"{gpu.capability[0]}.{gpu.capability[1]}, absent from the trace: {' + '.join(parts)}")  # fmt: skip
         terms.append(OutsideTerm("cuBLAS workspaces" if cublas else "cuBLASLt workspace", cublas + lt_bytes, source))
-    if meta.get("world_size") is not None:
+    if meta.get("world_size") is not None and gpu.outside is None:
         groups = int(meta.get("process_groups", 1))
         terms.append(OutsideTerm(f"NCCL ({groups} process group{'s' * (groups != 1)})",
                                  groups * NCCL_PER_PROCESS_GROUP, NCCL_SOURCE))  # fmt: skip
@@ -110,7 +140,8 @@ def device_memory(memory: int | None, gpu: GPU | None, step: StepSpec) -> tuple[
     cuda = step.device.split(":")[0] == "cuda"  # a fake CUDA capture allocates the workspaces itself
     held = cuda and step.fake
     budget = Budget(gpu, outside_terms(gpu, {"device": "cuda" if cuda else "cpu", "fake": step.fake,
-                                             "cublas_workspace": held, "cublaslt_workspace": held}))  # fmt: skip
+                                             "cublas_workspace": held, "cublaslt_workspace": held,
+                                             "torch_rules": step.torch.version}))  # fmt: skip
     if budget.capacity <= 0:
         raise GPUError(f"{gpu.name}: its memory is all taken outside the caching allocator")
     return budget.capacity, budget
