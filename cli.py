@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -397,6 +398,55 @@ def explain_command(snapshot, gpu_name, memory, outside, cuda_device, as_json):
     progress(f"reading {snapshot}")
     result = explain_snapshot(snapshot, find_gpu(gpu_name), memory, outside, cuda_device).to_dict()
     emit(result, as_json, render_explain(result))
+
+
+@main.command("check", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@gpu_option("the GPU the script runs on (default H100-80GB).", outside=True)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Optimizer steps the script runs before it is stopped (counted as Optimizer.step returns).",
+)
+@click.option("--alloc-conf", default="", help="PYTORCH_CUDA_ALLOC_CONF for the simulated caching allocator.")
+@torch_option
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the whole program as a trace file (its steps marked; memplan simulate, plot, report read it).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+def check_command(gpu_name, steps, alloc_conf, torch_version, output, as_json, command):  # fmt: skip
+    """Run your own training script, unmodified, on a fake GPU for its first steps: does it fit, or where does it
+    run out of memory? CUDA is memplan's fake device of that GPU (nothing is computed, any size runs); PyTorch's
+    caching allocator is simulated as the program runs, so torch.cuda's memory statistics answer from it and a
+    request it cannot serve raises torch.OutOfMemoryError in the script, as the GPU would.
+
+    \b
+    Example: memplan check --gpu H100 -- python train.py --batch-size 8
+    Example: memplan check --gpu H200 --steps 2 --alloc-conf expandable_segments:True -- train.py
+    """
+    from memplan.planner.jobs.check import CheckOptions, check_program
+    from memplan.planner.report.check_text import render_check
+
+    target = find_gpu(gpu_name or "H100-80GB")
+    options = CheckOptions(tuple(command), target, steps, alloc_conf, torch_version)
+    progress(f"running {' '.join(command)} on a fake {target.name} for {steps} optimizer steps")
+    # with --json, stdout is the JSON document alone: the script's own output goes to stderr
+    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+        result = check_program(options)
+    if output is not None:
+        from memplan.planner.jobs.check import save_program
+
+        save_program(result, output)
+    summary = result.to_dict()
+    emit(summary, as_json, render_check(summary))
+    if not result.fits:
+        sys.exit(3)
 
 
 ALLOC_CONF_HELP = (

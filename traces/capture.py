@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from memplan.errors import MemplanError
 from memplan.gpus import GPU, planned_gpu
@@ -46,11 +46,11 @@ from memplan.step import require_fake_for_routing
 from memplan.torch_versions import TorchRules, torch_rules
 from memplan.traces.communication import COMMUNICATION, ddp_buckets, fsdp_stream_names, name_buckets
 from memplan.traces.fake import DATA_RULE, FakeCapture
-from memplan.traces.fake_cuda import fake_cuda_runtime
-from memplan.traces.format import PHASES, Trace, make_trace, save
+from memplan.traces.fake_cuda import DeviceMemory, fake_cuda_runtime
+from memplan.traces.format import PHASES, Program, Trace, make_trace, save
 from memplan.traces.program import MeasuredStep, StepWindow, assemble_program
 from memplan.traces.progress import CaptureProgress, progress_interval
-from memplan.traces.recorder import Events, Recorder, recording
+from memplan.traces.recorder import BACKWARD, FORWARD, OPTIMIZER, OTHER, Events, Recorder, recording
 from memplan.traces.resident import resident_storages, resident_tensors
 from memplan.traces.step_marks import StepMarks, marked_step
 from memplan.traces.stream_hooks import cuda_stream_hooks
@@ -256,6 +256,7 @@ class Recording:
         streams: StreamLedger | None = None,
     ):
         self.trace: Trace | None = None  # set when the step's block ends
+        self.program: Program | None = None  # the whole program, set when the session ends (`finish`)
         self._recorder, self._device, self._fake, self._meta = recorder, device, fake, meta
         self._progress = progress
         self._streams = streams if streams is not None else StreamLedger()
@@ -289,42 +290,77 @@ class Recording:
 
     @contextlib.contextmanager
     def watch_steps(self) -> Iterator[None]:
-        """Mark the training steps of a program memplan does not run itself (`record`): a step begins at the first
-        module call after the last step ended and ends when an optimizer's step() returns."""
+        """Mark the training steps and phases of a program memplan does not run itself (`record`, `memplan check`): a
+        step begins at the first module call after the last step ended (forward), `torch.autograd.backward` runs in
+        backward, an optimizer's step() in the optimizer phase, and the step ends when it returns."""
+        recorder, backward = self._recorder, torch.autograd.backward
 
         def started(_module, _inputs):
-            if self._open is None and not self._marking:
+            if self._marking or recorder.phase_now() == BACKWARD:
+                return
+            if self._open is None:
                 self._open = self._mark()
+            if recorder.phase_now() != FORWARD and torch.is_grad_enabled():
+                recorder.set_phase(FORWARD)
+
+        def backward_phase(*args, **kwargs):
+            if self._marking:
+                return backward(*args, **kwargs)
+            recorder.set_phase(BACKWARD)
+            try:
+                return backward(*args, **kwargs)
+            finally:
+                recorder.set_phase(OTHER)
+
+        def stepping(_optimizer, _args, _kwargs):
+            if not self._marking:
+                recorder.set_phase(OPTIMIZER)
 
         def stepped(_optimizer, _args, _kwargs):
             if not self._marking:
+                recorder.set_phase(OTHER)
                 start = self._open if self._open is not None else self._mark()
                 self._windows.append(StepWindow(start, self._mark()))
                 self._open = None
 
         handles = [
             nn.modules.module.register_module_forward_pre_hook(started),
+            register_optimizer_step_pre_hook(stepping),
             register_optimizer_step_post_hook(stepped),
         ]
+        torch.autograd.backward = backward_phase
         try:
             yield
         finally:
+            torch.autograd.backward = backward
             for h in handles:
                 h.remove()
 
     def finish(self) -> None:
-        """Attach the whole program to the measured step's trace (`Trace.program`), once the session's block ended."""
-        if self.trace is None:
-            return
+        """The whole program (`program`), attached to the measured step's trace (`Trace.program`) when one was
+        measured, once the session's block ended."""
+        if self._open is not None:  # a step the program began and did not finish (it stopped, or ran out of memory)
+            self._windows.append(StepWindow(self._open, self._mark()))
+            self._open = None
         events, marks, adopted = self._recorder.program()
         measured = self._measured
-        sizes = {k: int(s) for k, s, a in zip(measured.keys, measured.trace.size, measured.trace.alloc) if a == 0}
+        sizes = {} if measured is None else {
+            k: int(s) for k, s, a in zip(measured.keys, measured.trace.size, measured.trace.alloc) if a == 0
+        }  # fmt: skip
         real_cuda = self._device.type == "cuda" and self._fake is None
-        meta = {"sizes": "block sizes outside the measured step" if real_cuda else "requested"}
+        meta = {"sizes": "block sizes outside the measured step" if real_cuda else "requested", **self._meta}
         windows = sorted(self._windows, key=lambda w: w.start_mark)
-        self.trace.program = assemble_program(
-            events, marks, adopted, sizes, self._recorder.names(), windows, measured, meta
-        )
+        self.program = assemble_program(events, marks, adopted, sizes, self._recorder.names(), windows, measured, meta)
+        if self.trace is not None:
+            self.trace.program = self.program
+
+    def names(self) -> list[str]:
+        """The recorder's labels by id (ops, modules), for what reports them by id (a live allocator's errors)."""
+        return self._recorder.names()
+
+    def data_dependent(self) -> dict[str, int]:
+        """A fake capture's reads of values nobody knew, by op (DATA_RULE); {} for a real one."""
+        return dict(self._fake.data_dependent) if self._fake is not None else {}
 
     def announce(self, stage: str) -> None:
         """Name what runs now, before the recorded step (building the model, a warm-up step), in progress lines."""
@@ -500,12 +536,17 @@ def recording_session(
     progress: Callable[[str], None] | None = None,
     routing: Routing | str = DEFAULT_ROUTING,
     torch_version: TorchRules | str | None = None,
+    memory: DeviceMemory | None = None,
 ) -> Iterator[Recording]:
     """Install the step recorder on `device` (and, with `fake`, fake tensors) for the block; what is built
     inside is seen from its first allocation, and `Recording.step` marks the step to record. A fake CUDA step
     follows the rules of `gpu` (gpus.py; default gpus.DEFAULT_GPU) and of torch `torch_version` (torch_versions.py;
     default the installed one), a fake mixture of experts routes its tokens by `routing` (memplan.routing). With
-    `progress`, a block that runs long is reported through it every few seconds (traces/progress.py)."""
+    `progress`, a block that runs long is reported through it every few seconds (traces/progress.py). With `memory`
+    (a fake CUDA capture), every op's allocations and frees are fed to it as the op returns, and it answers the
+    program's memory statistics (memplan check's live allocator)."""
+    if memory is not None and not (fake and torch.device(device).type == "cuda"):
+        raise CaptureError("a live device memory needs a fake CUDA capture")
     device = torch.device(device)
     fake_cuda = fake and device.type == "cuda"
     gpu, rules = planned_gpu(gpu), torch_rules(torch_version)
@@ -513,7 +554,7 @@ def recording_session(
     streams = StreamLedger()
     # The tempo layers' eager math (planner/layers/fusion.py): a trace holds the ops fake tensors see, and a fused
     # kernel's intermediates only ever lower the peak of the step it runs in.
-    runtime = fake_cuda_runtime(gpu, streams, rules) if fake_cuda else contextlib.nullcontext()
+    runtime = fake_cuda_runtime(gpu, streams, rules, memory) if fake_cuda else contextlib.nullcontext()
     with one_cpu_thread(device), fusion.eager(), runtime:
         with recording(device, fake=fake) as recorder:
             streams.storage_key = recorder.storage_key
@@ -522,6 +563,8 @@ def recording_session(
                 workspace = gpu.cublas_workspace(rules) if fake_cuda else 0
                 lt_workspace = gpu.cublaslt_workspace_bytes if fake_cuda else 0
                 fake_mode = FakeCapture(recorder, device.type, workspace, lt_workspace, routing) if fake else None
+                if memory is not None:
+                    fake_mode.after_op = _live_feed(recorder, memory)
                 planned = {"gpu": gpu.name, "torch_rules": rules.version, "cublas_workspace": workspace,
                            "cublaslt_workspace": lt_workspace}  # fmt: skip
                 planned = planned if fake_cuda else {}
@@ -531,6 +574,19 @@ def recording_session(
                     with session.watch_steps():
                         yield session
                     session.finish()
+
+
+def _live_feed(recorder: Recorder, memory: DeviceMemory) -> Callable[[], None]:
+    """What a fake capture calls as each op returns: the program's events since the last call, fed to `memory`."""
+    position = 0
+
+    def feed() -> None:
+        nonlocal position
+        events, position = recorder.program_tail(position)
+        if len(events):
+            memory.feed(events)
+
+    return feed
 
 
 def capture_step(

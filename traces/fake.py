@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -366,6 +367,7 @@ class FakeCapture(ExactCache):
         self._cublas_workspace = cublas_workspace  # bytes per cuBLAS handle on a fake CUDA step (0: none)
         self._cublaslt_workspace = cublaslt_workspace  # bytes per cuBLASLt handle on a fake CUDA step (0: none)
         self.workspaces: dict[tuple[str, int], torch.Tensor] = {}  # (library, thread id) -> its workspace, kept
+        self.after_op: Callable[[], None] | None = None  # called as each op the program runs returns (a live feed)
 
     def __deepcopy__(self, memo) -> FakeCapture:
         """The mode itself: a fake tensor copied inside the capture (`copy.deepcopy(model)`, an EMA or a DPO reference
@@ -460,6 +462,8 @@ class FakeCapture(ExactCache):
             self._handle_workspace("cublas", self._cublas_workspace, out)
         if func in CUBLASLT_OPS and self._cublaslt_workspace and _runs_cublaslt(*args, **(kwargs or {})):
             self._handle_workspace("cublaslt", self._cublaslt_workspace, out)
+        if self.after_op is not None:
+            self.after_op()
         return out
 
     def _handle_workspace(self, library: str, size: int, out) -> None:

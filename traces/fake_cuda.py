@@ -12,8 +12,10 @@ CUDA tensor asks of the runtime, which such a build lacks. `fake_cuda_runtime` s
   the GPU the step is planned for, so `torch.autocast("cuda", ...)`, `torch.amp.GradScaler`, checkpointing's RNG
   preservation and a program's own `torch.cuda.*` calls run unchanged (autocast then applies CUDA's op policy,
   kernels compiled into every torch build).
-What a GPU would measure (memory statistics, event timings) reads 0: a fake step has none of it.
-On a CUDA build nothing is replaced: fake CUDA tensors run on torch's own CUDA runtime there.
+What a GPU would measure (memory statistics, event timings) reads 0: a fake step has none of it, unless the runtime is
+given a DeviceMemory (`memplan check`: the caching allocator simulated as the program runs), which answers the memory
+statistics, `mem_get_info` and `empty_cache`, on any build.
+On a CUDA build nothing else is replaced: fake CUDA tensors run on torch's own CUDA runtime there.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import contextlib
 import functools
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -156,6 +159,34 @@ class _DeviceContext:
         return False
 
 
+class DeviceMemory(Protocol):
+    """A fake GPU's memory as a program's `torch.cuda` calls read it (planner/simulate/live.py's LiveDevice)."""
+
+    def feed(self, events) -> None: ...  # the capture's new allocations and frees (traces.recorder.Events), in order
+    def allocated(self) -> int: ...
+    def reserved(self) -> int: ...
+    def peak(self, kind: str) -> int: ...  # "allocated" or "reserved", since the last reset
+    def reset_peaks(self) -> None: ...
+    def empty_cache(self) -> None: ...
+    def free_bytes(self) -> int: ...
+    def stats(self) -> dict[str, int]: ...
+
+
+def memory_replacements(gpu: GPU, memory: DeviceMemory) -> dict[str, object]:
+    """torch.cuda's memory statistics, `mem_get_info` and `empty_cache`, answered by `memory`."""
+    return {
+        "empty_cache": lambda: memory.empty_cache(),
+        "memory_allocated": lambda device=None: memory.allocated(),
+        "max_memory_allocated": lambda device=None: memory.peak("allocated"),
+        "memory_reserved": lambda device=None: memory.reserved(),
+        "max_memory_reserved": lambda device=None: memory.peak("reserved"),
+        "reset_peak_memory_stats": lambda device=None: memory.reset_peaks(),
+        "reset_max_memory_allocated": lambda device=None: memory.reset_peaks(),
+        "memory_stats": lambda device=None: memory.stats(),
+        "mem_get_info": lambda device=None: (memory.free_bytes(), gpu.memory),
+    }
+
+
 def _replacements(gpu: GPU, ledger: StreamLedger) -> dict[str, object]:
     """torch.cuda's functions as the fake device, a `gpu`, answers them (streams and events reported to `ledger`)."""
     major, minor = gpu.capability
@@ -268,37 +299,49 @@ def _never_runs(*args, **kwargs):
 
 
 @contextlib.contextmanager
-def fake_cuda_runtime(gpu: GPU, ledger: StreamLedger | None = None, rules: TorchRules = INSTALLED) -> Iterator[None]:
-    """While the block runs, a CPU-only torch has a CUDA device for fake tensors, a `gpu`, whose streams, events and
-    `Tensor.record_stream` report to `ledger`, and whose attention kernels follow torch `rules`'s release; nothing
-    changes on a CUDA build."""
-    if not needs_runtime():
+def _replaced(replacements: dict[str, object]) -> Iterator[None]:
+    """torch.cuda's functions of these names replaced while the block runs."""
+    replacements = {name: _own_function(replacement) for name, replacement in replacements.items()}
+    originals = {name: getattr(torch.cuda, name) for name in replacements if hasattr(torch.cuda, name)}
+    try:
+        for name, replacement in replacements.items():
+            setattr(torch.cuda, name, replacement)
         yield
+    finally:
+        for name in replacements:
+            if name in originals:
+                setattr(torch.cuda, name, originals[name])
+            elif hasattr(torch.cuda, name):
+                delattr(torch.cuda, name)
+
+
+@contextlib.contextmanager
+def fake_cuda_runtime(
+    gpu: GPU, ledger: StreamLedger | None = None, rules: TorchRules = INSTALLED, memory: DeviceMemory | None = None
+) -> Iterator[None]:
+    """While the block runs, a CPU-only torch has a CUDA device for fake tensors, a `gpu`, whose streams, events and
+    `Tensor.record_stream` report to `ledger`, whose attention kernels follow torch `rules`'s release, and whose memory
+    statistics `memory` answers when given (on a CUDA build only those change)."""
+    if not needs_runtime():
+        with _replaced(memory_replacements(gpu, memory)) if memory is not None else contextlib.nullcontext():
+            yield
         return
     import torch._dynamo  # noqa: F401  fake tensor mode needs it: imported before torch.cuda changes, it maps the real one
 
     module = extension()
     module.install()
     ledger = ledger if ledger is not None else StreamLedger()
-    replacements = {name: _own_function(replacement) for name, replacement in _replacements(gpu, ledger).items()}
+    replacements = _replacements(gpu, ledger) | (memory_replacements(gpu, memory) if memory is not None else {})
     record_stream = torch.Tensor.record_stream
-    originals = {name: getattr(torch.cuda, name) for name in replacements if hasattr(torch.cuda, name)}
     module.enable(True)
     try:
         _check_engine()
-        for name, replacement in replacements.items():
-            setattr(torch.cuda, name, replacement)
         torch.Tensor.record_stream = lambda tensor, stream: (
             ledger.record_stream(ledger.storage_key(tensor), stream.cuda_stream) if ledger.storage_key else None
         )
         # scaled_dot_product_attention takes the GPU's kernel; rms_norm CUDA's fused one (FakeCapture allocates it)
-        with cuda_attention(gpu.capability, rules), fused_rms_norm():
+        with _replaced(replacements), cuda_attention(gpu.capability, rules), fused_rms_norm():
             yield
     finally:
         torch.Tensor.record_stream = record_stream
-        for name in replacements:
-            if name in originals:
-                setattr(torch.cuda, name, originals[name])
-            elif hasattr(torch.cuda, name):
-                delattr(torch.cuda, name)
         module.enable(False)

@@ -149,3 +149,25 @@ def step_containing(steps: list[ProgramStep], t: int) -> int | None:
     """The index of the step whose window holds logical time `t`, None when none does."""
     k = bisect.bisect_right([s.start for s in steps], t) - 1
     return k if k >= 0 and t < steps[k].end else None
+
+
+def step_view(program: Program, k: int) -> Trace:
+    """Step `k` of the program as a step trace, the form a capture gives its measured step: the storages alive when it
+    begins at time 0, its events at times 1, 2, ..., what outlives it freed at its end; the program attached, with
+    step `k` marked measured."""
+    trace, step = program.trace, program.steps[k]
+    offset = step.start - 1  # the step's time t is the program's offset + t
+    inside = np.flatnonzero((trace.alloc < step.end) & (trace.free > offset))
+    end = step.end - offset
+    alloc = np.maximum(trace.alloc[inside] - offset, 0)
+    free = np.minimum(trace.free[inside] - offset, end)
+    columns = {
+        "size": trace.size[inside], "alloc": alloc, "free": free, "stream": trace.stream[inside],
+        "addr": trace.addr[inside], "internal": trace.internal[inside],
+        **{name: [getattr(trace, name)[i] for i in inside] for name in ("category", "phase", "op", "module")},
+    }  # fmt: skip
+    syncs = [(t - offset, a, b) for t, a, b in trace.syncs if offset < t < step.end]
+    view = make_trace(columns, syncs=syncs, meta={**trace.meta, "step": k + 1})
+    steps = [ProgramStep(s.start, s.end, i == k) for i, s in enumerate(program.steps)]
+    view.program = Program(trace, steps)
+    return view

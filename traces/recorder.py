@@ -138,6 +138,10 @@ class Recorder:
         allocation (a real storage's resize goes through the allocator, which reports both itself)."""
         self._native.resized(tensor, old_nbytes)
 
+    def phase_now(self) -> int:
+        """The phase the program is in now (FORWARD, BACKWARD, OPTIMIZER or OTHER)."""
+        return self._native.phase()
+
     def set_phase(self, phase: int) -> int:
         """Enter `phase`; returns the number of step events recorded before it (its start time)."""
         return self._native.set_phase(phase)

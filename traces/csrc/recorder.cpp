@@ -773,6 +773,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     auto [events, size] = recorder().program_tail(since);
     return py::make_tuple(columns(events), size);
   }, "The program's kept events from raw position `since` on (outside a step), and the log's length");
+  m.def("phase", []() { return static_cast<int>(recorder().phase()); }, "The phase announced now");
   m.def("step_events", []() { return recorder().step_events(); },
         "Events of the step so far that the trace keeps (call between ops)");
   m.def("storage_key", &storage_key);

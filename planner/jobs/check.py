@@ -1,0 +1,232 @@
+"""`memplan check -- python train.py ARGS`: the user's own script, unmodified, run on a fake GPU for its first steps.
+
+The script runs in this process with CUDA as memplan's fake device of a GPU (traces/fake_cuda.py: every tensor is a
+fake tensor, so nothing is computed and any size runs), recorded from its first allocation as a whole program
+(traces/program.py). PyTorch's caching allocator is simulated live at the GPU's memory less what lies outside it
+(planner/simulate/live.py): `torch.cuda`'s memory statistics answer from it, and a request it cannot serve raises
+`torch.OutOfMemoryError` in the script with PyTorch's message, so the script's own handling (a retry with a smaller
+batch) runs as it would there. After `steps` optimizer steps (counted as `Optimizer.step` returns) the script is
+stopped, and the answer is whether the program ran: fits with its headroom, or the out-of-memory error it did not
+catch, at its op, module, phase and step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import runpy
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from memplan.errors import MemplanError
+from memplan.gpus import GPU
+from memplan.planner.simulate.alloc_conf import parse_alloc_conf
+from memplan.planner.simulate.live import LiveDevice
+from memplan.planner.simulate.verdict import Budget, outside_terms
+from memplan.traces.capture import recording_session
+from memplan.traces.format import PHASES, Program, save
+from memplan.traces.program import step_view
+
+PYTHONS = ("python", "python3", Path(sys.executable).name)
+
+
+class CheckError(MemplanError):
+    """A command `memplan check` cannot run: not a Python script, a script that fails on its own."""
+
+
+class _Stopped(BaseException):
+    """Thrown from an optimizer's step when the program has run its steps: a BaseException, so the script's own
+    `except Exception` does not catch it."""
+
+
+@dataclass(frozen=True)
+class CheckOptions:
+    """What to check: the command, the GPU (its outside bytes given or known), the steps, the allocator's settings."""
+
+    command: tuple[str, ...]  # `python train.py ARGS`, `train.py ARGS` or `python -m module ARGS`
+    gpu: GPU
+    steps: int = 3  # optimizer steps the program runs before it is stopped
+    alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF simulated
+    torch_version: str | None = None  # the torch whose rules the fake GPU follows (None: the installed one)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise CheckError(f"--steps {self.steps!r}: a whole number of at least 1")
+        if not self.command:
+            raise CheckError("give the command to check after --: memplan check -- python train.py ARGS")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An out-of-memory error the simulated GPU raised in the program."""
+
+    size: int  # bytes requested
+    op: str
+    module: str
+    phase: str
+    where: str  # construction, step 2, ... (steps counted at the optimizer's step)
+    allocated: int
+    reserved: int
+    message: str  # PyTorch's error
+    caught: bool  # the program went on after it
+
+
+@dataclass
+class CheckResult:
+    """What the program did on the fake GPU, and the answer."""
+
+    command: tuple[str, ...]
+    gpu: str
+    memory: int
+    alloc_conf: str
+    budget: dict  # the GPU's memory, the outside terms with their sources, the allocator's capacity
+    steps_run: int  # optimizer steps the program ran
+    steps_asked: int
+    finished: str  # "stopped" (ran its steps), "exited" (ended by itself), "out of memory" (an error it did not catch)
+    peak_allocated: int  # over the whole program, on the simulated allocator
+    peak_reserved: int
+    failures: list[Failure] = field(default_factory=list)  # every error raised, in order
+    data_dependent: dict[str, int] = field(default_factory=dict)  # values nobody knew, read by DATA_RULE
+    seconds: float = 0.0
+    program: Program | None = None  # the whole program as a trace (not in the JSON: save it with -o)
+
+    @property
+    def fits(self) -> bool:
+        """Whether the program ran on the GPU: no out-of-memory error it did not catch."""
+        return self.finished != "out of memory"
+
+    @property
+    def headroom(self) -> int:
+        """The GPU's memory less the program's peak reserved and the outside bytes (negative: what is missing)."""
+        return self.memory - self.peak_reserved - sum(t["bytes"] for t in self.budget["outside"])
+
+    def to_dict(self) -> dict:
+        """The JSON document of `memplan check --json` (keys in docs/cli.md)."""
+        out = {k: v for k, v in asdict(self).items() if k != "program"}
+        return {**out, "command": list(self.command), "fits": self.fits, "headroom": self.headroom}
+
+
+def save_program(result: CheckResult, path: str | os.PathLike) -> None:
+    """Write the program as a trace file: its last step the program ran whole as the trace, the whole program with it
+    (CheckError when it ran no step)."""
+    program = result.program
+    if program is None or not program.steps:
+        raise CheckError(f"{os.fspath(path)}: the program ran no training step, so no trace is written")
+    save(step_view(program, len(program.steps) - 1), path)
+
+
+def _budget(options: CheckOptions, meta: dict) -> Budget:
+    """The GPU's budget for a fake CUDA program whose capture holds the cuBLAS workspaces (meta)."""
+    return Budget(options.gpu, outside_terms(options.gpu, meta, lt=False))
+
+
+@contextlib.contextmanager
+def _arguments(command: tuple[str, ...]) -> Iterator[tuple[str, str]]:
+    """sys.argv and sys.path as the script would have them; yields ("path", script) or ("module", name)."""
+    words = list(command)
+    if Path(words[0]).name in PYTHONS:
+        words = words[1:]
+        while words and words[0] in ("-u", "-B", "-O"):
+            words = words[1:]
+    if not words:
+        raise CheckError(f"{' '.join(command)}: no script to run")
+    argv, path = sys.argv, list(sys.path)
+    if words[0] == "-m":
+        if len(words) < 2:
+            raise CheckError(f"{' '.join(command)}: -m names no module")
+        target = ("module", words[1])
+        sys.argv = [words[1], *words[2:]]
+        sys.path.insert(0, os.getcwd())
+    else:
+        script = Path(words[0])
+        if script.suffix != ".py" or not script.is_file():
+            raise CheckError(f"{words[0]}: not a Python script file; memplan check runs python SCRIPT.py ARGS")
+        target = ("path", str(script))
+        sys.argv = [str(script), *words[1:]]
+        sys.path.insert(0, str(script.resolve().parent))
+    try:
+        yield target
+    finally:
+        sys.argv, sys.path[:] = argv, path
+
+
+@contextlib.contextmanager
+def _stop_after(steps: int, counter: list[int]) -> Iterator[None]:
+    """Count optimizer steps as they return; stop the program after `steps`."""
+
+    def stepped(_optimizer, _args, _kwargs):
+        counter[0] += 1
+        if counter[0] >= steps:
+            raise _Stopped
+
+    handle = register_optimizer_step_post_hook(stepped)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def check_program(options: CheckOptions) -> CheckResult:
+    """Run the command's script on the fake GPU for `options.steps` optimizer steps, the caching allocator simulated
+    live; what it did and whether it fits."""
+    started = time.perf_counter()
+    conf = parse_alloc_conf(options.alloc_conf)
+    counter, finished, escaped = [0], "exited", None
+    live: LiveDevice | None = None
+    # 1. The budget: a fake CUDA capture allocates the cuBLAS workspaces itself; what lies outside is the GPU's.
+    with _arguments(options.command) as (kind, target):
+        meta = {"device": "cuda", "fake": True, "cublas_workspace": 1, "cublaslt_workspace": 1,
+                "torch_rules": options.torch_version}  # fmt: skip
+        budget = _budget(options, meta)
+        live = LiveDevice(options.gpu.memory, budget.outside_bytes, conf)
+        # 2. The script, run as __main__ on the fake GPU with the live allocator, until it has run its steps.
+        session_meta = {"source": "memplan check", "command": list(options.command)}
+        with recording_session("cuda", fake=True, gpu=options.gpu, torch_version=options.torch_version,
+                               memory=live, meta=session_meta) as session:  # fmt: skip
+            with _stop_after(options.steps, counter):
+                try:
+                    if kind == "path":
+                        runpy.run_path(target, run_name="__main__")
+                    else:
+                        runpy.run_module(target, run_name="__main__", alter_sys=True)
+                except _Stopped:
+                    finished = "stopped"
+                except torch.OutOfMemoryError as e:
+                    finished, escaped = "out of memory", e
+                except SystemExit as e:
+                    if e.code not in (None, 0):
+                        raise CheckError(f"{target}: the script exited with status {e.code}") from None
+                except MemplanError:
+                    raise
+                except Exception as e:  # the script's own error, in one line
+                    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+                    raise CheckError(f"{target}: {type(e).__name__}" + (f": {first}" if first else "")) from None
+    # 3. The answer: each error raised, where in the program; the program itself.
+    program, names = session.program, session.names()
+    failures = [
+        Failure(oom.size, names[oom.op], names[oom.module], PHASES[oom.phase], program.where(oom.event),
+                oom.allocated, oom.reserved, oom.message, caught=escaped is None or k < len(live.raised) - 1)
+        for k, oom in enumerate(live.raised)
+    ]  # fmt: skip
+    return CheckResult(
+        command=options.command,
+        gpu=options.gpu.name,
+        memory=options.gpu.memory,
+        alloc_conf=options.alloc_conf,
+        budget=budget.as_dict(),
+        steps_run=counter[0],
+        steps_asked=options.steps,
+        finished=finished,
+        peak_allocated=live.peak_allocated,
+        peak_reserved=live.peak_reserved,
+        failures=failures,
+        data_dependent=session.data_dependent(),
+        seconds=time.perf_counter() - started,
+        program=program,
+    )

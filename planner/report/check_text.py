@@ -1,0 +1,36 @@
+"""`memplan check`'s text, a function of its JSON document (planner/jobs/check.py's `CheckResult.to_dict`): whether
+the script's program ran on the fake GPU, with its headroom, or the out-of-memory error it did not catch."""
+
+from __future__ import annotations
+
+from memplan.planner.report.verdict_text import terms_text
+from memplan.units import format_size
+
+
+def render_check(d: dict) -> str:
+    """The answer first, then how the program ran: its steps, its peaks, each error raised, what it read by rule."""
+    gpu = f"{d['gpu']} ({format_size(d['memory'])})"
+    conf = f" with alloc-conf {d['alloc_conf']}" if d["alloc_conf"] else ""
+    ran = {"stopped": f"ran {d['steps_run']} optimizer steps (stopped there)",
+           "exited": f"ended by itself after {d['steps_run']} optimizer steps",
+           "out of memory": f"ran out of memory after {d['steps_run']} optimizer steps"}[d["finished"]]  # fmt: skip
+    parts = f"peak reserved {format_size(d['peak_reserved'])} + {terms_text(d['budget']['outside'])}"
+    if d["fits"]:
+        head = f"fits {gpu}{conf}: the program {ran}; {parts}, headroom {format_size(d['headroom'])}"
+    else:
+        f = d["failures"][-1]
+        module = f" (module {f['module']})" if f["module"] else ""
+        head = (f"runs out of memory on {gpu}{conf} at {f['op'] or 'an allocation'} in {f['phase']}{module}, "
+                f"{f['where']}: a request of {format_size(f['size'])}\n  {f['message']}")  # fmt: skip
+    lines = [
+        head,
+        f"peak allocated {format_size(d['peak_allocated'])}, peak reserved {format_size(d['peak_reserved'])}",
+    ]
+    for f in d["failures"]:
+        if f["caught"]:
+            lines.append(f"the program caught an out-of-memory error at {f['op'] or 'an allocation'} ({f['where']}, "
+                         f"a request of {format_size(f['size'])}) and went on")  # fmt: skip
+    if d["data_dependent"]:
+        taken = ", ".join(f"{op} x{n}" for op, n in sorted(d["data_dependent"].items()))
+        lines.append(f"values nobody knows on a fake GPU, read by rule (a scalar reads 0): {taken}")
+    return "\n".join(lines)

@@ -1,0 +1,122 @@
+"""PyTorch's caching allocator simulated live, as a fake GPU's program runs (`memplan check`): each allocation the
+capture records is served at once by the simulated allocator at the GPU's capacity, so `torch.cuda`'s memory
+statistics answer from it and a request it cannot serve raises `torch.OutOfMemoryError` in the program with PyTorch's
+message, where the GPU would raise it. It implements traces.fake_cuda's DeviceMemory for the fake CUDA runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from memplan.planner.simulate.alloc_conf import AllocConf
+from memplan.planner.simulate.caching_allocator import CachingAllocator, SimulatedOOM, allocation_size, round_size
+from memplan.traces.recorder import Events
+from memplan.units import cuda_oom_message
+
+
+@dataclass(frozen=True)
+class RaisedOOM:
+    """An out-of-memory error the live allocator raised in the program."""
+
+    event: int  # the allocation's position among the events fed (1-based: the program's logical time)
+    size: int  # bytes requested
+    op: int  # the recorder's label ids of the op and module that asked
+    module: int
+    phase: int
+    allocated: int  # the allocator's allocated and reserved bytes then
+    reserved: int
+    message: str  # PyTorch's error text
+
+
+@dataclass
+class LiveDevice:
+    """A fake GPU's memory: a caching allocator at `memory - outside` bytes fed the program's events in order."""
+
+    memory: int  # the GPU's total memory
+    outside: int  # what it holds outside the caching allocator
+    conf: AllocConf = field(default_factory=AllocConf)
+    raised: list[RaisedOOM] = field(default_factory=list)  # every error raised, in order (a program may catch them)
+    events: int = 0  # events fed so far
+
+    def __post_init__(self) -> None:
+        self.allocator = CachingAllocator(self.conf, self.memory - self.outside)
+        self._address: dict[int, int] = {}  # storage key -> its block's address, while allocated
+        self.max_allocated = self.max_reserved = 0  # since the last reset
+        self.peak_allocated = self.peak_reserved = 0  # over the whole program
+
+    # -- the feed -----------------------------------------------------------------------------------
+    def feed(self, events: Events) -> None:
+        """Serve `events` (allocations and frees, in order); an allocation that cannot be served raises
+        torch.OutOfMemoryError after the rest are taken (its storage is dropped when the error unwinds the op)."""
+        failed: RaisedOOM | None = None
+        columns = (events.key, events.size, events.op, events.module, events.phase)
+        for key, size, op, module, phase in zip(*(c.tolist() for c in columns)):
+            self.events += 1
+            if size < 0:
+                address = self._address.pop(key, None)
+                if address is not None:
+                    self.allocator.free(address)
+                continue
+            try:
+                self._address[key] = self.allocator.malloc(size)
+            except SimulatedOOM:
+                if failed is None:
+                    failed = self._raised(size, op, module, phase)
+                continue
+            self._peaks()
+        if failed is not None:
+            raise torch.OutOfMemoryError(failed.message)
+
+    def _raised(self, size: int, op: int, module: int, phase: int) -> RaisedOOM:
+        a = self.allocator
+        tried = allocation_size(round_size(size, self.conf))
+        free = self.memory - self.outside - a.reserved
+        message = cuda_oom_message(tried, self.memory, free, a.allocated, a.reserved, process=self.memory - free)
+        oom = RaisedOOM(self.events, size, op, module, phase, a.allocated, a.reserved, message)
+        self.raised.append(oom)
+        return oom
+
+    def _peaks(self) -> None:
+        a = self.allocator
+        self.max_allocated, self.max_reserved = max(self.max_allocated, a.allocated), max(self.max_reserved, a.reserved)
+        self.peak_allocated = max(self.peak_allocated, a.allocated)
+        self.peak_reserved = max(self.peak_reserved, a.reserved)
+
+    # -- traces.fake_cuda.DeviceMemory -----------------------------------------------------------------
+    def allocated(self) -> int:
+        """torch.cuda.memory_allocated(): bytes in allocated blocks."""
+        return self.allocator.allocated
+
+    def reserved(self) -> int:
+        """torch.cuda.memory_reserved(): bytes in segments."""
+        return self.allocator.reserved
+
+    def peak(self, kind: str) -> int:
+        """max_memory_allocated() / max_memory_reserved() since the last reset."""
+        return self.max_allocated if kind == "allocated" else self.max_reserved
+
+    def reset_peaks(self) -> None:
+        """reset_peak_memory_stats(): the peaks restart from the bytes held now."""
+        self.max_allocated, self.max_reserved = self.allocator.allocated, self.allocator.reserved
+
+    def empty_cache(self) -> None:
+        """torch.cuda.empty_cache(): release every entirely free cached segment."""
+        self.allocator.empty_cache()
+
+    def free_bytes(self) -> int:
+        """mem_get_info()'s free: the GPU's memory less what the allocator reserved and what lies outside it."""
+        return self.memory - self.outside - self.allocator.reserved
+
+    def stats(self) -> dict[str, int]:
+        """torch.cuda.memory_stats()'s keys a program reads most: current and peak allocated and reserved bytes, the
+        out-of-memory errors raised."""
+        return {
+            "allocated_bytes.all.current": self.allocated(),
+            "allocated_bytes.all.peak": self.max_allocated,
+            "reserved_bytes.all.current": self.reserved(),
+            "reserved_bytes.all.peak": self.max_reserved,
+            "num_ooms": len(self.raised),
+            "num_alloc_retries": len(self.raised),
+        }

@@ -1,0 +1,87 @@
+"""`memplan check -- python SCRIPT ARGS`: an unmodified training script run on a fake GPU, the caching allocator
+simulated as it runs (torch.cuda's statistics from it, torch.OutOfMemoryError where the GPU would raise it)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from memplan.cli import main
+from memplan.gpus import gpu
+from memplan.traces.format import load
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "examples" / "scripts"
+PLAIN = str(SCRIPTS / "plain_loop.py")
+RETRY = str(SCRIPTS / "retry_on_oom.py")
+
+
+def check(*args: str):
+    return CliRunner().invoke(main, ["check", *args], catch_exceptions=False)
+
+
+def test_a_plain_loop_reads_the_fake_gpus_memory_and_fits():
+    """The script's own torch.cuda calls answer as the GPU would: mem_get_info gives the H100's total and what the
+    allocator left free, and the max_memory_allocated it prints is memplan's peak allocated."""
+    result = check("--gpu", "H100", "--json", "--", "python", PLAIN, "--steps", "5")
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    assert answer["fits"] and answer["finished"] == "stopped" and answer["steps_run"] == 3 and not answer["failures"]
+    said = result.stderr
+    total, free = (
+        int(x.replace(",", "")) for x in re.search(r"GPU memory: ([\d,]+) B, ([\d,]+) B free", said).groups()
+    )
+    assert total == gpu("H100").memory and 0 < free < total
+    printed = [int(x.replace(",", "")) for x in re.findall(r"max_memory_allocated ([\d,]+) B", said)]
+    assert len(printed) == 2 and printed[-1] == answer["peak_allocated"]  # steps 0 and 1 print; step 2 is stopped
+    assert answer["headroom"] == answer["memory"] - answer["peak_reserved"] - sum(
+        t["bytes"] for t in answer["budget"]["outside"]
+    )
+
+
+def test_a_script_that_runs_out_of_memory_gets_the_verdict_with_its_step_and_op():
+    result = check("--gpu", "L4", "--", "python", PLAIN, "--batch-size", "64", "--seq", "2048", "--hidden", "1024")
+    assert result.exit_code == 3, result.output
+    text = result.stdout
+    assert "runs out of memory on L4 (21.99 GiB) at aten::" in text and ", step 1: a request of " in text
+    assert "CUDA out of memory. Tried to allocate " in text and "is reserved by PyTorch but unallocated." in text
+
+
+def test_a_script_that_retries_with_a_smaller_batch_settles_where_it_fits(tmp_path):
+    """The script catches torch.OutOfMemoryError and halves its batch: each error is raised where the L4 would
+    raise it, the program goes on, and its whole program (3 steps at the batch that fits) is the trace -o writes."""
+    output = tmp_path / "program.json.gz"
+    result = check("--gpu", "L4", "--json", "-o", str(output), "--", RETRY)
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    tried = [int(b) for b in re.findall(r"batch (\d+): out of memory", result.stderr)]
+    assert tried == [512, 256, 128, 64] and answer["fits"]
+    assert [f["caught"] for f in answer["failures"]] == [True] * 4
+    assert all(f["message"].startswith("CUDA out of memory. Tried to allocate") for f in answer["failures"])
+    assert answer["peak_reserved"] <= gpu("L4").memory - sum(t["bytes"] for t in answer["budget"]["outside"])
+    trace = load(output)
+    assert len(trace.program.steps) == 3 and trace.program.measured == 2 and trace.meta["step"] == 3
+
+
+@pytest.mark.parametrize(
+    "args,error",
+    [
+        (["--", "nothere.py"], "nothere.py: not a Python script file; memplan check runs python SCRIPT.py ARGS"),
+        (["--", "python"], "python: no script to run"),
+        (["--", "python", "-m"], "python -m: -m names no module"),
+    ],
+)
+def test_a_command_that_is_not_a_script_is_one_error(args, error):
+    result = CliRunner().invoke(main, ["check", *args])
+    assert result.exit_code == 1 and result.output.strip().splitlines()[-1] == f"Error: {error}"
+
+
+def test_a_script_that_fails_on_its_own_is_one_error(tmp_path):
+    script = tmp_path / "broken.py"
+    script.write_text("import torch\nx = torch.ones(2, device='cuda')\nraise ValueError('no data folder here')\n")
+    result = CliRunner().invoke(main, ["check", "--", "python", str(script)])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1] == f"Error: {script}: ValueError: no data folder here"
