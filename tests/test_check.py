@@ -85,3 +85,17 @@ def test_a_script_that_fails_on_its_own_is_one_error(tmp_path):
     result = CliRunner().invoke(main, ["check", "--", "python", str(script)])
     assert result.exit_code == 1
     assert result.output.strip().splitlines()[-1] == f"Error: {script}: ValueError: no data folder here"
+
+
+def test_an_hf_trainer_script_runs_unmodified(tmp_path):
+    """A Trainer script with TrainingArguments from its command line: its optimizer steps are counted, the loss it
+    logs reads 0 by the data rule (and is counted), and the program fits."""
+    script = str(SCRIPTS / "hf_trainer.py")
+    args = ["--output_dir", str(tmp_path), "--max_steps", "5", "--per_device_train_batch_size", "4",
+            "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true"]  # fmt: skip
+    result = check("--gpu", "H100", "--json", "--", "python", script, *args)
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    assert answer["fits"] and answer["steps_run"] == 3 and answer["finished"] == "stopped"
+    assert answer["data_dependent"].get("aten._local_scalar_dense", 0) > 0
+    assert answer["peak_allocated"] > 0
