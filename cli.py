@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
+import signal
 import sys
+import threading
 
 import click
 
@@ -31,7 +34,11 @@ class MemplanGroup(click.Group):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
         try:
-            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            with sigterm_raises():
+                code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except Terminated:
+            click.echo("Error: terminated by SIGTERM (temporary files removed; finished outputs kept)", err=True)
+            sys.exit(128 + signal.SIGTERM)
         except click.UsageError as e:
             hint = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
             click.echo(f"Error: {e.format_message()}{hint}", err=True)
@@ -43,6 +50,30 @@ class MemplanGroup(click.Group):
             click.echo("Aborted!", err=True)
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived. Raised where the command is, like Ctrl-C's KeyboardInterrupt (and, like it, past `except
+    Exception`), so every `finally` and every atomic write's cleanup runs before the process exits."""
+
+
+def _raise_terminated(_signum, _frame):
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """SIGTERM raises Terminated inside the block instead of killing the process where it stands (which left a
+    half-written temporary file behind); the previous handler comes back after it. Only the main thread can set a
+    handler: elsewhere the block runs unchanged."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class Size(click.ParamType):
