@@ -19,6 +19,7 @@ from torch import nn
 from memplan import __all__ as PUBLIC_API
 from memplan.errors import MemplanError
 from memplan.gpus import GPU, GPUS, gpu
+from memplan.limits import MAX_PARAMETERS
 from memplan.modes import AS_BUILT, MODES, SWEPT_MODES
 from memplan.planner.jobs.fit import FitResult, fit_model
 from memplan.planner.jobs.optimize import OptimizeOptions, OptimizeResult
@@ -78,6 +79,7 @@ def trace_model_file(
     loss: str = AS_BUILT,
     routing: str = DEFAULT_ROUTING,
     optimizer: str = AS_BUILT,
+    max_parameters: int = MAX_PARAMETERS,
 ) -> Trace:
     """One training step of a model file (docs/capture.md) with memplan's `layers` mode (or a mode per
     Transformer layer: {"layers.0": "full", ...}), as `memplan trace` records it; `fake` runs it under fake
@@ -85,11 +87,11 @@ def trace_model_file(
     loads=W0,W1,...); `compile` under torch.compile at that activation memory budget; `warmup=False` records the
     first step (the optimizer creates its state inside it), not the steady one; `loss="fused"` computes a causal
     LM's loss fused with its head, the logits never whole; `optimizer` rebuilds the model file's AdamW with smaller
-    state (memplan.modes.OPTIMIZERS: adamw-8bit, adamw-4bit, adamw-host)."""
+    state (memplan.modes.OPTIMIZERS: adamw-8bit, adamw-4bit, adamw-host); a HuggingFace config's model may have at
+    most `max_parameters` parameters (LimitError past it)."""
     require_fake_for_routing(routing, fake)
-    step = StepSpec(
-        path, batch, seq, dtype, device, layers, fake, compile, warmup, loss=loss, routing=routing, optimizer=optimizer
-    )
+    step = StepSpec(path, batch, seq, dtype, device, layers, fake, compile, warmup, loss=loss, routing=routing,
+                    optimizer=optimizer, max_parameters=max_parameters)  # fmt: skip
     return trace_step(step)
 
 
@@ -176,6 +178,7 @@ def fit(
     optimizer: str = AS_BUILT,
     nproc: int | None = None,
     every_rank: bool = False,
+    max_parameters: int = MAX_PARAMETERS,
 ) -> FitResult:
     """The largest batch of `model_file` whose step fits `memory` bytes (or `gpu`: its memory less what it holds
     outside the caching allocator) under each layer mode (with the step's `loss` and `optimizer`), under the caching
@@ -183,7 +186,8 @@ def fit(
     mixture of experts by `routing`). With `nproc`, a distributed model file on that many ranks: a batch fits only
     where it fits on every rank (`every_rank`: each traced, even those alike by construction)."""
     require_fake_for_routing(routing, capture != "real")
-    step = StepSpec(model_file, seq=seq, dtype=dtype, loss=loss, routing=routing, optimizer=optimizer)
+    step = StepSpec(model_file, seq=seq, dtype=dtype, loss=loss, routing=routing, optimizer=optimizer,
+                    max_parameters=max_parameters)  # fmt: skip
     modes = tuple(layers)
     return fit_model(step, memory, gpu=as_gpu(gpu), modes=modes, capture=capture, nproc=nproc, every_rank=every_rank)
 

@@ -89,6 +89,27 @@ class Size(click.ParamType):
 
 
 SIZE = Size()
+
+
+class ParameterCount(click.ParamType):
+    """A count of parameters: digits (underscores allowed) or a whole number in e notation (2e12)."""
+
+    name = "count"
+
+    def convert(self, value, param, ctx) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().replace("_", "")
+        try:
+            count = int(text) if text.isdigit() else int(float(text)) if float(text).is_integer() else None
+        except (ValueError, OverflowError):
+            count = None
+        if count is None or count < 1:
+            self.fail(f"{value!r}: a whole number of parameters, at least 1 (2e12 or 2000000000000)", param, ctx)
+        return count
+
+
+PARAMETER_COUNT = ParameterCount()
 LAYERS_HELP = f"Layer mode (memplan.modes). {modes_help()} The trace says what was swapped and what was left as built."
 LOSS_HELP = f"The step's loss (memplan.modes). {losses_help()} The trace says what it changed, or why nothing."
 OPTIMIZER_HELP = (
@@ -128,6 +149,18 @@ def step_options(*, batch: bool = False, layers: bool = False, loss: bool = Fals
             default=STEP_DEFAULTS["optimizer"],
             show_default=True,
             help=OPTIMIZER_HELP,
+        )
+    ]
+    options += [
+        click.option(
+            "--max-parameters",
+            type=PARAMETER_COUNT,
+            default=STEP_DEFAULTS["max_parameters"],
+            show_default=True,
+            metavar="N",
+            help="The most parameters a HuggingFace config's model may have (2e12, or digits), counted on the meta "
+            "device before anything is built: a config past it is refused (docs/limits.md). Python model files: not "
+            "checked.",
         )
     ]
     routing_option = click.option(
@@ -284,6 +317,7 @@ def trace_command(
     layers,
     loss,
     optimizer,
+    max_parameters,
     routing,
     device,
     fake,
@@ -317,7 +351,7 @@ def trace_command(
 
     require_fake_for_routing(routing, fake)
     step = StepSpec(model_file, batch, seq, dtype, device, layers, fake, compile, bool(warmup), loss=loss,
-                    routing=routing, optimizer=optimizer)  # fmt: skip
+                    routing=routing, optimizer=optimizer, max_parameters=max_parameters)  # fmt: skip
     step = step.on_gpu(gpu_name)
     bandwidth = None if host_bandwidth is None else parse_bandwidth(host_bandwidth)
     summary = trace_to_file(
@@ -579,7 +613,20 @@ def compare_command(trace_files, plan_files, method, time_limit, alloc_conf, tie
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def replay_command(
-    plan_file, model_file, trace_file, steps, device, batch, seq, dtype, layers, loss, optimizer, compile, as_json
+    plan_file,
+    model_file,
+    trace_file,
+    steps,
+    device,
+    batch,
+    seq,
+    dtype,
+    layers,
+    loss,
+    optimizer,
+    max_parameters,
+    compile,
+    as_json,
 ):
     """Run a model's training steps with the plan allocator and check them bitwise against the default one.
 
@@ -593,7 +640,8 @@ def replay_command(
     from memplan.planner.replay.model_replay import replay_model_file
     from memplan.planner.report.replay_text import render_replay
 
-    step = StepSpec(model_file, batch, seq, dtype, device, layers, compile=compile, loss=loss, optimizer=optimizer)
+    step = StepSpec(model_file, batch, seq, dtype, device, layers, compile=compile, loss=loss, optimizer=optimizer,
+                    max_parameters=max_parameters)  # fmt: skip
     report = replay_model_file(plan_file, step, trace_file=trace_file, steps=steps, progress=progress)
     summary = report.summary()
     emit(summary, as_json, render_replay(summary))
@@ -704,8 +752,8 @@ def solve_command(source, output, time_limit, capacity, method, alignment, scope
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def run_command(
-    model_file, out_dir, batch, seq, dtype, loss, optimizer, routing, time_limit, replay_steps, modes, capture, fake,
-    nproc, every_rank, gpu_name, compile, as_json
+    model_file, out_dir, batch, seq, dtype, loss, optimizer, max_parameters, routing, time_limit, replay_steps, modes,
+    capture, fake, nproc, every_rank, gpu_name, compile, as_json
 ):  # fmt: skip
     """The main job: trace MODEL_FILE under every layer mode (as-built, baseline, tempo, selective,
     tempo+selective, full, tempo+full), solve and simulate each, replay the tempo plan on the CPU, and
@@ -726,7 +774,7 @@ def run_command(
     capture = capture_of(capture, fake)
     require_fake_for_routing(routing, capture != "real")
     step = StepSpec(model_file or os.path.relpath(DEFAULT_MODEL), batch, seq, dtype, compile=compile, loss=loss,
-                    routing=routing, optimizer=optimizer)  # fmt: skip
+                    routing=routing, optimizer=optimizer, max_parameters=max_parameters)  # fmt: skip
     modes = tuple(modes) or ((AS_BUILT,) if nproc is not None else ())
     opts = RunOptions(step, out_dir, time_limit=time_limit, replay_steps=replay_steps, capture=capture,
                       gpu=find_gpu(gpu_name), nproc=nproc, every_rank=every_rank, **run_modes(modes))  # fmt: skip
@@ -761,8 +809,8 @@ def run_command(
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def fit_command(
-    model_file, memory, gpu_name, modes, seq, dtype, loss, optimizer, routing, alloc_conf, tie_break, time_limit,
-    capture, fake, nproc, every_rank, compile, as_json
+    model_file, memory, gpu_name, modes, seq, dtype, loss, optimizer, max_parameters, routing, alloc_conf, tie_break,
+    time_limit, capture, fake, nproc, every_rank, compile, as_json
 ):  # fmt: skip
     """The largest batch size whose training step fits --memory (or --gpu), under the caching allocator and under
     a plan.
@@ -783,7 +831,16 @@ def fit_command(
     capture = capture_of(capture, fake)
     require_fake_for_routing(routing, capture != "real")
     result = fit_model(
-        StepSpec(model_file, seq=seq, dtype=dtype, compile=compile, loss=loss, routing=routing, optimizer=optimizer),
+        StepSpec(
+            model_file,
+            seq=seq,
+            dtype=dtype,
+            compile=compile,
+            loss=loss,
+            routing=routing,
+            optimizer=optimizer,
+            max_parameters=max_parameters,
+        ),  # fmt: skip
         memory,
         gpu=find_gpu(gpu_name),
         modes=tuple(modes) or ((AS_BUILT,) if nproc is not None else SWEPT_MODES),
@@ -847,6 +904,7 @@ def tradeoff_command(
     seq,
     dtype,
     optimizer,
+    max_parameters,
     routing,
     budgets,
     time_limit,
@@ -867,7 +925,7 @@ def tradeoff_command(
     from memplan.planner.report.tradeoff_table import render_tradeoff
 
     require_fake_for_routing(routing, capture != "real")
-    step = StepSpec(model_file, batch, seq, dtype, routing=routing, optimizer=optimizer)
+    step = StepSpec(model_file, batch, seq, dtype, routing=routing, optimizer=optimizer, max_parameters=max_parameters)
     bandwidth = None if host_bandwidth is None else parse_bandwidth(host_bandwidth)
     opts = TradeoffOptions(step, budgets, time_limit, repeats, capture, output, variants, actions, bandwidth)
     result = tradeoff(opts, progress=progress)
@@ -941,6 +999,7 @@ def optimize_command(
     dtype,
     loss,
     optimizer,
+    max_parameters,
     routing,
     time_limit,
     actions,
@@ -967,9 +1026,8 @@ def optimize_command(
         raise click.UsageError("--batch and --max-batch exclude each other", ctx=click.get_current_context())
     memory_or_gpu(memory, gpu_name)
     require_fake_for_routing(routing, capture != "real")
-    step = StepSpec(
-        model_file, 1 if max_batch else batch or 2, seq, dtype, loss=loss, routing=routing, optimizer=optimizer
-    )
+    step = StepSpec(model_file, 1 if max_batch else batch or 2, seq, dtype, loss=loss, routing=routing,
+                    optimizer=optimizer, max_parameters=max_parameters)  # fmt: skip
     bandwidth = None if host_bandwidth is None else parse_bandwidth(host_bandwidth)
     gpu = find_gpu(gpu_name)
     opts = OptimizeOptions(
