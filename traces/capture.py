@@ -47,6 +47,7 @@ from memplan.traces.fake import DATA_RULE, FakeCapture
 from memplan.traces.fake_cuda import fake_cuda_runtime
 from memplan.traces.format import PHASES, Trace, make_trace, save
 from memplan.traces.progress import CaptureProgress, progress_interval
+from memplan.traces.record_args import record_target
 from memplan.traces.recorder import Events, Recorder, recording
 from memplan.traces.resident import resident_storages, resident_tensors
 from memplan.traces.step_marks import StepMarks, marked_step
@@ -536,6 +537,7 @@ def record(
             "record(model, optimizer, fake=True): a fake step needs a model made under fake tensors: build it "
             "inside `with record(fake=True) as recording:` and mark the step with recording.step(model, optimizer)"
         )
+    device, gpu = record_target(model, device, fake, gpu, output, progress, meta)  # as the command line checks them
     if device is None:
         device = next(model.parameters()).device if model is not None else "cpu"
     meta = {"source": "memplan.record", **(meta or {})}
