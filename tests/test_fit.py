@@ -11,6 +11,7 @@ import memplan.planner.jobs.fit as fit_job
 from memplan.cli import main
 from memplan.planner.jobs.fit import MAX_BATCH, FitError, Point, fit_model
 from memplan.planner.problem import problem_from_trace
+from memplan.planner.report.fit_table import render_fit
 from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.solvers import CapacityError, solve
 from memplan.solvers.bounds import lower_bound
@@ -81,11 +82,14 @@ def test_memory_beyond_the_largest_batch_is_an_answer_at_least_that_batch(tmp_pa
     a lower bound in the text and in --json, with no figure at b+1 (never traced)."""
     model = tmp_path / "tiny.py"
     model.write_text(TINY_MODEL)
-    args = ["fit", str(model), "--gpu", "H200", "--layers", "as-built", "--seq", "8"]
-    text, as_json = (CliRunner().invoke(main, args + extra) for extra in ([], ["--json"]))
-    assert text.exit_code == 0 and as_json.exit_code == 0, (text.output, as_json.output)
-    assert f">={MAX_BATCH}" in text.stdout and f"{MAX_BATCH} is a lower bound" in text.stdout
-    (mode,) = json.loads(as_json.stdout)["modes"]
+    result = CliRunner().invoke(
+        main, ["fit", str(model), "--gpu", "H200", "--layers", "as-built", "--seq", "8", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    text = render_fit(summary)  # what the command prints without --json
+    assert f">={MAX_BATCH}" in text and f"{MAX_BATCH} is a lower bound" in text
+    (mode,) = summary["modes"]
     for allocator in ("caching", "plan"):
         assert mode[allocator]["batch"] == MAX_BATCH and mode[allocator]["at_least"] is True
         assert mode[allocator]["at_next"] is None and mode[allocator]["at_batch"] > 0
