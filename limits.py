@@ -51,7 +51,8 @@ MAX_CONFIG_BYTES = 4 * MiB
 # MAX_PARAMETERS'.
 _LAYERS = (1, 1024)  # the deepest published LLMs: Llama-3.1-405B's 126 layers, Megatron-Turing NLG's 105
 _HEADS = (1, 1 << 16)  # Llama-3.1-405B: 128 query heads
-_WIDTH = (1, 1 << 20)  # Llama-3.1-405B: hidden 16,384, MLP 53,248
+_WIDTH = (1, 1 << 20)  # Llama-3.1-405B: hidden 16,384
+_MLP = (0, 1 << 20)  # Llama-3.1-405B: 53,248 (0: no such MLP, as some mixtures of experts' configs say)
 _VOCABULARY = (1, 1 << 24)  # Gemma 3: 262,144 tokens
 _POSITIONS = (1, 1 << 30)  # Llama 4 Scout: 10,485,760
 _EXPERTS = (0, 1 << 16)  # DeepSeek-V3: 256 routed experts, 8 a token (0: a dense model in some configs)
@@ -60,8 +61,9 @@ CONFIG_RANGES = {
                      "num_decoder_layers"), _LAYERS),
     **dict.fromkeys(("num_attention_heads", "n_head", "num_heads", "num_key_value_heads", "decoder_attention_heads",
                      "encoder_attention_heads"), _HEADS),
-    **dict.fromkeys(("hidden_size", "n_embd", "d_model", "intermediate_size", "n_inner", "ffn_dim", "d_ff", "head_dim",
-                     "moe_intermediate_size", "shared_expert_intermediate_size"), _WIDTH),
+    **dict.fromkeys(("hidden_size", "n_embd", "d_model", "head_dim"), _WIDTH),
+    **dict.fromkeys(("intermediate_size", "n_inner", "ffn_dim", "d_ff", "moe_intermediate_size",
+                     "shared_expert_intermediate_size"), _MLP),
     **dict.fromkeys(("vocab_size",), _VOCABULARY),
     **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx"), _POSITIONS),
     **dict.fromkeys(("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "n_shared_experts"),
