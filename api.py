@@ -17,8 +17,9 @@ from collections.abc import Mapping, Sequence
 from torch import nn
 
 from memplan import __all__ as PUBLIC_API
-from memplan.errors import MemplanError
+from memplan.errors import MemplanError, PatchError, PlanError, TraceError
 from memplan.gpus import GPU, GPUS, gpu
+from memplan.limits import MAX_PARAMETERS, short_repr
 from memplan.modes import AS_BUILT, MODES, SWEPT_MODES
 from memplan.planner.jobs.fit import FitResult, fit_model
 from memplan.planner.jobs.optimize import OptimizeOptions, OptimizeResult
@@ -34,11 +35,12 @@ from memplan.planner.plan import Plan, check_plan, load_plan, plan_problem
 from memplan.planner.plan import save_plan as save_checked_plan
 from memplan.planner.problem import problem_from_trace
 from memplan.planner.report.compare import CompareRow, compare_traces
-from memplan.planner.report.plots import plot_reports
+from memplan.planner.report.plots import PlotError, plot_reports
+from memplan.planner.simulate.alloc_conf import AllocConfError
 from memplan.planner.simulate.measure import Measurement, measure, simulate_trace
 from memplan.planner.simulate.plan_footprint import match_plans
 from memplan.planner.simulate.snapshot_export import make_snapshot, write_snapshot
-from memplan.planner.simulate.verdict import Verdict
+from memplan.planner.simulate.verdict import Verdict, require_memory_or_gpu
 from memplan.routing import DEFAULT as DEFAULT_ROUTING
 from memplan.solvers import solve as solve_problem
 from memplan.step import StepSpec, require_fake_for_routing
@@ -46,6 +48,7 @@ from memplan.traces.capture import Recording, record
 from memplan.traces.format import Trace, load, save
 from memplan.traces.snapshot import import_snapshot
 from memplan.traces.trace_model import trace_step
+from memplan.units import SizeError, parse_size
 
 __all__ = PUBLIC_API  # the one list, in __init__.py (which loads this module on first use)
 
@@ -56,12 +59,12 @@ STEP_OPTIONS = {field.name for field in dataclasses.fields(StepSpec)} - {"model_
 
 def load_trace(path: PathLike) -> Trace:
     """Read a memplan-trace/1 file (.json or .json.gz); TraceError names what is wrong with a bad one."""
-    return load(path)
+    return load(as_path(path, "trace file", TraceError))
 
 
 def save_trace(trace: Trace, path: PathLike) -> None:
     """Write `trace` atomically (gzipped when the name ends in .gz)."""
-    save(trace, path)
+    save(as_trace(trace), as_path(path, "trace file", TraceError))
 
 
 def trace_model_file(
@@ -79,6 +82,7 @@ def trace_model_file(
     routing: str = DEFAULT_ROUTING,
     optimizer: str = AS_BUILT,
     torch: str | None = None,
+    max_parameters: int = MAX_PARAMETERS,
 ) -> Trace:
     """One training step of a model file (docs/capture.md) with memplan's `layers` mode (or a mode per
     Transformer layer: {"layers.0": "full", ...}), as `memplan trace` records it; `fake` runs it under fake
@@ -87,10 +91,11 @@ def trace_model_file(
     first step (the optimizer creates its state inside it), not the steady one; `loss="fused"` computes a causal
     LM's loss fused with its head, the logits never whole; `optimizer` rebuilds the model file's AdamW with smaller
     state (memplan.modes.OPTIMIZERS: adamw-8bit, adamw-4bit, adamw-host); `torch` ("2.11") the torch a fake CUDA
-    step will run on (its attention and cuBLAS rules; default the installed one)."""
+    step will run on (its attention and cuBLAS rules; default the installed one); a HuggingFace config's model may
+    have at most `max_parameters` parameters (LimitError past it)."""
     require_fake_for_routing(routing, fake)
     step = StepSpec(path, batch, seq, dtype, device, layers, fake, compile, warmup, loss=loss, routing=routing,
-                    optimizer=optimizer, torch=torch)  # fmt: skip
+                    optimizer=optimizer, torch=torch, max_parameters=max_parameters)  # fmt: skip
     return trace_step(step)
 
 
@@ -105,18 +110,24 @@ def solve(
 ) -> Plan:
     """Offsets for every buffer of `trace` (or only the step's own with scope="step"), with the lower bound
     and proof status; the plan has passed the independent verifier."""
-    problem = problem_from_trace(trace, alignment=alignment, scope=scope)
-    return solve_problem(problem, method=method, time_limit=time_limit, capacity=capacity)
+    problem = problem_from_trace(as_trace(trace), alignment=as_count(alignment, "--alignment"), scope=scope)
+    return solve_problem(
+        problem, method=method, time_limit=as_seconds(time_limit), capacity=as_size(capacity, "--capacity")
+    )
 
 
 def verify(plan: Plan, trace: Trace) -> None:
     """PlanError unless `plan` was made for `trace` and no two buffers that may be live together share bytes."""
+    trace = as_trace(trace)
+    plan = as_plan(plan, trace, optional=False)
     check_plan(plan, plan_problem(plan, trace))
 
 
 def save_plan(plan: Plan, trace: Trace, path: PathLike) -> None:
     """Verify `plan` against `trace`, then write it (memplan-plan/1 JSON)."""
-    save_checked_plan(plan, plan_problem(plan, trace), path)
+    trace = as_trace(trace)
+    plan = as_plan(plan, trace, optional=False)
+    save_checked_plan(plan, plan_problem(plan, trace), as_path(path, "plan file", PlanError))
 
 
 def simulate(
@@ -129,9 +140,13 @@ def simulate(
 ) -> Measurement:
     """`trace` on PyTorch's caching allocator (with PYTORCH_CUDA_ALLOC_CONF `alloc_conf` and a device
     `capacity`) and, when given, on `plan`: bound, peaks, fragmentation, as `memplan simulate` prints; with
-    `gpu`, its `verdict`: whether the step fits that GPU, or where it runs out of memory."""
-    return simulate_trace(trace, "trace", plan=plan, plan_name="plan" if plan else None, alloc_conf=alloc_conf,
-                        capacity=capacity, gpu=as_gpu(gpu))  # fmt: skip
+    `gpu`, its `verdict`: whether the step fits that GPU, or where it runs out of memory. `trace` and `plan` may be
+    their files' paths; `capacity` a size as the command line takes it (16GiB, or bytes)."""
+    trace = as_trace(trace)
+    plan = as_plan(plan, trace)
+    return simulate_trace(trace, "trace", plan=plan, plan_name="plan" if plan else None,
+                          alloc_conf=as_alloc_conf(alloc_conf), capacity=as_size(capacity, "--capacity"),
+                          gpu=as_gpu(gpu))  # fmt: skip
 
 
 def export_snapshot(
@@ -140,27 +155,29 @@ def export_snapshot(
     """`trace` as a PyTorch memory snapshot (`memplan export`): the dict torch.cuda._memory_viz takes, with the
     simulated caching allocator's addresses (or `plan`'s, checked against the trace), written to `path` (.pickle)
     for pytorch.org/memory_viz when given."""
-    snapshot = make_snapshot(trace, plan, alloc_conf=alloc_conf)
+    trace = as_trace(trace)
+    snapshot = make_snapshot(trace, as_plan(plan, trace), alloc_conf=as_alloc_conf(alloc_conf))
     if path is not None:
-        write_snapshot(snapshot, path)
+        write_snapshot(snapshot, as_path(path, "snapshot file", TraceError))
     return snapshot
 
 
 def plot(traces: Sequence[Trace], output: PathLike, *, plans: Sequence[Plan] = (), address_space: bool = False) -> None:
     """Memory over time of `traces` side by side (and each plan's address space), written to .png or .svg."""
-    named = [(f"trace {i}", t) for i, t in enumerate(traces)]
-    given = match_plans(named, [(f"plan {i}", p) for i, p in enumerate(plans)])
+    named = [(f"trace {i}", as_trace(t)) for i, t in enumerate(as_list(traces, "traces", TraceError))]
+    given = match_plans(named, [(f"plan {i}", as_plan(p)) for i, p in enumerate(as_list(plans, "plans", PlanError))])
     reports = [
         simulate_trace(trace, name, plan=match[1] if match else None, plan_name=match[0] if match else None)
         for (name, trace), match in zip(named, given)
     ]
-    plot_reports(reports, output, address_space=address_space)
+    plot_reports(reports, as_path(output, "figure", PlotError), address_space=address_space)
 
 
 def compare(traces: Sequence[Trace], *, plans: Sequence[Plan] = (), time_limit: float = 5.0) -> list[CompareRow]:
     """One row per trace: peak live bytes by category, caching allocator reserved, plan arena, bound."""
-    named = [(f"trace {i}", t) for i, t in enumerate(traces)]
-    return compare_traces(named, [(f"plan {i}", p) for i, p in enumerate(plans)], time_limit=time_limit)
+    named = [(f"trace {i}", as_trace(t)) for i, t in enumerate(as_list(traces, "traces", TraceError))]
+    given = [(f"plan {i}", as_plan(p)) for i, p in enumerate(as_list(plans, "plans", PlanError))]
+    return compare_traces(named, given, time_limit=as_seconds(time_limit))
 
 
 def fit(
@@ -178,6 +195,7 @@ def fit(
     nproc: int | None = None,
     every_rank: bool = False,
     torch: str | None = None,
+    max_parameters: int = MAX_PARAMETERS,
 ) -> FitResult:
     """The largest batch of `model_file` whose step fits `memory` bytes (or `gpu`: its memory less what it holds
     outside the caching allocator) under each layer mode (with the step's `loss` and `optimizer`), under the caching
@@ -186,9 +204,12 @@ def fit(
     where it fits on every rank (`every_rank`: each traced, even those alike by construction). `torch` ("2.11"): the
     torch the step will run on, whose rules a fake CUDA step and the budget follow (default the installed one)."""
     require_fake_for_routing(routing, capture != "real")
-    step = StepSpec(model_file, seq=seq, dtype=dtype, loss=loss, routing=routing, optimizer=optimizer, torch=torch)
-    modes = tuple(layers)
-    return fit_model(step, memory, gpu=as_gpu(gpu), modes=modes, capture=capture, nproc=nproc, every_rank=every_rank)
+    step = StepSpec(model_file, seq=seq, dtype=dtype, loss=loss, routing=routing, optimizer=optimizer, torch=torch,
+                    max_parameters=max_parameters)  # fmt: skip
+    modes = (layers,) if isinstance(layers, str) else tuple(as_list(layers, "layers", PatchError))
+    memory, gpu = as_size(memory, "--memory"), as_gpu(gpu)
+    require_memory_or_gpu(memory, gpu)
+    return fit_model(step, memory, gpu=gpu, modes=modes, capture=capture, nproc=nproc, every_rank=every_rank)
 
 
 def tradeoff(model_file: PathLike, **options) -> TradeoffResult:
@@ -209,7 +230,9 @@ def optimize(
     choose_batch = "batch" in options and options["batch"] is None
     step, rest = split_step(model_file, {**options, "batch": 1} if choose_batch else options)
     max_batch = rest.pop("max_batch", False) or choose_batch
-    return optimize_job(OptimizeOptions(step, memory, max_batch=max_batch, gpu=as_gpu(gpu), **rest))
+    memory, gpu = as_size(memory, "--memory"), as_gpu(gpu)
+    require_memory_or_gpu(memory, gpu)
+    return optimize_job(OptimizeOptions(step, memory, max_batch=max_batch, gpu=gpu, **rest))
 
 
 def apply(model: nn.Module, optimizer: object, choice: PathLike | StepChoice, *, loss: object = None) -> tuple:
@@ -228,9 +251,86 @@ def run(model_file: PathLike | None = None, output: PathLike = "memplan-out", **
     return run_job(RunOptions(step, str(output), **{**rest, "gpu": as_gpu(rest.get("gpu"))}))
 
 
+class ArgumentError(MemplanError):
+    """An argument of the Python API that the command line would refuse too (a time limit of 0, a count of -1)."""
+
+
 def as_gpu(value: GPULike | None) -> GPU | None:
-    """A GPU given by name (looked up in the catalogue: GPUError for an unknown one) or as itself; None stays None."""
-    return gpu(value) if isinstance(value, str) else value
+    """A GPU given by name (looked up in the catalogue: GPUError for an unknown or empty name, or anything not a name)
+    or as itself; None stays None."""
+    return value if value is None or isinstance(value, GPU) else gpu(value)
+
+
+def as_path(value, what: str, error: type[MemplanError]) -> PathLike:
+    """`value` if it names a file (a str or os.PathLike); `error` otherwise."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise error(f"{what}: expected a path (a str or os.PathLike), got {type(value).__name__}")
+    return value
+
+
+def as_trace(value: Trace | PathLike) -> Trace:
+    """A Trace, or the trace file a path names (read and checked as `memplan.load_trace` reads it); TraceError
+    otherwise."""
+    if isinstance(value, Trace):
+        return value
+    if not isinstance(value, (str, os.PathLike)):
+        raise TraceError(f"trace: expected a memplan.Trace or a trace file's path, got {type(value).__name__}")
+    return load(value)
+
+
+def as_plan(value: Plan | PathLike | None, trace: Trace | None = None, optional: bool = True) -> Plan | None:
+    """A Plan, or the plan file a path names (read and verified against `trace`, as `memplan.load_plan` does); None
+    stays None where `optional`; PlanError otherwise."""
+    if isinstance(value, Plan) or (value is None and optional):
+        return value
+    if not isinstance(value, (str, os.PathLike)):
+        raise PlanError(f"plan: expected a memplan.Plan or a plan file's path, got {type(value).__name__}")
+    path = value
+    if trace is None:
+        raise PlanError(f"{path}: a plan file is read with its trace: memplan.load_plan(path, trace)")
+    return load_plan(path, trace)
+
+
+def as_list(values, what: str, error: type[MemplanError]) -> list:
+    """The items of a list or tuple (of traces, plans or modes); `error` for a single item or anything else."""
+    if not isinstance(values, (list, tuple)):
+        raise error(f"{what}: expected a list or tuple, got {type(values).__name__}")
+    return list(values)
+
+
+def as_size(value: int | str | None, option: str) -> int | None:
+    """A memory size as the command line takes it: a positive number of bytes, or a size such as '16GiB' or '80GB'
+    (units.parse_size); None stays None; SizeError otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return parse_size(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SizeError(f"{option} {short_repr(value)}: a size must be a positive number of bytes, or such as '16GiB'")
+    return value
+
+
+def as_count(value: int, option: str) -> int:
+    """A whole number of at least 1 (ArgumentError otherwise), as the command line's integer options take it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ArgumentError(f"{option} {short_repr(value)}: a whole number of at least 1")
+    return value
+
+
+def as_seconds(value: float) -> float:
+    """A time limit in seconds: a finite number above 0 (ArgumentError otherwise), as --time-limit takes it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ArgumentError(f"--time-limit {short_repr(value)}: a number of seconds above 0")
+    return value
+
+
+def as_alloc_conf(value: str | None) -> str:
+    """A PYTORCH_CUDA_ALLOC_CONF string ('' or None: PyTorch's defaults); AllocConfError for anything else."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise AllocConfError(f"PYTORCH_CUDA_ALLOC_CONF: expected a string, got {type(value).__name__}")
+    return value
 
 
 def split_step(model_file: PathLike, options: Mapping) -> tuple[StepSpec, dict]:

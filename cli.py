@@ -6,7 +6,9 @@ import contextlib
 import dataclasses
 import functools
 import json
+import signal
 import sys
+import threading
 
 import click
 
@@ -33,7 +35,11 @@ class MemplanGroup(click.Group):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
         try:
-            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            with sigterm_raises():
+                code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except Terminated:
+            click.echo("Error: terminated by SIGTERM (temporary files removed; finished outputs kept)", err=True)
+            sys.exit(128 + signal.SIGTERM)
         except click.UsageError as e:
             hint = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
             click.echo(f"Error: {e.format_message()}{hint}", err=True)
@@ -45,6 +51,30 @@ class MemplanGroup(click.Group):
             click.echo("Aborted!", err=True)
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived. Raised where the command is, like Ctrl-C's KeyboardInterrupt (and, like it, past `except
+    Exception`), so every `finally` and every atomic write's cleanup runs before the process exits."""
+
+
+def _raise_terminated(_signum, _frame):
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """SIGTERM raises Terminated inside the block instead of killing the process where it stands (which left a
+    half-written temporary file behind); the previous handler comes back after it. Only the main thread can set a
+    handler: elsewhere the block runs unchanged."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class Size(click.ParamType):
@@ -60,6 +90,27 @@ class Size(click.ParamType):
 
 
 SIZE = Size()
+
+
+class ParameterCount(click.ParamType):
+    """A count of parameters: digits (underscores allowed) or a whole number in e notation (2e12)."""
+
+    name = "count"
+
+    def convert(self, value, param, ctx) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().replace("_", "")
+        try:
+            count = int(text) if text.isdigit() else int(float(text)) if float(text).is_integer() else None
+        except (ValueError, OverflowError):
+            count = None
+        if count is None or count < 1:
+            self.fail(f"{value!r}: a whole number of parameters, at least 1 (2e12 or 2000000000000)", param, ctx)
+        return count
+
+
+PARAMETER_COUNT = ParameterCount()
 LAYERS_HELP = f"Layer mode (memplan.modes). {modes_help()} The trace says what was swapped and what was left as built."
 LOSS_HELP = f"The step's loss (memplan.modes). {losses_help()} The trace says what it changed, or why nothing."
 OPTIMIZER_HELP = (
@@ -99,6 +150,18 @@ def step_options(*, batch: bool = False, layers: bool = False, loss: bool = Fals
             default=STEP_DEFAULTS["optimizer"],
             show_default=True,
             help=OPTIMIZER_HELP,
+        )
+    ]
+    options += [
+        click.option(
+            "--max-parameters",
+            type=PARAMETER_COUNT,
+            default=STEP_DEFAULTS["max_parameters"],
+            show_default=True,
+            metavar="N",
+            help="The most parameters a HuggingFace config's model may have (2e12, or digits), counted on the meta "
+            "device before anything is built: a config past it is refused (docs/limits.md). Python model files: not "
+            "checked.",
         )
     ]
     routing_option = click.option(
@@ -291,6 +354,7 @@ def trace_command(
     layers,
     loss,
     optimizer,
+    max_parameters,
     routing,
     device,
     fake,
@@ -325,7 +389,8 @@ def trace_command(
 
     require_fake_for_routing(routing, fake)
     step = StepSpec(model_file, batch, seq, dtype, device, layers, fake, compile, bool(warmup), loss=loss,
-                    routing=routing, optimizer=optimizer, torch=torch_version)  # fmt: skip
+                    routing=routing, optimizer=optimizer, torch=torch_version,
+                    max_parameters=max_parameters)  # fmt: skip
     step = step.on_gpu(gpu_name)
     bandwidth = None if host_bandwidth is None else parse_bandwidth(host_bandwidth)
     summary = trace_to_file(
@@ -676,7 +741,20 @@ def compare_command(trace_files, plan_files, method, time_limit, alloc_conf, tie
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def replay_command(
-    plan_file, model_file, trace_file, steps, device, batch, seq, dtype, layers, loss, optimizer, compile, as_json
+    plan_file,
+    model_file,
+    trace_file,
+    steps,
+    device,
+    batch,
+    seq,
+    dtype,
+    layers,
+    loss,
+    optimizer,
+    max_parameters,
+    compile,
+    as_json,
 ):
     """Run a model's training steps with the plan allocator and check them bitwise against the default one.
 
@@ -690,7 +768,8 @@ def replay_command(
     from memplan.planner.replay.model_replay import replay_model_file
     from memplan.planner.report.replay_text import render_replay
 
-    step = StepSpec(model_file, batch, seq, dtype, device, layers, compile=compile, loss=loss, optimizer=optimizer)
+    step = StepSpec(model_file, batch, seq, dtype, device, layers, compile=compile, loss=loss, optimizer=optimizer,
+                    max_parameters=max_parameters)  # fmt: skip
     report = replay_model_file(plan_file, step, trace_file=trace_file, steps=steps, progress=progress)
     summary = report.summary()
     emit(summary, as_json, render_replay(summary))
@@ -802,8 +881,8 @@ def solve_command(source, output, time_limit, capacity, method, alignment, scope
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def run_command(
-    model_file, out_dir, batch, seq, dtype, loss, optimizer, routing, time_limit, replay_steps, modes, capture, fake,
-    nproc, every_rank, gpu_name, torch_version, compile, as_json
+    model_file, out_dir, batch, seq, dtype, loss, optimizer, max_parameters, routing, time_limit, replay_steps, modes,
+    capture, fake, nproc, every_rank, gpu_name, torch_version, compile, as_json
 ):  # fmt: skip
     """The main job: trace MODEL_FILE under every layer mode (as-built, baseline, tempo, selective,
     tempo+selective, full, tempo+full), solve and simulate each, replay the tempo plan on the CPU, and
@@ -824,7 +903,8 @@ def run_command(
     capture = capture_of(capture, fake)
     require_fake_for_routing(routing, capture != "real")
     step = StepSpec(model_file or os.path.relpath(DEFAULT_MODEL), batch, seq, dtype, compile=compile, loss=loss,
-                    routing=routing, optimizer=optimizer, torch=torch_version)  # fmt: skip
+                    routing=routing, optimizer=optimizer, torch=torch_version,
+                    max_parameters=max_parameters)  # fmt: skip
     modes = tuple(modes) or ((AS_BUILT,) if nproc is not None else ())
     opts = RunOptions(step, out_dir, time_limit=time_limit, replay_steps=replay_steps, capture=capture,
                       gpu=find_gpu(gpu_name), nproc=nproc, every_rank=every_rank, **run_modes(modes))  # fmt: skip
@@ -860,8 +940,8 @@ def run_command(
 @compile_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def fit_command(
-    model_file, memory, gpu_name, torch_version, modes, seq, dtype, loss, optimizer, routing, alloc_conf, tie_break,
-    time_limit, capture, fake, nproc, every_rank, compile, as_json
+    model_file, memory, gpu_name, torch_version, modes, seq, dtype, loss, optimizer, max_parameters, routing,
+    alloc_conf, tie_break, time_limit, capture, fake, nproc, every_rank, compile, as_json
 ):  # fmt: skip
     """The largest batch size whose training step fits --memory (or --gpu), under the caching allocator and under
     a plan.
@@ -891,6 +971,7 @@ def fit_command(
             routing=routing,
             optimizer=optimizer,
             torch=torch_version,
+            max_parameters=max_parameters,
         ),
         memory,
         gpu=find_gpu(gpu_name),
@@ -955,6 +1036,7 @@ def tradeoff_command(
     seq,
     dtype,
     optimizer,
+    max_parameters,
     routing,
     budgets,
     time_limit,
@@ -975,7 +1057,7 @@ def tradeoff_command(
     from memplan.planner.report.tradeoff_table import render_tradeoff
 
     require_fake_for_routing(routing, capture != "real")
-    step = StepSpec(model_file, batch, seq, dtype, routing=routing, optimizer=optimizer)
+    step = StepSpec(model_file, batch, seq, dtype, routing=routing, optimizer=optimizer, max_parameters=max_parameters)
     bandwidth = None if host_bandwidth is None else parse_bandwidth(host_bandwidth)
     opts = TradeoffOptions(step, budgets, time_limit, repeats, capture, output, variants, actions, bandwidth)
     result = tradeoff(opts, progress=progress)
@@ -1051,6 +1133,7 @@ def optimize_command(
     dtype,
     loss,
     optimizer,
+    max_parameters,
     routing,
     time_limit,
     actions,
@@ -1077,16 +1160,8 @@ def optimize_command(
         raise click.UsageError("--batch and --max-batch exclude each other", ctx=click.get_current_context())
     memory_or_gpu(memory, gpu_name)
     require_fake_for_routing(routing, capture != "real")
-    step = StepSpec(
-        model_file,
-        1 if max_batch else batch or 2,
-        seq,
-        dtype,
-        loss=loss,
-        routing=routing,
-        optimizer=optimizer,
-        torch=torch_version,
-    )
+    step = StepSpec(model_file, 1 if max_batch else batch or 2, seq, dtype, loss=loss, routing=routing,
+                    optimizer=optimizer, torch=torch_version, max_parameters=max_parameters)  # fmt: skip
     bandwidth = None if host_bandwidth is None else parse_bandwidth(host_bandwidth)
     gpu = find_gpu(gpu_name)
     opts = OptimizeOptions(

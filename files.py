@@ -5,7 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import tempfile
+import secrets
 import zlib
 from pathlib import Path
 from typing import Any
@@ -15,6 +15,7 @@ from memplan.limits import MAX_INPUT_BYTES, LimitError
 from memplan.units import MiB, human_bytes
 
 READ_CHUNK = 16 * MiB  # bytes read at a time, so a file past its limit is never held whole
+TEMPORARY_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)  # a new file, never another's
 
 
 class OutputError(MemplanError):
@@ -98,33 +99,30 @@ def _refuse_constant(name: str):
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
-    """Write `data` (gzipped when the name ends in .gz) so that `path` is complete or absent;
-    OutputError names the file when it cannot be written."""
+    """Write `data` (gzipped when the name ends in .gz) so that `path` is complete or absent; OutputError names the
+    file when it cannot be written. Whatever stops the write (an error, Ctrl-C's KeyboardInterrupt, the CLI's
+    SIGTERM) removes the hidden temporary file it was writing: its name is known before it is created."""
     path = Path(path)
     if isinstance(data, str):
         data = data.encode()
     if path.suffix == ".gz":
         data = gzip.compress(data, compresslevel=6, mtime=0)
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as e:
-        raise OutputError(f"{path}: cannot write ({e.strerror or e})") from None
-    try:
+        fd = None
+        while fd is None:
+            tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"  # named before it exists: always removable
+            try:
+                fd = os.open(tmp, TEMPORARY_FLAGS, 0o666)  # the mode open() gives a new file (less the umask)
+            except FileExistsError:
+                tmp = None  # another file's name: not ours to remove
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the mode open() would
         os.replace(tmp, path)
     except BaseException as e:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
         if isinstance(e, OSError):
             raise OutputError(f"{path}: cannot write ({e.strerror or e})") from None
         raise
-
-
-def _umask() -> int:
-    """The process's file-creation mask (read by setting it and putting it back)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 
 from memplan.errors import MemplanError
+from memplan.limits import short_repr
 from memplan.torch_versions import INSTALLED, TorchRules
 from memplan.units import MiB
 
@@ -236,13 +237,18 @@ DEFAULT_GPU = "H100-80GB"  # the GPU a CUDA step is planned for when none is nam
 
 
 def gpu(name: str) -> GPU:
-    """The catalogue's GPU called `name` (or one of its aliases, in any case); GPUError lists the known names."""
+    """The catalogue's GPU called `name` (or one of its aliases, in any case); GPUError lists the known names, and
+    refuses what is not a name (a number, None)."""
+    if not isinstance(name, str):
+        raise GPUError(f"--gpu {short_repr(name)}: expected a GPU's name (a str), got {type(name).__name__}")
     found = BY_NAME.get(spelling(name))
     if found is None:
-        raise GPUError(f"--gpu {name}: unknown GPU (known: {', '.join(g.name for g in GPUS)})")
+        shown = name if name.strip() and len(name) <= 40 else short_repr(name)
+        raise GPUError(f"--gpu {shown}: unknown GPU (known: {', '.join(g.name for g in GPUS)})")
     return found
 
 
 def planned_gpu(named: GPU | str | None) -> GPU:
-    """The GPU a CUDA step is planned for: `named` (a GPU, or a name to look up), else DEFAULT_GPU."""
-    return named if isinstance(named, GPU) else gpu(named or DEFAULT_GPU)
+    """The GPU a CUDA step is planned for: `named` (a GPU, or a name to look up: an empty one is refused as the
+    command line refuses it), else DEFAULT_GPU."""
+    return named if isinstance(named, GPU) else gpu(DEFAULT_GPU if named is None else named)

@@ -40,6 +40,41 @@ TIME_SLACK = 1 << 20
 # clocks). A training step uses a handful (compute, NCCL, copies); 256 keeps a million-buffer matrix at 2 GiB.
 MAX_STREAMS = 256
 
+# Bytes of a HuggingFace config.json, read before parsing: a causal LM's config is a few KB (Llama-3-8B's: 826 B;
+# one with a label map for thousands of classes: some hundreds of KB). A 200 MB config used to be read whole (1.66 GB).
+MAX_CONFIG_BYTES = 4 * MiB
+
+# The range of each number in a HuggingFace config that sets a model's shape (under the names configs give it, in
+# the config and in its sub-configs such as text_config): each far beyond any published model's, and low enough that
+# a config cannot ask for a build that never ends (10**9 layers built for minutes, 10 GiB live) or a model of no
+# layers (-2 gave an empty trace), or divide by zero in transformers (0 heads). The model's size as a whole is
+# MAX_PARAMETERS'.
+_LAYERS = (1, 1024)  # the deepest published LLMs: Llama-3.1-405B's 126 layers, Megatron-Turing NLG's 105
+_HEADS = (1, 1 << 16)  # Llama-3.1-405B: 128 query heads
+_WIDTH = (1, 1 << 20)  # Llama-3.1-405B: hidden 16,384
+_MLP = (0, 1 << 20)  # Llama-3.1-405B: 53,248 (0: no such MLP, as some mixtures of experts' configs say)
+_VOCABULARY = (1, 1 << 24)  # Gemma 3: 262,144 tokens
+_POSITIONS = (1, 1 << 30)  # Llama 4 Scout: 10,485,760
+_EXPERTS = (0, 1 << 16)  # DeepSeek-V3: 256 routed experts, 8 a token (0: a dense model in some configs)
+CONFIG_RANGES = {
+    **dict.fromkeys(("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "encoder_layers",
+                     "num_decoder_layers"), _LAYERS),
+    **dict.fromkeys(("num_attention_heads", "n_head", "num_heads", "num_key_value_heads", "decoder_attention_heads",
+                     "encoder_attention_heads"), _HEADS),
+    **dict.fromkeys(("hidden_size", "n_embd", "d_model", "head_dim"), _WIDTH),
+    **dict.fromkeys(("intermediate_size", "n_inner", "ffn_dim", "d_ff", "moe_intermediate_size",
+                     "shared_expert_intermediate_size"), _MLP),
+    **dict.fromkeys(("vocab_size",), _VOCABULARY),
+    **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx"), _POSITIONS),
+    **dict.fromkeys(("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "n_shared_experts"),
+                    _EXPERTS),
+}  # fmt: skip
+
+# Parameters of the model a HuggingFace config describes, counted by building it on PyTorch's meta device (no memory,
+# no compute) before the step is built: the largest open models have about a trillion (Kimi K2: 1.04e12; DeepSeek-V3:
+# 6.7e11). `--max-parameters` (StepSpec.max_parameters) raises it.
+MAX_PARAMETERS = 2 * 10**12
+
 # Seconds a build of a C++ part waits for another memplan process building the same part (a first build takes
 # 30 s to 4 min on a 2-core machine) before giving up with a BuildError instead of hanging.
 BUILD_LOCK_WAIT_S = 15 * 60

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from memplan.errors import CompileError, MemplanError
 from memplan.gpus import GPU, gpu
+from memplan.limits import MAX_PARAMETERS, short_repr
 from memplan.modes import AS_BUILT, check_layer_modes, check_loss, check_optimizer, describe_assignment, mode
 from memplan.routing import DEFAULT as DEFAULT_ROUTING
 from memplan.routing import Routing
@@ -48,13 +49,14 @@ class StepSpec:
     #                            with smaller state (planner/layers/optimizer_choice.py)
     torch: TorchRules = INSTALLED  # the torch the step will run on (torch_versions.py; a version is looked up): a
     #                                fake CUDA step takes its attention and cuBLAS rules, the verdict its measurements
+    max_parameters: int = MAX_PARAMETERS  # the most parameters a HuggingFace config's model may have (limits.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_file", os.fspath(self.model_file))
-        for name in ("batch", "seq"):
+        for name in ("batch", "seq", "max_parameters"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise StepError(f"--{name} {value!r}: a whole number of at least 1")
+                raise StepError(f"--{name.replace('_', '-')} {short_repr(value)}: a whole number of at least 1")
         if self.dtype not in DTYPES:
             raise StepError(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
         if isinstance(self.mode, Mapping):
@@ -109,6 +111,7 @@ class StepSpec:
         parts += [] if self.gpu is None else [f"--gpu {shlex.quote(self.gpu.name)}"]
         parts += [] if self.torch is INSTALLED else [f"--torch {self.torch.version}"]
         parts += [] if self.compile is None else [f"--compile --memory-budget {self.compile:g}"]
+        parts += [] if self.max_parameters == MAX_PARAMETERS else [f"--max-parameters {self.max_parameters}"]
         return " ".join(parts)
 
     def on_gpu(self, target: GPU | str | None) -> StepSpec:

@@ -10,7 +10,9 @@ import pytest
 from click.testing import CliRunner
 from step_traces import state_bytes
 
+import memplan
 from memplan.cli import main
+from memplan.limits import LimitError
 from memplan.step import StepSpec
 from memplan.traces.trace_model import trace_step
 
@@ -66,7 +68,7 @@ def test_bf16_mixed_keeps_fp32_parameters_and_runs_matmuls_in_bf16():
     [
         ("{not json", "not a JSON config"),
         ('{"hidden_size": 8}', "names its model_type"),
-        ('{"model_type": "no-such-model"}', "cannot read it"),
+        ('{"model_type": "no-such-model"}', "is not one of the"),
         ('{"model_type": "vit"}', "no causal language model"),
     ],
 )
@@ -77,6 +79,24 @@ def test_a_bad_config_is_one_line(tmp_path, text, words):
     assert result.exit_code == 1
     assert result.output.strip().splitlines()[-1].startswith("Error:") and words in result.output
     assert not (tmp_path / "t.json").exists()
+
+
+def test_max_parameters_bounds_a_configs_model_and_can_be_raised(tmp_path):
+    """The model's parameters are counted before it is built (on the meta device): above --max-parameters it is
+    one Error line and nothing written; at its own count it traces, from the command line and from the API."""
+    n = llama_parameters(json.loads(TINY.read_text()))
+    out = tmp_path / "t.json"
+    args = ["trace", str(TINY), "--fake", "--batch", "1", "--seq", "8", "-o", str(out)]
+    refused = CliRunner().invoke(main, [*args, "--max-parameters", str(n - 1)])
+    assert refused.exit_code == 1 and not out.exists()
+    assert refused.stderr.splitlines()[-1].endswith(
+        f"the model has {n:,} parameters, more than --max-parameters {n - 1:,} (limits.MAX_PARAMETERS; raise it to "
+        "build a model this large)"
+    )
+    assert CliRunner().invoke(main, [*args, "--max-parameters", str(n)]).exit_code == 0 and out.exists()
+    with pytest.raises(LimitError, match="more than --max-parameters 1,000"):
+        memplan.trace_model_file(TINY, fake=True, batch=1, seq=8, max_parameters=1000)
+    assert memplan.trace_model_file(TINY, fake=True, batch=1, seq=8, max_parameters=n).meta["model"] == "tiny-llama"
 
 
 @pytest.mark.slow  # an 8-billion-parameter model under fake tensors: 10-30 s

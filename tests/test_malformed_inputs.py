@@ -1,5 +1,6 @@
 """Every malformed input ends in one `Error:` line, exit code 1 and nothing written, within 10 s, from every command
-that reads its kind: the corpus in tests/data/malformed/ (traces, plans, MiniMalloc CSVs, snapshot pickles; each
+that reads its kind: the corpus in tests/data/malformed/ (traces, plans, MiniMalloc CSVs, snapshot pickles,
+HuggingFace configs; each
 file's name says what is wrong with it), and inputs too big to keep there (a gzip bomb, /dev/zero, a nesting of
 200,000 levels, 20,000 streams), made here. Most run in this process through click's runner, with an alarm for
 the 10 s; a few run the real command line in a subprocess."""
@@ -57,6 +58,11 @@ def readers(kind: str, path: str, out: Path) -> dict[str, list[str]]:
         }
     if kind == "csv":
         return {"solve": ["solve", path, "-o", str(out / "p.csv")]}
+    if kind == "config":  # a HuggingFace config.json: every command reads it through traces/hf_config.py
+        return {
+            "trace": ["trace", path, "--fake", "--seq", "8", "-o", str(out / "t.json")],
+            "fit": ["fit", path, "--fake", "--memory", "16MiB", "--seq", "8", "--layers", "as-built"],
+        }
     return {"import": ["import", path, "-o", str(out / "t.json.gz")], "explain": ["explain", path]}
 
 
@@ -105,6 +111,7 @@ EXPECTED = {
     "trace/missing_column.json": "buffers.free: missing column",
     "trace/nan_in_meta.json": "NaN is not a number JSON allows",
     "trace/negative_size.json": "buffers.size[0]: negative value -1",
+    "trace/negative_stream.json": "buffers.stream[1]: negative value -1",
     "trace/nested_100000_deep.json.gz": "JSON nested too deeply to read",
     "trace/nested_in_column.json": "buffers.size[0]: expected an integer, got [[[...]]]",
     "trace/not_gzip.json.gz": "cannot read (Not a gzipped file",
@@ -112,6 +119,7 @@ EXPECTED = {
     "trace/not_utf8.json": "not valid JSON (not UTF-8 text)",
     "trace/number_of_5000_digits.json": "a number with more digits than Python reads",
     "trace/size_2e70.json": "buffers.size[0]: 1180591620717411303424 does not fit in 64 bits",
+    "trace/sync_negative_stream.json": "syncs[0]: negative stream -1",
     "trace/string_size.json": "buffers.size[0]: expected an integer, got '1024'",
     "trace/sync_time_2e40.json": "syncs[0]: time 1099511627776 is beyond 1,048,584",
     "trace/times_2e40.json": "buffers.free[3]: time 1099511627776 is beyond 1,048,584",
@@ -156,6 +164,27 @@ EXPECTED = {
     "csv/size_2e62.csv": ":2: size 4611686018427387904 is beyond 2**62",
     "csv/sizes_add_past_2e62.csv": "the buffers add up to about 4.61e+18 bytes",
     "csv/upper_below_lower.csv": ":2: upper 4 is below lower 5",
+    "config/1e9_layers.json": "field 'num_hidden_layers' is 1000000000, outside [1, 1,024] (limits.CONFIG_RANGES)",
+    "config/2e12_parameters.json": "the model has 2,224,862,593,024 parameters, more than --max-parameters",
+    "config/architectures_a_string.json": "field 'architectures': expected a list of class names, got 'LlamaForC",
+    "config/architectures_of_numbers.json": "field 'architectures': expected a list of class names, got [123]",
+    "config/hidden_size_float.json": "field 'hidden_size': expected int, got float (value: 64.5)",
+    "config/hidden_size_not_a_multiple_of_heads.json": "The hidden size (66) is not a multiple of the number of atte",
+    "config/hidden_size_null.json": "field 'hidden_size': expected int, got NoneType (value: None)",
+    "config/hidden_size_string.json": "field 'hidden_size': expected int, got str (value: '64')",
+    "config/hidden_size_word.json": "field 'hidden_size': expected int, got str (value: 'two')",
+    "config/layers_in_a_sub_config_negative.json": "field 'text_config.num_hidden_layers' is -1, outside [1, 1,024]",
+    "config/misspelt_model_type.json": "model_type 'lama' is not one of the",
+    "config/model_type_a_list.json": "model_type ['llama'] is not one of the",
+    "config/nan_in_a_field.json": "NaN is not a number JSON allows",
+    "config/negative_layers.json": "field 'num_hidden_layers' is -2, outside [1, 1,024] (limits.CONFIG_RANGES)",
+    "config/nested_40_deep.json": "containers nested more than 32 deep",
+    "config/no_attention_heads.json": "field 'num_attention_heads' is 0, outside [1, 65,536]",
+    "config/not_json.json": "not a JSON config: not valid JSON at line 1 column 1",
+    "config/number_of_5000_digits.json": "a number with more digits than Python reads",
+    "config/top_level_list.json": "a HuggingFace config names its model_type; this one does not",
+    "config/unknown_model_type.json": "model_type 'no-such-model' is not one of the",
+    "config/vocabulary_2e70.json": "field 'vocab_size' is 1180591620717411303424, outside [1, 16,777,216]",
     "pickle/300_streams.pickle": "300_streams.pickle: buffers.stream: 300 distinct streams",
     "pickle/a_list.pickle": "expected a dict at the top level, got list",
     "pickle/alloc_at_live_address.pickle": "[0][1]: alloc at address 0x0, which is still live (allocated at entry 0)",
@@ -184,10 +213,22 @@ def test_every_corpus_file_has_its_expected_error():
     assert CORPUS_FILES == sorted(EXPECTED)
 
 
+def warm(kind: str) -> None:
+    """Import what a kind's readers load on first use, before the clock starts: for configs, transformers' Llama (a
+    config's model is built on the meta device, so its class is imported)."""
+    if kind == "config":
+        import memplan.planner.jobs.fit  # noqa: F401
+        import memplan.planner.jobs.trace  # noqa: F401
+        from memplan.traces.hf_config import ConfigBuild
+
+        ConfigBuild(CORPUS / "good.config.json")
+
+
 @pytest.mark.parametrize("name", CORPUS_FILES)
 def test_a_malformed_file_ends_in_one_line_from_every_command_that_reads_it(name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # what a command would write by default lands here, and must not
     kind = name.split("/")[0]
+    warm(kind)
     for command, args in readers(kind, str(CORPUS / name), tmp_path).items():
         line = one_error_line(args)
         assert EXPECTED[name] in line, (command, line)
@@ -198,7 +239,7 @@ def test_the_valid_corpus_files_pass_every_command(tmp_path):
     """The corpus's good files go through the same commands (the replay aside: it would run the model), so each
     refusal above is the malformed file's own."""
     for kind, name in (("trace", "good.trace.json"), ("plan", "good.plan.json"), ("csv", "good.csv"),
-                       ("pickle", "good.pickle")):  # fmt: skip
+                       ("pickle", "good.pickle"), ("config", "good.config.json")):  # fmt: skip
         for command, args in readers(kind, str(CORPUS / name), tmp_path).items():
             if command != "replay":
                 result = CliRunner().invoke(main, args)
@@ -236,7 +277,8 @@ def test_a_plan_edited_to_overlap_live_buffers_is_refused_by_the_python_api_too(
 @pytest.fixture(scope="module")
 def big(tmp_path_factory) -> dict[str, Path]:
     """Inputs too big to keep in the corpus, made small on disk: gzip bombs (past MAX_INPUT_BYTES decompressed, as
-    gzip members of 16 MiB of zeros repeated), nestings of 200,000 levels, a trace of 20,000 streams."""
+    gzip members of 16 MiB of zeros repeated), nestings of 200,000 levels, a trace of 20,000 streams, a HuggingFace
+    config of 100,000 levels and one of 200 MB."""
     folder = tmp_path_factory.mktemp("big")
     member = gzip.compress(b"\0" * (16 << 20), mtime=0)
     bomb = member * (MAX_INPUT_BYTES // (16 << 20) + 1)
@@ -246,6 +288,12 @@ def big(tmp_path_factory) -> dict[str, Path]:
     deep = 200_000
     files["deep.json"] = folder / "deep.json"
     files["deep.json"].write_text('{"format":"memplan-trace/1","meta":' + "[" * deep + "]" * deep + "}")
+    files["deep.config.json"] = folder / "deep.config.json"
+    files["deep.config.json"].write_text('{"model_type":"llama","x":' + "[" * 100_000 + "]" * 100_000 + "}")
+    files["big.config.json"] = folder / "big.config.json"  # 200 MB, sparse: no disk taken
+    with open(files["big.config.json"], "wb") as f:
+        f.write(b'{"model_type": "llama", "padding": "')
+        f.truncate(200 << 20)
     files["deep.pickle"] = folder / "deep.pickle"
     key = b"segments"
     files["deep.pickle"].write_bytes(
@@ -279,6 +327,8 @@ SLOW = pytest.mark.slow  # a fresh interpreter importing torch: 5-10 s; the fast
         pytest.param("plan", "compare", "/dev/zero", "/dev/zero: holds more than", marks=GIB_READ),
         pytest.param("pickle", "import", "/dev/zero", "/dev/zero: holds more than", marks=GIB_READ),
         ("trace", "plot", "deep.json", "JSON nested too deeply to read"),
+        ("config", "trace", "deep.config.json", "JSON nested too deeply to read"),
+        ("config", "fit", "big.config.json", "holds more than 4.00 MiB, the most memplan reads"),
         ("pickle", "import", "deep.pickle", "refused: containers nested more than 32 deep"),
         ("trace", "simulate", "streams.json", "20,000 distinct streams; memplan handles at most 256"),
     ],
@@ -287,6 +337,7 @@ def test_inputs_past_the_limits_end_in_one_line(big, kind, command, name, expect
     """Each kind's readers all read through one function (files.read_bytes, then the kind's parser): one command
     per input shows the limit holds."""
     monkeypatch.chdir(tmp_path)
+    warm(kind)
     path = name if name.startswith("/") else str(big[name])
     read_to_the_limit = name == "/dev/zero" or name.startswith("bomb")
     line = one_error_line(readers(kind, path, tmp_path)[command], GIB_SECONDS if read_to_the_limit else SECONDS)

@@ -50,6 +50,7 @@ from memplan.traces.fake_cuda import DeviceMemory, fake_cuda_runtime
 from memplan.traces.format import PHASES, Program, Trace, make_trace, save
 from memplan.traces.program import MeasuredStep, StepWindow, assemble_program
 from memplan.traces.progress import CaptureProgress, progress_interval
+from memplan.traces.record_args import record_target
 from memplan.traces.recorder import BACKWARD, FORWARD, OPTIMIZER, OTHER, Events, Recorder, recording
 from memplan.traces.resident import resident_storages, resident_tensors
 from memplan.traces.step_marks import StepMarks, marked_step
@@ -676,6 +677,7 @@ def record(
             "record(model, optimizer, fake=True): a fake step needs a model made under fake tensors: build it "
             "inside `with record(fake=True) as recording:` and mark the step with recording.step(model, optimizer)"
         )
+    device, gpu = record_target(model, device, fake, gpu, output, progress, meta)  # as the command line checks them
     if device is None:
         device = next(model.parameters()).device if model is not None else "cpu"
     meta = {"source": "memplan.record", **(meta or {})}

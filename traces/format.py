@@ -233,7 +233,7 @@ def from_dict(data: Any) -> Trace:
         default = {"category": "unknown", "phase": "other"}.get(name, "")
         cols[name] = _str_column(name, buffers.get(name, [default] * n), n)
 
-    for name in ("size", "alloc", "free"):
+    for name in ("size", "alloc", "free", "stream"):  # stream ids count from 0 (the default stream)
         bad = np.nonzero(cols[name] < 0)[0]
         if len(bad):
             i = int(bad[0])
@@ -266,6 +266,8 @@ def from_dict(data: Any) -> Trace:
             raise TraceError(f"syncs[{i}]: expected [time, from_stream, to_stream] integers, got {short_repr(s)}")
         if s[0] < 0:
             raise TraceError(f"syncs[{i}]: negative time {s[0]}")
+        if min(s[1], s[2]) < 0:
+            raise TraceError(f"syncs[{i}]: negative stream {min(s[1], s[2])}")
         syncs.append((s[0], s[1], s[2]))
     _check_bounds(cols, syncs)
     program = _program(data["program"]) if data.get("program") is not None else None

@@ -40,7 +40,7 @@ from memplan.planner.layers.optimizer_choice import choose_optimizer
 from memplan.planner.layers.patch import patch
 from memplan.step import StepSpec
 from memplan.traces.fake import module_to
-from memplan.traces.hf_config import config_build, config_file
+from memplan.traces.hf_config import check_model_size, config_build, config_file
 from memplan.traces.workload import Workload, default_loss
 
 BUILD = "build"
@@ -198,6 +198,7 @@ def build_workload(step: StepSpec, build: Callable[..., Any]) -> Workload:
     needs no GPU, but a CUDA build of torch)."""
     path, dtype = Path(step.model_file), getattr(torch, step.parameters_dtype)
     dev = require_device(step.device, step.fake)
+    check_model_size(build, step.max_parameters)
     torch.manual_seed(0)
     try:
         built = build(batch_size=step.batch, seq_len=step.seq, dtype=dtype, device=str(dev))

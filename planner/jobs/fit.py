@@ -42,7 +42,7 @@ from memplan.traces.trace_model import (
 from memplan.units import format_size
 
 MEASURE_BATCHES = (1, 2, 4)
-MAX_BATCH = 4096  # the search stops here: larger batches take too long to trace
+MAX_BATCH = 4096  # the search stops here (larger batches take too long to trace): fitting, it is a lower bound
 GROWTH = 8  # a trace is at most this many times the largest batch known to fit
 GUESSES = 2  # traces that may leave the bracket more than half as wide before the search bisects it
 ALLOCATORS = ("caching", "plan")
@@ -129,10 +129,11 @@ class ModeFit:
     def traces(self) -> int:
         return len(self.points)
 
-    def boundary(self, allocator: str) -> tuple[Point | None, Point]:
-        """The traced points at the answer b (None when even batch 1 does not fit) and at b+1."""
+    def boundary(self, allocator: str) -> tuple[Point | None, Point | None]:
+        """The traced points at the answer b (None when even batch 1 does not fit) and at b+1 (None when b is
+        MAX_BATCH: the answer is at least b, and b+1 was never traced)."""
         b = self.batch[allocator]
-        return self.points.get(b), self.points[b + 1]
+        return self.points.get(b), self.points.get(b + 1)
 
     def as_dict(self) -> dict:
         out = {
@@ -149,15 +150,16 @@ class ModeFit:
             at, above = self.boundary(a)
             out[a] = {
                 "batch": self.batch[a],
+                "at_least": above is None,  # MAX_BATCH fits: a lower bound, the search stopped there
                 "predicted": self.predicted[a],
                 "at_batch": at.figure(a) if at else None,
-                "at_next": above.figure(a),
+                "at_next": above.figure(a) if above else None,
                 "runs_out_below": self.runs_out_below(a),
             }
         above = self.boundary("plan")[1]
-        out["plan"]["next_bound"] = above.bound
-        out["plan"]["next_proven"] = above.plan_miss_proven
-        if above.per_rank:
+        out["plan"]["next_bound"] = above.bound if above else None
+        out["plan"]["next_proven"] = above.plan_miss_proven if above else None
+        if (above or self.boundary("plan")[0]).per_rank:
             out["ranks"] = self.ranks_dict()
         return out
 
@@ -168,17 +170,18 @@ class ModeFit:
         for a in ALLOCATORS:
             at, above = self.boundary(a)
             judged = at or above
+            nexts = above.per_rank if above else [None] * len(judged.per_rank)  # none past MAX_BATCH
             out[a] = {
                 "tightest": list(judged.tightest(a).ranks),
                 "per_rank": [
                     {
-                        "ranks": list(p_next.ranks),
-                        "at_batch": None if at is None else p_at.figure(a),
-                        "fits_at_batch": None if at is None else p_at.fits(a),
-                        "at_next": p_next.figure(a),
-                        "fits_at_next": p_next.fits(a),
+                        "ranks": list(p_judged.ranks),
+                        "at_batch": None if at is None else p_judged.figure(a),
+                        "fits_at_batch": None if at is None else p_judged.fits(a),
+                        "at_next": None if p_next is None else p_next.figure(a),
+                        "fits_at_next": None if p_next is None else p_next.fits(a),
                     }
-                    for p_at, p_next in zip((at or above).per_rank, above.per_rank)
+                    for p_judged, p_next in zip(judged.per_rank, nexts)
                 ],
             }
         return out
@@ -351,10 +354,8 @@ def boundary_search(probe: BatchProbe, allocator: str, start: int) -> int:
         points = probe.points
         lo = max((x for x, p in points.items() if p.fits(allocator)), default=0)
         hi = min((x for x, p in points.items() if not p.fits(allocator) and x > lo), default=None)
-        if lo >= MAX_BATCH:
-            raise FitError(
-                f"{probe.mode}: batch {MAX_BATCH} still fits under the {allocator} model; the search stops there"
-            )
+        if lo >= MAX_BATCH:  # the search stops here: the answer is at least MAX_BATCH (ModeFit.boundary)
+            return MAX_BATCH
         if hi == lo + 1:
             return lo
         if hi is None:  # nothing fails yet (run >= 0): extrapolate

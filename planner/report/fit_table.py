@@ -28,9 +28,9 @@ def rank_lines(summary: dict) -> list[str]:
                 (
                     m["mode"],
                     ranks_label(c["ranks"]).split(" ", 1)[1],
-                    f"{_size(c['at_batch'])} / {format_size(c['at_next'])}",
+                    f"{_size(c['at_batch'])} / {_size(c['at_next'])}",
                     f"{_fit_word(c['fits_at_batch'])} / {_fit_word(c['fits_at_next'])}",
-                    f"{_size(p['at_batch'])} / {format_size(p['at_next'])}",
+                    f"{_size(p['at_batch'])} / {_size(p['at_next'])}",
                     f"{_fit_word(p['fits_at_batch'], 'no plan')} / {_fit_word(p['fits_at_next'], 'no plan')}",
                 )
             )
@@ -46,6 +46,11 @@ def _size(value: int | None) -> str:
     return "-" if value is None else format_size(value)
 
 
+def _batch(answer: dict) -> str:
+    """An allocator's answer: the batch, or `>=B` where B, the search's last batch, fits (a lower bound)."""
+    return f">={answer['batch']}" if answer.get("at_least") else str(answer["batch"])
+
+
 def render_fit(summary: dict) -> str:
     """Per mode, the batch under each allocator model and the figures at b and b+1; what b means."""
     s = summary
@@ -58,15 +63,13 @@ def render_fit(summary: dict) -> str:
     rows = []
     for m in s["modes"]:
         caching, plan = m["caching"], m["plan"]
-        at_caching = format_size(caching["at_batch"]) if caching["at_batch"] is not None else "-"
-        at_plan = format_size(plan["at_batch"]) if plan["at_batch"] is not None else "-"
         rows.append(
             (
                 m["mode"] + no_change_mark(m["mode"], m["changed"]),
-                str(caching["batch"]),
-                f"{at_caching} / {format_size(caching['at_next'])}",
-                str(plan["batch"]),
-                f"{at_plan} / {format_size(plan['at_next'])}",
+                _batch(caching),
+                f"{_size(caching['at_batch'])} / {_size(caching['at_next'])}",
+                _batch(plan),
+                f"{_size(plan['at_batch'])} / {_size(plan['at_next'])}",
                 str(m["traces"]),
             )
         )
@@ -92,7 +95,14 @@ def render_fit(summary: dict) -> str:
     none = [m["mode"] for m in s["modes"] if m["caching"]["batch"] == 0 and m["plan"]["batch"] == 0]
     if none:
         lines.append(f"! {', '.join(none)}: no batch fits; the b+1 columns are batch 1's figures")
-    unproven = [m["mode"] for m in s["modes"] if not m["plan"]["next_proven"]]
+    at_least = [m["mode"] for m in s["modes"] if any(m[a].get("at_least") for a in ("caching", "plan"))]
+    if at_least:
+        top = max(m[a]["batch"] for m in s["modes"] for a in ("caching", "plan") if m[a].get("at_least"))
+        lines.append(
+            f"! {', '.join(at_least)}: >={top} is a lower bound: batch {top} fits and the search stops there "
+            "(b+1 is not traced; a larger batch may fit too)"
+        )
+    unproven = [m["mode"] for m in s["modes"] if m["plan"]["next_proven"] is False]
     if unproven:
         lines.append(
             f"! {', '.join(unproven)}: at b+1 no plan within the memory was found in the time limit, "

@@ -130,11 +130,16 @@ def trace_budget(gpu: GPU, trace: Trace) -> Budget:
     return Budget(gpu, outside_terms(gpu, trace.meta, handles, lt))
 
 
+def require_memory_or_gpu(memory: int | None, gpu: GPU | None) -> None:
+    """GPUError unless exactly one of the device memory and a GPU is given (`fit`, `optimize`)."""
+    if (memory is None) == (gpu is None):
+        raise GPUError("give the device memory as a size (--memory) or as a GPU (--gpu): exactly one of the two")
+
+
 def device_memory(memory: int | None, gpu: GPU | None, step: StepSpec) -> tuple[int, Budget | None]:
     """The memory a fit or an optimize works in: `memory` bytes, or the GPU's memory less what it holds outside
     the caching allocator for a trace of `step` (and the budget); exactly one of the two."""
-    if (memory is None) == (gpu is None):
-        raise GPUError("give the device memory as a size (--memory) or as a GPU (--gpu): exactly one of the two")
+    require_memory_or_gpu(memory, gpu)
     if gpu is None:
         return memory, None
     cuda = step.device.split(":")[0] == "cuda"  # a fake CUDA capture allocates the workspaces itself
