@@ -53,7 +53,7 @@ from memplan.traces.progress import CaptureProgress, progress_interval
 from memplan.traces.record_args import record_target
 from memplan.traces.recorder import BACKWARD, FORWARD, OPTIMIZER, OTHER, Events, Recorder, recording
 from memplan.traces.resident import resident_storages, resident_tensors
-from memplan.traces.step_marks import StepMarks, marked_step
+from memplan.traces.step_marks import ROOT_MODULE, StepMarks, marked_step
 from memplan.traces.stream_hooks import cuda_stream_hooks
 from memplan.traces.streams import StreamColumns, StreamLedger, stream_columns
 from memplan.traces.unrecorded import UnrecordedWarning, unrecorded, unrecorded_text
@@ -295,14 +295,28 @@ class Recording:
         step begins at the first module call after the last step ended (forward), `torch.autograd.backward` runs in
         backward, an optimizer's step() in the optimizer phase, and the step ends when it returns."""
         recorder, backward = self._recorder, torch.autograd.backward
+        paths: dict[int, int] = {}  # id(module) -> its label: its dotted path under the first module called around it
+        entered: list[nn.Module] = []
 
-        def started(_module, _inputs):
-            if self._marking or recorder.phase_now() == BACKWARD:
+        def started(module, _inputs):
+            if self._marking:
+                return
+            if id(module) not in paths:  # a root: the model the program calls (its submodules' paths are known then)
+                for name, m in module.named_modules():
+                    paths.setdefault(id(m), recorder.intern(f"{ROOT_MODULE}.{name}" if name else ROOT_MODULE))
+            recorder.enter_module(paths[id(module)])
+            entered.append(module)
+            if recorder.phase_now() == BACKWARD:  # a checkpoint's recomputation
                 return
             if self._open is None:
                 self._open = self._mark()
             if recorder.phase_now() != FORWARD and torch.is_grad_enabled():
                 recorder.set_phase(FORWARD)
+
+        def finished(module, _inputs, _output):
+            if entered and entered[-1] is module:
+                entered.pop()
+                recorder.leave_module()
 
         def backward_phase(*args, **kwargs):
             if self._marking:
@@ -326,6 +340,7 @@ class Recording:
 
         handles = [
             nn.modules.module.register_module_forward_pre_hook(started),
+            nn.modules.module.register_module_forward_hook(finished, always_call=True),
             register_optimizer_step_pre_hook(stepping),
             register_optimizer_step_post_hook(stepped),
         ]
@@ -336,6 +351,9 @@ class Recording:
             torch.autograd.backward = backward
             for h in handles:
                 h.remove()
+            while entered:
+                entered.pop()
+                recorder.leave_module()
 
     def finish(self) -> None:
         """The whole program (`program`), attached to the measured step's trace (`Trace.program`) when one was
