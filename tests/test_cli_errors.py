@@ -75,6 +75,15 @@ BAD = {
         ["{d}/object.pickle", "--gpu", "H200", "--memory", "80GB"],
         ["{d}/object.pickle", "--outside", "lots"],
     ],
+    "check": [
+        ["--", "python", "{d}/missing.py"],
+        ["--", "python", "{d}/t.json"],
+        ["--", "python", "{d}/exits.py"],
+        ["--gpu", "H9000", "--", "python", "{d}/exits.py"],
+        ["--steps", "0", "--", "python", "{d}/exits.py"],
+        ["--gpu", "H100", "--outside", "lots", "--", "python", "{d}/exits.py"],
+        ["--", "python", "-m"],
+    ],
     "export": [
         ["{d}/missing.json"],
         ["{d}/cut.json.gz"],

@@ -207,6 +207,9 @@ def check_program(options: CheckOptions) -> CheckResult:
                 except Exception as e:  # the script's own error, in one line
                     first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
                     raise CheckError(f"{target}: {type(e).__name__}" + (f": {first}" if first else "")) from None
+    if finished == "exited" and counter[0] == 0:
+        raise CheckError(f"{target}: ended without an optimizer step, so no training step ran to judge (a script "
+                         "that trains calls a torch.optim optimizer's step())")  # fmt: skip
     # 3. The answer: each error raised, where in the program; the program itself.
     program, names = session.program, session.names()
     failures = [
