@@ -99,3 +99,18 @@ def test_an_hf_trainer_script_runs_unmodified(tmp_path):
     assert answer["fits"] and answer["steps_run"] == 3 and answer["finished"] == "stopped"
     assert answer["data_dependent"].get("aten._local_scalar_dense", 0) > 0
     assert answer["peak_allocated"] > 0
+
+
+def test_a_script_that_watches_its_own_memory_gets_the_fake_gpus_answers(tmp_path):
+    """_record_memory_history, reset_peak_memory_stats, max_memory_allocated, mem_get_info and _dump_snapshot, as an
+    unmodified script calls them: the snapshot it dumps is the program so far, and memplan imports it back."""
+    snapshot = tmp_path / "memory.pickle"
+    result = check("--gpu", "H100", "--json", "--", "python", str(SCRIPTS / "memory_report.py"), "--snapshot",
+                   str(snapshot))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    printed = re.findall(r"max_memory_allocated ([\d,]+) B, free ([\d,]+) of ([\d,]+) B", result.stderr)
+    assert len(printed) == 2 and all(int(total.replace(",", "")) == gpu("H100").memory for *_, total in printed)
+    assert int(printed[-1][0].replace(",", "")) <= answer["peak_allocated"]
+    imported = CliRunner().invoke(main, ["import", str(snapshot), "--json"])
+    assert imported.exit_code == 0 and json.loads(imported.stdout)["buffers"] > 0

@@ -361,6 +361,15 @@ class Recording:
         if self._open is not None:  # a step the program began and did not finish (it stopped, or ran out of memory)
             self._windows.append(StepWindow(self._open, self._mark()))
             self._open = None
+        self.program = self.program_so_far()
+        if self.trace is not None:
+            self.trace.program = self.program
+
+    def program_so_far(self) -> Program:
+        """The whole program up to now, its steps so far (one under way runs to now)."""
+        windows = list(self._windows)
+        if self._open is not None:
+            windows.append(StepWindow(self._open, self._mark()))
         events, marks, adopted = self._recorder.program()
         measured = self._measured
         sizes = {} if measured is None else {
@@ -368,10 +377,8 @@ class Recording:
         }  # fmt: skip
         real_cuda = self._device.type == "cuda" and self._fake is None
         meta = {"sizes": "block sizes outside the measured step" if real_cuda else "requested", **self._meta}
-        windows = sorted(self._windows, key=lambda w: w.start_mark)
-        self.program = assemble_program(events, marks, adopted, sizes, self._recorder.names(), windows, measured, meta)
-        if self.trace is not None:
-            self.trace.program = self.program
+        windows = sorted(windows, key=lambda w: w.start_mark)
+        return assemble_program(events, marks, adopted, sizes, self._recorder.names(), windows, measured, meta)
 
     def names(self) -> list[str]:
         """The recorder's labels by id (ops, modules), for what reports them by id (a live allocator's errors)."""
@@ -590,6 +597,8 @@ def recording_session(
                 hooks = cuda_stream_hooks(streams, recorder.storage_key) if device.type == "cuda" else None
                 with fake_mode or contextlib.nullcontext(), hooks or contextlib.nullcontext():
                     session = Recording(recorder, device, fake_mode, {**planned, **(meta or {})}, reporting, streams)
+                    if memory is not None:
+                        memory.attach(session.program_so_far)  # its snapshots are of the program so far
                     with session.watch_steps():
                         yield session
                     session.finish()

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.cuda import memory as cuda_memory
 
 from memplan.cxx import torch_extension
 from memplan.errors import MemplanError
@@ -170,6 +172,8 @@ class DeviceMemory(Protocol):
     def empty_cache(self) -> None: ...
     def free_bytes(self) -> int: ...
     def stats(self) -> dict[str, int]: ...
+    def snapshot(self) -> dict: ...  # torch.cuda.memory._snapshot() of the program so far
+    def attach(self, program) -> None: ...  # where the program so far comes from: a () -> traces.format.Program
 
 
 def memory_replacements(gpu: GPU, memory: DeviceMemory) -> dict[str, object]:
@@ -184,6 +188,21 @@ def memory_replacements(gpu: GPU, memory: DeviceMemory) -> dict[str, object]:
         "reset_max_memory_allocated": lambda device=None: memory.reset_peaks(),
         "memory_stats": lambda device=None: memory.stats(),
         "mem_get_info": lambda device=None: (memory.free_bytes(), gpu.memory),
+    }
+
+
+def history_replacements(memory: DeviceMemory) -> dict[str, object]:
+    """torch.cuda.memory's history functions answered by `memory`: the whole program is recorded anyway, so recording
+    history is a no-op, and a snapshot is the program's so far."""
+
+    def dump(filename="dump_snapshot.pickle"):
+        with open(filename, "wb") as f:
+            pickle.dump(memory.snapshot(), f)
+
+    return {
+        "_record_memory_history": lambda *args, **kwargs: None,
+        "_snapshot": lambda device=None: memory.snapshot(),
+        "_dump_snapshot": dump,
     }
 
 
@@ -299,20 +318,20 @@ def _never_runs(*args, **kwargs):
 
 
 @contextlib.contextmanager
-def _replaced(replacements: dict[str, object]) -> Iterator[None]:
-    """torch.cuda's functions of these names replaced while the block runs."""
+def _replaced(replacements: dict[str, object], module=torch.cuda) -> Iterator[None]:
+    """`module`'s functions of these names (torch.cuda's by default) replaced while the block runs."""
     replacements = {name: _own_function(replacement) for name, replacement in replacements.items()}
-    originals = {name: getattr(torch.cuda, name) for name in replacements if hasattr(torch.cuda, name)}
+    originals = {name: getattr(module, name) for name in replacements if hasattr(module, name)}
     try:
         for name, replacement in replacements.items():
-            setattr(torch.cuda, name, replacement)
+            setattr(module, name, replacement)
         yield
     finally:
         for name in replacements:
             if name in originals:
-                setattr(torch.cuda, name, originals[name])
-            elif hasattr(torch.cuda, name):
-                delattr(torch.cuda, name)
+                setattr(module, name, originals[name])
+            elif hasattr(module, name):
+                delattr(module, name)
 
 
 @contextlib.contextmanager
@@ -322,9 +341,11 @@ def fake_cuda_runtime(
     """While the block runs, a CPU-only torch has a CUDA device for fake tensors, a `gpu`, whose streams, events and
     `Tensor.record_stream` report to `ledger`, whose attention kernels follow torch `rules`'s release, and whose memory
     statistics `memory` answers when given (on a CUDA build only those change)."""
+    history = _replaced(history_replacements(memory), cuda_memory) if memory is not None else None
     if not needs_runtime():
         with _replaced(memory_replacements(gpu, memory)) if memory is not None else contextlib.nullcontext():
-            yield
+            with history or contextlib.nullcontext():
+                yield
         return
     import torch._dynamo  # noqa: F401  fake tensor mode needs it: imported before torch.cuda changes, it maps the real one
 
@@ -340,8 +361,9 @@ def fake_cuda_runtime(
             ledger.record_stream(ledger.storage_key(tensor), stream.cuda_stream) if ledger.storage_key else None
         )
         # scaled_dot_product_attention takes the GPU's kernel; rms_norm CUDA's fused one (FakeCapture allocates it)
-        with _replaced(replacements), cuda_attention(gpu.capability, rules), fused_rms_norm():
-            yield
+        with _replaced(replacements), history or contextlib.nullcontext():
+            with cuda_attention(gpu.capability, rules), fused_rms_norm():
+                yield
     finally:
         torch.Tensor.record_stream = record_stream
         module.enable(False)

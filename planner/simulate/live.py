@@ -6,12 +6,16 @@ message, where the GPU would raise it. It implements traces.fake_cuda's DeviceMe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from memplan.errors import MemplanError
 from memplan.planner.simulate.alloc_conf import AllocConf
 from memplan.planner.simulate.caching_allocator import CachingAllocator, SimulatedOOM, allocation_size, round_size
+from memplan.planner.simulate.snapshot_export import caching_snapshot
+from memplan.traces.format import Program
 from memplan.traces.recorder import Events
 from memplan.units import cuda_oom_message
 
@@ -45,6 +49,7 @@ class LiveDevice:
         self._address: dict[int, int] = {}  # storage key -> its block's address, while allocated
         self.max_allocated = self.max_reserved = 0  # since the last reset
         self.peak_allocated = self.peak_reserved = 0  # over the whole program
+        self._program: Callable[[], Program] | None = None  # the capture's program so far (attach)
 
     # -- the feed -----------------------------------------------------------------------------------
     def feed(self, events: Events) -> None:
@@ -108,6 +113,17 @@ class LiveDevice:
     def free_bytes(self) -> int:
         """mem_get_info()'s free: the GPU's memory less what the allocator reserved and what lies outside it."""
         return self.memory - self.outside - self.allocator.reserved
+
+    def attach(self, program: Callable[[], Program]) -> None:
+        """Where the program so far comes from (the capture's), for snapshots."""
+        self._program = program
+
+    def snapshot(self) -> dict:
+        """torch.cuda.memory._snapshot(): the program so far on the caching allocator (planner/simulate/
+        snapshot_export.py: every allocation with its op, module, phase and category as frames)."""
+        if self._program is None:
+            raise MemplanError("a snapshot needs the program: attach() the capture first")
+        return caching_snapshot(self._program().trace, self.conf, name="memplan check")
 
     def stats(self) -> dict[str, int]:
         """torch.cuda.memory_stats()'s keys a program reads most: current and peak allocated and reserved bytes, the
