@@ -35,6 +35,11 @@
   as 0: a scalar read from a tensor (`.item()`, `bool(t)`) is 0 (False), and a selection whose size depends
   on the data (`nonzero`, `masked_select`) selects nothing, counted per op in `data_dependent`. The trace's
   meta keeps both.
+- An op whose indices are known (position ids from `arange`, constants) and out of range for the tensor it reads
+  (`embedding`, `index_select`, `gather`, advanced indexing) raises what the real op raises (IndexError; gather's
+  RuntimeError), so a fake step fails where the real one would (known_values.check_bounds).
+- Tracebacks that torch's loggers print before raising an error memplan reports anyway stay off the terminal
+  (traces/quiet_logs.py; `MEMPLAN_VERBOSE` shows them).
 - Composite functions that ATen runs another way for fake tensors run as the kernels do: `F.one_hot`
   (the CPU's `aminmax` check, then `zeros` and `scatter_`, where ATen takes `arange` and `eq`), and a
   one-element fake tensor formats as its value (`f"expert_{i}"`), as a real one does.
@@ -69,9 +74,9 @@ from torch.utils._pytree import tree_leaves
 
 from memplan.errors import MemplanError
 from memplan.routing import DEFAULT, Routing
-from memplan.traces import fake_distributed, hf_fake
+from memplan.traces import fake_distributed, hf_fake, quiet_logs
 from memplan.traces.fake_cache import ExactCache
-from memplan.traces.known_values import ATTRIBUTE, KnownValues, forget, tensor_arguments
+from memplan.traces.known_values import ATTRIBUTE, INDEXED, KnownValues, check_bounds, forget, tensor_arguments
 from memplan.traces.on_import import Waiting, on_import
 from memplan.traces.recorder import Recorder
 
@@ -463,6 +468,7 @@ class FakeCapture(ExactCache):
                 (torch.UntypedStorage, "resize_", _recorded_resize(torch.UntypedStorage.resize_, self._recorder)),
                 *self.patches(),
                 *fake_distributed.patches(),
+                *quiet_logs.patches(),
             ):
                 self._patch(owner, name, method)
             self._waiting = [on_import(hf_fake.MASKING, self._patch_module(hf_fake.patches))]
@@ -526,6 +532,8 @@ class FakeCapture(ExactCache):
         kwargs = kwargs or {}
         inputs = tensor_arguments(args, kwargs)
         known = self.known.inputs(func, inputs)
+        if known is not None and (func in INDEXED or func is aten.index.Tensor):
+            check_bounds(func, args, kwargs)  # indices known out of range: the real op raises
         self._dispatching += 1
         try:
             try:
