@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import os
 import signal
 import sys
 import threading
@@ -291,8 +292,16 @@ def progress(message: str) -> None:
 
 @click.group(cls=MemplanGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="memplan")
-def main() -> None:
+@click.option(
+    "-v",
+    "--verbose",
+    is_flag=True,
+    help="Show the tracebacks that torch, transformers and accelerate log during a capture (MEMPLAN_VERBOSE=1).",
+)
+def main(verbose: bool) -> None:
     """memplan: trace a training step, plan its memory, replay and simulate it, and plot it."""
+    if verbose:
+        os.environ["MEMPLAN_VERBOSE"] = "1"  # the capture reads it, in this process and in --nproc's ranks
 
 
 every_rank_option = click.option(

@@ -16,18 +16,20 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from types import ModuleType
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from memplan.traces.on_import import patched_on_import
 from memplan.traces.recorder import Recorder
 
 COMMUNICATION = "communication"
 # what a communication buffer is for, in its `op` label (a pipeline's receive buffers are named by their module)
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all_gather", "reduce_scatter", "all_reduce"
 # FSDP2's allocators of collective buffers (its default, the process group's, symmetric memory's), in the module a
-# program that shards with fully_shard has loaded before its step: looked up there, not imported (about 0.9 s more
-# for every capture of a program that never uses FSDP2)
+# program that shards with fully_shard loads: watched when it is imported, never imported by memplan (about 0.9 s
+# more for every capture of a program that never uses FSDP2)
 _FSDP_COLLECTIVES = "torch.distributed.fsdp._fully_shard._fsdp_collectives"
 _FSDP_ALLOCATORS = ("DefaultAllocMixin", "ProcessGroupAllocMixin", "SymmMemAllocMixin")
 
@@ -36,12 +38,11 @@ _FSDP_ALLOCATORS = ("DefaultAllocMixin", "ProcessGroupAllocMixin", "SymmMemAlloc
 def collective_buffers(recorder: Recorder, found: dict[int, tuple[int, str]]) -> Iterator[None]:
     """While the block runs, note each buffer FSDP2 allocates for an all-gather or a reduce-scatter in `found`:
     its allocation time (the step's events so far once it is made) -> its storage key and its collective
-    (ALL_GATHER or REDUCE_SCATTER)."""
+    (ALL_GATHER or REDUCE_SCATTER). FSDP2's allocators are watched from when its module is imported, before the
+    block or inside it (traces/on_import.py)."""
     originals = {}
-    fsdp_collectives = sys.modules.get(_FSDP_COLLECTIVES)  # None: the program does not use FSDP2
-    all_gather = fsdp_collectives and sys.modules["torch.distributed.fsdp._fully_shard._fsdp_api"].AllGather
 
-    def watched(allocate):
+    def watched(allocate, all_gather: type):
         def allocate_and_note(self, *args, **kwargs):
             tensor = allocate(self, *args, **kwargs)
             if tensor.untyped_storage().nbytes() > 0:
@@ -51,13 +52,17 @@ def collective_buffers(recorder: Recorder, found: dict[int, tuple[int, str]]) ->
 
         return allocate_and_note
 
-    for name in _FSDP_ALLOCATORS if fsdp_collectives is not None else ():
-        owner = getattr(fsdp_collectives, name, None)
-        if owner is not None and "allocate" in vars(owner):
-            originals[owner] = owner.allocate
-            owner.allocate = watched(owner.allocate)
+    def watch(fsdp_collectives: ModuleType) -> None:
+        all_gather = fsdp_collectives.AllGather  # the all-gather protocol, as the module imports it
+        for name in _FSDP_ALLOCATORS:
+            owner = getattr(fsdp_collectives, name, None)
+            if owner is not None and "allocate" in vars(owner) and owner not in originals:
+                originals[owner] = owner.allocate
+                owner.allocate = watched(owner.allocate, all_gather)
+
     try:
-        yield
+        with patched_on_import(_FSDP_COLLECTIVES, watch):
+            yield
     finally:
         for owner, allocate in originals.items():
             owner.allocate = allocate

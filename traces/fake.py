@@ -35,21 +35,29 @@
   as 0: a scalar read from a tensor (`.item()`, `bool(t)`) is 0 (False), and a selection whose size depends
   on the data (`nonzero`, `masked_select`) selects nothing, counted per op in `data_dependent`. The trace's
   meta keeps both.
+- An op whose indices are known (position ids from `arange`, constants) and out of range for the tensor it reads
+  (`embedding`, `index_select`, `gather`, advanced indexing) raises what the real op raises (IndexError; gather's
+  RuntimeError), so a fake step fails where the real one would (known_values.check_bounds).
+- Tracebacks that torch's loggers print before raising an error memplan reports anyway stay off the terminal
+  (traces/quiet_logs.py; `MEMPLAN_VERBOSE` shows them).
 - Composite functions that ATen runs another way for fake tensors run as the kernels do: `F.one_hot`
   (the CPU's `aminmax` check, then `zeros` and `scatter_`, where ATen takes `arange` and `eq`), and a
   one-element fake tensor formats as its value (`f"expert_{i}"`), as a real one does.
-- While it is active, `Tensor.to`/`.cuda` of a fake tensor go straight to `aten._to_copy`, and
-  `Module.to`/`.cuda` through `module_to`: so a fake model moves to a CUDA device on a machine
-  without one (the Python bindings would ask for the device first), and fake parameters are rebound
-  instead of swapped; `torch.tensor(data, device="cuda")` is made on the CPU and moved there, and
-  pinning (a data loader's `pin_memory`) copies in host memory.
+- While it is active, `Tensor.to`/`.cuda` of a fake tensor go straight to `aten._to_copy`, so a fake model moves
+  to a CUDA device on a machine without one (the Python bindings would ask for the device first), and
+  `Module._apply` (`Module.to`, `.cuda`, `.half`, ...) converts a module of fake tensors as PyTorch converts real
+  ones: each parameter stays the same object (PyTorch sets `param.data`; fake tensors cannot be swapped), so an
+  optimizer made before `model.to("cuda")` keeps its parameters, and each buffer is replaced;
+  `torch.tensor(data, device="cuda")` is made on the CPU and moved there, and pinning (a data loader's
+  `pin_memory`) copies in host memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -61,13 +69,15 @@ from torch._subclasses.fake_tensor import (
     unset_fake_temporarily,
 )
 from torch.optim import optimizer
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from memplan.errors import MemplanError
 from memplan.routing import DEFAULT, Routing
-from memplan.traces import fake_distributed, hf_fake
+from memplan.traces import fake_distributed, hf_fake, quiet_logs
 from memplan.traces.fake_cache import ExactCache
-from memplan.traces.known_values import ATTRIBUTE, KnownValues, forget, tensor_arguments
+from memplan.traces.known_values import ATTRIBUTE, INDEXED, KnownValues, check_bounds, forget, tensor_arguments
+from memplan.traces.on_import import Waiting, on_import
 from memplan.traces.recorder import Recorder
 
 aten = torch.ops.aten
@@ -140,42 +150,125 @@ def is_fake(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, FakeTensor)
 
 
+def _set_data(tensor: torch.Tensor, converted: torch.Tensor) -> None:
+    """`tensor.data = converted` for a fake tensor too: the object keeps its autograd state, gradient hooks and the
+    program's attributes; its storage, sizes, dtype and device (fake tensor mode's own attributes, its known values)
+    become the converted copy's."""
+    if converted is tensor:
+        return
+    tensor.data = converted
+    if is_fake(converted):
+        tensor.__dict__.pop(ATTRIBUTE, None)
+        tensor.__dict__.update(converted.__dict__)
+
+
+def _swap(tensor: torch.Tensor, fresh: torch.Tensor) -> bool:
+    """`torch.utils.swap_tensors(tensor, fresh)` as seen from `tensor`, for a fake tensor too (fake tensor mode holds
+    weak references to its tensors, which swap_tensors refuses): the object stays, everything else is `fresh`'s, its
+    Python attributes and its (no) gradient hooks included. False where a fake tensor cannot take `fresh`'s storage
+    in place (another kind of tensor: a move to the meta device)."""
+    if fresh is tensor:  # a gradient converted already (a tied parameter's second visit): nothing to swap
+        return True
+    if not is_fake(tensor):
+        torch.utils.swap_tensors(tensor, fresh)
+        return True
+    if not torch._has_compatible_shallow_copy_type(tensor, fresh):
+        return False
+    if tensor._backward_hooks:
+        tensor._backward_hooks = None
+    tensor.data = fresh
+    attributes = dict(fresh.__dict__)
+    tensor.__dict__.clear()
+    tensor.__dict__.update(attributes)
+    return True
+
+
+def _set_data_allowed(tensor: torch.Tensor, converted: torch.Tensor) -> bool:
+    """Whether Module._apply sets `tensor.data` to `converted` (PyTorch's compute_should_use_set_data for real
+    tensors: tensors of one kind, dense on the CPU or CUDA alike, unless `torch.__future__` says overwrite)."""
+    compatible = torch._has_compatible_shallow_copy_type(tensor, converted)
+    return compatible and not torch.__future__.get_overwrite_module_params_on_conversion()
+
+
+def _convert_parameters(module: nn.Module, fn) -> None:
+    """Each parameter of `module` (not its children's) and its gradient converted by `fn` as PyTorch's Module._apply
+    converts real ones: swapped with `torch.__future__`'s swap (the object kept, its contents new), else set in place
+    (`param.data =`: the object kept with its attributes and hooks, so an optimizer made before the move keeps it),
+    else replaced by a new Parameter (overwrite, or a move to another kind of tensor)."""
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    for key, param in module._parameters.items():
+        if param is None:
+            continue
+        with torch.no_grad():
+            applied = fn(param)
+        grad = param.grad
+        swapped = False
+        if swap or is_traceable_wrapper_subclass(applied):
+            param.grad = None  # as PyTorch: a reference more to the gradient's tensor would prevent swapping
+            swapped = _swap(param, nn.Parameter(applied, requires_grad=param.requires_grad))
+            param.grad = grad if not swapped else None
+        if swapped or _set_data_allowed(param, applied):
+            if not swapped:
+                _set_data(param, applied)
+            out = param
+        else:
+            out = nn.Parameter(applied, param.requires_grad)
+            module._parameters[key] = out
+        if grad is None:
+            continue
+        with torch.no_grad():
+            grad_applied = fn(grad)
+        if swapped and _swap(grad, grad_applied.requires_grad_(grad.requires_grad)):
+            out.grad = grad
+        elif not swapped and _set_data_allowed(grad, grad_applied):
+            _set_data(grad, grad_applied)
+        else:
+            out.grad = grad_applied.requires_grad_(grad.requires_grad)
+
+
+def _apply_fake(original):
+    """Module._apply that converts a module holding fake tensors as PyTorch's converts real ones: its children first
+    (through their own `_apply`), then its parameters (`_convert_parameters`), then each buffer, replaced by its
+    converted tensor."""
+
+    def apply(self, fn, recurse=True):
+        if not any(is_fake(t) for t in (*self._parameters.values(), *self._buffers.values())):
+            return original(self, fn, recurse)  # its children through their own _apply, then this one
+        if recurse:
+            for child in self.children():
+                child._apply(fn)
+        _convert_parameters(self, fn)
+        for key, buffer in self._buffers.items():
+            if buffer is not None:
+                self._buffers[key] = fn(buffer)
+        return self
+
+    apply.memplan_fake = True
+    return apply
+
+
+@contextlib.contextmanager
+def fake_module_apply() -> Iterator[None]:
+    """While the block runs, `Module._apply` converts modules of fake tensors as PyTorch converts real ones
+    (`_apply_fake`); nothing changes when it does so already (inside a FakeCapture)."""
+    original = nn.Module._apply
+    if getattr(original, "memplan_fake", False):
+        yield
+        return
+    nn.Module._apply = _apply_fake(original)
+    try:
+        yield
+    finally:
+        nn.Module._apply = original
+
+
 def module_to(model: nn.Module, device=None, dtype: torch.dtype | None = None) -> nn.Module:
-    """`model.to(device, dtype)`, also for a model of fake tensors: fake parameters cannot be swapped in
-    place (fake tensor mode holds weak references to them), so each is rebound to its converted copy,
-    tied ones once, keeping what the program attached to it (attributes, gradient hooks) as `Module.to`
-    does. Only floating-point tensors change dtype, as with `Module.to`; a tensor already on `device` in its dtype
-    stays itself, as it does with `Module.to` (an optimizer made before a second `.to` keeps its parameters)."""
-    if not any(is_fake(t) for t in (*model.parameters(), *model.buffers())):
+    """`model.to(device, dtype)`, also for a model of fake tensors (outside a FakeCapture too), as PyTorch's
+    `Module.to` treats real tensors: each parameter stays the same object (an optimizer made before the move keeps
+    it), its gradient hooks and attributes with it (unless `torch.__future__` says otherwise), and each buffer is
+    replaced by its converted copy."""
+    with fake_module_apply():
         return model.to(device=device, dtype=dtype)
-    converted: dict[int, torch.Tensor] = {}
-    target = torch.device(device) if device is not None else None
-
-    def placed(t: torch.Tensor) -> bool:
-        same_device = target is None or (t.device.type == target.type and target.index in (None, t.device.index))
-        return same_device and (dtype is None or not t.is_floating_point() or t.dtype == dtype)
-
-    def convert(t: torch.Tensor) -> torch.Tensor:
-        if placed(t):
-            return t
-        if id(t) not in converted:
-            new = t.detach().to(device=device, dtype=dtype if t.is_floating_point() else None)
-            if isinstance(t, nn.Parameter):
-                new = nn.Parameter(new, t.requires_grad)
-                # the program's attributes only: the fake tensor's own (its device, mode, memos, known values) are
-                # the copy's
-                new.__dict__.update({k: v for k, v in t.__dict__.items() if k not in new.__dict__ and k != ATTRIBUTE})
-                if t._backward_hooks:
-                    new._backward_hooks = t._backward_hooks
-            converted[id(t)] = new
-        return converted[id(t)]
-
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for name, t in table.items():
-                if t is not None:
-                    table[name] = convert(t)
-    return model
 
 
 def _tensor_to(original):
@@ -267,18 +360,6 @@ def _recorded_resize(original, recorder: Recorder):
     return resize_
 
 
-def _module_to(original):
-    """Module.to that moves a model of fake tensors with module_to."""
-
-    def to(self, *args, **kwargs):
-        if not any(is_fake(t) for t in (*self.parameters(), *self.buffers())):
-            return original(self, *args, **kwargs)
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        return module_to(self, device=device, dtype=dtype)
-
-    return to
-
-
 def _cuda(to):
     """`.cuda(device=None)` as `.to("cuda[:device]")`."""
 
@@ -362,6 +443,7 @@ class FakeCapture(ExactCache):
         self.data_dependent: Counter[str] = Counter()  # op -> times DATA_RULE read values nobody knows as 0
         self.known = KnownValues(routing)  # the values the step knows: constants, the routing rule's choices
         self._originals: list[tuple[type, str, object]] = []
+        self._waiting: list[Waiting] = []  # patches of modules the program has not imported yet
         self._depth = 0  # fake tensor mode enters itself again inside ops: patch once, on the outermost
         self._dispatching = 0  # ops under way: those inside one are fake tensor mode's own (a decomposition)
         self._cublas_workspace = cublas_workspace  # bytes per cuBLAS handle on a fake CUDA step (0: none)
@@ -376,29 +458,45 @@ class FakeCapture(ExactCache):
 
     def __enter__(self):
         if self._depth == 0:
-            to, module_to_ = _tensor_to(torch.Tensor.to), _module_to(nn.Module.to)
+            to = _tensor_to(torch.Tensor.to)
             for owner, name, method in (
                 (torch.Tensor, "to", to),
                 (torch.Tensor, "cuda", _cuda(to)),
-                (nn.Module, "to", module_to_),
-                (nn.Module, "cuda", _cuda(module_to_)),
+                (nn.Module, "_apply", _apply_fake(nn.Module._apply)),
                 (torch, "tensor", _tensor_from_data(torch.tensor)),
                 (nn.functional, "one_hot", _one_hot(nn.functional.one_hot)),
                 (torch.Tensor, "__format__", _tensor_format(torch.Tensor.__format__)),
                 (torch.UntypedStorage, "resize_", _recorded_resize(torch.UntypedStorage.resize_, self._recorder)),
                 *self.patches(),
                 *fake_distributed.patches(),
-                *hf_fake.patches(),
+                *quiet_logs.patches(),
             ):
-                self._originals.append((owner, name, getattr(owner, name)))
-                setattr(owner, name, method)
+                self._patch(owner, name, method)
+            self._waiting = [on_import(hf_fake.MASKING, self._patch_module(hf_fake.patches))]
             FOREACH_TYPES.append(FakeTensor)
         self._depth += 1
         return super().__enter__()
 
+    def _patch(self, owner: object, name: str, replacement: object) -> None:
+        """Set `owner.name` to `replacement` until the capture ends."""
+        self._originals.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, replacement)
+
+    def _patch_module(self, patches: Callable) -> Callable:
+        """What patches a module when it is (or once it is) imported: each of `patches(module)` until the capture
+        ends."""
+
+        def patch(module) -> None:
+            for owner, name, replacement in patches(module):
+                self._patch(owner, name, replacement)
+
+        return patch
+
     def __exit__(self, *exc):
         self._depth -= 1
         if self._depth == 0:
+            while self._waiting:
+                self._waiting.pop().remove()
             while self._originals:
                 owner, name, original = self._originals.pop()
                 setattr(owner, name, original)
@@ -435,6 +533,8 @@ class FakeCapture(ExactCache):
         kwargs = kwargs or {}
         inputs = tensor_arguments(args, kwargs)
         known = self.known.inputs(func, inputs)
+        if known is not None and (func in INDEXED or func is aten.index.Tensor):
+            check_bounds(func, args, kwargs)  # indices known out of range: the real op raises
         self._dispatching += 1
         try:
             try:

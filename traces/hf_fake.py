@@ -6,13 +6,14 @@ SDPA apply its own causal mask: it builds the full mask (and for grouped-query a
 instead of passing `enable_gqa`), so a fake step chose another attention kernel, with other buffers, than the real
 one (an H200 step of a Llama config in fp32: math attention, 64 MiB a layer, against the fake step's
 memory-efficient kernel; tests/test_cuda_snapshots.py). Under the capture these helpers see no tracing, and the two
-questions they would answer from the data (any padding? several sequences packed in a row?) are answered no.
+questions they would answer from the data (any padding? several sequences packed in a row?) are answered no. The
+helpers are patched whether the program imported transformers before the capture began or imports it inside.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
+from types import ModuleType
 
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -51,11 +52,9 @@ def _unpadded(fast_all: Callable) -> Callable:
 WRAPPERS = {"is_tracing": _untraced, "find_packed_sequence_indices": _unpacked, "fast_all": _unpadded}
 
 
-def patches() -> Iterator[tuple[object, str, Callable]]:
-    """(module, name, replacement) for each helper of transformers' masking module, when a model imported it."""
-    masking = sys.modules.get(MASKING)
-    if masking is None:
-        return
+def patches(masking: ModuleType) -> Iterator[tuple[object, str, Callable]]:
+    """(module, name, replacement) for each helper of transformers' masking module `masking` (MASKING), which a
+    capture patches whenever it is imported, before the capture or inside it (traces/on_import.py)."""
     for name, wrap in WRAPPERS.items():
         original = getattr(masking, name, None)
         if original is not None:

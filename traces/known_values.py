@@ -197,6 +197,77 @@ def _written(func, args, kwargs) -> list:
     return written
 
 
+# Ops that read a tensor at given indices, and whose real kernels refuse an index out of range (an IndexError or, for
+# gather, a RuntimeError on the CPU; a device-side assert on CUDA): op -> (the indexed tensor's argument, the
+# dimension's argument or a fixed dimension, the indices' argument), by position.
+INDEXED = {
+    aten.embedding.default: (0, 0, 1),  # weight, rows, indices
+    aten.index_select.default: (0, "1", 2),  # self, dim, index
+    aten.gather.default: (0, "1", 2),  # self, dim, index
+}
+BOUNDS_LIMIT = 1 << 22  # elements: indices up to this many are checked (a constant's made for it: position ids)
+
+
+def _known_indices(t) -> torch.Tensor | None:
+    """The values of an index tensor when they are known (and not too many to check), else None."""
+    found = known(t) if isinstance(t, torch.Tensor) else None
+    if found is None or found.numel > BOUNDS_LIMIT or found.numel == 0:
+        return None
+    try:
+        value = found.value
+    except RuntimeError:
+        return None
+    return value if not value.is_floating_point() and value.dtype != torch.bool else None
+
+
+def check_bounds(func, args, kwargs) -> None:
+    """Raise what the real op raises when `func` (INDEXED, or advanced indexing `aten.index`) reads at indices known
+    to be out of range for the tensor it reads (position ids from `arange` past an embedding's rows: GPT-2 at a
+    sequence longer than its `n_positions`); nothing when the indices are unknown or in range."""
+    if func is aten.index.Tensor:
+        _check_advanced(args[0], args[1] if len(args) > 1 else kwargs["indices"])
+        return
+    where = INDEXED.get(func)
+    if where is None:
+        return
+    tensor_at, dim_at, index_at = where
+    values = args[:3] if len(args) >= 3 else (*args, *kwargs.values())
+    tensor, index = values[tensor_at], values[index_at]
+    dim = int(values[int(dim_at)]) if isinstance(dim_at, str) else dim_at
+    indices = _known_indices(index)
+    if indices is None:
+        return
+    size = tensor.shape[dim % tensor.dim()] if tensor.dim() else 1
+    low, high = int(indices.min()), int(indices.max())
+    if low >= 0 and high < size:
+        return
+    bad = high if high >= size else low
+    name = str(func.overloadpacket).replace("aten.", "aten::")
+    if func is aten.gather.default:
+        raise RuntimeError(f"index {bad} is out of bounds for dimension {dim} with size {size} ({name})")
+    raise IndexError(f"index out of range in self: {name} reads index {bad} of a dimension of size {size}")
+
+
+def _check_advanced(tensor: torch.Tensor, indices) -> None:
+    """`tensor[indices]` (aten.index) with integer indices known out of [-size, size): IndexError as torch raises."""
+    dim = 0
+    for index in indices:
+        if index is None:
+            dim += 1
+            continue
+        if index.dtype in (torch.bool, torch.uint8):  # a mask over as many dimensions as it has
+            dim += index.dim()
+            continue
+        values = _known_indices(index)
+        if values is not None and dim < tensor.dim():
+            size = tensor.shape[dim]
+            low, high = int(values.min()), int(values.max())
+            if low < -size or high >= size:
+                bad = high if high >= size else low
+                raise IndexError(f"index {bad} is out of bounds for dimension {dim} with size {size}")
+        dim += 1
+
+
 class KnownValues:
     """The values one fake capture knows (see the module docstring), and what it answered from them."""
 

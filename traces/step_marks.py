@@ -10,13 +10,15 @@ this allocates tensor memory, so the step's allocations stay those of a plain st
 from __future__ import annotations
 
 import contextlib
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from memplan.traces.communication import collective_buffers
+from memplan.traces.on_import import patched_on_import
 from memplan.traces.recorder import BACKWARD, FORWARD, OPTIMIZER, OTHER, Recorder
 from memplan.traces.resident import local_tensor
 from memplan.traces.workload import Workload, optimizer_state
@@ -52,12 +54,21 @@ def state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
                 yield value
 
 
-def _never_compiled(hook):
-    """`hook` kept out of torch.compile: a compiled model calls its hooks from its eager parts (at graph breaks),
-    and Dynamo compiling them there would be work, and allocations, that a plain step does not do. Without
-    torch._dynamo imported nothing is compiled (and importing it would cost seconds inside an eager step)."""
-    dynamo = sys.modules.get("torch._dynamo")
-    return hook if dynamo is None else dynamo.disable(hook)
+def _never_compiled(handles: list[tuple[RemovableHandle, Callable]]) -> Callable[[ModuleType], None]:
+    """What keeps the module hooks registered with `handles` out of torch.compile once torch._dynamo is imported (at
+    once if it is, else when the program imports it: traces/on_import.py): a compiled model calls its hooks from its
+    eager parts (at graph breaks), and Dynamo compiling them there would be work, and allocations, that a plain step
+    does not do. Without torch._dynamo imported nothing is compiled (and importing it would cost seconds inside an
+    eager step)."""
+
+    def disable(dynamo: ModuleType) -> None:
+        disabled = {hook: dynamo.disable(hook) for hook in {hook for _, hook in handles}}
+        for handle, hook in handles:
+            table = handle.hooks_dict_ref()
+            if table is not None and handle.id in table:
+                table[handle.id] = disabled[hook]
+
+    return disable
 
 
 @contextlib.contextmanager
@@ -68,14 +79,12 @@ def _module_labels(model: torch.nn.Module, roots: list[torch.nn.Module], recorde
     entered: list[int] = []
     starts = {id(m) for m in roots}
 
-    @_never_compiled
     def enter(module, _inputs):
         if id(module) in starts and not entered and torch.is_grad_enabled():
             recorder.set_phase(FORWARD)
         recorder.enter_module(labels.get(id(module)) or recorder.intern(type(module).__name__))
         entered.append(1)
 
-    @_never_compiled
     def leave(_module, _inputs, _output):
         if entered:
             entered.pop()
@@ -83,12 +92,13 @@ def _module_labels(model: torch.nn.Module, roots: list[torch.nn.Module], recorde
 
     handles = []
     for m in model.modules():
-        handles.append(m.register_forward_pre_hook(enter))
-        handles.append(m.register_forward_hook(leave, always_call=True))
+        handles.append((m.register_forward_pre_hook(enter), enter))
+        handles.append((m.register_forward_hook(leave, always_call=True), leave))
     try:
-        yield
+        with patched_on_import("torch._dynamo", _never_compiled(handles)):
+            yield
     finally:
-        for h in handles:
+        for h, _ in handles:
             h.remove()
         while entered:
             entered.pop()
