@@ -490,11 +490,18 @@ def explain_command(snapshot, gpu_name, memory, outside, cuda_device, as_json):
     "--output",
     type=click.Path(dir_okay=False),
     default=None,
-    help="Write the whole program as a trace file (its steps marked; memplan simulate, plot, report read it).",
+    help="Write the program as a trace file: its last step, the whole program with it (steps marked).",
 )
+@click.option(
+    "--nproc",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Ranks of a script that starts its own (torchrun's and accelerate launch's are read from them).",
+)
+@click.option("--rank", "rank_of", default=None, hidden=True, help="R/N: run rank R of N here (how ranks start).")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
-def check_command(gpu_name, steps, alloc_conf, torch_version, output, as_json, command):  # fmt: skip
+def check_command(gpu_name, steps, alloc_conf, torch_version, output, nproc, rank_of, as_json, command):  # fmt: skip
     """Run your own training script, unmodified, on a fake GPU for its first steps: does it fit, or where does it
     run out of memory? CUDA is memplan's fake device of that GPU (nothing is computed, any size runs); PyTorch's
     caching allocator is simulated as the program runs, so torch.cuda's memory statistics answer from it and a
@@ -503,12 +510,14 @@ def check_command(gpu_name, steps, alloc_conf, torch_version, output, as_json, c
     \b
     Example: memplan check --gpu H100 -- python train.py --batch-size 8
     Example: memplan check --gpu H200 --steps 2 --alloc-conf expandable_segments:True -- train.py
+    Example: memplan check --gpu H100 -- torchrun --nproc-per-node 8 train_fsdp.py
     """
     from memplan.planner.jobs.check import CheckOptions, check_program
     from memplan.planner.report.check_text import render_check
 
     target = find_gpu(gpu_name or "H100-80GB")
-    options = CheckOptions(tuple(command), target, steps, alloc_conf, torch_version)
+    rank = tuple(int(x) for x in rank_of.split("/")) if rank_of else None
+    options = CheckOptions(tuple(command), target, steps, alloc_conf, torch_version, nproc, rank)
     progress(f"running {' '.join(command)} on a fake {target.name} for {steps} optimizer steps")
     # with --json, stdout is the JSON document alone: the script's own output goes to stderr
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():

@@ -114,3 +114,32 @@ def test_a_script_that_watches_its_own_memory_gets_the_fake_gpus_answers(tmp_pat
     assert int(printed[-1][0].replace(",", "")) <= answer["peak_allocated"]
     imported = CliRunner().invoke(main, ["import", str(snapshot), "--json"])
     assert imported.exit_code == 0 and json.loads(imported.stdout)["buffers"] > 0
+
+
+@pytest.mark.parametrize("ranks", [2, 8])
+def test_an_fsdp2_torchrun_script_runs_its_ranks_on_the_fake_process_group(ranks):
+    """`torchrun --nproc-per-node N SCRIPT`: each rank in a process of its own on the fake process group (the script
+    asks for NCCL), the first and last compared; FSDP2 shards the parameters, so more ranks hold less each, and NCCL's
+    buffers are among the outside terms."""
+    script = str(SCRIPTS / "fsdp2_train.py")
+    result = check("--gpu", "H100", "--json", "--", "torchrun", f"--nproc-per-node={ranks}", script)
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    assert answer["fits"] and answer["world_size"] == ranks and answer["ranks"] == [0, ranks - 1]
+    assert answer["alike"] is True and answer["steps_run"] == 3
+    assert any(t["name"].startswith("NCCL") for t in answer["budget"]["outside"])
+    single = json.loads(check("--gpu", "H100", "--json", "--nproc", "1", "--", script).stdout)
+    assert answer["peak_allocated"] < single["peak_allocated"]  # the shards: less per rank than one process holds
+
+
+@pytest.mark.parametrize(
+    "command,error",
+    [
+        (["torchrun", "--nproc-per-node", "x", "a.py"], "--nproc-per-node 'x': a number of processes"),
+        (["torchrun", "--nnodes", "2", "--nproc-per-node", "2", "a.py"], "--nnodes 2: memplan check runs one node"),
+        (["torchrun", "--nproc-per-node", "2"], "the launcher names no script"),
+    ],
+)
+def test_a_launcher_command_it_cannot_run_is_one_error(command, error):
+    result = CliRunner().invoke(main, ["check", "--", *command])
+    assert result.exit_code == 1 and error in result.output.strip().splitlines()[-1]

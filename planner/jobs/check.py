@@ -13,15 +13,19 @@ catch, at its op, module, phase and step.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import runpy
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from memplan.errors import MemplanError
@@ -30,7 +34,7 @@ from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.live import LiveDevice
 from memplan.planner.simulate.verdict import Budget, outside_terms
 from memplan.traces.capture import recording_session
-from memplan.traces.format import PHASES, Program, save
+from memplan.traces.format import PHASES, Program, load, save
 from memplan.traces.program import step_view
 
 PYTHONS = ("python", "python3", Path(sys.executable).name)
@@ -54,6 +58,8 @@ class CheckOptions:
     steps: int = 3  # optimizer steps the program runs before it is stopped
     alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF simulated
     torch_version: str | None = None  # the torch whose rules the fake GPU follows (None: the installed one)
+    nproc: int | None = None  # ranks of a distributed script that starts its own (torchrun's are read from its command)
+    rank: tuple[int, int] | None = None  # (rank, world): run this one rank in this process (how ranks are started)
 
     def __post_init__(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
@@ -95,6 +101,10 @@ class CheckResult:
     data_dependent: dict[str, int] = field(default_factory=dict)  # values nobody knew, read by DATA_RULE
     seconds: float = 0.0
     program: Program | None = None  # the whole program as a trace (not in the JSON: save it with -o)
+    world_size: int | None = None  # ranks of a distributed program (the fake process group), None for one process
+    rank: int | None = None  # the rank this answer is (the tightest of those run)
+    ranks_run: list[int] = field(default_factory=list)  # the ranks run, each a program of its own
+    alike: bool | None = None  # the first and last ranks ran the same program (so the rest are taken as alike)
 
     @property
     def fits(self) -> bool:
@@ -109,6 +119,7 @@ class CheckResult:
     def to_dict(self) -> dict:
         """The JSON document of `memplan check --json` (keys in docs/cli.md)."""
         out = {k: v for k, v in asdict(self).items() if k != "program"}
+        out["ranks"] = out.pop("ranks_run")
         return {**out, "command": list(self.command), "fits": self.fits, "headroom": self.headroom}
 
 
@@ -156,6 +167,70 @@ def _arguments(command: tuple[str, ...]) -> Iterator[tuple[str, str]]:
         sys.argv, sys.path[:] = argv, path
 
 
+LAUNCHERS = ("torchrun", "torch.distributed.run", "accelerate")
+NPROC_FLAGS = ("--nproc-per-node", "--nproc_per_node", "--num_processes", "--num-processes")
+
+
+def launched(command: tuple[str, ...]) -> tuple[tuple[str, ...], int | None]:
+    """The script command a launcher runs and its number of ranks (`torchrun --nproc-per-node N SCRIPT ARGS`,
+    `python -m torch.distributed.run ...`, `accelerate launch --num_processes N SCRIPT ARGS`); a command without a
+    launcher is itself, with None."""
+    words = list(command)
+    if Path(words[0]).name in PYTHONS and words[1:3] == ["-m", "torch.distributed.run"]:
+        words = ["torchrun", *words[3:]]
+    if Path(words[0]).name == "accelerate" and words[1:2] == ["launch"]:
+        words = ["accelerate", *words[2:]]
+    if Path(words[0]).name not in ("torchrun", "accelerate"):
+        return command, None
+    nproc, rest = 1, words[1:]
+    while rest and rest[0].startswith("-"):
+        flag, _, value = rest.pop(0).partition("=")
+        if flag in ("--standalone", "--no-python", "--multi_gpu", "--multi-gpu", "--no_python"):
+            continue
+        value = value or (rest.pop(0) if rest else "")
+        if flag in NPROC_FLAGS:
+            if not value.isdigit() or int(value) < 1:
+                raise CheckError(f"{flag} {value!r}: a number of processes (memplan check runs them on the fake "
+                                 "process group)")  # fmt: skip
+            nproc = int(value)
+        elif flag in ("--nnodes", "--num_machines", "--num-machines") and value not in ("1", "1:1"):
+            raise CheckError(f"{flag} {value}: memplan check runs one node's ranks; give the ranks per node")
+    if not rest:
+        raise CheckError(f"{' '.join(command)}: the launcher names no script")
+    return ("python", *rest), nproc
+
+
+@contextlib.contextmanager
+def _rank(rank: int, world: int) -> Iterator[None]:
+    """The environment a launcher gives rank `rank` of `world`, each rank on its own node's one GPU (LOCAL_RANK 0:
+    the fake GPU is device 0), and torch.distributed.init_process_group on the fake process group whatever backend the
+    script asks for (collectives move nothing; what they hold is traced)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # importing it registers the "fake" backend
+
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "GROUP_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}  # fmt: skip
+    saved = {k: os.environ.get(k) for k in env}
+    original = dist.init_process_group
+
+    def init_process_group(backend=None, *args, **kwargs):
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("init_method", "store", "rank", "world_size")}
+        return original("fake", store=FakeStore(), rank=rank, world_size=world, **kwargs)
+
+    os.environ.update(env)
+    dist.init_process_group = init_process_group
+    try:
+        yield
+    finally:
+        dist.init_process_group = original
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 @contextlib.contextmanager
 def _stop_after(steps: int, counter: list[int]) -> Iterator[None]:
     """Count optimizer steps as they return; stop the program after `steps`."""
@@ -174,19 +249,93 @@ def _stop_after(steps: int, counter: list[int]) -> Iterator[None]:
 
 def check_program(options: CheckOptions) -> CheckResult:
     """Run the command's script on the fake GPU for `options.steps` optimizer steps, the caching allocator simulated
-    live; what it did and whether it fits."""
+    live; what it did and whether it fits. A distributed script (a launcher's command, or `nproc`) runs its first
+    and last ranks on the fake process group, each a program of its own; when they ran the same program the ranks
+    between are taken as alike, else every rank runs. The answer is the tightest rank's."""
     started = time.perf_counter()
+    command, world = launched(options.command)
+    if options.rank is not None:
+        world = options.rank[1]
+    elif options.nproc is not None:
+        if world is not None and world != options.nproc:
+            raise CheckError(f"--nproc {options.nproc}: the launcher starts {world} processes")
+        world = options.nproc
+    if world is None or options.rank is not None:
+        rank, world = options.rank or (None, None)
+        result = _run(options, command, rank, world)
+        result.seconds = time.perf_counter() - started
+        return result
+    # each rank in a process of its own, as a launcher starts them (a process's first program is what a rank runs)
+    with tempfile.TemporaryDirectory(prefix=".memplan-check-") as folder:
+        results = {rank: _spawn(options, rank, world, Path(folder)) for rank in dict.fromkeys((0, world - 1))}
+        alike = _same_program(results[0], results[world - 1])
+        if not alike:
+            results.update({rank: _spawn(options, rank, world, Path(folder)) for rank in range(1, world - 1)})
+    tightest = min(results.values(), key=lambda r: (r.fits, -r.peak_reserved))
+    tightest.ranks_run, tightest.alike, tightest.seconds = sorted(results), alike, time.perf_counter() - started
+    return tightest
+
+
+def _spawn(options: CheckOptions, rank: int, world: int, folder: Path) -> CheckResult:
+    """Rank `rank` of `world` checked by `memplan check --rank` in a process of its own; its answer and program."""
+    output = folder / f"rank{rank}.json.gz"
+    command = [
+        sys.executable,
+        "-m",
+        "memplan.cli",
+        "check",
+        "--gpu",
+        options.gpu.name,
+        "--steps",
+        str(options.steps),
+        "--alloc-conf",
+        options.alloc_conf,
+        "--rank",
+        f"{rank}/{world}",
+        "--json",
+        "-o",
+        str(output),
+    ]
+    command += ["--outside", str(options.gpu.outside)] if options.gpu.outside is not None else []
+    command += ["--torch", options.torch_version] if options.torch_version else []
+    done = subprocess.run([*command, "--", *options.command], stdout=subprocess.PIPE, text=True)
+    if done.returncode not in (0, 3):
+        raise CheckError(f"rank {rank} of {world}: memplan check failed (exit code {done.returncode}; its error above)")
+    data = json.loads(done.stdout)
+    failures = [Failure(**f) for f in data.pop("failures")]
+    known = {f.name for f in fields(CheckResult)}
+    values = {k: v for k, v in data.items() if k in known}
+    values.update(command=tuple(data["command"]), failures=failures, ranks_run=data["ranks"])
+    result = CheckResult(**values)
+    result.program = load(output).program if output.exists() else None
+    return result
+
+
+def _same_program(a: CheckResult, b: CheckResult) -> bool:
+    """Whether two ranks ran the same program: the same allocations and frees, in order."""
+    if a.program is None or b.program is None:
+        return a is b
+    x, y = a.program.trace, b.program.trace
+    return len(x) == len(y) and bool(
+        (x.size == y.size).all() and (x.alloc == y.alloc).all() and (x.free == y.free).all()
+    )
+
+
+def _run(options: CheckOptions, command: tuple[str, ...], rank: int | None, world: int | None) -> CheckResult:
+    """One process of the program (rank `rank` of `world` on the fake process group, or the only one)."""
     conf = parse_alloc_conf(options.alloc_conf)
     counter, finished, escaped = [0], "exited", None
     live: LiveDevice | None = None
-    # 1. The budget: a fake CUDA capture allocates the cuBLAS workspaces itself; what lies outside is the GPU's.
-    with _arguments(options.command) as (kind, target):
+    # 1. The budget: a fake CUDA capture allocates the cuBLAS workspaces itself; what lies outside is the GPU's
+    # (with NCCL's buffers for a rank).
+    with _arguments(command) as (kind, target), _rank(rank, world) if world else contextlib.nullcontext():
         meta = {"device": "cuda", "fake": True, "cublas_workspace": 1, "cublaslt_workspace": 1,
-                "torch_rules": options.torch_version}  # fmt: skip
+                "torch_rules": options.torch_version, **({"world_size": world} if world else {})}  # fmt: skip
         budget = _budget(options, meta)
         live = LiveDevice(options.gpu.memory, budget.outside_bytes, conf)
         # 2. The script, run as __main__ on the fake GPU with the live allocator, until it has run its steps.
         session_meta = {"source": "memplan check", "command": list(options.command)}
+        session_meta.update({"rank": rank, "world_size": world} if world else {})
         with recording_session("cuda", fake=True, gpu=options.gpu, torch_version=options.torch_version,
                                memory=live, meta=session_meta) as session:  # fmt: skip
             with _stop_after(options.steps, counter):
@@ -230,6 +379,8 @@ def check_program(options: CheckOptions) -> CheckResult:
         peak_reserved=live.peak_reserved,
         failures=failures,
         data_dependent=session.data_dependent(),
-        seconds=time.perf_counter() - started,
         program=program,
+        world_size=world,
+        rank=rank,
+        ranks_run=[] if rank is None else [rank],
     )

@@ -26,6 +26,11 @@ def render_check(d: dict) -> str:
         head,
         f"peak allocated {format_size(d['peak_allocated'])}, peak reserved {format_size(d['peak_reserved'])}",
     ]
+    if d.get("world_size"):
+        run = ", ".join(map(str, d["ranks"]))
+        alike = "; the first and last ran the same program, the rest taken as alike" if d["alike"] else ""
+        lines.append(f"{d['world_size']} ranks on the fake process group: ran rank{'s' * (len(d['ranks']) > 1)} "
+                     f"{run}{alike}; this is rank {d['rank']}'s answer, the tightest")  # fmt: skip
     for f in d["failures"]:
         if f["caught"]:
             lines.append(f"the program caught an out-of-memory error at {f['op'] or 'an allocation'} ({f['where']}, "
