@@ -4,12 +4,11 @@ nonsense the command line refuses (a capacity of -1, an empty GPU name) is refus
 
 from __future__ import annotations
 
-import signal
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+from timeouts import within
 from torch import nn
 
 import memplan
@@ -20,22 +19,6 @@ TRACE_FILE = CORPUS / "good.trace.json"
 PLAN_FILE = CORPUS / "good.plan.json"
 MODEL = Path(__file__).resolve().parents[1] / "examples" / "bert.py"  # never built: its arguments fail first
 SECONDS = 10
-
-
-@contextmanager
-def within(seconds: float):
-    """TimeoutError in this thread when the block runs longer than `seconds`."""
-
-    def expire(_signum, _frame):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def record_a_step(**options):

@@ -10,14 +10,13 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
-import signal
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from timeouts import within
 
 import memplan
 import memplan.planner.jobs.files  # noqa: F401  (the commands' modules, imported before the clock starts)
@@ -64,22 +63,6 @@ def readers(kind: str, path: str, out: Path) -> dict[str, list[str]]:
             "fit": ["fit", path, "--fake", "--memory", "16MiB", "--seq", "8", "--layers", "as-built"],
         }
     return {"import": ["import", path, "-o", str(out / "t.json.gz")], "explain": ["explain", path]}
-
-
-@contextmanager
-def within(seconds: float):
-    """Raise TimeoutError in this thread when the block runs longer than `seconds` (a hang fails the test)."""
-
-    def expire(_signum, _frame):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def one_error_line(args: list[str], seconds: float = SECONDS) -> str:
