@@ -143,3 +143,24 @@ def test_an_fsdp2_torchrun_script_runs_its_ranks_on_the_fake_process_group(ranks
 def test_a_launcher_command_it_cannot_run_is_one_error(command, error):
     result = CliRunner().invoke(main, ["check", "--", *command])
     assert result.exit_code == 1 and error in result.output.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_accelerates_batch_search_settles_at_most_at_fits_answer_for_the_same_step():
+    """accelerate's find_executable_batch_size, from just above the batch `memplan fit` gives for the same step (the
+    script is its model file too), steps down as the fake H100 raises out-of-memory errors and settles at fit's
+    answer or a little below: its failed attempts (AdamW's state made among the larger batch's leftovers) are its
+    program's history, which a fresh program does not have."""
+    script = str(SCRIPTS / "find_batch_size.py")
+    fitted = CliRunner().invoke(main, ["fit", script, "--gpu", "H100", "--seq", "1024", "--layers", "as-built",
+                                       "--capture", "fake", "--json"])  # fmt: skip
+    assert fitted.exit_code == 0, fitted.output
+    answer = json.loads(fitted.stdout)["modes"][0]["caching"]["batch"]
+    result = check("--gpu", "H100", "--steps", "50", "--json", "--", "python", script, "--start", str(answer + 1))
+    assert result.exit_code == 0, result.output
+    tried = [int(b) for b in re.findall(r"trying batch (\d+)", result.stderr)]
+    settled = int(re.search(r"three steps run at batch (\d+)", result.stderr).group(1))
+    assert (
+        tried[0] == answer + 1 and settled == tried[-1] and len(json.loads(result.stdout)["failures"]) == len(tried) - 1
+    )
+    assert 0.95 * answer <= settled <= answer
