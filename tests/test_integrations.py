@@ -257,6 +257,9 @@ def test_a_dry_run_is_memplan_records_fake_step_and_holds_the_real_runs_state(tm
     fake = dry_run(lambda: trainer(tmp_path, steps=10, accumulation=accumulation), step=step, output=out)
     assert memplan.load_trace(out).meta == fake.meta
     assert fake.meta["fake"] and fake.meta["dry_run"] and fake.meta["source"] == SOURCE and fake.meta["step"] == step
+    # the whole program: construction, Trainer's steps before the measured one (each ended at the optimizer's step)
+    program = memplan.load_trace(out).program
+    assert program.measured == step and [s.measured for s in program.steps[: step + 1]] == [False] * step + [True]
     with memplan.record(fake=True) as recording:
         hand, batches, items = trained_to(tmp_path, step, accumulation)
         with recording.step(hand.model, unwrap_optimizer(hand.optimizer), inputs=(batches, items)):
