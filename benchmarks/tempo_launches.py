@@ -8,11 +8,13 @@ uncounted step (the optimizer's state made).
 
     .venv/bin/python benchmarks/tempo_launches.py
     .venv/bin/python benchmarks/tempo_launches.py --eager          # the eager math counted too (MEMPLAN_FUSED=0)
+    .venv/bin/python benchmarks/tempo_launches.py --models gpt2 --preset small --batch 8 --seq 1024
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import torch
@@ -70,13 +72,17 @@ def main() -> None:
     parser.add_argument("--models", default="bert,gpt2,llama", help="model files whose steps are counted")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--preset", default="tiny", help="the model files' MEMPLAN_PRESET (gpt2: small, medium)")
+    parser.add_argument("--no-layers", dest="layers", action="store_false", help="count the steps only")
     args = parser.parse_args()
+    os.environ["MEMPLAN_PRESET"] = args.preset
     shape, dtype = tuple(args.shape), DTYPES[args.dtype]
-    print(f"launches of one forward + backward on fake CUDA, input {shape}, {args.heads} heads, {args.dtype}")
-    print("\n".join(layer_table(shape, args.heads, dtype, args.eager)))
+    if args.layers:
+        print(f"launches of one forward + backward on fake CUDA, input {shape}, {args.heads} heads, {args.dtype}")
+        print("\n".join(layer_table(shape, args.heads, dtype, args.eager)))
     step_dtype = "bfloat16" if args.dtype == "bf16" else "float32"
     models = [m for m in args.models.split(",") if m]
-    print(f"\nlaunches of one training step on fake CUDA (the model files' tiny preset), b {args.batch}, s {args.seq}")
+    print(f"\nlaunches of one training step on fake CUDA ({args.preset} preset), b {args.batch}, s {args.seq}")
     print("\n".join(step_table(models, args.batch, args.seq, step_dtype)))
 
 
