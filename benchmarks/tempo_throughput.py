@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from memplan.errors import MemplanError
 from memplan.gpus import gpu
 from memplan.modes import AS_BUILT, FULL, JOIN, SELECTIVE, TEMPO
 from memplan.planner.cost import time_workloads
@@ -65,7 +66,10 @@ def fit_one(name: str, step: StepSpec, mode: str, gpu_name: str | None, memory: 
     with preset(name):
         size = None if memory is None else parse_size(memory)
         named = None if gpu_name is None else gpu(gpu_name)
-        result = fit_model(step, size, gpu=named, modes=(mode,), capture="fake", time_limit=time_limit)
+        try:
+            result = fit_model(step, size, gpu=named, modes=(mode,), capture="fake", time_limit=time_limit)
+        except MemplanError as e:  # no batch fits, or the search's cap: said, and the mode not timed
+            return None, {"error": str(e)}
     budget = {"memory": result.memory, **({"gpu": result.budget.as_dict()} if result.budget is not None else {})}
     return result.modes[0].batch["caching"], budget
 
@@ -81,7 +85,9 @@ def largest_batches(name: str, step: StepSpec, args: argparse.Namespace, progres
         context = multiprocessing.get_context("spawn")  # a fresh interpreter each: no CUDA state forked
         with ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
             answers = list(pool.map(fit_one, *zip(*calls)))
-    return {mode: batch for mode, (batch, _) in zip(args.modes, answers)}, answers[0][1]
+    budget = next((b for batch, b in answers if batch is not None), answers[0][1])
+    budget["errors"] = {mode: b["error"] for mode, (batch, b) in zip(args.modes, answers) if batch is None}
+    return {mode: batch for mode, (batch, _) in zip(args.modes, answers)}, budget
 
 
 def release() -> None:
@@ -129,12 +135,16 @@ def run_model(model: str, args: argparse.Namespace, progress) -> dict:
         fit_seconds = time.monotonic() - start
         rows = {}
         for mode in args.modes:
-            capped = min(largest[mode], args.max_batch)
+            capped = min(largest[mode] or 0, args.max_batch)
             rows[mode] = {"largest": largest[mode], "timed": time_at(step.replace(mode=mode), capped, args, progress)}
         equal = args.equal_batch or min(rows[AS_BUILT]["timed"]["batch"] or 1, args.max_batch)
         for mode in args.modes:
             progress(f"{mode}: timing the equal batch {equal}")
-            rows[mode]["equal_seconds"] = timed(step.replace(mode=mode, batch=equal), args.repeats, args.warmup)
+            try:
+                rows[mode]["equal_seconds"] = timed(step.replace(mode=mode, batch=equal), args.repeats, args.warmup)
+            except torch.OutOfMemoryError:
+                release()
+                rows[mode]["equal_seconds"] = None
     return {"model": name, "seq": args.seq, "dtype": args.dtype, "budget": budget, "fit_seconds": fit_seconds,
             "equal_batch": equal, "modes": rows}  # fmt: skip
 
@@ -144,8 +154,9 @@ def table(result: dict) -> str:
     equal batch and against as-built."""
     rows, base = result["modes"], result["modes"][AS_BUILT]
     lines = [
-        f"{result['model']}, s {result['seq']}, {result['dtype']}, memory {result['budget']['memory']:,} B "
+        f"{result['model']}, s {result['seq']}, {result['dtype']}, memory {result['budget'].get('memory', 0):,} B "
         f"(fit on fake traces in {result['fit_seconds']:.0f} s)",
+        *(f"{mode}: not fitted: {error}" for mode, error in result["budget"]["errors"].items()),
         f"{'mode':16s} {'fits':>6s} {'ran':>6s} {'samples/s':>10s} {'vs as-built':>12s} "
         f"{'step at b=' + str(result['equal_batch']):>14s} {'vs as-built':>12s}",
     ]
@@ -155,10 +166,14 @@ def table(result: dict) -> str:
         base_rate = base["timed"]["samples_per_second"]
         ran = "-" if t["batch"] is None else str(t["batch"])
         rate_cells = f"{'-':>10s} {'-':>12s}" if rate is None else f"{rate:10.2f} {rate / (base_rate or rate):11.3f}x"
-        equal = row["equal_seconds"]
+        equal, base_equal = row["equal_seconds"], base["equal_seconds"]
+        equal_cells = f"{'out of memory':>14s} {'-':>12s}" if equal is None else f"{equal * 1e3:11.1f} ms "
+        if equal is not None:
+            equal_cells += f"{equal / base_equal:11.3f}x" if base_equal else f"{'-':>12s}"
+        fits = "-" if row["largest"] is None else str(row["largest"])
         lines.append(
-            f"{mode:16s} {row['largest']:6d} {ran:>6s} {rate_cells} {equal * 1e3:11.1f} ms "
-            f"{equal / base['equal_seconds']:11.3f}x" + (f"  (ran out at {t['ran_out_at']})" if t["ran_out_at"] else "")
+            f"{mode:16s} {fits:>6s} {ran:>6s} {rate_cells} {equal_cells}"
+            + (f"  (ran out at {t['ran_out_at']})" if t["ran_out_at"] else "")
         )
     return "\n".join(lines)
 
