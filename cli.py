@@ -1046,6 +1046,10 @@ def budget_list(_ctx, _param, value: str) -> tuple[float, ...]:
 )
 @host_bandwidth_option
 @capture_option
+@gpu_option(
+    "trace fake CUDA steps on it, and show each mode's step time measured on it where this model and shape were "
+    "(planner/cost/measured_times.json)."
+)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Figure to write: .png or .svg.")
 @click.option("--json", "as_json", is_flag=True, help="Print every point as JSON.")
 def tradeoff_command(
@@ -1063,6 +1067,7 @@ def tradeoff_command(
     actions,
     host_bandwidth,
     capture,
+    gpu_name,
     output,
     as_json,
 ):
@@ -1075,7 +1080,9 @@ def tradeoff_command(
     from memplan.planner.report.tradeoff_table import render_tradeoff
 
     require_fake_for_routing(routing, capture != "real")
-    step = StepSpec(model_file, batch, seq, dtype, routing=routing, optimizer=optimizer, max_parameters=max_parameters)
+    step = StepSpec(
+        model_file, batch, seq, dtype, routing=routing, optimizer=optimizer, max_parameters=max_parameters
+    ).on_gpu(find_gpu(gpu_name))
     bandwidth = None if host_bandwidth is None else parse_bandwidth(host_bandwidth)
     opts = TradeoffOptions(step, budgets, time_limit, repeats, capture, output, variants, actions, bandwidth)
     result = tradeoff(opts, progress=progress)

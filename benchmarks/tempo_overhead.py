@@ -34,20 +34,20 @@ SHAPE = (4, 8, 64)  # batch, sequence, width: tiny, so compute is negligible
 HEADS, DROPOUT = 2, 0.1
 
 
-def attention_core(core: Callable) -> Callable[[torch.Tensor], torch.Tensor]:
-    """An attention core (tempo's or the baseline's) with dropout, in training, its input split into heads as q, k
-    and v at once."""
+def attention_core(core: Callable, heads: int = HEADS) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An attention core (tempo's or the baseline's) with dropout, in training, its (batch, seq, width) input split
+    into `heads` heads as q, k and v at once."""
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        heads = x.reshape(*SHAPE[:2], HEADS, -1).transpose(1, 2)
-        return core(heads, heads, heads, None, 0.25, DROPOUT, True)
+        split = x.reshape(*x.shape[:2], heads, -1).transpose(1, 2)
+        return core(split, split, split, None, 0.25, DROPOUT, True)
 
     return run
 
 
-def layers() -> dict[str, tuple[Callable, Callable]]:
-    """Layer name -> (native module, tempo module), the tempo one sharing the native one's parameters."""
-    width = SHAPE[-1]
+def layers(width: int = SHAPE[-1], heads: int = HEADS) -> dict[str, tuple[Callable, Callable]]:
+    """Layer name -> (native module, tempo module) of `width` channels (`heads` attention heads), the tempo one
+    sharing the native one's parameters."""
     swiglu = SwiGLU(width, 2 * width)
     rmsnorm = nn.RMSNorm(width, eps=1e-6)
     return {
@@ -56,7 +56,7 @@ def layers() -> dict[str, tuple[Callable, Callable]]:
         "GELU": (nn.GELU(), InplaceGELU()),
         "SiLU": (nn.SiLU(), InplaceSiLU()),
         "gated MLP": (swiglu, GatedMLP.from_module(swiglu)),
-        "attention dropout": (attention_core(baseline_attention), attention_core(tempo_attention)),
+        "attention dropout": (attention_core(baseline_attention, heads), attention_core(tempo_attention, heads)),
     }
 
 

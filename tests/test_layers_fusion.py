@@ -10,7 +10,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memplan.planner.layers import attention, fusion, inverse, layernorm, patch
+from memplan.planner.layers import attention, fusion, inverse, layernorm, patch, rmsnorm
 from memplan.planner.layers.baseline import SwiGLU
 from memplan.planner.layers.gated_mlp import GatedMLP
 from memplan.planner.layers.gelu import GELU, InplaceGELU
@@ -60,10 +60,13 @@ CASES = {
     "gelu-tanh": (lambda g: InplaceGELU("tanh"), [GELU["tanh"].fused_gradient]),
     "silu": (lambda g: InplaceSiLU(), [SILU.fused_gradient]),
     "layernorm": (lambda g: _affine(InplaceLayerNorm(WIDTH), g), [layernorm.FUSED_BACKWARD[True]]),
-    "rmsnorm": (lambda g: _affine(InplaceRMSNorm(WIDTH, eps=1e-6), g), [layernorm.FUSED_BACKWARD[False]]),
+    "rmsnorm": (
+        lambda g: _affine(InplaceRMSNorm(WIDTH, eps=1e-6), g),
+        [rmsnorm.FUSED_FORWARD, layernorm.FUSED_BACKWARD[False]],
+    ),
     "rmsnorm-llama": (
         lambda g: _affine(InplaceRMSNorm(WIDTH, eps=1e-6, flavour="llama"), g),
-        [layernorm.FUSED_BACKWARD[False]],
+        [rmsnorm.FUSED_FORWARD, layernorm.FUSED_BACKWARD[False]],
     ),
     "attention-dropout": (lambda g: _attention, [attention.DROPOUT_AGAIN, attention.DROPOUT_GRADIENT]),
     "gated-mlp": (_gated, [SILU.fused_gradient]),

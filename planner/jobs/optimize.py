@@ -25,6 +25,7 @@ from memplan.errors import MemplanError, PatchError
 from memplan.gpus import GPU
 from memplan.modes import ADAMW_HOST, AS_BUILT, FULL, LOSSES, MODES, OPTIMIZE_MODES, OPTIMIZERS, mode
 from memplan.planner.cost import count_step_flops
+from memplan.planner.cost.measured import measured_times
 from memplan.planner.cost.rates import Rates, step_rates
 from memplan.planner.layers import transformer_layers
 from memplan.planner.optimize.alike import alike_terms, layers_alike, walks_to_trace
@@ -132,6 +133,7 @@ class OptimizeResult:
     seconds: float
     rates: Rates | None = None  # what the added work was timed at
     notes: list[str] = field(default_factory=list)  # actions not offered, and why
+    pricing: dict | None = None  # the modes priced at step times measured on the GPU (`measured_pricing`); None: FLOPs
 
     def step_choice(self) -> StepChoice | None:
         """The chosen actions with their verified figures, as `memplan optimize -o` writes them; None when
@@ -186,6 +188,7 @@ class OptimizeResult:
             "megatron": asdict(self.megatron) if self.megatron else None,
             "step_flops": self.step_flops,
             "rates": None if self.rates is None else self.rates.to_dict(),
+            "pricing": self.pricing,
             "notes": self.notes,
             "seconds": round(self.seconds, 1),
         }
@@ -203,6 +206,7 @@ class Measured:
     rates: Rates
     action_cost: dict[Action, Flops] = field(default_factory=dict)  # each offered action's added work
     notes: list[str] = field(default_factory=list)  # actions not offered, and why
+    pricing: dict | None = None  # the modes priced at measured step times (`measured_pricing`); None: FLOPs only
 
 
 def model_layers(opts: OptimizeOptions) -> tuple[str, ...]:
@@ -268,6 +272,24 @@ def layer_costs(layers, modes, flops, traces, rates: Rates) -> dict[tuple[int, s
             transfer = work(rates.transfer_seconds(moved.get(path, 0)), rates) if moved else 0
             cost[j, name] = recompute + transfer
     return cost
+
+
+def measured_pricing(opts, layers, batch: int, trace: Trace, modes, cost, rates: Rates) -> dict | None:
+    """Where the step's GPU has step times measured for this model and shape (planner/cost/measured.py), each
+    measured mode's layers priced at the seconds it added a layer over the measurement's baseline (none when it
+    was faster) instead of their FLOPs, `cost` changed in place; what was used, or None (FLOPs throughout)."""
+    gpu = opts.step.gpu
+    times = measured_times(gpu and gpu.name, trace.meta.get("model"), opts.step.seq, batch, opts.step.dtype)
+    if times is None:
+        return None
+    priced = {}
+    for name in modes:
+        added = times.added_per_layer(name, len(layers))
+        if added is not None and name != AS_BUILT:
+            priced[name] = added
+            for j in range(len(layers)):
+                cost[j, name] = work(max(0.0, added), rates)
+    return {"label": times.label(), "measurement": times.as_dict(), "added_per_layer": priced} if priced else None
 
 
 def offered_actions(opts: OptimizeOptions, rates: Rates) -> tuple[list[Action], list[str]]:
@@ -366,7 +388,8 @@ def measure_batch(
     progress(f"[batch {batch}] counting the FLOPs of {len(counted)} modes")
     flops = {m: count_step_flops(step_of(opts, layers, every_layer(layers, m), batch, fake)) for m in counted}
     cost = layer_costs(layers, modes, flops, traces, rates)
-    measured = Measured(batch, terms, cost, flops[AS_BUILT].total, traces, rates, notes=notes)
+    pricing = measured_pricing(opts, layers, batch, uniform[every_layer(layers, AS_BUILT)], modes, cost, rates)
+    measured = Measured(batch, terms, cost, flops[AS_BUILT].total, traces, rates, notes=notes, pricing=pricing)
     measure_actions(opts, layers, measured, fake, progress, earlier)
     return measured
 
@@ -581,4 +604,5 @@ def answer(
         time.monotonic() - start,
         measured.rates,
         measured.notes,
+        measured.pricing,
     )

@@ -26,6 +26,7 @@ from pathlib import Path
 from memplan.errors import PatchError
 from memplan.modes import AS_BUILT, LOSSES, MODES, OFFLOAD, OPTIMIZERS, SWEPT_MODES, mode
 from memplan.planner.cost import StepTime, count_step_flops, time_workloads, timed_workload
+from memplan.planner.cost.measured import measured_times
 from memplan.planner.cost.transfer import host_transfer
 from memplan.planner.report.plots import figure_format
 from memplan.planner.report.tradeoff_plot import plot_tradeoff
@@ -94,6 +95,8 @@ class TradeoffPoint:
     action: str | None = None  # the action beyond the layer modes the point measures (loss, optimizer, offload)
     host_moved: int | None = None  # offload: bytes moved to the host and back, each way
     transfer_seconds: float | None = None  # offload: the host link's time for them when nothing overlaps
+    model: str | None = None  # the workload's name its trace gives (`gpt2-12x768`)
+    measured_seconds: float | None = None  # its mode's step time measured on the step's GPU (planner/cost/measured.py)
 
 
 @dataclass
@@ -107,6 +110,7 @@ class TradeoffResult:
     figure: str | None = None
     seconds: float = 0.0
     timing: str | None = None  # how the steps were timed: "interleaved", "one after another"; None on fake traces
+    measured: dict | None = None  # the step times measured on the step's GPU its points show, when any
 
     def summary(self) -> dict:
         return {
@@ -126,6 +130,8 @@ class TradeoffResult:
             "seconds": round(self.seconds, 1),
             "timing": self.timing,
             "repeats": self.options.repeats,
+            "gpu": None if self.options.step.gpu is None else self.options.step.gpu.name,
+            "measured": self.measured,
         }
 
 
@@ -213,6 +219,7 @@ def measure_point(opts: TradeoffOptions, config: Configuration, progress) -> tup
         time_ratio=None,
         variant=variant,
         action=config.action,
+        model=trace.meta.get("model"),
     )
     host = host_bytes(trace)
     if host is not None:
@@ -284,6 +291,24 @@ def mark_alike(points: list[TradeoffPoint]) -> None:
         ]
 
 
+def apply_measured(opts: TradeoffOptions, points: list[TradeoffPoint]) -> tuple[dict | None, str | None]:
+    """Each layer mode's point (eager, no action, no variant) given the step time measured for its mode on the
+    step's GPU for this model and shape (planner/cost/measured.py); the measurement as plain data and a note
+    saying what was used, or with a GPU named and nothing measured, a note saying so."""
+    gpu = opts.step.gpu
+    if gpu is None or not points:
+        return None, None
+    step = opts.step
+    times = measured_times(gpu.name, points[0].model, step.seq, step.batch, step.dtype)
+    if times is None:
+        return None, (f"no step time measured on {gpu.name} for {points[0].model} s{step.seq} b{step.batch} "
+                      f"{step.dtype} (planner/cost/measured_times.json): compute by FLOPs only")  # fmt: skip
+    for p in points:
+        if p.compile_budget is None and p.variant is None and p.action is None and p.layers in times.seconds:
+            p.measured_seconds = times.seconds[p.layers]
+    return times.as_dict(), f"step times {times.describe()}"
+
+
 def tradeoff(opts: TradeoffOptions, progress: Callable[[str], None] = lambda m: None) -> TradeoffResult:
     """Measure every layer mode, compile budget and variant, mark the frontiers and draw the figure."""
     start = time.monotonic()
@@ -330,7 +355,9 @@ def tradeoff(opts: TradeoffOptions, progress: Callable[[str], None] = lambda m: 
     for p in points:
         p.extra_flops = p.flops - reference.flops
     mark_frontiers(points)
-    result = TradeoffResult(opts, capture, points, notes, timing=timing)
+    measured, note = apply_measured(opts, points)
+    notes += [note] if note else []
+    result = TradeoffResult(opts, capture, points, notes, timing=timing, measured=measured)
     if opts.output:
         progress(f"drawing {opts.output}")
         plot_tradeoff(result.summary(), opts.output)

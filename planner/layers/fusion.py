@@ -32,6 +32,9 @@ from memplan.cxx import BuildError, compiler
 ENV = "MEMPLAN_FUSED"  # "0": the eager math everywhere (the figures of record before fusion), anything else: fused
 _EAGER = contextvars.ContextVar("memplan_eager_math", default=False)
 _SUPPORTED: dict[str, bool] = {}
+# A launch count's model (launches.py): a global, not a context variable, as CUDA's backward runs on the autograd
+# engine's device thread, which sees the dispatch modes of the thread that called backward but not its contexts.
+_MODELLED: list = [None]
 PLAIN = (torch.Tensor, torch.nn.Parameter)  # what a kernel takes: no fake tensors, no other subclass
 DIRECT_CALLS = 256  # distinct call metadata a function keeps direct calls for (a model meets a few shapes a layer)
 
@@ -78,17 +81,51 @@ def watched() -> bool:
     return _get_current_dispatch_mode() is not None or torch.compiler.is_compiling()
 
 
+@contextlib.contextmanager
+def modelled(model) -> Iterator[None]:
+    """Inside the block, fused calls are modelled, not run: `runs_fused` says whether the call would run fused on
+    real tensors of its device (`model.fused`: whether fusion is taken to be on), and each fused call is
+    `model.call(kernel, args)` (a launch count: planner/layers/launches.py)."""
+    outer, _MODELLED[0] = _MODELLED[0], model
+    try:
+        yield
+    finally:
+        _MODELLED[0] = outer
+
+
+def model():
+    """The launch count's model inside `modelled`, else None."""
+    return _MODELLED[0]
+
+
 def runs_fused(tensors: list[torch.Tensor]) -> bool:
     """Whether a call on `tensors` runs the compiled kernel: all plain real tensors (or Parameters) on one device
-    that can compile, none that autograd would record, no dispatch mode active, no model compiling, fusion on."""
+    that can compile, none that autograd would record, no dispatch mode active, no model compiling, fusion on.
+    Inside `modelled`, whether it would on real tensors of their device (CUDA: with Triton)."""
+    model = _MODELLED[0]
+    if model is not None:
+        return model.fused and _one_device(tensors, plain=False) and _compiles_for(tensors[0].device.type)
     if not tensors or not enabled() or watched():
+        return False
+    return _one_device(tensors, plain=True) and supported(tensors[0].device.type)
+
+
+def _one_device(tensors: list[torch.Tensor], plain: bool) -> bool:
+    """Whether `tensors` (one at least) are on one device, none that autograd would record, and (`plain`) none a
+    subclass."""
+    if not tensors:
         return False
     device = tensors[0].device
     grad_mode = torch.is_grad_enabled()
     for t in tensors:
-        if type(t) not in PLAIN or t.device != device or (grad_mode and t.requires_grad):
+        if (plain and type(t) not in PLAIN) or t.device != device or (grad_mode and t.requires_grad):
             return False
-    return supported(device.type)
+    return True
+
+
+def _compiles_for(device_type: str) -> bool:
+    """Whether a modelled call on `device_type` runs fused: CUDA as a GPU machine has it (Triton), else as here."""
+    return device_type == "cuda" or supported(device_type)
 
 
 class Fused:
@@ -98,9 +135,10 @@ class Fused:
     fusion): so each signature of a call (its tensors' dtypes and device, its other arguments) compiles a copy of
     the function with a code object of its own, whose versions only differ in shapes."""
 
-    def __init__(self, function: Callable, options: dict | None = None):
+    def __init__(self, function: Callable, options: dict | None = None, launches: int = 1):
         self.function = function
         self.options = options  # Inductor's options for its kernels
+        self.launches = launches  # the kernels a call launches, as designed (what a launch count counts)
         self._compiled: dict[tuple, Callable] = {}
         self._direct: dict[tuple, Direct | None] = {}  # exact metadata -> its graph called directly (None: never)
         self._graph_calls: list[tuple] = []  # (graph, its arguments, its outputs) of the calls `Recorded` saw
@@ -111,6 +149,9 @@ class Fused:
     def run(self, *args):
         """Run the compiled kernel on `args` (compiled on first use, counted in `runs`): for callers that chunk
         their eager math, and so ask `runs_fused` themselves first."""
+        model = _MODELLED[0]
+        if model is not None:
+            return model.call(self, args)
         self.runs += 1
         key = _metadata(args)
         direct = self._direct.get(key)
@@ -234,7 +275,7 @@ def _compiled(function: Callable, options: dict | None, graph_calls: list) -> Ca
     return torch._dynamo.config.patch(specialize_float=True)(compiled)
 
 
-def fused(function: Callable, **options) -> Fused:
+def fused(function: Callable, launches: int = 1, **options) -> Fused:
     """`function` (a pure function of tensors: no in-place writes to its arguments) fused where it can be, its
-    kernels compiled with Inductor's `options`."""
-    return Fused(function, options or None)
+    kernels compiled with Inductor's `options`; a call launches `launches` kernels (as designed)."""
+    return Fused(function, options or None, launches)

@@ -13,66 +13,14 @@ import math
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from memplan.planner.layers import fusion
+from memplan.planner.layers.channels import exact_channels
 
-# A channel keeps its exact x̂ when |β| > RATIO·|γ|: recovering x̂ from y there would cost about RATIO ulps.
-RECOVERY_RATIO = {torch.float64: 64.0, torch.float32: 64.0, torch.bfloat16: 4.0, torch.float16: 4.0}
 # Elements of one fp32 temporary at most (64 MiB), whatever the activation: large enough that a chunk's
 # kernels stay bandwidth-bound on a GPU.
 CHUNK_ELEMENTS = 1 << 24
 BACKWARD_TEMPORARIES = 3  # fp32 (rows × n) buffers a backward chunk holds at once: dy (then dx), x̂, a product
-
-
-def exact_channels(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Indices (flattened) of the channels whose x̂ cannot be recovered accurately from an output of `dtype`
-    (default the weight's).
-
-    Their number is a size, read on the host (`nonzero`; on a GPU a wait for its queue). Real weights that had
-    none keep that answer until they or the bias change (`NONE_FOUND`), so a forward that meets them unchanged (a
-    recomputation, the micro-batches of an accumulated step, evaluation) reads nothing. The mask is computed every
-    time all the same: a trace, fake or real, allocates the search's buffers at every call (a fake search cannot
-    remember), and a real step must allocate what its trace does; an empty answer allocates nothing."""
-    dtype = dtype or weight.dtype
-    hard = hard_channels(weight, bias, dtype)
-    if not remembered(weight, bias):
-        return hard.nonzero().flatten()
-    stamp = (stamp_of(weight), stamp_of(bias), dtype)
-    if NONE_FOUND.get(weight) == stamp:
-        return hard.new_empty(0, dtype=torch.long)
-    channels = hard.nonzero().flatten()
-    if channels.numel():
-        NONE_FOUND.pop(weight, None)
-    else:
-        NONE_FOUND[weight] = stamp
-    return channels
-
-
-# weight -> the stamps (`stamp_of` its and its bias's, the output dtype) at which it had no exact channel
-NONE_FOUND = WeakIdKeyDictionary()
-
-
-def hard_channels(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """The mask (flattened) of `exact_channels`: |γ| below the smallest normal number of `dtype`, or
-    |β| > RATIO·|γ|."""
-    w = weight.detach().flatten().float().abs()
-    hard = w < torch.finfo(dtype).tiny
-    if bias is not None:
-        hard |= bias.detach().flatten().float().abs() > RECOVERY_RATIO.get(dtype, 4.0) * w
-    return hard
-
-
-def remembered(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether an answer for `weight` and `bias` may be remembered: real plain tensors, no dispatch mode watching
-    (fake tracing, FLOP counting: they see the search each time), no model compiling."""
-    return type(weight) in fusion.PLAIN and (bias is None or type(bias) in fusion.PLAIN) and not fusion.watched()
-
-
-def stamp_of(t: torch.Tensor | None) -> tuple | None:
-    """What changes when a tensor's values may have: its identity, version (in-place writes), storage (`.data`
-    swapped), dtype, shape and device."""
-    return None if t is None else (id(t), t._version, t.data_ptr(), t.dtype, t.shape, t.device)
 
 
 def exact_part(
@@ -203,7 +151,8 @@ def normalized_math(dy, y, rstd, weight, bias, centered: bool, dtype, weight_gra
     return _shaped(((dy - xhat * projection) * rstd).to(dtype), dweight, dbias, weight, bias)
 
 
-FUSED_BACKWARD = {True: fusion.fused(normalized_math), False: fusion.fused(normalized_math)}  # by `centered`
+# by `centered`; on CUDA a kernel over rows (dx) and one over columns (dγ, dβ): Inductor's C++ makes one
+FUSED_BACKWARD = {True: fusion.fused(normalized_math, launches=2), False: fusion.fused(normalized_math, launches=2)}
 
 
 class InplaceLayerNormFunction(torch.autograd.Function):

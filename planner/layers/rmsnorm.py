@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from memplan.errors import MemplanError
-from memplan.planner.layers import probe
+from memplan.planner.layers import fusion, probe
 from memplan.planner.layers.layernorm import exact_part, normalized_backward, row_chunks
 
 FORWARD_TEMPORARIES = 4  # fp32 (rows × n) buffers a forward chunk may hold at once (torch's CPU rms_norm: 3.5)
@@ -63,6 +63,16 @@ def rows_forward(x, weight, shape: tuple[int, ...], eps, flavour: str) -> tuple[
     rstd_eps = torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps if eps is None else eps
     rstd = torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + rstd_eps)
     return FLAVOURS[flavour](x, rstd, weight, eps, shape), rstd
+
+
+def rows_math(x_rows: torch.Tensor, weight, eps, flavour: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows_forward` over (rows × n) rows of a norm over one dimension of n: pure, for one fused kernel (each row's
+    sum of squares, then its output: no fp32 temporaries). The kernel rounds where the flavour rounds (Inductor's
+    `emulate_precision_casts`); its sum may be ordered otherwise than torch's mean, rstd then an fp32 ulp apart."""
+    return rows_forward(x_rows, weight, (n,), eps, flavour)
+
+
+FUSED_FORWARD = fusion.fused(rows_math, emulate_precision_casts=True)  # one kernel; rounds where the flavour does
 
 
 OUTPUT_DTYPES: dict[tuple, torch.dtype] = {}  # (flavour, dtypes, autocast) -> the dtype of the flavour's output
@@ -131,13 +141,18 @@ class InplaceRMSNormFunction(torch.autograd.Function):
         n = math.prod(normalized_shape)
         rows = x.numel() // n
         x_rows = x.reshape(rows, n)
-        # Step 1: the output, of the dtype the flavour gives it (`output_dtype`), and rstd.
-        dtype = output_dtype(x_rows, weight, normalized_shape, eps, flavour)
-        y, rstd = x.new_empty(x.shape, dtype=dtype), x.new_empty((rows, 1), dtype=torch.float32)
-        # Step 2: both, a chunk of rows at a time.
-        y_rows = y.view(rows, n)
-        for chunk in row_chunks(rows, n, x.numel() * x.element_size(), FORWARD_TEMPORARIES):
-            y_rows[chunk], rstd[chunk] = rows_forward(x_rows[chunk], weight, normalized_shape, eps, flavour)
+        if len(normalized_shape) == 1 and fusion.runs_fused([x_rows] + ([] if weight is None else [weight])):
+            # Steps 1 and 2 as one kernel over all rows, which allocates the output and rstd alone.
+            y_rows, rstd = FUSED_FORWARD.run(x_rows, weight, eps, flavour, n)
+            y = y_rows.view(x.shape)
+        else:
+            # Step 1: the output, of the dtype the flavour gives it (`output_dtype`), and rstd.
+            dtype = output_dtype(x_rows, weight, normalized_shape, eps, flavour)
+            y, rstd = x.new_empty(x.shape, dtype=dtype), x.new_empty((rows, 1), dtype=torch.float32)
+            # Step 2: both, a chunk of rows at a time.
+            y_rows = y.view(rows, n)
+            for chunk in row_chunks(rows, n, x.numel() * x.element_size(), FORWARD_TEMPORARIES):
+                y_rows[chunk], rstd[chunk] = rows_forward(x_rows[chunk], weight, normalized_shape, eps, flavour)
         # Step 3: the exact x̂ of the channels whose scale is too small to divide by.
         keep, exact = exact_part(x_rows, scale_of(weight, flavour), None, y.dtype, rstd)
         ctx.n, ctx.dtype, ctx.shape, ctx.flavour = n, x.dtype, x.shape, flavour

@@ -23,6 +23,21 @@ def added_text(c: dict, flops: int) -> str:
     return f"+{c['added_seconds'] * 1e3:.3g} ms (layers {100 * c['recompute'] / flops:+.1f}% of the step's FLOPs)"
 
 
+def pricing_lines(s: dict) -> list[str]:
+    """How the modes' added time was priced: the modes priced at step times measured on the GPU (with the
+    measurement), or, with a GPU named, that every mode was priced by its FLOPs."""
+    pricing = s.get("pricing")
+    if pricing is None:
+        unmeasured = "none measured on this GPU for this model and shape: planner/cost/measured_times.json"
+        return [] if s.get("gpu") is None else [f"step times: every mode priced by its FLOPs ({unmeasured})"]
+    m = pricing["measurement"]
+    added = ", ".join(f"{mode} {seconds * 1e3:+.3g} ms a layer" for mode, seconds in pricing["added_per_layer"].items())
+    return [
+        f"step times: {added} ({pricing['label']}: {m['model']} s{m['seq']} b{m['batch']} {m['dtype']}, against its "
+        "baseline); the other modes by their FLOPs"
+    ]
+
+
 def render_optimize(summary: dict) -> str:
     """The per-layer assignment and actions, its measured plan against the memory, and the alternatives, as text."""
     s, flops = summary, summary["step_flops"]
@@ -51,6 +66,7 @@ def render_optimize(summary: dict) -> str:
         r = s["rates"]
         link = "no host link" if r["host_bandwidth"] is None else f"host link {human_bytes(r['host_bandwidth'])}/s"
         lines.append(f"timed at {r['flops'] / 1e12:.3g} TFLOP/s ({r['flops_source']}), {link}")
+    lines += pricing_lines(s)
     lines += [f"note: {note}" for note in s["notes"]]
     lines.append(f"{'alternative':<30}{'plan arena':>12}{'fits':>6}{'added':>12}")
     for c in [*s["uniform"], *([s["megatron"]] if s["megatron"] else [])]:

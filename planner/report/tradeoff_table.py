@@ -38,19 +38,31 @@ def alike_lines(summary: dict) -> list[str]:
     return lines
 
 
+def measured_cell(point: dict) -> str:
+    """A point's step time measured on the step's GPU, or "-"."""
+    seconds = point.get("measured_seconds")
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
 def render_tradeoff(summary: dict) -> str:
     """The trade-off table for the terminal, each point's frontiers named, its step time with its range; then the
     points whose step times cannot be told apart."""
     points = summary["points"]
     linked = any(p.get("transfer_seconds") is not None for p in points)  # offload measured: its link time shown
+    on_gpu = summary.get("measured") is not None  # step times measured on the step's GPU: their column shown
+    gpu_column = f"on {summary['gpu']}" if on_gpu else ""
     lines = [
         f"{'configuration':<28}{'peak live':>12}{'plan arena':>12}{'caching res.':>14}"
-        f"{'extra FLOPs':>13}{'step time [range]':>22}" + (f"{'host link':>11}" if linked else "") + "  frontier",
+        f"{'extra FLOPs':>13}{'step time [range]':>22}"
+        + (f"{'host link':>11}" if linked else "")
+        + (f"{gpu_column:>12}" if on_gpu else "")
+        + "  frontier",
     ]
     for p in points:
         percent = 100 * p["extra_flops"] / points[0]["flops"]
         frontier = " ".join(k for k, on in (("FLOPs", p["pareto_flops"]), ("time", p["pareto_time"])) if on)
         link = f"{link_cell(p):>11}" if linked else ""
+        link += f"{measured_cell(p):>12}" if on_gpu else ""
         lines.append(
             f"{point_label(p):<28}{human_bytes(p['peak_live']):>12}{human_bytes(p['plan_arena']):>12}"
             f"{human_bytes(p['caching_peak_reserved']):>14}{percent:>+12.1f}%{time_cell(p):>22}{link}  {frontier}"
