@@ -563,14 +563,17 @@ def recording_session(
     routing: Routing | str = DEFAULT_ROUTING,
     torch_version: TorchRules | str | None = None,
     memory: DeviceMemory | None = None,
+    watch: bool = False,
 ) -> Iterator[Recording]:
     """Install the step recorder on `device` (and, with `fake`, fake tensors) for the block; what is built
-    inside is seen from its first allocation, and `Recording.step` marks the step to record. A fake CUDA step
-    follows the rules of `gpu` (gpus.py; default gpus.DEFAULT_GPU) and of torch `torch_version` (torch_versions.py;
-    default the installed one), a fake mixture of experts routes its tokens by `routing` (memplan.routing). With
-    `progress`, a block that runs long is reported through it every few seconds (traces/progress.py). With `memory`
-    (a fake CUDA capture), every op's allocations and frees are fed to it as the op returns, and it answers the
-    program's memory statistics (memplan check's live allocator)."""
+    inside is seen from its first allocation, and `Recording.step` marks the step to record. With `watch`, the
+    program's own training steps, phases and modules are marked as it runs them (`Recording.watch_steps`: global
+    module and optimizer hooks, which a program memplan runs itself does without: under torch.compile they break
+    graphs). A fake CUDA step follows the rules of `gpu` (gpus.py; default gpus.DEFAULT_GPU) and of torch
+    `torch_version` (torch_versions.py; default the installed one), a fake mixture of experts routes its tokens by
+    `routing` (memplan.routing). With `progress`, a block that runs long is reported through it every few seconds
+    (traces/progress.py). With `memory` (a fake CUDA capture), every op's allocations and frees are fed to it as the
+    op returns, and it answers the program's memory statistics (memplan check's live allocator)."""
     if memory is not None and not (fake and torch.device(device).type == "cuda"):
         raise CaptureError("a live device memory needs a fake CUDA capture")
     device = torch.device(device)
@@ -599,7 +602,7 @@ def recording_session(
                     session = Recording(recorder, device, fake_mode, {**planned, **(meta or {})}, reporting, streams)
                     if memory is not None:
                         memory.attach(session.program_so_far)  # its snapshots are of the program so far
-                    with session.watch_steps():
+                    with session.watch_steps() if watch else contextlib.nullcontext():
                         yield session
                     session.finish()
 
@@ -641,7 +644,8 @@ def capture_step(
         device = session.check_device(workload)
         for _ in range(workload.warmup_steps() if warmup else 0):
             session.announce("the warm-up step")
-            with session.program_step(workload):
+            # a compiled step's warm-up compiles it: its graphs must not meet the marks' module hooks (graph breaks)
+            with session.program_step(None if "compile" in meta else workload):
                 run_user_code("warm-up step", workload.name, workload.step)
         real_cuda = device.type == "cuda" and not fake
         with (
@@ -709,7 +713,7 @@ def record(
         device = next(model.parameters()).device if model is not None else "cpu"
     meta = {"source": "memplan.record", **(meta or {})}
     with recording_session(device, fake=fake, meta=meta, gpu=gpu, progress=progress, routing=routing,
-                           torch_version=torch) as session:  # fmt: skip
+                           torch_version=torch, watch=model is None) as session:  # fmt: skip
         if model is None:
             yield session
         else:

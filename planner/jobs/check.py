@@ -337,7 +337,7 @@ def _run(options: CheckOptions, command: tuple[str, ...], rank: int | None, worl
         session_meta = {"source": "memplan check", "command": list(options.command)}
         session_meta.update({"rank": rank, "world_size": world} if world else {})
         with recording_session("cuda", fake=True, gpu=options.gpu, torch_version=options.torch_version,
-                               memory=live, meta=session_meta) as session:  # fmt: skip
+                               memory=live, meta=session_meta, watch=True) as session:  # fmt: skip
             with _stop_after(options.steps, counter):
                 try:
                     if kind == "path":
