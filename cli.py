@@ -258,6 +258,17 @@ def plans_option(text: str):
     return click.option("--plan", "plan_files", multiple=True, type=click.Path(dir_okay=False), help=text)
 
 
+def output_option(text: str, required: bool = False):
+    """-o/--output FILE for a command that writes one file (the command gets `output`), `text` saying what it writes."""
+    return click.option("-o", "--output", required=required, type=click.Path(dir_okay=False), default=None, help=text)
+
+
+def cuda_device_option(what: str):
+    """--device N for a command that reads a snapshot (the command gets `cuda_device`)."""
+    text = f"CUDA device whose trace to {what} (default: the one with the most entries)."
+    return click.option("--device", "cuda_device", type=click.IntRange(min=0), default=None, help=text)
+
+
 def find_gpu(name: str | GPU | None) -> GPU | None:
     """The catalogue's GPU called `name` (None for None; a GPU stays itself: --outside made it); an unknown name is
     one `Error:` line, exit code 1."""
@@ -313,12 +324,7 @@ every_rank_option = click.option(
 
 @main.command("trace")
 @click.argument("model_file", type=MODEL_FILE)
-@click.option(
-    "-o",
-    "--output",
-    type=click.Path(dir_okay=False),
-    help="Trace file to write (default: <model>.<layers>.trace.json.gz).",
-)
+@output_option("Trace file to write (default: <model>.<layers>.trace.json.gz).")
 @step_options(batch=True, layers=True, loss=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
 @click.option(
@@ -410,16 +416,8 @@ def trace_command(
 
 @main.command("import")
 @click.argument("snapshot", type=click.Path(dir_okay=False))
-@click.option(
-    "-o", "--output", type=click.Path(dir_okay=False), help="Trace file to write (default: <snapshot>.trace.json.gz)."
-)
-@click.option(
-    "--device",
-    "cuda_device",
-    type=click.IntRange(min=0),
-    default=None,
-    help="CUDA device whose trace to import (default: the one with the most entries).",
-)
+@output_option("Trace file to write (default: <snapshot>.trace.json.gz).")
+@cuda_device_option("import")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def import_command(snapshot, output, cuda_device, as_json):
     """Turn a CUDA memory snapshot (torch.cuda.memory._dump_snapshot) into a trace.
@@ -447,13 +445,7 @@ def import_command(snapshot, output, cuda_device, as_json):
     help="What the program's process holds outside the caching allocator (its CUDA context, library handles; "
     "default: --gpu's estimate, 0 with --memory).",
 )
-@click.option(
-    "--device",
-    "cuda_device",
-    type=click.IntRange(min=0),
-    default=None,
-    help="CUDA device whose trace to explain (default: the one with the most entries).",
-)
+@cuda_device_option("explain")
 @click.option("--json", "as_json", is_flag=True, help="Print the explanation as JSON.")
 def explain_command(snapshot, gpu_name, memory, outside, cuda_device, as_json):
     """Explain a CUDA memory snapshot (torch.cuda.memory._dump_snapshot): for one that ends in an out-of-memory
@@ -485,13 +477,7 @@ def explain_command(snapshot, gpu_name, memory, outside, cuda_device, as_json):
 )
 @click.option("--alloc-conf", default="", help="PYTORCH_CUDA_ALLOC_CONF for the simulated caching allocator.")
 @torch_option
-@click.option(
-    "-o",
-    "--output",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Write the program as a trace file: its last step, the whole program with it (steps marked).",
-)
+@output_option("Write the program as a trace file: its last step, the whole program with it (steps marked).")
 @click.option(
     "--nproc",
     type=click.IntRange(min=1),
@@ -634,9 +620,7 @@ def simulate_command(trace_file, plan_file, alloc_conf, tie_break, capacity, gpu
 
 @main.command("export")
 @click.argument("trace_file", type=click.Path(dir_okay=False))
-@click.option(
-    "-o", "--output", type=click.Path(dir_okay=False), help="Snapshot to write: a .pickle (default: <trace>.pickle)."
-)
+@output_option("Snapshot to write: a .pickle (default: <trace>.pickle).")
 @click.option(
     "--plan",
     "plan_file",
@@ -667,7 +651,7 @@ def export_command(trace_file, output, plan_file, alloc_conf, tie_break, as_json
 @main.command("plot")
 @click.argument("trace_files", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @plans_option("Plan of one of the traces (matched by trace digest); repeat for several.")
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Figure to write: .png or .svg.")
+@output_option("Figure to write: .png or .svg.", required=True)
 @click.option("--address-space", is_flag=True, help="Also draw each plan's buffers as rectangles (time by offset).")
 @click.option("--alloc-conf", default="", help=ALLOC_CONF_HELP)
 @tie_break_option
@@ -689,7 +673,7 @@ def plot_command(trace_files, plan_files, output, address_space, alloc_conf, tie
 @click.argument("trace_files", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @plans_option("Plan of one of the traces (matched by trace digest, verified against it); repeat for several.")
 @gpu_option("each trace's verdict on it, in the report.")
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Page to write: a .html file.")
+@output_option("Page to write: a .html file.", required=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def report_command(trace_files, plan_files, gpu_name, output, as_json):
     """Write one self-contained HTML report of traces and plans: zoomable timelines side by side, every buffer's
@@ -795,13 +779,7 @@ def replay_command(
 
 @main.command("solve")
 @click.argument("source", metavar="TRACE_OR_CSV", type=click.Path(dir_okay=False))
-@click.option(
-    "-o",
-    "--output",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Write the verified plan here (memplan-plan/1 JSON; MiniMalloc CSV with offsets if it ends in .csv).",
-)
+@output_option("Write the verified plan here (memplan-plan/1 JSON; MiniMalloc CSV with offsets if it ends in .csv).")
 @click.option(
     "--time-limit",
     type=click.FloatRange(min=0, min_open=True),
@@ -1050,7 +1028,7 @@ def budget_list(_ctx, _param, value: str) -> tuple[float, ...]:
     "trace fake CUDA steps on it, and show each mode's step time measured on it where this model and shape were "
     "(planner/cost/measured_times.json)."
 )
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Figure to write: .png or .svg.")
+@output_option("Figure to write: .png or .svg.")
 @click.option("--json", "as_json", is_flag=True, help="Print every point as JSON.")
 def tradeoff_command(
     model_file,
@@ -1139,13 +1117,7 @@ def layer_mode_list(_ctx, _param, value: str | None) -> tuple[str, ...] | None:
     "walks through the modes measure them in fewer.",
 )
 @capture_option
-@click.option(
-    "-o",
-    "--output",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Choice file to write (memplan-choice/1): memplan.apply(model, optimizer, FILE) puts it on your model.",
-)
+@output_option("Choice file to write (memplan-choice/1): memplan.apply(model, optimizer, FILE) puts it on your model.")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 def optimize_command(
     model_file,
