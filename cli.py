@@ -260,7 +260,9 @@ def plans_option(text: str):
 
 def output_option(text: str, required: bool = False):
     """-o/--output FILE for a command that writes one file (the command gets `output`), `text` saying what it writes."""
-    return click.option("-o", "--output", required=required, type=click.Path(dir_okay=False), default=None, help=text)
+    if required:  # click enforces required only without an explicit default
+        return click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help=text)
+    return click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help=text)
 
 
 def cuda_device_option(what: str):
