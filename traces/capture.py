@@ -358,10 +358,7 @@ class Recording:
     def finish(self) -> None:
         """The whole program (`program`), attached to the measured step's trace (`Trace.program`) when one was
         measured, once the session's block ended."""
-        if self._open is not None:  # a step the program began and did not finish (it stopped, or ran out of memory)
-            self._windows.append(StepWindow(self._open, self._mark()))
-            self._open = None
-        self.program = self.program_so_far()
+        self.program = self.program_so_far()  # a step begun and not finished (stopped, out of memory) runs to its end
         if self.trace is not None:
             self.trace.program = self.program
 

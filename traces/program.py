@@ -9,7 +9,6 @@ recorder's labels, and a category from where they live in their step (categories
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,8 +16,6 @@ import numpy as np
 
 from memplan.traces.format import PHASES, Program, ProgramStep, Trace, make_trace
 from memplan.traces.recorder import BACKWARD, FORWARD, OPTIMIZER, Events
-
-CONSTRUCTION = "construction"  # the meta "part" name of what runs before the first step
 
 
 @dataclass(frozen=True)
@@ -39,7 +36,7 @@ class MeasuredStep:
     start_mark: int
 
 
-def _window_categories(alloc: np.ndarray, free: np.ndarray, phase: np.ndarray, step: ProgramStep) -> list[str]:
+def _window_categories(alloc: np.ndarray, free: np.ndarray, phase: np.ndarray, step: ProgramStep) -> dict[int, str]:
     """Categories of the buffers allocated in one unmeasured step, from when they live: made in the optimizer and kept
     past the step, optimizer state; made in backward and alive when the optimizer begins, a gradient; made in forward
     and alive when backward begins, an activation; the rest temporary."""
@@ -143,12 +140,6 @@ def _take_step_labels(measured, marks, size, free, stream, labels, key_of, alloc
                 labels[name][i] = value
         if frees[j] < step_end:
             free[i] = offset + frees[j]
-
-
-def step_containing(steps: list[ProgramStep], t: int) -> int | None:
-    """The index of the step whose window holds logical time `t`, None when none does."""
-    k = bisect.bisect_right([s.start for s in steps], t) - 1
-    return k if k >= 0 and t < steps[k].end else None
 
 
 def step_view(program: Program, k: int) -> Trace:

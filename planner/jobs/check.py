@@ -114,7 +114,7 @@ class CheckResult:
     @property
     def headroom(self) -> int:
         """The GPU's memory less the program's peak reserved and the outside bytes (negative: what is missing)."""
-        return self.memory - self.peak_reserved - sum(t["bytes"] for t in self.budget["outside"])
+        return self.memory - self.peak_reserved - self.budget["outside_bytes"]
 
     def to_dict(self) -> dict:
         """The JSON document of `memplan check --json` (keys in docs/cli.md)."""
