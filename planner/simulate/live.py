@@ -134,5 +134,4 @@ class LiveDevice:
             "reserved_bytes.all.current": self.reserved(),
             "reserved_bytes.all.peak": self.max_reserved,
             "num_ooms": len(self.raised),
-            "num_alloc_retries": len(self.raised),
         }
