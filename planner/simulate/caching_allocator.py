@@ -20,6 +20,7 @@ import numpy as np
 from memplan.errors import MemplanError
 from memplan.planner.simulate.alloc_conf import LARGE_BUFFER, AllocConf
 from memplan.traces.format import Trace
+from memplan.units import cuda_oom_message
 
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20  # largest small-pool request
@@ -60,6 +61,26 @@ def allocation_size(size: int) -> int:
     if size < MIN_LARGE_ALLOC:
         return LARGE_BUFFER
     return (size + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE
+
+
+@dataclass(frozen=True)
+class GPUOutOfMemory:
+    """PyTorch's out-of-memory error for a request a GPU's caching allocator could not serve, with its figures."""
+
+    tried: int  # the segment PyTorch's error says it tried to allocate
+    free: int  # the GPU's free bytes then: its memory less reserved and what lies outside the allocator
+    message: str  # the error's text
+
+
+def gpu_out_of_memory(size: int, conf: AllocConf, memory: int, outside: int, allocated: int,
+                      reserved: int) -> GPUOutOfMemory:  # fmt: skip
+    """The error PyTorch raises for a request of `size` bytes on a GPU of `memory` bytes holding `outside` outside the
+    allocator, with `allocated` and `reserved` bytes in it (units.cuda_oom_message's words)."""
+    tried = allocation_size(round_size(size, conf))
+    free = memory - outside - reserved
+    return GPUOutOfMemory(
+        tried, free, cuda_oom_message(tried, memory, free, allocated, reserved, process=memory - free)
+    )
 
 
 class Segment:

@@ -13,11 +13,10 @@ import torch
 
 from memplan.errors import MemplanError
 from memplan.planner.simulate.alloc_conf import AllocConf
-from memplan.planner.simulate.caching_allocator import CachingAllocator, SimulatedOOM, allocation_size, round_size
+from memplan.planner.simulate.caching_allocator import CachingAllocator, SimulatedOOM, gpu_out_of_memory
 from memplan.planner.simulate.snapshot_export import caching_snapshot
 from memplan.traces.format import Program
 from memplan.traces.recorder import Events
-from memplan.units import cuda_oom_message
 
 
 @dataclass(frozen=True)
@@ -76,10 +75,8 @@ class LiveDevice:
 
     def _raised(self, size: int, op: int, module: int, phase: int) -> RaisedOOM:
         a = self.allocator
-        tried = allocation_size(round_size(size, self.conf))
-        free = self.memory - self.outside - a.reserved
-        message = cuda_oom_message(tried, self.memory, free, a.allocated, a.reserved, process=self.memory - free)
-        oom = RaisedOOM(self.events, size, op, module, phase, a.allocated, a.reserved, message)
+        error = gpu_out_of_memory(size, self.conf, self.memory, self.outside, a.allocated, a.reserved)
+        oom = RaisedOOM(self.events, size, op, module, phase, a.allocated, a.reserved, error.message)
         self.raised.append(oom)
         return oom
 

@@ -22,11 +22,10 @@ from memplan.gpus import (
     outside_measurement,
 )
 from memplan.planner.simulate.alloc_conf import AllocConf
-from memplan.planner.simulate.caching_allocator import SimResult, allocation_size, round_size, simulate_caching
+from memplan.planner.simulate.caching_allocator import SimResult, gpu_out_of_memory, simulate_caching
 from memplan.step import StepSpec
 from memplan.torch_versions import INSTALLED, TorchRules, TorchVersionError, torch_rules
 from memplan.traces.format import Trace
-from memplan.units import cuda_oom_message
 
 STEP_HANDLES = 2  # cuBLAS handles of a training step: its own thread's and the autograd engine's backward thread's
 LT_OPS = ("aten::addmm",)  # ops that run through cuBLASLt (a fused bias), so take its workspace too
@@ -256,9 +255,7 @@ def _out_of_memory(trace: Trace, subject: Trace, on_gpu: SimResult, budget: Budg
     PyTorch's error gives: the segment it tried to allocate, the GPU's free bytes, allocated and reserved."""
     i, t = on_gpu.oom.buffer, on_gpu.oom.time
     allocated, reserved = int(on_gpu.allocated[t]), int(on_gpu.reserved[t])
-    tried = allocation_size(round_size(on_gpu.oom.size, conf))
-    free = budget.gpu.memory - budget.outside_bytes - reserved
+    error = gpu_out_of_memory(on_gpu.oom.size, conf, budget.gpu.memory, budget.outside_bytes, allocated, reserved)
     where = trace.program.where(t) if subject is not trace else "the step"
-    message = cuda_oom_message(tried, budget.gpu.memory, free, allocated, reserved, process=budget.gpu.memory - free)
     return OutOfMemoryAt(t, i, on_gpu.oom.size, subject.op[i], subject.phase[i], subject.module[i], allocated,
-                         reserved, where, tried, free, message)  # fmt: skip
+                         reserved, where, error.tried, error.free, error.message)  # fmt: skip
