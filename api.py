@@ -46,8 +46,8 @@ from memplan.solvers import solve as solve_problem
 from memplan.step import StepSpec, require_fake_for_routing
 from memplan.traces.capture import Recording, record
 from memplan.traces.format import Trace, load, save
-from memplan.traces.snapshot import import_snapshot
-from memplan.traces.trace_model import trace_step
+from memplan.traces.inputs.snapshot import import_snapshot
+from memplan.traces.inputs.trace_model import trace_step
 from memplan.units import SizeError, parse_size
 
 __all__ = PUBLIC_API  # the one list, in __init__.py (which loads this module on first use)

@@ -33,9 +33,9 @@ class TorchRules:
         return {"version": self.version, "release": self.release, "cudnn_version": self.cudnn_version}
 
 
-# The rules of torch 2.13.0, the release memplan is installed with (pyproject.toml pins it): traces/sdpa_cuda.py's
-# header says which sdp_utils.cpp they follow; cuDNN 9.20.0.48 (pytorch/pytorch#177321); cuBLAS's 32 MiB on
-# Hopper and Blackwell (pytorch/pytorch#175344) and Thor (#189312), as gpus.py has it.
+# The rules of torch 2.13.0, the release memplan is installed with (pyproject.toml pins it):
+# traces/cuda/sdpa_choice.py's header says which sdp_utils.cpp they follow; cuDNN 9.20.0.48 (pytorch/pytorch#177321);
+# cuBLAS's 32 MiB on Hopper and Blackwell (pytorch/pytorch#175344) and Thor (#189312), as gpus.py has it.
 TORCH_2_13 = TorchRules(
     version="2.13",
     release="2.13.0",

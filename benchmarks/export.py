@@ -17,7 +17,7 @@ from pathlib import Path
 
 from memplan.planner.simulate.snapshot_export import make_snapshot, snapshot_summary, write_snapshot
 from memplan.traces.format import Trace, load, make_trace
-from memplan.traces.snapshot import import_snapshot
+from memplan.traces.inputs.snapshot import import_snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))

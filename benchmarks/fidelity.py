@@ -37,8 +37,8 @@ from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.planner.simulate.fidelity import fidelity, predict, recorded_steps, reproduced, sizes_in_order
 from memplan.step import StepSpec
 from memplan.traces.format import Trace
-from memplan.traces.snapshot import read_snapshot, snapshot_to_trace
-from memplan.traces.trace_model import trace_step
+from memplan.traces.inputs.snapshot import read_snapshot, snapshot_to_trace
+from memplan.traces.inputs.trace_model import trace_step
 
 ROOT = Path(__file__).resolve().parents[1]
 

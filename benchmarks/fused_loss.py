@@ -25,9 +25,9 @@ from memplan.modes import AS_BUILT, FUSED, LOSSES
 from memplan.planner.layers.memory import LossShape, loss_bytes
 from memplan.planner.workloads.lm_head import head_workload
 from memplan.step import StepSpec
-from memplan.traces import fake_cuda
 from memplan.traces.capture import capture_step
-from memplan.traces.trace_model import trace_step
+from memplan.traces.cuda import fake_device
+from memplan.traces.inputs.trace_model import trace_step
 
 ROOT = Path(__file__).resolve().parents[1]
 PRECISIONS = {
@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--big", action="store_true", help="also Llama-3-8B at sequence 8192 (fake; minutes)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    fake_cuda.install()
+    fake_device.install()
     loss_table()
     print()
     with tempfile.TemporaryDirectory() as folder:

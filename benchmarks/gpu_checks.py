@@ -29,7 +29,7 @@ from memplan.planner.simulate.fidelity import reproduced, sizes_in_order
 from memplan.planner.workloads import bert
 from memplan.step import StepSpec
 from memplan.traces.format import load
-from memplan.traces.model_file import load_workload
+from memplan.traces.inputs.model_file import load_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 BERT = str(ROOT / "examples" / "bert.py")

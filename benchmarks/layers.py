@@ -30,8 +30,8 @@ from memplan.planner.layers import MODES, patch
 from memplan.planner.layers.memory import FORMULA_MODES, LayerShape, LlamaLayerShape, held_for_backward, saved_bytes
 from memplan.planner.workloads import bert
 from memplan.traces.capture import capture_step
-from memplan.traces.fake import module_to
-from memplan.traces.workload import Workload
+from memplan.traces.fake.mode import module_to
+from memplan.traces.inputs.workload import Workload
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

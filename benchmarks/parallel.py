@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from memplan.planner.parallel.checks import run_cases
-from memplan.traces.distributed import launch
+from memplan.traces.ranks.launch import launch
 
 P = {"float32": 4, "bfloat16": 2}
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +42,7 @@ import json, resource, sys, tempfile, time, torch
 torch.set_num_threads(1)
 from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.step import StepSpec
-from memplan.traces.distributed import trace_ranks
+from memplan.traces.ranks.launch import trace_ranks
 from memplan.traces.format import load
 model_file, nproc, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 start, cpu = time.perf_counter(), time.process_time()
@@ -117,7 +117,7 @@ def main() -> None:
 
 def llama70b(layers: int, only: str | None) -> None:
     """Trace each 70B layout with --fake in a child process (its resident memory its own) and print its figures."""
-    from memplan.traces.rank_family import ranks_label
+    from memplan.traces.ranks.family import ranks_label
     from memplan.units import human_bytes
 
     print(f"Llama-3-70B shape, {layers} layers, FSDP2 bf16 mixed precision, sequence 8192, --fake --device cuda")

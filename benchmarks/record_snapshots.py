@@ -93,7 +93,7 @@ def record_one(name: str, out: Path, port: int) -> None:
     import torch.distributed as dist
 
     from memplan.step import StepSpec
-    from memplan.traces.model_file import build_workload, import_model_file
+    from memplan.traces.inputs.model_file import build_workload, import_model_file
 
     recording = RECORDINGS[name]
     os.environ.update(recording.env)

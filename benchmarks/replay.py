@@ -29,7 +29,7 @@ from memplan.planner.replay.schedule import schedule_from
 from memplan.solvers import solve
 from memplan.step import StepSpec
 from memplan.traces.capture import capture_step
-from memplan.traces.model_file import load_workload
+from memplan.traces.inputs.model_file import load_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -23,7 +23,7 @@ from memplan.planner.layers.memory import LayerShape, held_for_backward, reversi
 from memplan.planner.workloads import gpt2
 from memplan.planner.workloads.reversible import build_gpt2_workload
 from memplan.traces.capture import capture_step
-from memplan.traces.workload import Workload
+from memplan.traces.inputs.workload import Workload
 
 VOCABULARY = 1024
 HELD_TARGET, TIME_TARGET = 0.25, 1.5  # reversible against baseline at the deepest stack

@@ -20,7 +20,7 @@ from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.planner.simulate.snapshot_check import replay_snapshot
 from memplan.solvers import solve
 from memplan.traces.format import Trace, load
-from memplan.traces.snapshot import read_snapshot, snapshot_to_trace
+from memplan.traces.inputs.snapshot import read_snapshot, snapshot_to_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -24,7 +24,7 @@ import torch
 from memplan.planner.cost import time_workloads
 from memplan.planner.layers import fusion, patch
 from memplan.planner.workloads import gpt2
-from memplan.traces.workload import Workload
+from memplan.traces.inputs.workload import Workload
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

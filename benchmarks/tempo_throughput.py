@@ -38,7 +38,7 @@ from memplan.modes import AS_BUILT, FULL, JOIN, SELECTIVE, TEMPO
 from memplan.planner.cost import time_workloads
 from memplan.planner.jobs.fit import fit_model
 from memplan.step import StepSpec
-from memplan.traces.model_file import load_workload
+from memplan.traces.inputs.model_file import load_workload
 from memplan.units import parse_size
 
 MODEL_FILE = str(Path(__file__).resolve().parent / "throughput_models.py")

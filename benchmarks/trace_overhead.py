@@ -34,7 +34,7 @@ import json, os, resource, time, torch
 torch.set_num_threads(1)
 os.environ["MEMPLAN_PRESET"] = "7b"
 from memplan.step import StepSpec
-from memplan.traces.trace_model import trace_step
+from memplan.traces.inputs.trace_model import trace_step
 start = time.perf_counter()
 trace = trace_step(StepSpec("examples/hf_llama.py", batch=1, seq=2048, dtype="bfloat16", fake=True))
 print(json.dumps({"seconds": time.perf_counter() - start, "buffers": len(trace), "peak": trace.peak()[0],
@@ -45,7 +45,7 @@ import json, os, resource, tempfile, time, torch
 torch.set_num_threads(1)
 os.environ.update(MEMPLAN_PRESET="medium", MEMPLAN_PARALLEL="tp+sp")
 from memplan.step import StepSpec
-from memplan.traces.distributed import trace_ranks
+from memplan.traces.ranks.launch import trace_ranks
 start = time.perf_counter()
 with tempfile.TemporaryDirectory() as folder:
     step = StepSpec("examples/gpt2_parallel.py", batch=8, seq=1024, mode="baseline", fake=True)

@@ -55,7 +55,7 @@ from memplan.planner.simulate.measure import measure
 from memplan.planner.simulate.verdict import device_memory
 from memplan.step import StepSpec
 from memplan.traces.host import host_bytes
-from memplan.traces.trace_model import CaptureChoice, sized_capture, trace_step
+from memplan.traces.inputs.trace_model import CaptureChoice, sized_capture, trace_step
 from memplan.units import human_bytes
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,7 +23,7 @@ from transformers import Trainer, TrainerCallback
 
 from memplan.errors import MemplanError
 from memplan.traces.capture import Recording, record, run_user_code
-from memplan.traces.fake import is_fake
+from memplan.traces.fake.mode import is_fake
 from memplan.traces.format import Trace
 
 SOURCE = "memplan.integrations.huggingface"

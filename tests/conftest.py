@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memplan.traces import fake_cuda
+from memplan.traces.cuda import fake_device
 
 torch.set_num_threads(1)
 # The tempo layers' fused kernels (planner/layers/fusion.py) compile with Inductor on first use in each process:
@@ -18,8 +18,8 @@ torch.set_num_threads(1)
 # on and checks that they agree with it and hold no more memory.
 os.environ.setdefault("MEMPLAN_FUSED", "0")
 # A worker runs many tests' backwards before a fake CUDA one: the autograd engine sizes its device queues at the
-# first, so the fake CUDA device (traces/fake_cuda.py) must exist before it, as it does in memplan's commands.
-fake_cuda.install()
+# first, so the fake CUDA device (traces/cuda/fake_device.py) must exist before it, as it does in memplan's commands.
+fake_device.install()
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("MEMPLAN_SHARED", ROOT.parent / "shared"))

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from memplan.planner.layers import patch
-from memplan.traces.workload import Workload
+from memplan.traces.inputs.workload import Workload
 
 transformers.logging.set_verbosity_error()
 

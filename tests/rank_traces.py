@@ -9,9 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from memplan.step import StepSpec
-from memplan.traces.distributed import trace_ranks
 from memplan.traces.format import Trace
-from memplan.traces.rank_family import traces_by_rank
+from memplan.traces.ranks.family import traces_by_rank
+from memplan.traces.ranks.launch import trace_ranks
 
 
 class RankTraces:

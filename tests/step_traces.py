@@ -117,7 +117,10 @@ def buffer_events(trace: Trace) -> list[tuple]:
 
 
 GLOO_REDUCE_SCATTER = "c10d::_reduce_scatter_base_"  # gloo's own buffers: an all-reduce and a copy of the slice
-FSDP_COLLECTIVES = ("all_gather", "reduce_scatter")  # the op of FSDP2's collective buffers (traces/communication.py)
+FSDP_COLLECTIVES = (
+    "all_gather",
+    "reduce_scatter",
+)  # the op of FSDP2's collective buffers (traces/ranks/communication.py)
 
 
 def gloo_held(event: tuple) -> bool:

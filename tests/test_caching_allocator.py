@@ -18,7 +18,7 @@ from memplan.planner.simulate.caching_allocator import (
 )
 from memplan.planner.simulate.snapshot_check import SnapshotCheckError, replay_snapshot
 from memplan.traces.format import make_trace
-from memplan.traces.snapshot import parse_snapshot, read_snapshot
+from memplan.traces.inputs.snapshot import parse_snapshot, read_snapshot
 from memplan.units import KiB, MiB
 
 

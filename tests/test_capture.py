@@ -19,10 +19,10 @@ from memplan.planner.report.trace_text import render_trace
 from memplan.planner.workloads import bert
 from memplan.step import StepSpec
 from memplan.traces.capture import capture_step
-from memplan.traces.model_file import load_workload
+from memplan.traces.inputs.model_file import load_workload
+from memplan.traces.inputs.trace_model import trace_step
+from memplan.traces.inputs.workload import Workload
 from memplan.traces.summary import summarize
-from memplan.traces.trace_model import trace_step
-from memplan.traces.workload import Workload
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -22,9 +22,9 @@ from memplan.planner.replay.schedule import schedule_from
 from memplan.solvers import solve
 from memplan.step import StepSpec
 from memplan.traces.capture import CaptureError, capture_step
-from memplan.traces.model_file import load_workload
-from memplan.traces.trace_model import trace_step
-from memplan.traces.workload import Workload
+from memplan.traces.inputs.model_file import load_workload
+from memplan.traces.inputs.trace_model import trace_step
+from memplan.traces.inputs.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -221,7 +221,7 @@ def test_fake_and_real_traces_allocate_the_same_buffers_in_the_same_order(model_
     real, fake = trace(False), trace(True)
     assert real.meta["internal_marked"] and real.internal.any() and not fake.internal.any()
     # tempo's norms select their exact channels with nonzero: none, by the rule as for these weights; HuggingFace's
-    # mask helpers see an eager step of an unpadded batch (traces/hf_fake.py), also under checkpointing
+    # mask helpers see an eager step of an unpadded batch (traces/fake/hf_masks.py), also under checkpointing
     assert buffer_events(fake) == buffer_events(real)
     assert bytes_by_category(fake)["parameter"] == bytes_by_category(real)["parameter"]
 
@@ -244,7 +244,7 @@ def test_fake_offload_traces_peak_as_real_ones_do(model_files, name, mode_name):
 def test_fake_dropout_on_the_cpu_allocates_its_outputs_as_the_cpu_kernel_does(p, train):
     """The CPU kernel allocates the mask before the output (the meta kernel the other way round); what it
     frees before returning is its own scratch, which fake tensors do not hold."""
-    from memplan.traces.fake import FakeCapture
+    from memplan.traces.fake.mode import FakeCapture
     from memplan.traces.recorder import recording
 
     def outputs(fake: bool) -> list[int]:
@@ -267,7 +267,7 @@ def test_fake_cuda_tensors_get_the_optimizers_foreach_kernels_only_inside_the_ca
     a type torch.optim trusts with them), and only inside the capture."""
     from torch.optim.optimizer import _default_to_fused_or_foreach
 
-    from memplan.traces.fake import FOREACH_TYPES, FakeCapture
+    from memplan.traces.fake.mode import FOREACH_TYPES, FakeCapture
     from memplan.traces.recorder import recording
 
     with recording(torch.device("cuda"), fake=True) as recorder, FakeCapture(recorder, "cuda"):
@@ -279,7 +279,7 @@ def test_fake_cuda_tensors_get_the_optimizers_foreach_kernels_only_inside_the_ca
 
 def test_fake_cuda_dropout_allocates_the_mask_first_and_claims_only_cuda_storages():
     """CUDA's dropout allocates the mask before the output (the CPU kernel the other way round)."""
-    from memplan.traces.fake import FakeCapture
+    from memplan.traces.fake.mode import FakeCapture
     from memplan.traces.recorder import recording
 
     with recording(torch.device("cuda"), fake=True) as recorder, FakeCapture(recorder, "cuda"):
@@ -297,7 +297,7 @@ def test_moving_a_fake_model_keeps_what_the_program_attached_to_its_parameters()
     (a sequence-parallel layer's flag and gradient all-reduce) stay (tests/test_fake_module_to.py: the rest)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memplan.traces.fake import module_to
+    from memplan.traces.fake.mode import module_to
 
     seen = []
     with FakeTensorMode():
@@ -357,7 +357,7 @@ def test_a_fake_trace_leaves_memplans_own_tables_real():
     code = (
         "import torch\n"
         "from memplan.step import StepSpec\n"
-        "from memplan.traces.trace_model import trace_step\n"
+        "from memplan.traces.inputs.trace_model import trace_step\n"
         "trace_step(StepSpec('examples/gpt2.py', batch=2, seq=16, mode='tempo', fake=True))\n"
         "from memplan.planner.layers import gelu\n"
         "assert type(gelu.TABLES['tanh'].main) is torch.Tensor, type(gelu.TABLES['tanh'].main)\n"

@@ -23,8 +23,8 @@ from memplan.planner.report.replay_text import render_replay
 from memplan.step import StepSpec
 from memplan.traces.compile import Compile, compile_model
 from memplan.traces.format import Trace, save, trace_digest
-from memplan.traces.model_file import load_workload
-from memplan.traces.trace_model import trace_step
+from memplan.traces.inputs.model_file import load_workload
+from memplan.traces.inputs.trace_model import trace_step
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "examples" / "llama.py"

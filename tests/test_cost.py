@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from memplan.planner.cost import CostError, StepFlops, count_step_flops, time_step
 from memplan.step import StepError, StepSpec
-from memplan.traces.model_file import load_workload
+from memplan.traces.inputs.model_file import load_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GPT2 = ROOT / "examples" / "gpt2.py"  # 2 layers x 64

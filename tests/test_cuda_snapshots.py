@@ -13,7 +13,7 @@ from step_traces import off_default_sizes
 from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.planner.simulate.fidelity import fidelity, predict, recorded_steps
 from memplan.planner.simulate.snapshot_check import replay_snapshot
-from memplan.traces.snapshot import read_snapshot, snapshot_to_trace
+from memplan.traces.inputs.snapshot import read_snapshot, snapshot_to_trace
 
 torch.set_num_threads(1)
 

@@ -15,10 +15,10 @@ from step_traces import bytes_by_category, off_default_sizes
 
 from memplan.planner.simulate.fidelity import reproduced, sizes_in_order
 from memplan.step import StepSpec
-from memplan.traces.distributed import rank_path, trace_ranks
+from memplan.traces.cuda.streams import RELAY
 from memplan.traces.format import Trace, load
-from memplan.traces.streams import RELAY
-from memplan.traces.trace_model import trace_step
+from memplan.traces.inputs.trace_model import trace_step
+from memplan.traces.ranks.launch import rank_path, trace_ranks
 
 torch.set_num_threads(1)
 
@@ -55,7 +55,7 @@ def fake_twin(real: Trace, monkeypatch) -> Trace:
 
 def named_syncs(trace: Trace) -> set[tuple[str, str]]:
     """The trace's orderings between streams, by the streams' names (their numbers follow first use); an ordering
-    relayed through a stream of its own (traces/streams.py's RELAY) is taken whole, from its start to its end."""
+    relayed through a stream of its own (traces/cuda/streams.py's RELAY) is taken whole, from its start to its end."""
     names = {int(number): name for number, name in trace.meta["streams"].items()}
     pairs = {(first, then) for _, first, then in trace.syncs}
     relays = {number for number, name in names.items() if name == RELAY}

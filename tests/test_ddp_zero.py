@@ -1,6 +1,6 @@
 """ZeRO-1 (examples/gpt2_ddp.py with MEMPLAN_DDP_OPTIMIZER=zero: DDP and ZeroRedundancyOptimizer over AdamW) on the
 fake process group and on gloo, and the buffers traced as `communication`: DDP's gradient buckets, FSDP2's
-all-gather and reduce-scatter buffers (traces/communication.py)."""
+all-gather and reduce-scatter buffers (traces/ranks/communication.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from step_traces import buffer_events, state_bytes
 
 from memplan.planner.workloads.gpt2 import GPT2, PRESETS
 from memplan.step import StepSpec
-from memplan.traces.distributed import RankError, trace_ranks
 from memplan.traces.format import Trace
+from memplan.traces.ranks.launch import RankError, trace_ranks
 
 torch.set_num_threads(1)
 

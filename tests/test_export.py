@@ -27,7 +27,7 @@ from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.caching_allocator import event_order, simulate_caching
 from memplan.planner.simulate.snapshot_export import make_snapshot
 from memplan.traces.format import load, make_trace
-from memplan.traces.snapshot import LABEL_FRAMES, import_snapshot, load_plain_pickle
+from memplan.traces.inputs.snapshot import LABEL_FRAMES, import_snapshot, load_plain_pickle
 
 DATA = Path(__file__).resolve().parents[1] / "traces" / "data"
 GPT2 = DATA / "gpt2_small.b2s128.baseline.trace.json.gz"

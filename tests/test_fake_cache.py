@@ -1,5 +1,5 @@
-"""FakeTensorMode's dispatch cache under a fake capture (traces/fake_cache.py): a hit leaves every reference count a
-miss leaves, so a trace is the same whether the cache, shared by the process, was empty or full."""
+"""FakeTensorMode's dispatch cache under a fake capture (traces/fake/dispatch_cache.py): a hit leaves every reference
+count a miss leaves, so a trace is the same whether the cache, shared by the process, was empty or full."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memplan.step import StepSpec
-from memplan.traces.fake import FakeCapture
+from memplan.traces.fake.mode import FakeCapture
+from memplan.traces.inputs.trace_model import trace_step
 from memplan.traces.recorder import recording
-from memplan.traces.trace_model import trace_step
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 COLUMNS = ("size", "alloc", "free", "stream", "internal", "category", "phase", "op", "module")

@@ -1,5 +1,5 @@
 """`--fake --device cuda` on this CPU-only torch: CUDA's autocast policy, AdamW's foreach path, cuBLAS's workspaces,
-the step window, and a runtime that is gone once the capture ends (traces/fake_cuda.py)."""
+the step window, and a runtime that is gone once the capture ends (traces/cuda/fake_device.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import memplan
 from memplan.gpus import DEFAULT_GPU, cublas_workspace_size, gpu
 from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.step import StepSpec
-from memplan.traces.fake_cuda import needs_runtime
-from memplan.traces.snapshot import read_snapshot, snapshot_to_trace
-from memplan.traces.trace_model import trace_step
+from memplan.traces.cuda.fake_device import needs_runtime
+from memplan.traces.inputs.snapshot import read_snapshot, snapshot_to_trace
+from memplan.traces.inputs.trace_model import trace_step
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 GPT2 = EXAMPLES / "gpt2.py"
@@ -284,7 +284,7 @@ def test_a_process_whose_engine_started_without_the_device_gets_one_line():
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().startswith("--fake --device cuda: this process ran a backward before")
-    assert "memplan.traces.fake_cuda.install()" in done.stdout
+    assert "memplan.traces.cuda.fake_device.install()" in done.stdout
 
 
 def test_a_model_deep_copied_inside_a_fake_capture_is_in_the_trace():

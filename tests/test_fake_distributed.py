@@ -1,5 +1,6 @@
-"""A user's own FSDP2 and DDP programs traced on the fake process group under fake tensors (traces/fake_distributed.py):
-each rank's trace against the same program on real gloo ranks, and the sharding's arithmetic."""
+"""A user's own FSDP2 and DDP programs traced on the fake process group under fake tensors
+(traces/ranks/fake_wrappers.py): each rank's trace against the same program on real gloo ranks, and the sharding's
+arithmetic."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from memplan.planner.verify import verify_plan
 from memplan.planner.workloads.llama import PRESETS, Llama
 from memplan.solvers import solve
 from memplan.step import StepSpec
-from memplan.traces.distributed import trace_ranks
-from memplan.traces.rank_family import traces_by_rank
+from memplan.traces.ranks.family import traces_by_rank
+from memplan.traces.ranks.launch import trace_ranks
 
 torch.set_num_threads(1)
 

@@ -1,6 +1,6 @@
 """A fake step fails where the real step fails, in one line: indices known out of range raise what the real op
-raises (traces/known_values.py, check_bounds), and torch's fake-tensor logger keeps its traceback to itself unless
-asked (traces/quiet_logs.py)."""
+raises (traces/fake/known_values.py, check_bounds), and torch's fake-tensor logger keeps its traceback to itself unless
+asked (traces/fake/quiet_logs.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch import nn
 
 from memplan.cli import main
 from memplan.traces.capture import recording_session
-from memplan.traces.quiet_logs import VERBOSE, _without_tracebacks
+from memplan.traces.fake.quiet_logs import VERBOSE, _without_tracebacks
 
 # GPT-2 whose position table is shorter than the sequence traced: its position ids come from `arange`.
 GPT2_SHORT = {"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2, "n_positions": 8, "vocab_size": 64,
@@ -102,7 +102,7 @@ def test_a_router_the_meta_kernel_refuses_is_one_line_on_the_terminal(tmp_path, 
 def test_third_party_tracebacks_are_dropped_unless_asked(monkeypatch):
     """The filter drops a torch logger's record that carries a traceback, keeps its warnings and the program's own
     tracebacks; MEMPLAN_VERBOSE (`memplan -v`) keeps everything."""
-    from memplan.traces import quiet_logs
+    from memplan.traces.fake import quiet_logs
 
     seen = []
     handle = _without_tracebacks(lambda logger, record: seen.append(record.name))

@@ -13,7 +13,7 @@ from torch import nn
 
 import memplan
 from memplan.traces.capture import recording_session
-from memplan.traces.fake import module_to
+from memplan.traces.fake.mode import module_to
 
 
 class HandAdamW(torch.optim.Optimizer):

@@ -17,7 +17,7 @@ from memplan.solvers import CapacityError, solve
 from memplan.solvers.bounds import lower_bound
 from memplan.step import StepSpec
 from memplan.traces.capture import capture_step
-from memplan.traces.model_file import load_workload
+from memplan.traces.inputs.model_file import load_workload
 
 MODEL = str(Path(__file__).resolve().parents[1] / "examples" / "bert.py")
 GPT2 = str(Path(__file__).resolve().parents[1] / "examples" / "gpt2.py")
@@ -105,12 +105,12 @@ def test_a_real_trace_too_large_for_this_machine_is_refused(monkeypatch):
 
 
 def test_auto_capture_is_fake_where_a_real_step_is_slow_or_does_not_fit(monkeypatch):
-    import memplan.traces.trace_model
-    from memplan.traces.trace_model import choose_capture
+    import memplan.traces.inputs.trace_model
+    from memplan.traces.inputs.trace_model import choose_capture
 
-    monkeypatch.setattr(memplan.traces.trace_model, "host_memory_available", lambda: 20 << 30)
+    monkeypatch.setattr(memplan.traces.inputs.trace_model, "host_memory_available", lambda: 20 << 30)
     assert not choose_capture("auto", 1 << 30).fake and choose_capture("auto", 3 << 30).fake
-    monkeypatch.setattr(memplan.traces.trace_model, "host_memory_available", lambda: 1 << 30)
+    monkeypatch.setattr(memplan.traces.inputs.trace_model, "host_memory_available", lambda: 1 << 30)
     assert choose_capture("auto", 1 << 30).fake  # more than 70% of the RAM available
     assert not choose_capture("real", 1 << 40).fake and choose_capture("fake", 1).fake
 

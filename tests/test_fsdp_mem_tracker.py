@@ -13,8 +13,8 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from memplan.step import StepSpec
-from memplan.traces import fake_distributed
-from memplan.traces.model_file import import_model_file
+from memplan.traces.inputs.model_file import import_model_file
+from memplan.traces.ranks import fake_wrappers
 
 torch.set_num_threads(1)
 
@@ -25,7 +25,7 @@ BATCH, SEQ = 2, 32
 def tracker_peak(monkeypatch, world: int) -> int:
     """FSDPMemTracker's peak bytes (its "Total" on the CPU) over rank 0's second step of the model file, on the fake
     process group under PyTorch's FakeTensorMode (with memplan's DeviceMesh and DDP answers, as a --fake trace has)."""
-    for owner, name, replacement in fake_distributed.patches():
+    for owner, name, replacement in fake_wrappers.patches():
         monkeypatch.setattr(owner, name, replacement)
     build = import_model_file(FSDP2)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)

@@ -12,8 +12,8 @@ from step_traces import comparable, first_difference, state_bytes
 
 from memplan.planner.workloads.llama import PRESETS, Llama
 from memplan.step import StepSpec
-from memplan.traces.distributed import RankError, trace_ranks
 from memplan.traces.format import Trace
+from memplan.traces.ranks.launch import RankError, trace_ranks
 
 torch.set_num_threads(1)
 

@@ -28,7 +28,7 @@ from memplan.planner.workloads import bert, gpt2, llama
 from memplan.planner.workloads.lm_head import head_workload
 from memplan.step import StepError, StepSpec
 from memplan.traces.capture import capture_step
-from memplan.traces.trace_model import trace_step
+from memplan.traces.inputs.trace_model import trace_step
 
 PRECISIONS = {  # name -> (parameters' dtype, autocast dtype)
     "fp32": (torch.float32, None),

@@ -15,7 +15,7 @@ from memplan.gpus import gpu
 from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.verdict import Budget, OutsideTerm, judge
 from memplan.step import StepSpec
-from memplan.traces.trace_model import trace_step
+from memplan.traces.inputs.trace_model import trace_step
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "llama-3.2-1b.json"
 ROW = re.compile(r"^\| (llama1b_\S+\.pickle) \| (\d+) \| ([^|]+) \| ([^|]+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \|$")

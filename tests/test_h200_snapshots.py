@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from memplan.cli import main
 from memplan.planner.simulate.snapshot_check import SEGMENT_CHANGE, capacity_at_oom, check_program
 from memplan.traces.format import load
-from memplan.traces.snapshot import load_plain_pickle, read_snapshot
+from memplan.traces.inputs.snapshot import load_plain_pickle, read_snapshot
 from memplan.units import torch_size
 
 FOLDER = "traces/h200-programs"

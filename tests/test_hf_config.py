@@ -1,4 +1,5 @@
-"""A HuggingFace config.json as a model file (traces/hf_config.py), and bf16 mixed precision (--dtype bf16-mixed)."""
+"""A HuggingFace config.json as a model file (traces/inputs/hf_config.py), and bf16 mixed precision
+(--dtype bf16-mixed)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import memplan
 from memplan.cli import main
 from memplan.limits import LimitError
 from memplan.step import StepSpec
-from memplan.traces.trace_model import trace_step
+from memplan.traces.inputs.trace_model import trace_step
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 TINY = CONFIGS / "tiny-llama.json"

@@ -12,7 +12,7 @@ from memplan.modes import mode as registered
 from memplan.planner.layers import MODES, patch
 from memplan.planner.layers.memory import LlamaLayerShape, held_for_backward
 from memplan.traces.capture import capture_step
-from memplan.traces.workload import Workload
+from memplan.traces.inputs.workload import Workload
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

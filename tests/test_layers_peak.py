@@ -13,8 +13,8 @@ from torch import nn
 from memplan.planner.layers import patch
 from memplan.step import StepSpec
 from memplan.traces.capture import capture_step
-from memplan.traces.trace_model import trace_step
-from memplan.traces.workload import Workload
+from memplan.traces.inputs.trace_model import trace_step
+from memplan.traces.inputs.workload import Workload
 
 pytest.importorskip("transformers")
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from memplan.planner.layers.memory import saved_bytes
 from memplan.planner.layers.rmsnorm import InplaceRMSNorm, RMSNormError
-from memplan.traces.fake import FakeCapture
+from memplan.traces.fake.mode import FakeCapture
 from memplan.traces.recorder import recording
 
 pytest.importorskip("transformers")

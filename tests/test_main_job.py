@@ -16,7 +16,7 @@ from memplan.planner.plan import load_plan
 from memplan.planner.report.run_report import step_sentence
 from memplan.step import StepSpec
 from memplan.traces.format import load
-from memplan.traces.trace_model import CaptureChoice
+from memplan.traces.inputs.trace_model import CaptureChoice
 
 
 @pytest.mark.slow  # 3-10 s: out of the fast lane, which stays under 3 minutes

@@ -27,7 +27,7 @@ from memplan.errors import MemplanError
 from memplan.limits import MAX_INPUT_BYTES, MAX_PICKLE_BYTES
 from memplan.planner.plan import load_plan
 from memplan.traces.format import load
-from memplan.traces.snapshot import import_snapshot
+from memplan.traces.inputs.snapshot import import_snapshot
 from memplan.units import human_bytes
 
 CORPUS = Path(__file__).resolve().parent / "data" / "malformed"
@@ -57,7 +57,7 @@ def readers(kind: str, path: str, out: Path) -> dict[str, list[str]]:
         }
     if kind == "csv":
         return {"solve": ["solve", path, "-o", str(out / "p.csv")]}
-    if kind == "config":  # a HuggingFace config.json: every command reads it through traces/hf_config.py
+    if kind == "config":  # a HuggingFace config.json: every command reads it through traces/inputs/hf_config.py
         return {
             "trace": ["trace", path, "--fake", "--seq", "8", "-o", str(out / "t.json")],
             "fit": ["fit", path, "--fake", "--memory", "16MiB", "--seq", "8", "--layers", "as-built"],
@@ -202,7 +202,7 @@ def warm(kind: str) -> None:
     if kind == "config":
         import memplan.planner.jobs.fit  # noqa: F401
         import memplan.planner.jobs.trace  # noqa: F401
-        from memplan.traces.hf_config import ConfigBuild
+        from memplan.traces.inputs.hf_config import ConfigBuild
 
         ConfigBuild(CORPUS / "good.config.json")
 

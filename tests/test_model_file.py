@@ -18,8 +18,8 @@ from memplan.cli import main
 from memplan.errors import MemplanError, ModelFileError
 from memplan.step import StepSpec
 from memplan.traces.format import load
-from memplan.traces.model_file import DeviceError, load_workload
-from memplan.traces.trace_model import trace_step
+from memplan.traces.inputs.model_file import DeviceError, load_workload
+from memplan.traces.inputs.trace_model import trace_step
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -214,7 +214,7 @@ def build(batch_size, seq_len, dtype, device):
 """
 NAMED = NAMING_MODEL.format(extra="", returns='{"model": model, "inputs": ids, "name": "mynet"}')
 UNNAMED = NAMING_MODEL.format(extra="", returns='{"model": model, "inputs": ids}')
-WORKLOAD = "from memplan.traces.workload import Workload"
+WORKLOAD = "from memplan.traces.inputs.workload import Workload"
 NAMED_WORKLOAD = NAMING_MODEL.format(extra=WORKLOAD, returns='Workload(model, ids, optimizer, name="mynet")')
 UNNAMED_WORKLOAD = NAMING_MODEL.format(extra=WORKLOAD, returns="Workload(model, ids, optimizer)")
 

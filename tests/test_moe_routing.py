@@ -1,5 +1,5 @@
-"""Mixtures of experts under fake tensors (memplan.routing, traces/known_values.py): the routing rules' choices, and
-fake traces of Mixtral (its experts' loop and its grouped GEMMs) and Switch-Transformers that equal real ones buffer
+"""Mixtures of experts under fake tensors (memplan.routing, traces/fake/known_values.py): the routing rules' choices,
+and fake traces of Mixtral (its experts' loop and its grouped GEMMs) and Switch-Transformers that equal real ones buffer
 for buffer when the real router is made to choose as the rule does."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from memplan.modes import MODES
 from memplan.planner.report.trace_text import render_trace
 from memplan.routing import Routing, RoutingError
 from memplan.step import StepError, StepSpec
+from memplan.traces.inputs.trace_model import trace_step
 from memplan.traces.summary import summarize
-from memplan.traces.trace_model import trace_step
 
 torch.set_num_threads(1)
 
@@ -32,7 +32,7 @@ MIXTRAL_FILE = """import json
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 from memplan.routing import Routing
-from memplan.traces.fake import is_fake
+from memplan.traces.fake.mode import is_fake
 
 
 def build(batch_size, seq_len, dtype, device):
@@ -58,7 +58,7 @@ SWITCH_FILE = """import torch
 from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
 from transformers.models.switch_transformers.modeling_switch_transformers import SwitchTransformersTop1Router
 from memplan.routing import Routing
-from memplan.traces.fake import is_fake
+from memplan.traces.fake.mode import is_fake
 
 
 def build(batch_size, seq_len, dtype, device):

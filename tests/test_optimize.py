@@ -22,8 +22,8 @@ from memplan.planner.problem import problem_from_trace
 from memplan.solvers import solve
 from memplan.step import StepSpec
 from memplan.traces.format import trace_digest
-from memplan.traces.model_file import import_model_file
-from memplan.traces.trace_model import trace_step
+from memplan.traces.inputs.model_file import import_model_file
+from memplan.traces.inputs.trace_model import trace_step
 
 LAYERS = tuple(f"layers.{i}" for i in range(3))
 SHAPE = {"batch": 1, "seq": 128, "dtype": "float32"}

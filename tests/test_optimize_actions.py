@@ -27,7 +27,7 @@ from memplan.planner.jobs.optimize import (
 from memplan.planner.optimize.choose import work_of
 from memplan.planner.simulate.measure import measure
 from memplan.step import StepSpec
-from memplan.traces.trace_model import trace_step
+from memplan.traces.inputs.trace_model import trace_step
 
 pytestmark = pytest.mark.slow  # 16 fake traces of the 4 layer modes' assignments, and the actions'
 

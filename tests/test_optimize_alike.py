@@ -27,7 +27,7 @@ from memplan.planner.optimize.terms import assignments_to_trace, memory_terms, o
 from memplan.planner.problem import align_up
 from memplan.step import StepSpec
 from memplan.traces.format import live_bytes
-from memplan.traces.trace_model import trace_step
+from memplan.traces.inputs.trace_model import trace_step
 
 pytestmark = pytest.mark.slow  # about a minute: some 60 real traces of an 8-layer model
 MODES = (AS_BUILT, "tempo", "selective", "full", "tempo+offload")  # in place, recompute, checkpoint, offload

@@ -20,8 +20,8 @@ from memplan.planner.layers.host_adamw import HostAdamW
 from memplan.planner.layers.lowbit_adamw import LAYOUTS, LowBitAdamW
 from memplan.planner.report.trace_text import render_trace
 from memplan.step import StepSpec
+from memplan.traces.inputs.trace_model import trace_step
 from memplan.traces.summary import summarize
-from memplan.traces.trace_model import trace_step
 
 torch.set_num_threads(1)
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.1

@@ -16,9 +16,9 @@ from memplan.planner.parallel.checks import run_cases
 from memplan.planner.parallel.comm import ParallelError
 from memplan.planner.parallel.formulas import parallel_formula
 from memplan.planner.parallel.model import build_workload
-from memplan.traces.distributed import launch, rank_path
 from memplan.traces.format import load
-from memplan.traces.rank_family import traces_by_rank
+from memplan.traces.ranks.family import traces_by_rank
+from memplan.traces.ranks.launch import launch, rank_path
 
 MODES = ("baseline", "tempo", "selective", "tempo+selective")
 SMALL = [16, 2, 32, 4, 4]  # s, b, h, a, p: equality checks

@@ -140,7 +140,7 @@ def test_model_files_are_patched_for_baseline_too(file):
     """`--layers baseline` traces memplan's reference layers (1-byte dropout masks, attention written out),
     so baseline and tempo differ only in what tempo saves."""
     from memplan.step import StepSpec
-    from memplan.traces.model_file import load_workload
+    from memplan.traces.inputs.model_file import load_workload
 
     path = Path(__file__).resolve().parents[1] / "examples" / file
     w = load_workload(StepSpec(path, batch=2, seq=16, mode="baseline"))

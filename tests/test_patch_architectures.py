@@ -84,7 +84,7 @@ def test_the_traced_report_says_which_swaps_saved_nothing(kind, note):
 
 def workload_of(kind: str):
     """`kind` tiny under tempo as a Workload with its patch report."""
-    from memplan.traces.workload import Workload
+    from memplan.traces.inputs.workload import Workload
 
     model = build(kind)
     report = patch(model, "tempo")

@@ -22,8 +22,8 @@ from memplan.planner.layers.memory import held_for_backward
 from memplan.planner.workloads import bert, gpt2, llama
 from memplan.step import StepSpec
 from memplan.traces.format import Trace
-from memplan.traces.trace_model import trace_step
-from memplan.traces.workload import Workload
+from memplan.traces.inputs.trace_model import trace_step
+from memplan.traces.inputs.workload import Workload
 
 pytest.importorskip("transformers")
 

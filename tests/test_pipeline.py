@@ -10,8 +10,8 @@ import torch
 from step_traces import buffer_events, comparable, first_difference, unfreed_collective_buffers
 
 from memplan.step import StepSpec
-from memplan.traces.distributed import RankError, rank_path, trace_ranks
 from memplan.traces.format import Trace, load
+from memplan.traces.ranks.launch import RankError, rank_path, trace_ranks
 
 torch.set_num_threads(1)
 

@@ -20,7 +20,7 @@ from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.planner.simulate.verdict import Budget, OutsideTerm, judge
 from memplan.step import StepSpec
 from memplan.traces.format import load, save, trace_digest
-from memplan.traces.trace_model import trace_step
+from memplan.traces.inputs.trace_model import trace_step
 
 
 @pytest.fixture(scope="module")

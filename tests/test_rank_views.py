@@ -1,4 +1,4 @@
-"""Ranks side by side (traces/rank_family.py): `memplan run` and `fit --nproc` give each distinct rank's figures (a
+"""Ranks side by side (traces/ranks/family.py): `memplan run` and `fit --nproc` give each distinct rank's figures (a
 1F1B pipeline's stages differ, FSDP2's ranks do not), fit names the tightest rank, `compare` and `plot` read a rank
 family, and a family with a rank missing or world sizes that disagree is one `Error:` line."""
 
@@ -16,7 +16,7 @@ from memplan.cli import main
 from memplan.planner.jobs.fit import Point
 from memplan.planner.report.fit_table import render_fit
 from memplan.traces import make_trace, save
-from memplan.traces.rank_family import RankFamilyError, load_family, load_traces, rank_path
+from memplan.traces.ranks.family import RankFamilyError, load_family, load_traces, rank_path
 
 torch.set_num_threads(1)
 

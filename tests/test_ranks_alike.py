@@ -1,6 +1,6 @@
-"""Ranks alike by construction traced once under --fake (traces/alike.py): the classes proposed from what the first
-rank builds, each class's one trace equal to every member's own trace, and ZeRO-1's ranks, which differ, each traced.
-Also PP x FSDP2 on a ("pp", "dp") mesh (examples/llama_pipeline.py with MEMPLAN_DP)."""
+"""Ranks alike by construction traced once under --fake (traces/ranks/alike.py): the classes proposed from what the
+first rank builds, each class's one trace equal to every member's own trace, and ZeRO-1's ranks, which differ,
+each traced. Also PP x FSDP2 on a ("pp", "dp") mesh (examples/llama_pipeline.py with MEMPLAN_DP)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from click.testing import CliRunner
 
 from memplan.cli import main
 from memplan.step import StepSpec
-from memplan.traces.alike import Layout, MeshRecord, StageRecord, propose, same_step
-from memplan.traces.distributed import rank_path, trace_ranks
 from memplan.traces.format import Trace, load
-from memplan.traces.rank_family import traces_by_rank
+from memplan.traces.ranks.alike import Layout, MeshRecord, StageRecord, propose, same_step
+from memplan.traces.ranks.family import traces_by_rank
+from memplan.traces.ranks.launch import rank_path, trace_ranks
 
 torch.set_num_threads(1)
 

@@ -1,7 +1,7 @@
 """scaled_dot_product_attention under --fake --device cuda takes the kernel CUDA's rules choose for the planned GPU
-(traces/sdpa_cuda.py), and the trace holds that kernel's buffers (traces/sdpa_dispatch.py).
+(traces/cuda/sdpa_choice.py), and the trace holds that kernel's buffers (traces/cuda/sdpa_dispatch.py).
 
-The expected backends below are read from PyTorch's sdp_utils.cpp (the version traces/sdpa_cuda.py names; L...
+The expected backends below are read from PyTorch's sdp_utils.cpp (the version traces/cuda/sdpa_choice.py names; L...
 are its lines) and the sdp_utils_cpp.h torch 2.13.0 ships (H...), not from running the port:
 - order (L78-116, ATen/Context.h): cuDNN first on sm90 and sm100 (minor 0 or 3) with cuDNN > 9.15 (the wheels'
   9.20); else flash, memory-efficient, math, cuDNN, so math takes whatever flash and memory-efficient refuse.
@@ -29,10 +29,8 @@ from torch.utils.checkpoint import checkpoint
 from memplan.gpus import GPU, gpu
 from memplan.step import StepSpec
 from memplan.traces.capture import capture_step
-from memplan.traces.fake import FakeCapture
-from memplan.traces.fake_cuda import fake_cuda_runtime
-from memplan.traces.recorder import recording
-from memplan.traces.sdpa_cuda import (
+from memplan.traces.cuda.fake_device import fake_cuda_runtime
+from memplan.traces.cuda.sdpa_choice import (
     CUDNN_VERSION,
     NoAttentionKernel,
     Operand,
@@ -40,9 +38,11 @@ from memplan.traces.sdpa_cuda import (
     SdpaFlags,
     select_backend,
 )
-from memplan.traces.sdpa_dispatch import KEY
-from memplan.traces.trace_model import trace_step
-from memplan.traces.workload import Workload
+from memplan.traces.cuda.sdpa_dispatch import KEY
+from memplan.traces.fake.mode import FakeCapture
+from memplan.traces.inputs.trace_model import trace_step
+from memplan.traces.inputs.workload import Workload
+from memplan.traces.recorder import recording
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 GPUS = {"H100": (9, 0), "A100": (8, 0), "L40S": (8, 9), "B200": (10, 0), "T4": (7, 5)}  # L4, RTX 4090: sm89 too

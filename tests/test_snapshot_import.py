@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from memplan.cli import main
 from memplan.errors import SnapshotError
 from memplan.traces.format import load
-from memplan.traces.snapshot import (
+from memplan.traces.inputs.snapshot import (
     import_snapshot,
     import_summary,
     load_plain_pickle,

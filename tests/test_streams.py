@@ -1,4 +1,4 @@
-"""Streams in a trace (traces/streams.py): the orderings a step makes between streams become syncs that say exactly
+"""Streams in a trace (traces/cuda/streams.py): the orderings a step makes between streams become syncs that say exactly
 what happens before what, a fake CUDA step records its streams and orderings, and reuse across streams follows them
 in the planner, the verifier and the caching-allocator simulator."""
 
@@ -17,8 +17,8 @@ from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.planner.verify import verify_plan
 from memplan.solvers import solve
 from memplan.traces.capture import record
+from memplan.traces.cuda.streams import Ordering, StreamLedger, stream_columns
 from memplan.traces.format import make_trace
-from memplan.traces.streams import Ordering, StreamLedger, stream_columns
 from memplan.traces.summary import summarize
 
 torch.set_num_threads(1)

@@ -19,7 +19,7 @@ from memplan.gpus import CUBLAS_WORKSPACE_DEFAULT, CUBLAS_WORKSPACE_LARGE, GIVEN
 from memplan.planner.simulate.verdict import device_memory, outside_terms
 from memplan.step import StepSpec
 from memplan.torch_versions import INSTALLED, TORCH_2_11, TORCH_2_13, TorchVersionError, torch_rules
-from memplan.traces.sdpa_cuda import Operand, SdpaCall, SdpaFlags, priority_order, select_backend
+from memplan.traces.cuda.sdpa_choice import Operand, SdpaCall, SdpaFlags, priority_order, select_backend
 
 H200 = gpu("H200")
 MEASURED_H200_TORCH_211 = 804_061_184  # total_memory - free - reserved after three steps (PROGRAMS.md)

@@ -25,7 +25,7 @@ from memplan.planner.simulate.measure import simulate_trace
 from memplan.planner.simulate.verdict import device_memory, judge, judged, trace_budget
 from memplan.step import StepSpec
 from memplan.traces import make_trace, save
-from memplan.traces.trace_model import trace_step
+from memplan.traces.inputs.trace_model import trace_step
 from memplan.units import GiB, MiB
 
 ROOT = Path(__file__).resolve().parents[1]

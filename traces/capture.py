@@ -12,7 +12,7 @@ what its parameters, optimizer and inputs hold counts from then on; other tensor
 not seen, and those the step reads are named in the trace's meta "unrecorded" (traces/unrecorded.py;
 `record` warns of them).
 
-With `fake=True` the workload is built and stepped under fake tensors (traces/fake.py): nothing is
+With `fake=True` the workload is built and stepped under fake tensors (traces/fake/mode.py): nothing is
 allocated or computed, and the trace holds every storage the program's ops return, with the same
 labels. On CUDA the caching allocator's history of the step gives the requested (unrounded) sizes
 and the streams, and `capture_step` keeps the allocator's own peaks of the step in meta `cuda_measured`.
@@ -44,20 +44,20 @@ from memplan.routing import DEFAULT as DEFAULT_ROUTING
 from memplan.routing import Routing
 from memplan.step import require_fake_for_routing
 from memplan.torch_versions import TorchRules, torch_rules
-from memplan.traces.communication import COMMUNICATION, ddp_buckets, fsdp_stream_names, name_buckets
-from memplan.traces.fake import DATA_RULE, FakeCapture
-from memplan.traces.fake_cuda import DeviceMemory, fake_cuda_runtime
+from memplan.traces.cuda.fake_device import DeviceMemory, fake_cuda_runtime
+from memplan.traces.cuda.stream_hooks import cuda_stream_hooks
+from memplan.traces.cuda.streams import StreamColumns, StreamLedger, stream_columns
+from memplan.traces.fake.mode import DATA_RULE, FakeCapture
 from memplan.traces.format import PHASES, Program, Trace, make_trace, save
+from memplan.traces.inputs.record_args import record_target
+from memplan.traces.inputs.workload import Workload
 from memplan.traces.program import MeasuredStep, StepWindow, assemble_program
 from memplan.traces.progress import CaptureProgress, progress_interval
-from memplan.traces.record_args import record_target
+from memplan.traces.ranks.communication import COMMUNICATION, ddp_buckets, fsdp_stream_names, name_buckets
 from memplan.traces.recorder import BACKWARD, FORWARD, OPTIMIZER, OTHER, Events, Recorder, recording
 from memplan.traces.resident import resident_storages, resident_tensors
 from memplan.traces.step_marks import ROOT_MODULE, StepMarks, marked_step
-from memplan.traces.stream_hooks import cuda_stream_hooks
-from memplan.traces.streams import StreamColumns, StreamLedger, stream_columns
 from memplan.traces.unrecorded import UnrecordedWarning, unrecorded, unrecorded_text
-from memplan.traces.workload import Workload
 
 SCALAR_OP = "python scalar"  # an allocation outside any op: a Python number wrapped as a tensor
 
@@ -496,7 +496,7 @@ class Recording:
 
 
 def _streams(buffers: list[_Buffer], ledger: StreamLedger, real: bool, end: int) -> StreamColumns:
-    """Each buffer's stream id and the syncs (traces/streams.py): a real buffer's stream key is the allocator's
+    """Each buffer's stream id and the syncs (traces/cuda/streams.py): a real buffer's stream key is the allocator's
     (`_requested_sizes`; 0 on the CPU), a fake one's the stream current when it was allocated; buffers alive when
     the step began are on the default stream. Frees move for `record_stream`."""
     keys = [b.stream if real or b.alloc == 0 else ledger.stream_at(b.alloc) for b in buffers]

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from memplan.traces.workload import Workload, optimizer_state
+from memplan.traces.inputs.workload import Workload, optimizer_state
 
 
 @dataclass

@@ -17,11 +17,11 @@ from types import ModuleType
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from memplan.traces.communication import collective_buffers
+from memplan.traces.inputs.workload import Workload, optimizer_state
 from memplan.traces.on_import import patched_on_import
+from memplan.traces.ranks.communication import collective_buffers
 from memplan.traces.recorder import BACKWARD, FORWARD, OPTIMIZER, OTHER, Recorder
 from memplan.traces.resident import local_tensor
-from memplan.traces.workload import Workload, optimizer_state
 
 ROOT_MODULE = "model"
 LOSS_MODULE = "loss"

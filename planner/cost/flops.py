@@ -42,9 +42,9 @@ from memplan.errors import MemplanError
 from memplan.step import StepSpec
 from memplan.traces.capture import recording_session, run_user_code
 from memplan.traces.compile import Compile, compile_model
-from memplan.traces.fake import RANDOM_FILLS
-from memplan.traces.model_file import build_workload, import_model_file, require_device
-from memplan.traces.workload import Workload
+from memplan.traces.fake.mode import RANDOM_FILLS
+from memplan.traces.inputs.model_file import build_workload, import_model_file, require_device
+from memplan.traces.inputs.workload import Workload
 
 aten = torch.ops.aten
 MATMUL_FORMULAS = {

@@ -16,7 +16,7 @@ import torch
 from memplan.planner.layers.launches import LaunchCount, counting
 from memplan.step import StepSpec
 from memplan.traces.capture import recording_session
-from memplan.traces.model_file import load_workload
+from memplan.traces.inputs.model_file import load_workload
 
 
 def count_launches(build: Callable[[], Any], run: Callable[[Any], Any], *, fused: bool = True) -> LaunchCount:

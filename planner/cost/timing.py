@@ -21,8 +21,8 @@ import torch
 from memplan.planner.cost.flops import CostError, checked_step
 from memplan.step import StepSpec
 from memplan.traces.compile import Compile, compile_model
-from memplan.traces.model_file import load_workload
-from memplan.traces.workload import Workload
+from memplan.traces.inputs.model_file import load_workload
+from memplan.traces.inputs.workload import Workload
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """`memplan check -- python train.py ARGS`: the user's own script, unmodified, run on a fake GPU for its first steps.
 
-The script runs in this process with CUDA as memplan's fake device of a GPU (traces/fake_cuda.py: every tensor is a
-fake tensor, so nothing is computed and any size runs), recorded from its first allocation as a whole program
+The script runs in this process with CUDA as memplan's fake device of a GPU (traces/cuda/fake_device.py: every tensor
+is a fake tensor, so nothing is computed and any size runs), recorded from its first allocation as a whole program
 (traces/program.py). PyTorch's caching allocator is simulated live at the GPU's memory less what lies outside it
 (planner/simulate/live.py): `torch.cuda`'s memory statistics answer from it, and a request it cannot serve raises
 `torch.OutOfMemoryError` in the script with PyTorch's message, so the script's own handling (a retry with a smaller

@@ -22,7 +22,7 @@ from memplan.planner.simulate.caching_allocator import SimResult, allocation_siz
 from memplan.planner.simulate.snapshot_check import ProgramCheck, capacity_at_oom, check_program, oom_entries
 from memplan.planner.simulate.verdict import trace_budget
 from memplan.traces.format import Trace
-from memplan.traces.snapshot import read_snapshot_trace, with_failed_requests
+from memplan.traces.inputs.snapshot import read_snapshot_trace, with_failed_requests
 from memplan.units import MiB
 
 TOP = 8  # ops listed by name among the live bytes; the rest are summed

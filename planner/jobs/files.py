@@ -21,8 +21,8 @@ from memplan.planner.simulate.measure import simulate_trace
 from memplan.planner.simulate.plan_footprint import match_plans
 from memplan.planner.simulate.repeat import last_step_peaks, repeated
 from memplan.traces.format import Trace, load, save
-from memplan.traces.rank_family import load_traces
-from memplan.traces.snapshot import import_snapshot, import_summary
+from memplan.traces.inputs.snapshot import import_snapshot, import_summary
+from memplan.traces.ranks.family import load_traces
 
 Progress = Callable[[str], None]
 
@@ -63,7 +63,7 @@ def load_files(
     trace_files: Sequence[str], plan_files: Sequence[str]
 ) -> tuple[list[tuple[str, Trace]], list[tuple[str, Plan]]]:
     """The named traces and plans of a multi-trace command, in the order given (FILE.json.gz that is no file but has
-    rank traces: its rank family, traces.rank_family); each plan verified against the trace it was made for."""
+    rank traces: its rank family, traces.ranks.family); each plan verified against the trace it was made for."""
     traces = load_traces(trace_files)
     return traces, [(f, load_plan(f, [t for _, t in traces])) for f in plan_files]
 

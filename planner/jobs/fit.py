@@ -28,10 +28,8 @@ from memplan.planner.simulate.verdict import Budget, device_memory, judged
 from memplan.solvers import CapacityError, solve
 from memplan.step import StepSpec
 from memplan.traces.compile import Compile, CompileError, require_real_tensors
-from memplan.traces.distributed import trace_ranks
 from memplan.traces.format import Trace
-from memplan.traces.rank_family import load_family, ranks_label
-from memplan.traces.trace_model import (
+from memplan.traces.inputs.trace_model import (
     HOST_SHARE,
     CaptureChoice,
     choose_capture,
@@ -39,6 +37,8 @@ from memplan.traces.trace_model import (
     rank_capture,
     trace_step,
 )
+from memplan.traces.ranks.family import load_family, ranks_label
+from memplan.traces.ranks.launch import trace_ranks
 from memplan.units import format_size
 
 MEASURE_BATCHES = (1, 2, 4)

@@ -46,9 +46,9 @@ from memplan.step import StepSpec
 from memplan.traces.capture import recording_session
 from memplan.traces.format import Trace, trace_digest
 from memplan.traces.host import host_bytes
-from memplan.traces.model_file import build_workload, import_model_file
+from memplan.traces.inputs.model_file import build_workload, import_model_file
+from memplan.traces.inputs.trace_model import CaptureChoice, sized_capture, trace_step
 from memplan.traces.summary import changes_model
-from memplan.traces.trace_model import CaptureChoice, sized_capture, trace_step
 from memplan.units import human_bytes
 
 MEGATRON_RECIPE = FULL  # the mode Megatron's recipe checkpoints its first layers with

@@ -31,10 +31,10 @@ from memplan.planner.report.trace_text import describe_loss, describe_patch
 from memplan.planner.simulate.measure import Measurement, measure
 from memplan.step import StepSpec
 from memplan.traces.compile import Compile, CompileError, require_real_tensors
-from memplan.traces.distributed import trace_ranks
 from memplan.traces.format import Trace, save
-from memplan.traces.rank_family import load_family, rank_path, ranks_label, remove_stale
-from memplan.traces.trace_model import CaptureChoice, choose_capture, rank_capture, trace_step
+from memplan.traces.inputs.trace_model import CaptureChoice, choose_capture, rank_capture, trace_step
+from memplan.traces.ranks.family import load_family, rank_path, ranks_label, remove_stale
+from memplan.traces.ranks.launch import trace_ranks
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "workloads" / "bert_large_slice.py"  # ships in the wheel
 
@@ -52,7 +52,7 @@ class RunOptions:
     replay_steps: int = 2
     capture: str = "auto"  # real or fake traces: auto, real, fake
     gpu: GPU | None = None  # a GPU each mode's step is judged against (planner/simulate/verdict.py); None: none
-    nproc: int | None = None  # ranks of a distributed model file (traces/distributed.py); None: one process
+    nproc: int | None = None  # ranks of a distributed model file (traces/ranks/launch.py); None: one process
     every_rank: bool = False  # with nproc on fake tensors: trace every rank, even those alike by construction
 
     def __post_init__(self) -> None:

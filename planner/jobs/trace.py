@@ -10,10 +10,10 @@ from memplan.errors import CompileError
 from memplan.planner.cost.transfer import host_transfer
 from memplan.step import StepSpec
 from memplan.traces.compile import Compile, describe_compile, require_real_tensors
-from memplan.traces.distributed import trace_ranks
 from memplan.traces.format import save
+from memplan.traces.inputs.trace_model import trace_step
+from memplan.traces.ranks.launch import trace_ranks
 from memplan.traces.summary import summarize
-from memplan.traces.trace_model import trace_step
 
 
 def trace_to_file(

@@ -34,9 +34,15 @@ from memplan.planner.simulate.measure import measure
 from memplan.step import StepSpec, check_budget
 from memplan.traces.format import Trace
 from memplan.traces.host import host_bytes
-from memplan.traces.model_file import import_model_file
+from memplan.traces.inputs.model_file import import_model_file
+from memplan.traces.inputs.trace_model import (
+    HOST_SHARE,
+    CaptureChoice,
+    host_memory_available,
+    sized_capture,
+    trace_step,
+)
 from memplan.traces.summary import changes_model
-from memplan.traces.trace_model import HOST_SHARE, CaptureChoice, host_memory_available, sized_capture, trace_step
 from memplan.units import format_size
 
 DEFAULT_BUDGETS = (1.0, 0.5, 0.2, 0.0)

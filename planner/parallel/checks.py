@@ -1,4 +1,4 @@
-"""Rank-side checks of the parallel GPT-2 layer, run under `traces.distributed.launch` by tests and benchmarks.
+"""Rank-side checks of the parallel GPT-2 layer, run under `traces.ranks.launch.launch` by tests and benchmarks.
 
 `layer_bytes` counts what one rank's share of a layer saves for backward (autograd's saved tensors) and
 `traced_layer_bytes` measures it with the tracer (two layers minus one), each next to the formula;

@@ -19,7 +19,7 @@ from memplan.planner.parallel.layer import ParallelGPT2Layer
 from memplan.planner.parallel.linear import mark_sequence_parallel, sync_sequence_parallel_grads
 from memplan.planner.workloads import gpt2
 from memplan.planner.workloads.blocks import Dropout
-from memplan.traces.workload import Workload
+from memplan.traces.inputs.workload import Workload
 
 
 class ParallelGPT2(nn.Module):

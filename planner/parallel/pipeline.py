@@ -23,9 +23,9 @@ from torch.nn import functional as F
 from memplan.planner.parallel.fsdp import PRECISIONS, shard
 from memplan.planner.workloads.blocks import WorkloadConfigError
 from memplan.planner.workloads.llama import Llama, LlamaConfig
-from memplan.traces.communication import COMMUNICATION  # the category of the stages' P2P receive buffers
-from memplan.traces.fake import module_to
-from memplan.traces.workload import Workload
+from memplan.traces.fake.mode import module_to
+from memplan.traces.inputs.workload import Workload
+from memplan.traces.ranks.communication import COMMUNICATION  # the category of the stages' P2P receive buffers
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2}

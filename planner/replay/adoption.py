@@ -17,8 +17,8 @@ from collections import Counter
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from memplan.traces.inputs.workload import Workload
 from memplan.traces.resident import resident_tensors
-from memplan.traces.workload import Workload
 
 
 def resident_groups(workload: Workload, device_type: str) -> list[list[torch.Tensor]]:

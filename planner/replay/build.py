@@ -14,7 +14,7 @@ from pathlib import Path
 
 from memplan.cxx import BuildError, cache_dir, compiler, cxx_shared_library, digest, link_shared, torch_extension
 from memplan.solvers.native import library_path
-from memplan.traces import fake_cuda
+from memplan.traces.cuda import fake_device
 from memplan.traces.recorder import extension as recorder_extension
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -88,8 +88,8 @@ def build_all() -> dict[str, str]:
         "core_library": str(core_library()),
         "solver_kernels": str(library_path()),
     }
-    if fake_cuda.needs_runtime():  # a CPU-only torch: the CUDA device of fake CUDA steps
-        built["fake_cuda"] = fake_cuda.extension().__file__
+    if fake_device.needs_runtime():  # a CPU-only torch: the CUDA device of fake CUDA steps
+        built["fake_cuda"] = fake_device.extension().__file__
     try:
         built["cuda_library"] = str(cuda_library())
     except BuildError as e:

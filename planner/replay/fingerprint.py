@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memplan.traces.workload import Workload
+from memplan.traces.inputs.workload import Workload
 
 
 def tensor_digest(t: torch.Tensor) -> str:

@@ -13,7 +13,7 @@ from memplan.step import StepSpec
 from memplan.traces.capture import capture_step
 from memplan.traces.compile import Compile, compile_model
 from memplan.traces.format import Trace, load
-from memplan.traces.model_file import load_workload
+from memplan.traces.inputs.model_file import load_workload
 
 
 def replay_model_file(

@@ -30,7 +30,7 @@ from memplan.planner.replay.native import STATS_FIELDS
 from memplan.planner.replay.report import ReplayReport
 from memplan.planner.replay.schedule import Schedule
 from memplan.traces.capture import one_cpu_thread
-from memplan.traces.workload import Workload
+from memplan.traces.inputs.workload import Workload
 
 SEED = 1234
 # The allocator's counters a report carries as they are (its arena and step count are the replay's own).

@@ -6,7 +6,7 @@ from memplan.planner.report.tables import text_table
 from memplan.planner.report.trace_text import loss_words, no_change_mark
 from memplan.planner.report.verdict_text import render_budget
 from memplan.traces.compile import describe_compile
-from memplan.traces.rank_family import ranks_label
+from memplan.traces.ranks.family import ranks_label
 from memplan.units import format_size
 
 

@@ -16,7 +16,7 @@ from memplan.planner.simulate.caching_allocator import OutOfMemory
 from memplan.planner.simulate.measure import Measurement
 from memplan.planner.simulate.verdict import Verdict
 from memplan.traces.format import PHASES, Trace
-from memplan.traces.rank_family import ranks_label, stands_for
+from memplan.traces.ranks.family import ranks_label, stands_for
 from memplan.traces.unrecorded import unrecorded_text
 from memplan.units import human_bytes
 

@@ -9,7 +9,7 @@ from memplan.planner.report.tables import markdown_table, text_table
 from memplan.planner.report.trace_text import loss_words, no_change_mark
 from memplan.planner.report.verdict_text import render_verdict
 from memplan.traces.compile import describe_compile
-from memplan.traces.rank_family import ranks_label
+from memplan.traces.ranks.family import ranks_label
 from memplan.units import human_bytes
 
 

@@ -7,7 +7,7 @@ from memplan.planner.cost.transfer import GIVEN
 from memplan.planner.layers.patch import PatchReport
 from memplan.traces.compile import describe_compile
 from memplan.traces.format import CATEGORIES
-from memplan.traces.rank_family import ranks_label
+from memplan.traces.ranks.family import ranks_label
 from memplan.traces.summary import TraceSummary
 from memplan.traces.unrecorded import unrecorded_text
 from memplan.units import human_bytes

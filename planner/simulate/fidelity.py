@@ -15,9 +15,9 @@ from pathlib import Path
 from memplan.gpus import gpu
 from memplan.planner.simulate.caching_allocator import simulate_caching
 from memplan.step import StepSpec
-from memplan.traces.distributed import rank_path, trace_ranks
 from memplan.traces.format import Trace, load
-from memplan.traces.trace_model import trace_step
+from memplan.traces.inputs.trace_model import trace_step
+from memplan.traces.ranks.launch import rank_path, trace_ranks
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """PyTorch's caching allocator simulated live, as a fake GPU's program runs (`memplan check`): each allocation the
 capture records is served at once by the simulated allocator at the GPU's capacity, so `torch.cuda`'s memory
 statistics answer from it and a request it cannot serve raises `torch.OutOfMemoryError` in the program with PyTorch's
-message, where the GPU would raise it. It implements traces.fake_cuda's DeviceMemory for the fake CUDA runtime.
+message, where the GPU would raise it. It implements traces.cuda.fake_device's DeviceMemory for the fake CUDA runtime.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class LiveDevice:
         self.peak_allocated = max(self.peak_allocated, a.allocated)
         self.peak_reserved = max(self.peak_reserved, a.reserved)
 
-    # -- traces.fake_cuda.DeviceMemory -----------------------------------------------------------------
+    # -- traces.cuda.fake_device.DeviceMemory -----------------------------------------------------------------
     def allocated(self) -> int:
         """torch.cuda.memory_allocated(): bytes in allocated blocks."""
         return self.allocator.allocated

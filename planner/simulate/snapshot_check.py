@@ -30,7 +30,14 @@ from memplan.planner.simulate.caching_allocator import (
     simulate_caching,
 )
 from memplan.traces.format import Trace
-from memplan.traces.snapshot import FREE_ACTIONS, OOM, Snapshot, is_live_block, snapshot_to_trace, with_failed_requests
+from memplan.traces.inputs.snapshot import (
+    FREE_ACTIONS,
+    OOM,
+    Snapshot,
+    is_live_block,
+    snapshot_to_trace,
+    with_failed_requests,
+)
 
 SEGMENT_CHANGE = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}  # reserved +/-
 

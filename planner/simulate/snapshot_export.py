@@ -6,7 +6,7 @@ one `alloc` per buffer (those alive before recording first) and a `free_requeste
 free, with the `segment_alloc`/`segment_map` entries that made room for them. Addresses come from the caching
 allocator simulated on the trace, or from a plan's offsets inside one arena segment. `segments` is the state
 after the last entry: the viewer rebuilds every earlier state by walking the entries back from it. Each entry's
-frames name the buffer and its labels (op, module, phase, category; traces.snapshot.LABEL_FRAMES, which
+frames name the buffer and its labels (op, module, phase, category; traces.inputs.snapshot.LABEL_FRAMES, which
 `memplan import` reads back), innermost first as PyTorch records them; `time_us` holds the trace's logical time.
 Buffers of 0 bytes (which PyTorch serves without its allocator) and, on a plan, buffers freed where they are
 allocated (they hold no byte of the arena) have no entry.
@@ -26,7 +26,7 @@ from memplan.planner.problem import align_up
 from memplan.planner.simulate.alloc_conf import N_INTERVALS, TIE_BREAKS, AllocConf, parse_alloc_conf
 from memplan.planner.simulate.caching_allocator import FAKE_BASE, ROUND_LARGE, CachingAllocator, event_order
 from memplan.traces.format import Trace
-from memplan.traces.snapshot import BUFFER_FRAME, LABEL_FRAMES
+from memplan.traces.inputs.snapshot import BUFFER_FRAME, LABEL_FRAMES
 
 SUFFIX = ".pickle"  # what torch.cuda.memory._dump_snapshot writes and the viewers are given
 PICKLE_PROTOCOL = 4  # the viewer's own unpickler (MemoryViz.js) reads protocols 2 to 4

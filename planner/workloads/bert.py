@@ -16,8 +16,8 @@ from memplan.planner.workloads.blocks import (
     WorkloadConfigError,
     init_weights,
 )
-from memplan.traces.fake import module_to
-from memplan.traces.workload import Workload
+from memplan.traces.fake.mode import module_to
+from memplan.traces.inputs.workload import Workload
 
 
 @dataclass(frozen=True)

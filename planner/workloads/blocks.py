@@ -14,8 +14,8 @@ from torch import nn
 from memplan.errors import MemplanError
 from memplan.planner.layers.baseline import AttentionCore, Dropout
 from memplan.planner.layers.fused_loss import TokenLoss
-from memplan.traces.fake import module_to
-from memplan.traces.workload import Workload
+from memplan.traces.fake.mode import module_to
+from memplan.traces.inputs.workload import Workload
 
 
 class WorkloadConfigError(MemplanError):

@@ -16,7 +16,7 @@ from memplan.planner.workloads.blocks import (
     init_weights,
     language_model_workload,
 )
-from memplan.traces.workload import Workload
+from memplan.traces.inputs.workload import Workload
 
 
 @dataclass(frozen=True)

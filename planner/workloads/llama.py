@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 from memplan.planner.layers.baseline import SwiGLU
 from memplan.planner.workloads.blocks import WorkloadConfigError, language_model_workload
-from memplan.traces.workload import Workload
+from memplan.traces.inputs.workload import Workload
 
 
 @dataclass(frozen=True)

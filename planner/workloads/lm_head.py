@@ -9,7 +9,7 @@ from torch import nn
 from memplan.modes import AS_BUILT
 from memplan.planner.layers.fused_loss import TokenLoss
 from memplan.planner.layers.loss_patch import patch_loss
-from memplan.traces.workload import Workload
+from memplan.traces.inputs.workload import Workload
 
 
 class HeadOnly(nn.Module):

@@ -7,8 +7,8 @@ process group (gloo on the CPU, NCCL on CUDA) and leaves a JSON result in a priv
 When a rank fails, the launcher stops the others and RankError carries the first failing rank's one-line
 error. `trace_ranks` writes FILE.rank{r}.json.gz for every rank, all or none: the ranks write into the
 temporary folder and the files are renamed into place only when every rank succeeded. On the fake process group,
-ranks alike by construction (traces/alike.py) are traced once: one file a class, named by its first rank, whose
-meta "ranks" lists every rank it stands for (traces/rank_family.py reads them back).
+ranks alike by construction (traces/ranks/alike.py) are traced once: one file a class, named by its first rank, whose
+meta "ranks" lists every rank it stands for (traces/ranks/family.py reads them back).
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from memplan.errors import MemplanError
 from memplan.files import atomic_write
 from memplan.step import StepSpec
-from memplan.traces.alike import Layout, propose, same_step, watching
 from memplan.traces.format import load, save
-from memplan.traces.rank_family import rank_path, remove_stale
+from memplan.traces.inputs.trace_model import trace_step
+from memplan.traces.ranks.alike import Layout, propose, same_step, watching
+from memplan.traces.ranks.family import rank_path, remove_stale
 from memplan.traces.summary import summarize
-from memplan.traces.trace_model import trace_step
 
 TIMEOUT_S = 300  # a collective waiting longer than this fails the rank
 
@@ -195,7 +195,7 @@ def _fake_ranks(fn: Callable, args: tuple, nproc: int, work: Path) -> list[Any]:
 
 
 def _alike_ranks(step: StepSpec, top: int, nproc: int, work: Path) -> list[tuple[list[int], dict]]:
-    """Trace the fake ranks once a class of ranks alike by construction (traces/alike.py): the first rank watched
+    """Trace the fake ranks once a class of ranks alike by construction (traces/ranks/alike.py): the first rank watched
     while its program builds, the classes proposed from what it built, each class traced by its first rank and
     checked by its last; a class whose two traces differ has every rank traced. Returns (the ranks it stands for,
     summary) per distinct trace, by representative rank; work holds rank{r}.json.gz for each, meta "ranks" set."""

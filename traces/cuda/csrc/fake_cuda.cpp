@@ -1,4 +1,4 @@
-// A CUDA device for fake tensors on a torch built without CUDA (traces/fake_cuda.py).
+// A CUDA device for fake tensors on a torch built without CUDA (traces/cuda/fake_device.py).
 //
 // Fake CUDA tensors carry no memory, so nothing here talks to a GPU. What a CPU-only build lacks is what the
 // autograd engine asks of any accelerator tensor: a device guard (streams, events) and an accelerator to name

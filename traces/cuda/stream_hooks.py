@@ -1,9 +1,9 @@
-"""What a step does with CUDA streams on a CUDA build of torch, told to a StreamLedger (traces/streams.py).
+"""What a step does with CUDA streams on a CUDA build of torch, told to a StreamLedger (traces/cuda/streams.py).
 
 While `cuda_stream_hooks` runs, torch.cuda's `set_stream` (which `with torch.cuda.stream(s)` calls),
 `Event.record`, `Event.wait` (which `Stream.wait_event` and `Stream.wait_stream` call), the synchronizations and
 `Tensor.record_stream` report to the ledger, then do what they do. A CPU-only torch has no such classes; its fake
-CUDA device (traces/fake_cuda.py) reports to the ledger itself. torch's device-generic `torch.Stream` and
+CUDA device (traces/cuda/fake_device.py) reports to the ledger itself. torch's device-generic `torch.Stream` and
 `torch.Event` are C types and are not seen (FSDP2 makes its streams and events through torch.cuda).
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from memplan.traces.streams import StreamLedger
+from memplan.traces.cuda.streams import StreamLedger
 
 
 def _key(stream) -> int:

@@ -12,7 +12,7 @@ from torch import nn
 from memplan.errors import MemplanError
 from memplan.gpus import GPU, gpu
 from memplan.limits import short_repr
-from memplan.traces.model_file import DeviceError, require_device
+from memplan.traces.inputs.model_file import DeviceError, require_device
 
 
 class RecordError(MemplanError):

@@ -5,7 +5,7 @@ CUDA tensor asks of the runtime, which such a build lacks. `fake_cuda_runtime` s
 - the autograd engine's device guard, streams, events and accelerator (traces/csrc/fake_cuda.cpp): streams and
   events that do nothing, and CUDA hooks that say a device is there while the step runs;
 - torch.cuda's streams and events: they run nothing, but which stream is current, waits between streams, events
-  recorded and waited on, and `Tensor.record_stream` are told to a StreamLedger (traces/streams.py), so a fake
+  recorded and waited on, and `Tensor.record_stream` are told to a StreamLedger (traces/cuda/streams.py), so a fake
   trace holds each buffer's stream and the orderings between streams (FSDP2's all-gather and reduce-scatter);
 - `torch.cuda`'s Python functions a training program calls (`is_available`, `current_device`,
   `get_device_capability`, `synchronize`, streams and events, RNG state, memory statistics ...), answered for
@@ -35,8 +35,8 @@ from memplan.cxx import torch_extension
 from memplan.errors import MemplanError
 from memplan.gpus import GPU
 from memplan.torch_versions import INSTALLED, TorchRules
-from memplan.traces.sdpa_dispatch import cuda_attention
-from memplan.traces.streams import StreamLedger
+from memplan.traces.cuda.sdpa_dispatch import cuda_attention
+from memplan.traces.cuda.streams import StreamLedger
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fake_cuda.cpp"
 
@@ -53,8 +53,8 @@ def extension():
 
 def _stream_types(ledger: StreamLedger):
     """torch.cuda's Stream and Event for the fake device, and the current stream's state, reporting what the program
-    does with them to `ledger` (traces/streams.py): the kernels never run, but the orderings between streams are the
-    step's own."""
+    does with them to `ledger` (traces/cuda/streams.py): the kernels never run, but the orderings between streams
+    are the step's own."""
 
     class _Stream:
         """A CUDA stream of the fake device: work on it is nothing to wait for; its key (`cuda_stream`) names it to
@@ -294,8 +294,8 @@ def _check_engine() -> None:
                 raise
             raise FakeCudaError(
                 "--fake --device cuda: this process ran a backward before memplan's fake CUDA device existed, and "
-                "the autograd engine sizes its device queues once: call memplan.traces.fake_cuda.install() before "
-                "the first backward, or trace in a new process"
+                "the autograd engine sizes its device queues once: call "
+                "memplan.traces.cuda.fake_device.install() before the first backward, or trace in a new process"
             ) from None
 
 

@@ -4,7 +4,7 @@ A torch built without CUDA sends every aten::scaled_dot_product_attention to the
 which allocates the (B, H, L, S) attention matrix (and, in fp16/bf16, fp32 copies of query, key and value).
 `cuda_attention` registers, for a fake CUDA step, a kernel of that op for CUDA tensors (`attend`) that does
 what the composite (aten/src/ATen/native/transformers/attention.cpp, `scaled_dot_product_attention`) does on a
-CUDA build: it picks the kernel as CUDA's rules do (traces/sdpa_cuda.py) for the planned GPU and calls it as
+CUDA build: it picks the kernel as CUDA's rules do (traces/cuda/sdpa_choice.py) for the planned GPU and calls it as
 the composite does: flash with query, key and value padded to a head dim multiple of 8 and the scale of the
 unpadded one, memory-efficient and cuDNN with a boolean mask made additive (memory-efficient's padded to a
 last-dim stride multiple of 8 and expanded to (B, H, L, S)), the logsumexp computed when an input needs a
@@ -16,7 +16,7 @@ kernel's gradients. The kernels' meta functions (torch/_meta_registrations.py) g
 kernel allocates beyond them (flash backward's fp32 dq accumulator and softmax sums, GQA's expanded dk/dv,
 split-KV partial sums, memory-efficient's fp32 output accumulator and backward delta, cuDNN's workspace) is
 not modelled; memory-efficient attention's philox seed and offset, two 8-byte CPU tensors on a GPU outside
-graph capture, are left out of the trace (traces/fake.py's HOST_OUTPUTS); cuDNN's meta function allocates the
+graph capture, are left out of the trace (traces/fake/mode.py's HOST_OUTPUTS); cuDNN's meta function allocates the
 logsumexp even when no input needs a gradient. Under torch.inference_mode (no autograd keys) the op skips the
 registration: the math path.
 """
@@ -33,7 +33,7 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend
 
 from memplan.torch_versions import INSTALLED, TorchRules
-from memplan.traces.sdpa_cuda import Capability, NoAttentionKernel, Operand, SdpaCall, select_backend
+from memplan.traces.cuda.sdpa_choice import Capability, NoAttentionKernel, Operand, SdpaCall, select_backend
 
 aten = torch.ops.aten
 KEY = "AutogradCUDA"  # below Autocast, above the composite (CompositeImplicitAutograd) for CUDA tensors

@@ -14,7 +14,7 @@ from memplan.step import StepSpec
 from memplan.traces.capture import capture_step
 from memplan.traces.compile import Compile, compile_model, require_real_tensors
 from memplan.traces.format import Trace
-from memplan.traces.model_file import build_workload, import_model_file, require_device
+from memplan.traces.inputs.model_file import build_workload, import_model_file, require_device
 from memplan.units import human_bytes
 
 

@@ -23,14 +23,14 @@
   are one) take the real tensors' path (SUBCLASS_PATHS): the math attention adds its mask in place,
   the backward of gather, max and indexing write into their zeros in place.
 - Fake tensor mode's dispatch cache is on (an op seen before is answered from its metadata), and leaves every
-  storage's reference count as without it (traces/fake_cache.py), so a trace never depends on what the process ran
-  before it.
+  storage's reference count as without it (traces/fake/dispatch_cache.py), so a trace never depends on what
+  the process ran before it.
 - Only what an op returns is claimed, its new storages allocated in the order it returns them, as
   kernels allocate their outputs: what fake tensor mode makes inside an op (a decomposition) is the
   op's own work, in the decomposition's order, as a real kernel's scratch is.
 - Values that depend on data get a rule instead of an error (DATA_RULE). A router's choice (a top-k over
   the last dimension) is the routing rule's, and what is computed from its choices and from constants alone
-  is computed for real beside the step (traces/known_values.py), so a mixture of experts routes its tokens
+  is computed for real beside the step (traces/fake/known_values.py), so a mixture of experts routes its tokens
   as a real step would under that rule; counted per op in the routing's `computed`. Any other value is read
   as 0: a scalar read from a tensor (`.item()`, `bool(t)`) is 0 (False), and a selection whose size depends
   on the data (`nonzero`, `masked_select`) selects nothing, counted per op in `data_dependent`. The trace's
@@ -39,7 +39,7 @@
   (`embedding`, `index_select`, `gather`, advanced indexing) raises what the real op raises (IndexError; gather's
   RuntimeError), so a fake step fails where the real one would (known_values.check_bounds).
 - Tracebacks that torch's loggers print before raising an error memplan reports anyway stay off the terminal
-  (traces/quiet_logs.py; `MEMPLAN_VERBOSE` shows them).
+  (traces/fake/quiet_logs.py; `MEMPLAN_VERBOSE` shows them).
 - Composite functions that ATen runs another way for fake tensors run as the kernels do: `F.one_hot`
   (the CPU's `aminmax` check, then `zeros` and `scatter_`, where ATen takes `arange` and `eq`), and a
   one-element fake tensor formats as its value (`f"expert_{i}"`), as a real one does.
@@ -74,10 +74,11 @@ from torch.utils._pytree import tree_leaves
 
 from memplan.errors import MemplanError
 from memplan.routing import DEFAULT, Routing
-from memplan.traces import fake_distributed, hf_fake, quiet_logs
-from memplan.traces.fake_cache import ExactCache
-from memplan.traces.known_values import ATTRIBUTE, INDEXED, KnownValues, check_bounds, forget, tensor_arguments
+from memplan.traces.fake import hf_masks, quiet_logs
+from memplan.traces.fake.dispatch_cache import ExactCache
+from memplan.traces.fake.known_values import ATTRIBUTE, INDEXED, KnownValues, check_bounds, forget, tensor_arguments
 from memplan.traces.on_import import Waiting, on_import
+from memplan.traces.ranks import fake_wrappers
 from memplan.traces.recorder import Recorder
 
 aten = torch.ops.aten
@@ -96,9 +97,9 @@ RANDOM_FILLS = frozenset(
     }
 )  # every overload: all in place
 # The autograd engine sums gradients in place when it holds the only reference to the first and to its storage.
-# Seen from fake tensor mode, that first gradient has 4 references more (the engine's call, boxed and handed to
-# Python), its storage none (the dispatch cache adds none: traces/fake_cache.py). tests/test_capture_fidelity.py
-# pins it: fake and real traces of every bundled model allocate the same sequence.
+# Seen from fake tensor mode, that first gradient has 4 references more (the engine's call, boxed and handed
+# to Python), its storage none (the dispatch cache adds none: traces/fake/dispatch_cache.py).
+# tests/test_capture_fidelity.py pins it: fake and real traces of every bundled model allocate the same sequence.
 DISPATCH_REFERENCES = 4
 # Composite ops and backward formulas that call an op out of place for tensor subclasses and in place for real
 # tensors: (caller: composite op or autograd node, op it calls) -> the in-place op real tensors get.
@@ -436,7 +437,7 @@ class FakeCapture(ExactCache):
         cublaslt_workspace: int = 0,
         routing: Routing | str = DEFAULT,
     ):
-        # with the dispatch cache on, every reference count as without it (traces/fake_cache.py)
+        # with the dispatch cache on, every reference count as without it (traces/fake/dispatch_cache.py)
         super().__init__(recorder, allow_non_fake_inputs=True)
         self._recorder, self._claim, self._device_type = recorder, recorder.claim, device_type
         self._key = recorder.storage_key
@@ -468,11 +469,11 @@ class FakeCapture(ExactCache):
                 (torch.Tensor, "__format__", _tensor_format(torch.Tensor.__format__)),
                 (torch.UntypedStorage, "resize_", _recorded_resize(torch.UntypedStorage.resize_, self._recorder)),
                 *self.patches(),
-                *fake_distributed.patches(),
+                *fake_wrappers.patches(),
                 *quiet_logs.patches(),
             ):
                 self._patch(owner, name, method)
-            self._waiting = [on_import(hf_fake.MASKING, self._patch_module(hf_fake.patches))]
+            self._waiting = [on_import(hf_masks.MASKING, self._patch_module(hf_masks.patches))]
             FOREACH_TYPES.append(FakeTensor)
         self._depth += 1
         return super().__enter__()

@@ -103,7 +103,7 @@ _FSDP_STREAMS = {
 
 def fsdp_stream_names(model: nn.Module) -> dict[int, str]:
     """The stream key (`cuda_stream`) -> name of each stream FSDP2 made for the modules of `model` sharded with
-    fully_shard (traces/streams.py names a trace's streams by them); empty without FSDP2 or CUDA streams."""
+    fully_shard (traces/cuda/streams.py names a trace's streams by them); empty without FSDP2 or CUDA streams."""
     names: dict[int, str] = {}
     for module in model.modules() if _FSDP_COLLECTIVES in sys.modules else ():
         state = getattr(module, "_get_fsdp_state", None)

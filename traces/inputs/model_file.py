@@ -10,7 +10,7 @@ A model file defines
                 "holds_output": bool}                          # optional, default True: the step keeps its
                                                                # output and loss until it ends, as a loop does
 
-or returns a `traces.workload.Workload` (its `name` left at the default is the file's name too). The
+or returns a `traces.inputs.workload.Workload` (its `name` left at the default is the file's name too). The
 name is the workload's everywhere: the trace's meta "model" and replay's report. `inputs` is a tensor,
 a tuple (passed positionally) or a dict (passed by keyword). memplan seeds torch with 0 before calling
 build(), casts a dict's model to `dtype` and `device`, and applies the step's layer mode (planner.layers.patch) and
@@ -39,9 +39,9 @@ from memplan.planner.layers.loss_patch import patch_loss
 from memplan.planner.layers.optimizer_choice import choose_optimizer
 from memplan.planner.layers.patch import patch
 from memplan.step import StepSpec
-from memplan.traces.fake import module_to
-from memplan.traces.hf_config import check_model_size, config_build, config_file
-from memplan.traces.workload import Workload, default_loss
+from memplan.traces.fake.mode import module_to
+from memplan.traces.inputs.hf_config import check_model_size, config_build, config_file
+from memplan.traces.inputs.workload import Workload, default_loss
 
 BUILD = "build"
 BUILD_ARGS = ("batch_size", "seq_len", "dtype", "device")
@@ -65,7 +65,7 @@ def _describe(exc: BaseException) -> str:
 
 def require_device(device: str, fake: bool = False) -> torch.device:
     """Check that `device` ('cpu' or 'cuda[:n]') is usable here; DeviceError otherwise. Fake tensors need
-    no GPU: on a torch built without CUDA, traces/fake_cuda.py gives them a CUDA device."""
+    no GPU: on a torch built without CUDA, traces/cuda/fake_device.py gives them a CUDA device."""
     try:
         dev = torch.device(device)
     except RuntimeError:
@@ -217,7 +217,7 @@ def build_workload(step: StepSpec, build: Callable[..., Any]) -> Workload:
     else:
         raise ModelFileError(
             f"{path}: {BUILD}() returned {type(built).__name__}; expected a dict with "
-            "'model' and 'inputs', or a traces.workload.Workload"
+            "'model' and 'inputs', or a traces.inputs.workload.Workload"
         )
     _check_placement(path, workload, dtype, dev)
     workload.optimizer, workload.optimizer_choice = choose_optimizer(workload.optimizer, step.optimizer)

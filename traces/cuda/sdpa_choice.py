@@ -3,7 +3,7 @@
 On a CUDA build, aten::scaled_dot_product_attention asks `select_sdp_backend` (sdp_utils.cpp) for a kernel:
 flash, memory-efficient, cuDNN or the math composite, each with its own buffers. A torch built without CUDA
 never asks (its composite takes the math path), so a fake CUDA step needs the choice made here, for the GPU
-it is planned for (its compute capability) and the cuDNN its torch wheel loads. traces/sdpa_dispatch.py calls
+it is planned for (its compute capability) and the cuDNN its torch wheel loads. traces/cuda/sdpa_dispatch.py calls
 the kernel chosen.
 
 Source. The rules follow aten/src/ATen/native/transformers/cuda/sdp_utils.cpp as it stood on PyTorch's main
