@@ -265,7 +265,8 @@ def check_program(options: CheckOptions) -> CheckResult:
         result = _run(options, command, rank, world)
         result.seconds = time.perf_counter() - started
         return result
-    # each rank in a process of its own, as a launcher starts them (a process's first program is what a rank runs)
+    # each rank in a process of its own, as a launcher starts them: what one rank's script leaves in its process
+    # (a seed, a global, an imported module's state) is not the next rank's
     with tempfile.TemporaryDirectory(prefix=".memplan-check-") as folder:
         results = {rank: _spawn(options, rank, world, Path(folder)) for rank in dict.fromkeys((0, world - 1))}
         alike = _same_program(results[0], results[world - 1])

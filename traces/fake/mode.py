@@ -473,7 +473,10 @@ class FakeCapture(ExactCache):
                 *quiet_logs.patches(),
             ):
                 self._patch(owner, name, method)
-            self._waiting = [on_import(hf_masks.MASKING, self._patch_module(hf_masks.patches))]
+            self._waiting = [
+                on_import(hf_masks.MASKING, self._patch_module(hf_masks.patches)),
+                on_import(fake_wrappers.SHARDING, self._patch_module(fake_wrappers.sharding_patches)),
+            ]
             FOREACH_TYPES.append(FakeTensor)
         self._depth += 1
         return super().__enter__()

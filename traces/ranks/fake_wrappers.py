@@ -16,9 +16,15 @@ from a collective's result, answered as the real ranks' would be, so a user's FS
 - isend and irecv: a real backend's request holds its tensor until the request is dropped (a 1F1B schedule keeps its
   last activation send's request through the steady phase, so the activation outlives its backward); the fake process
   group's holds nothing, so each is wrapped in a request that does.
+- DTensor's sharding propagation runs each new op once on fake tensors of the global shape to learn its output's
+  layout, in the program's fake tensor mode if there is one, else in a fresh one: on a GPU nothing is allocated, but
+  in memplan's mode the capture would record those tensors, and only in the process's first program (the propagation
+  is cached). It runs in a fresh mode under a capture, as it does on a GPU.
 """
 
+import functools
 from collections.abc import Iterator
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -123,6 +129,24 @@ def _holding(original):
         return None if work is None else HeldWork(work, tensor)
 
     return p2p
+
+
+SHARDING = "torch.distributed.tensor._sharding_prop"  # DTensor's sharding propagation, patched once it is imported
+
+
+def _fresh_fake_mode(propagate):
+    @functools.wraps(propagate)
+    def propagate_tensor_meta(self, op_schema):
+        with unset_fake_temporarily():  # detect_fake_mode() finds none: DTensor makes a fresh FakeTensorMode
+            return propagate(self, op_schema)
+
+    return propagate_tensor_meta
+
+
+def sharding_patches(module: ModuleType) -> Iterator[tuple[object, str, object]]:
+    """(owner, name, replacement) for DTensor's sharding propagation, once `SHARDING` is imported."""
+    name = "_propagate_tensor_meta_non_cached"
+    yield module.ShardingPropagator, name, _fresh_fake_mode(getattr(module.ShardingPropagator, name))
 
 
 def patches() -> Iterator[tuple[object, str, object]]:
