@@ -13,10 +13,7 @@ import os
 import sys
 from types import CodeType, FrameType
 
-import torch
-
-MEMPLAN = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LIBRARIES = (os.path.dirname(torch.__file__) + os.sep, MEMPLAN + os.sep)
+LIBRARIES = frozenset({"torch", "memplan"})  # packages whose frames are not the program's (by module name)
 ENDS = frozenset({"STORE_FAST", "STORE_NAME", "STORE_GLOBAL", "STORE_DEREF", "STORE_ATTR", "STORE_SUBSCR", "POP_TOP",
                   "RETURN_VALUE", "RETURN_CONST", "YIELD_VALUE"})  # fmt: skip
 _instructions: dict[CodeType, tuple[list[int], list[str]]] = {}  # code -> its instructions' offsets and names
@@ -25,7 +22,7 @@ _instructions: dict[CodeType, tuple[list[int], list[str]]] = {}  # code -> its i
 def _caller() -> FrameType | None:
     """The nearest frame outside torch's and memplan's own code."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(LIBRARIES):
+    while frame is not None and str(frame.f_globals.get("__name__", "")).partition(".")[0] in LIBRARIES:
         frame = frame.f_back
     return frame
 
