@@ -496,7 +496,9 @@ def explain_command(snapshot, gpu_name, memory, outside, cuda_device, as_json):
 @click.option("--rank", "rank_of", default=None, hidden=True, help="R/N: run rank R of N here (how ranks start).")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
-def check_command(gpu_name, steps, alloc_conf, torch_version, output, nproc, cpu_limit, rank_of, as_json, command):  # fmt: skip
+def check_command(
+    gpu_name, steps, alloc_conf, torch_version, output, nproc, cpu_limit, rank_of, as_json, command
+):  # fmt: skip
     """Run your own training script, unmodified, on a fake GPU for its first steps: does it fit, or where does it
     run out of memory? CUDA is memplan's fake device of that GPU (nothing is computed, any size runs); PyTorch's
     caching allocator is simulated as the program runs, so torch.cuda's memory statistics answer from it and a
