@@ -171,15 +171,15 @@ def test_accelerates_batch_search_settles_at_most_at_fits_answer_for_the_same_st
 
 
 def test_cpu_data_decides_the_shapes_the_fake_gpu_sees(tmp_path):
-    """CPU work runs for real under check: a DataLoader pads each batch to its longest sequence on the CPU, so the
-    batches the script prints are those of a plain run of it (on this CPU), and the program copies exactly those
-    batches to the GPU (ids int64, mask bool). The loss the script branches on reads 0 by the data rule, and the
-    line is named, once a step."""
+    """CPU work runs for real under check: a DataLoader (two worker processes, pinned memory) pads each batch to its
+    longest sequence on the CPU, so the batches the script prints are those of a plain run of it (on this CPU), and
+    the program copies exactly those batches to the GPU (ids int64, mask bool). The loss the script branches on
+    reads 0 by the data rule, and the line is named, once a step."""
     plain = subprocess.run([sys.executable, str(PADDED), "--steps", "3"], capture_output=True, text=True, check=True)
     shapes = re.findall(r"step \d+: batch \((\d+), (\d+)\), (\d+) tokens", plain.stdout)
     assert len(shapes) == 3
     output = tmp_path / "program.json.gz"
-    result = check("--gpu", "H100", "--json", "-o", str(output), "--", "python", str(PADDED))
+    result = check("--gpu", "H100", "--json", "-o", str(output), "--", "python", str(PADDED), "--workers", "2")
     assert result.exit_code == 0, result.output
     assert re.findall(r"step \d+: batch \((\d+), (\d+)\), (\d+) tokens", result.stderr) == shapes
     copies = [int(size) for size, op in zip(load(output).program.trace.size, load(output).program.trace.op)

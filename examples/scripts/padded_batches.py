@@ -16,6 +16,7 @@ parser.add_argument("--max-len", type=int, default=96)
 parser.add_argument("--hidden", type=int, default=64)
 parser.add_argument("--vocab", type=int, default=1000)
 parser.add_argument("--steps", type=int, default=5)
+parser.add_argument("--workers", type=int, default=0, help="data loader worker processes")
 args = parser.parse_args()
 
 
@@ -46,7 +47,8 @@ def pad_to_longest(batch):
 device = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
 shuffled = torch.Generator().manual_seed(2)  # its own generator: the order does not depend on the model's init
-loader = DataLoader(Sequences(64), args.batch_size, shuffle=True, collate_fn=pad_to_longest, generator=shuffled)
+loader = DataLoader(Sequences(64), args.batch_size, shuffle=True, collate_fn=pad_to_longest, generator=shuffled,
+                    num_workers=args.workers, pin_memory=device == "cuda")  # fmt: skip
 model = nn.Sequential(nn.Embedding(args.vocab, args.hidden), nn.Linear(args.hidden, 4 * args.hidden), nn.GELU(),
                       nn.Linear(4 * args.hidden, args.vocab)).to(device)  # fmt: skip
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -49,7 +49,7 @@
   ones: each parameter stays the same object (PyTorch sets `param.data`; fake tensors cannot be swapped), so an
   optimizer made before `model.to("cuda")` keeps its parameters, and each buffer is replaced;
   `torch.tensor(data, device="cuda")` is made on the CPU and moved there, and pinning (a data loader's
-  `pin_memory`) copies in host memory.
+  `pin_memory`, in its own thread too) copies in host memory.
 """
 
 from __future__ import annotations
@@ -309,6 +309,18 @@ def _tensor_from_data(original):
     return tensor
 
 
+def _host_pin(original):
+    """Tensor.pin_memory that copies a real tensor in host memory on a torch built without CUDA, as pinning makes a
+    copy (a data loader's pinning thread runs outside the capture, where the CPU build has no pinned allocator)."""
+
+    def pin_memory(self, *args, **kwargs):
+        if is_fake(self) or torch.backends.cuda.is_built():
+            return original(self, *args, **kwargs)
+        return self.clone()
+
+    return pin_memory
+
+
 def _one_hot(original):
     """F.one_hot that runs a fake tensor as the CPU and CUDA kernels do (ATen's Onehot.cpp): on the CPU, `aminmax`
     to check the classes; then `zeros` and `scatter_` (for fake tensors ATen takes its traceable path, `arange`,
@@ -470,6 +482,7 @@ class FakeCapture(ExactCache):
                 (torch.Tensor, "cuda", _cuda(to)),
                 (nn.Module, "_apply", _apply_fake(nn.Module._apply)),
                 (torch, "tensor", _tensor_from_data(torch.tensor)),
+                (torch.Tensor, "pin_memory", _host_pin(torch.Tensor.pin_memory)),
                 (nn.functional, "one_hot", _one_hot(nn.functional.one_hot)),
                 (torch.Tensor, "__format__", _tensor_format(torch.Tensor.__format__)),
                 (torch.UntypedStorage, "resize_", _recorded_resize(torch.UntypedStorage.resize_, self._recorder)),
