@@ -196,8 +196,9 @@ def test_cpu_data_decides_the_shapes_the_fake_gpu_sees(tmp_path):
 
 def test_a_cpu_tensor_over_the_limit_is_fake_and_counted_and_a_models_weights_stay_fake(tmp_path):
     """--cpu-limit: a CPU factory larger than the limit is fake from the start, an op's real output larger than it is
-    made fake as it returns, each counted by op; a module's parameters, built in its __init__ on the CPU, are fake
-    (they will move to the GPU), while the script's small CPU tensors are real."""
+    made fake as it returns, each counted by op; a module's parameters and buffers, built in its __init__ on the CPU
+    or registered later from a real tensor, are fake (they will move to the GPU), while the script's small CPU
+    tensors are real."""
     script = tmp_path / "big.py"
     script.write_text(
         "import torch\n"
@@ -206,7 +207,9 @@ def test_a_cpu_tensor_over_the_limit_is_fake_and_counted_and_a_models_weights_st
         "small, big = torch.arange(10), torch.arange(1 << 20)\n"
         "grown = torch.ones(1000).repeat(1000)\n"
         "model = torch.nn.Linear(8, 8)\n"
-        "print('small', kind(small), 'big', kind(big), 'grown', kind(grown), 'weight', kind(model.weight))\n"
+        "model.register_buffer('scale', torch.ones(8))\n"
+        "print('small', kind(small), 'big', kind(big), 'grown', kind(grown), 'weight', kind(model.weight),\n"
+        "      'buffer', kind(model.scale))\n"
         "print('sum', int(small.sum()))\n"
         "model = model.cuda()\n"
         "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
@@ -216,7 +219,7 @@ def test_a_cpu_tensor_over_the_limit_is_fake_and_counted_and_a_models_weights_st
     )
     result = check("--gpu", "H100", "--cpu-limit", "1MiB", "--json", "--", "python", str(script))
     assert result.exit_code == 0, result.output
-    assert "small real big fake grown fake weight fake" in result.stderr and "sum 45" in result.stderr
+    assert "small real big fake grown fake weight fake buffer fake" in result.stderr and "sum 45" in result.stderr
     answer = json.loads(result.stdout)
     assert answer["cpu"]["limit"] == 1 << 20 and answer["cpu"]["over_limit"] == {"aten.arange": 1, "aten.repeat": 1}
     assert "CPU tensors over the limit of 1.0 MiB made fake (--cpu-limit): aten.arange x1, aten.repeat x1" in (

@@ -462,6 +462,7 @@ class FakeCapture(ExactCache):
         self.known = KnownValues(routing)  # the values the step knows: constants, the routing rule's choices
         self._originals: list[tuple[type, str, object]] = []
         self._waiting: list[Waiting] = []  # patches of modules the program has not imported yet
+        self._hooks: list = []  # module registration hooks while the capture runs (real_cpu's)
         self._depth = 0  # fake tensor mode enters itself again inside ops: patch once, on the outermost
         self._dispatching = 0  # ops under way: those inside one are fake tensor mode's own (a decomposition)
         self._cublas_workspace = cublas_workspace  # bytes per cuBLAS handle on a fake CUDA step (0: none)
@@ -492,6 +493,7 @@ class FakeCapture(ExactCache):
             ):
                 self._patch(owner, name, method)
             self._waiting = [on_import(hf_masks.MASKING, self._patch_module(hf_masks.patches))]
+            self._hooks = self.real_cpu.module_tensors_fake(self) if self.real_cpu is not None else []
             FOREACH_TYPES.append(FakeTensor)
         self._depth += 1
         return super().__enter__()
@@ -516,6 +518,8 @@ class FakeCapture(ExactCache):
         if self._depth == 0:
             while self._waiting:
                 self._waiting.pop().remove()
+            while self._hooks:
+                self._hooks.pop().remove()
             while self._originals:
                 owner, name, original = self._originals.pop()
                 setattr(owner, name, original)

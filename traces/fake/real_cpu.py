@@ -3,7 +3,8 @@
 The rule (REAL_CPU_RULE): an op runs for real when every tensor it takes is a real CPU tensor and it makes nothing on
 another device; a factory (an op that takes no tensor) does so unless it runs inside an `nn.Module`'s `__init__`
 (a model's parameters and buffers stay fake wherever they are built: they move to the GPU, and an 8B model built on
-the CPU must not take 16 GiB of host memory). Anything that touches a fake tensor is fake (a real input is converted
+the CPU must not take 16 GiB of host memory); a real CPU tensor a module registers later as a parameter or buffer is
+made fake as it is registered. Anything that touches a fake tensor is fake (a real input is converted
 to a fake one of its layout), so `.to("cuda")` of a real tensor is a fake CUDA tensor, the allocation it is. A real
 CPU tensor over the limit is made fake instead (a factory's size is known before it runs; another op's output is
 converted as it returns), counted per op.
@@ -17,14 +18,18 @@ from collections import Counter
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
 aten = torch.ops.aten
 DEFAULT_LIMIT = 256 << 20  # bytes: a real CPU tensor larger than this is fake (`memplan check --cpu-limit`)
 REAL_CPU_RULE = (
     "an op whose tensors are all real CPU tensors runs for real (a factory too, unless inside an nn.Module's "
-    "__init__: parameters and buffers stay fake); an op touching a fake tensor is fake; a real CPU tensor over "
-    "the limit is fake"
+    "__init__: parameters and buffers stay fake, as does a real tensor registered as one); an op touching a fake "
+    "tensor is fake; a real CPU tensor over the limit is fake"
 )
 
 
@@ -32,8 +37,10 @@ def _inside_module_init() -> bool:
     """Whether the Python stack runs an `nn.Module`'s `__init__` (what a model builds there is its own: fake)."""
     frame = sys._getframe(2)
     while frame is not None:
-        if frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"), nn.Module):
-            return True
+        code = frame.f_code
+        if code.co_name == "__init__" and code.co_varnames[:1] == ("self",):
+            if isinstance(frame.f_locals.get("self"), nn.Module):
+                return True
         frame = frame.f_back
     return False
 
@@ -116,6 +123,25 @@ class RealCpu:
             return t if isinstance(t, FakeTensor) or t.device.type != "cpu" else mode.from_tensor(t)
 
         return tree_map_only(torch.Tensor, fake, (tuple(args), kwargs))
+
+    def module_tensors_fake(self, mode) -> list:
+        """Hooks that make a real CPU tensor a module registers as a parameter or buffer (one built outside its
+        `__init__`) a fake one of its layout, as the rule keeps them; their handles, to remove."""
+
+        def fake_parameter(_module, _name, param):
+            if param is None or isinstance(param, FakeTensor) or param.device.type != "cpu":
+                return None
+            return nn.Parameter(mode.from_tensor(param.detach()), requires_grad=param.requires_grad)
+
+        def fake_buffer(_module, _name, buffer):
+            if buffer is None or isinstance(buffer, FakeTensor) or buffer.device.type != "cpu":
+                return None
+            return mode.from_tensor(buffer)
+
+        return [
+            register_module_parameter_registration_hook(fake_parameter),
+            register_module_buffer_registration_hook(fake_buffer),
+        ]
 
     def summary(self) -> dict:
         """What the rule did: the limit, ops run for real, tensors made fake for their size (per op)."""
