@@ -486,10 +486,19 @@ def explain_command(snapshot, gpu_name, memory, outside, cuda_device, as_json):
     default=None,
     help="Ranks of a script that starts its own (torchrun's and accelerate launch's are read from them).",
 )
+@click.option(
+    "--cpu-limit",
+    type=SIZE,
+    default="256MiB",
+    show_default=True,
+    help="The largest real CPU tensor: CPU work runs for real, and a CPU tensor larger than this is fake (counted).",
+)
 @click.option("--rank", "rank_of", default=None, hidden=True, help="R/N: run rank R of N here (how ranks start).")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
-def check_command(gpu_name, steps, alloc_conf, torch_version, output, nproc, rank_of, as_json, command):  # fmt: skip
+def check_command(
+    gpu_name, steps, alloc_conf, torch_version, output, nproc, cpu_limit, rank_of, as_json, command
+):  # fmt: skip
     """Run your own training script, unmodified, on a fake GPU for its first steps: does it fit, or where does it
     run out of memory? CUDA is memplan's fake device of that GPU (nothing is computed, any size runs); PyTorch's
     caching allocator is simulated as the program runs, so torch.cuda's memory statistics answer from it and a
@@ -505,7 +514,7 @@ def check_command(gpu_name, steps, alloc_conf, torch_version, output, nproc, ran
 
     target = find_gpu(gpu_name or "H100-80GB")
     rank = tuple(int(x) for x in rank_of.split("/")) if rank_of else None
-    options = CheckOptions(tuple(command), target, steps, alloc_conf, torch_version, nproc, rank)
+    options = CheckOptions(tuple(command), target, steps, alloc_conf, torch_version, nproc, rank, cpu_limit)
     progress(f"running {' '.join(command)} on a fake {target.name} for {steps} optimizer steps")
     # with --json, stdout is the JSON document alone: the script's own output goes to stderr
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,11 +14,13 @@ from click.testing import CliRunner
 
 from memplan.cli import main
 from memplan.gpus import gpu
+from memplan.planner.report.check_text import render_check
 from memplan.traces.format import load
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "examples" / "scripts"
 PLAIN = str(SCRIPTS / "plain_loop.py")
 RETRY = str(SCRIPTS / "retry_on_oom.py")
+PADDED = SCRIPTS / "padded_batches.py"
 
 
 def check(*args: str):
@@ -164,3 +168,61 @@ def test_accelerates_batch_search_settles_at_most_at_fits_answer_for_the_same_st
         tried[0] == answer + 1 and settled == tried[-1] and len(json.loads(result.stdout)["failures"]) == len(tried) - 1
     )
     assert 0.95 * answer <= settled <= answer
+
+
+def test_cpu_data_decides_the_shapes_the_fake_gpu_sees(tmp_path):
+    """CPU work runs for real under check: a DataLoader (two worker processes, pinned memory) pads each batch to its
+    longest sequence on the CPU, so the batches the script prints are those of a plain run of it (on this CPU), and
+    the program copies exactly those batches to the GPU (ids int64, mask bool). The loss the script branches on
+    reads 0 by the data rule, and the line is named, once a step."""
+    plain = subprocess.run([sys.executable, str(PADDED), "--steps", "3"], capture_output=True, text=True, check=True)
+    shapes = re.findall(r"step \d+: batch \((\d+), (\d+)\), (\d+) tokens", plain.stdout)
+    assert len(shapes) == 3
+    output = tmp_path / "program.json.gz"
+    result = check("--gpu", "H100", "--json", "-o", str(output), "--", "python", str(PADDED), "--workers", "2")
+    assert result.exit_code == 0, result.output
+    assert re.findall(r"step \d+: batch \((\d+), (\d+)\), (\d+) tokens", result.stderr) == shapes
+    copies = [int(size) for size, op in zip(load(output).program.trace.size, load(output).program.trace.op)
+              if op == "aten::_to_copy"]  # fmt: skip
+    for batch, longest, _ in shapes:
+        assert {int(batch) * int(longest) * 8, int(batch) * int(longest)} <= set(copies)
+    answer = json.loads(result.stdout)
+    line = next(n for n, text in enumerate(PADDED.read_text().splitlines(), 1) if "if loss.item() >" in text)
+    assert [(Path(b["where"].rsplit(":", 1)[0]).name, b["where"].rsplit(":", 1)[1], b["times"]) for b in
+            answer["branches"]] == [("padded_batches.py", str(line), 3)]  # fmt: skip
+    assert answer["cpu"]["real_ops"] > 0 and not answer["cpu"]["over_limit"]
+    assert f"padded_batches.py:{line} (3 times)" in render_check(answer)
+
+
+def test_a_cpu_tensor_over_the_limit_is_fake_and_counted_and_a_models_weights_stay_fake(tmp_path):
+    """--cpu-limit: a CPU factory larger than the limit is fake from the start, an op's real output larger than it is
+    made fake as it returns, each counted by op; a module's parameters and buffers, built in its __init__ on the CPU
+    or registered later from a real tensor, are fake (they will move to the GPU), while the script's small CPU
+    tensors are real."""
+    script = tmp_path / "big.py"
+    script.write_text(
+        "import torch\n"
+        "from torch._subclasses.fake_tensor import FakeTensor\n"
+        "kind = lambda t: 'fake' if isinstance(t, FakeTensor) else 'real'\n"
+        "small, big = torch.arange(10), torch.arange(1 << 20)\n"
+        "grown = torch.ones(1000).repeat(1000)\n"
+        "model = torch.nn.Linear(8, 8)\n"
+        "model.register_buffer('scale', torch.ones(8))\n"
+        "print('small', kind(small), 'big', kind(big), 'grown', kind(grown), 'weight', kind(model.weight),\n"
+        "      'buffer', kind(model.scale))\n"
+        "print('sum', int(small.sum()))\n"
+        "model = model.cuda()\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for _ in range(3):\n"
+        "    model(torch.ones(2, 8).cuda()).sum().backward()\n"
+        "    optimizer.step()\n"
+    )
+    result = check("--gpu", "H100", "--cpu-limit", "1MiB", "--json", "--", "python", str(script))
+    assert result.exit_code == 0, result.output
+    assert "small real big fake grown fake weight fake buffer fake" in result.stderr and "sum 45" in result.stderr
+    answer = json.loads(result.stdout)
+    assert answer["cpu"]["limit"] == 1 << 20 and answer["cpu"]["over_limit"] == {"aten.arange": 1, "aten.repeat": 1}
+    assert "CPU tensors over the limit of 1.0 MiB made fake (--cpu-limit): aten.arange x1, aten.repeat x1" in (
+        render_check(answer)
+    )
+    assert answer["branches"] == []

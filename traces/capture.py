@@ -48,6 +48,7 @@ from memplan.traces.cuda.fake_device import DeviceMemory, fake_cuda_runtime
 from memplan.traces.cuda.stream_hooks import cuda_stream_hooks
 from memplan.traces.cuda.streams import StreamColumns, StreamLedger, stream_columns
 from memplan.traces.fake.mode import DATA_RULE, FakeCapture
+from memplan.traces.fake.real_cpu import RealCpu
 from memplan.traces.format import PHASES, Program, Trace, make_trace, save
 from memplan.traces.inputs.record_args import record_target
 from memplan.traces.inputs.workload import Workload
@@ -385,6 +386,10 @@ class Recording:
         """A fake capture's reads of values nobody knew, by op (DATA_RULE); {} for a real one."""
         return dict(self._fake.data_dependent) if self._fake is not None else {}
 
+    def branches(self) -> dict[str, int]:
+        """Where the program's code branched on a value nobody knew (`file:line` -> times; traces/fake/branches.py)."""
+        return dict(self._fake.branches) if self._fake is not None else {}
+
     def announce(self, stage: str) -> None:
         """Name what runs now, before the recorded step (building the model, a warm-up step), in progress lines."""
         if self._progress is not None:
@@ -561,6 +566,7 @@ def recording_session(
     torch_version: TorchRules | str | None = None,
     memory: DeviceMemory | None = None,
     watch: bool = False,
+    real_cpu: RealCpu | None = None,
 ) -> Iterator[Recording]:
     """Install the step recorder on `device` (and, with `fake`, fake tensors) for the block; what is built
     inside is seen from its first allocation, and `Recording.step` marks the step to record. With `watch`, the
@@ -570,7 +576,8 @@ def recording_session(
     `torch_version` (torch_versions.py; default the installed one), a fake mixture of experts routes its tokens by
     `routing` (memplan.routing). With `progress`, a block that runs long is reported through it every few seconds
     (traces/progress.py). With `memory` (a fake CUDA capture), every op's allocations and frees are fed to it as the
-    op returns, and it answers the program's memory statistics (memplan check's live allocator)."""
+    op returns, and it answers the program's memory statistics (memplan check's live allocator). With `real_cpu` (a
+    fake capture), CPU work on real tensors runs for real by its rule (traces/fake/real_cpu.py)."""
     if memory is not None and not (fake and torch.device(device).type == "cuda"):
         raise CaptureError("a live device memory needs a fake CUDA capture")
     device = torch.device(device)
@@ -588,7 +595,9 @@ def recording_session(
             with reporting or contextlib.nullcontext():
                 workspace = gpu.cublas_workspace(rules) if fake_cuda else 0
                 lt_workspace = gpu.cublaslt_workspace_bytes if fake_cuda else 0
-                fake_mode = FakeCapture(recorder, device.type, workspace, lt_workspace, routing) if fake else None
+                fake_mode = (
+                    FakeCapture(recorder, device.type, workspace, lt_workspace, routing, real_cpu) if fake else None
+                )
                 if memory is not None:
                     fake_mode.after_op = _live_feed(recorder, memory)
                 planned = {"gpu": gpu.name, "torch_rules": rules.version, "cublas_workspace": workspace,

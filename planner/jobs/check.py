@@ -34,6 +34,7 @@ from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.live import LiveDevice
 from memplan.planner.simulate.verdict import Budget, outside_terms
 from memplan.traces.capture import recording_session
+from memplan.traces.fake.real_cpu import DEFAULT_LIMIT, REAL_CPU_RULE, RealCpu
 from memplan.traces.format import PHASES, Program, load, save
 from memplan.traces.program import step_view
 
@@ -60,12 +61,15 @@ class CheckOptions:
     torch_version: str | None = None  # the torch whose rules the fake GPU follows (None: the installed one)
     nproc: int | None = None  # ranks of a distributed script that starts its own (torchrun's are read from its command)
     rank: tuple[int, int] | None = None  # (rank, world): run this one rank in this process (how ranks are started)
+    cpu_limit: int = DEFAULT_LIMIT  # bytes: a real CPU tensor larger than this is fake (traces/fake/real_cpu.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise CheckError(f"--steps {self.steps!r}: a whole number of at least 1")
         if not self.command:
             raise CheckError("give the command to check after --: memplan check -- python train.py ARGS")
+        if isinstance(self.cpu_limit, bool) or not isinstance(self.cpu_limit, int) or self.cpu_limit < 0:
+            raise CheckError(f"--cpu-limit {self.cpu_limit!r}: a number of bytes")
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,8 @@ class CheckResult:
     peak_reserved: int
     failures: list[Failure] = field(default_factory=list)  # every error raised, in order
     data_dependent: dict[str, int] = field(default_factory=dict)  # values nobody knew, read by DATA_RULE
+    branches: list[dict] = field(default_factory=list)  # {"where": file:line, "times": n}: the code branched on one
+    cpu: dict = field(default_factory=dict)  # real CPU work (REAL_CPU_RULE): the limit, ops run, tensors made fake
     seconds: float = 0.0
     program: Program | None = None  # the whole program as a trace (not in the JSON: save it with -o)
     world_size: int | None = None  # ranks of a distributed program (the fake process group), None for one process
@@ -293,6 +299,8 @@ def _spawn(options: CheckOptions, rank: int, world: int, folder: Path) -> CheckR
         options.alloc_conf,
         "--rank",
         f"{rank}/{world}",
+        "--cpu-limit",
+        str(options.cpu_limit),
         "--json",
         "-o",
         str(output),
@@ -337,8 +345,9 @@ def _run(options: CheckOptions, command: tuple[str, ...], rank: int | None, worl
         # 2. The script, run as __main__ on the fake GPU with the live allocator, until it has run its steps.
         session_meta = {"source": "memplan check", "command": list(options.command)}
         session_meta.update({"rank": rank, "world_size": world} if world else {})
+        real_cpu = RealCpu(options.cpu_limit)
         with recording_session("cuda", fake=True, gpu=options.gpu, torch_version=options.torch_version,
-                               memory=live, meta=session_meta, watch=True) as session:  # fmt: skip
+                               memory=live, meta=session_meta, watch=True, real_cpu=real_cpu) as session:  # fmt: skip
             with _stop_after(options.steps, counter):
                 try:
                     if kind == "path":
@@ -380,6 +389,8 @@ def _run(options: CheckOptions, command: tuple[str, ...], rank: int | None, worl
         peak_reserved=live.peak_reserved,
         failures=failures,
         data_dependent=session.data_dependent(),
+        branches=[{"where": w, "times": n} for w, n in sorted(session.branches().items())],
+        cpu={**real_cpu.summary(), "rule": REAL_CPU_RULE},
         program=program,
         world_size=world,
         rank=rank,

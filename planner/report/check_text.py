@@ -8,7 +8,8 @@ from memplan.units import format_size
 
 
 def render_check(d: dict) -> str:
-    """The answer first, then how the program ran: its steps, its peaks, each error raised, what it read by rule."""
+    """The answer first, then how the program ran: its steps, its peaks, each error raised, what it read by rule and
+    where it branched on it, the CPU tensors the limit made fake."""
     gpu = f"{d['gpu']} ({format_size(d['memory'])})"
     conf = f" with alloc-conf {d['alloc_conf']}" if d["alloc_conf"] else ""
     ran = {"stopped": f"ran {d['steps_run']} optimizer steps (stopped there)",
@@ -38,4 +39,11 @@ def render_check(d: dict) -> str:
     if d["data_dependent"]:
         taken = ", ".join(f"{op} x{n}" for op, n in sorted(d["data_dependent"].items()))
         lines.append(f"values nobody knows on a fake GPU, read by rule (a scalar reads 0): {taken}")
+    for b in d.get("branches", []):
+        times = "once" if b["times"] == 1 else f"{b['times']} times"
+        lines.append(f"the program branched on such a value at {b['where']} ({times}): it took the branch a 0 takes")
+    over = d.get("cpu", {}).get("over_limit", {})
+    if over:
+        made = ", ".join(f"{op} x{n}" for op, n in sorted(over.items()))
+        lines.append(f"CPU tensors over the limit of {format_size(d['cpu']['limit'])} made fake (--cpu-limit): {made}")
     return "\n".join(lines)

@@ -49,7 +49,7 @@
   ones: each parameter stays the same object (PyTorch sets `param.data`; fake tensors cannot be swapped), so an
   optimizer made before `model.to("cuda")` keeps its parameters, and each buffer is replaced;
   `torch.tensor(data, device="cuda")` is made on the CPU and moved there, and pinning (a data loader's
-  `pin_memory`) copies in host memory.
+  `pin_memory`, in its own thread too) copies in host memory.
 """
 
 from __future__ import annotations
@@ -75,8 +75,10 @@ from torch.utils._pytree import tree_leaves
 from memplan.errors import MemplanError
 from memplan.routing import DEFAULT, Routing
 from memplan.traces.fake import hf_masks, quiet_logs
+from memplan.traces.fake.branches import branch_site
 from memplan.traces.fake.dispatch_cache import ExactCache
 from memplan.traces.fake.known_values import ATTRIBUTE, INDEXED, KnownValues, check_bounds, forget, tensor_arguments
+from memplan.traces.fake.real_cpu import RealCpu
 from memplan.traces.on_import import Waiting, on_import
 from memplan.traces.ranks import fake_wrappers
 from memplan.traces.recorder import Recorder
@@ -307,6 +309,18 @@ def _tensor_from_data(original):
     return tensor
 
 
+def _host_pin(original):
+    """Tensor.pin_memory that copies a real tensor in host memory on a torch built without CUDA, as pinning makes a
+    copy (a data loader's pinning thread runs outside the capture, where the CPU build has no pinned allocator)."""
+
+    def pin_memory(self, *args, **kwargs):
+        if is_fake(self) or torch.backends.cuda.is_built():
+            return original(self, *args, **kwargs)
+        return self.clone()
+
+    return pin_memory
+
+
 def _one_hot(original):
     """F.one_hot that runs a fake tensor as the CPU and CUDA kernels do (ATen's Onehot.cpp): on the CPU, `aminmax`
     to check the classes; then `zeros` and `scatter_` (for fake tensors ATen takes its traceable path, `arange`,
@@ -436,15 +450,19 @@ class FakeCapture(ExactCache):
         cublas_workspace: int = 0,
         cublaslt_workspace: int = 0,
         routing: Routing | str = DEFAULT,
+        real_cpu: RealCpu | None = None,
     ):
         # with the dispatch cache on, every reference count as without it (traces/fake/dispatch_cache.py)
         super().__init__(recorder, allow_non_fake_inputs=True)
         self._recorder, self._claim, self._device_type = recorder, recorder.claim, device_type
         self._key = recorder.storage_key
         self.data_dependent: Counter[str] = Counter()  # op -> times DATA_RULE read values nobody knows as 0
+        self.branches: Counter[str] = Counter()  # file:line -> times the program branched on such a value
+        self.real_cpu = real_cpu  # CPU ops on real tensors run for real (traces/fake/real_cpu.py); None: all fake
         self.known = KnownValues(routing)  # the values the step knows: constants, the routing rule's choices
         self._originals: list[tuple[type, str, object]] = []
         self._waiting: list[Waiting] = []  # patches of modules the program has not imported yet
+        self._hooks: list = []  # module registration hooks while the capture runs (real_cpu's)
         self._depth = 0  # fake tensor mode enters itself again inside ops: patch once, on the outermost
         self._dispatching = 0  # ops under way: those inside one are fake tensor mode's own (a decomposition)
         self._cublas_workspace = cublas_workspace  # bytes per cuBLAS handle on a fake CUDA step (0: none)
@@ -465,6 +483,7 @@ class FakeCapture(ExactCache):
                 (torch.Tensor, "cuda", _cuda(to)),
                 (nn.Module, "_apply", _apply_fake(nn.Module._apply)),
                 (torch, "tensor", _tensor_from_data(torch.tensor)),
+                (torch.Tensor, "pin_memory", _host_pin(torch.Tensor.pin_memory)),
                 (nn.functional, "one_hot", _one_hot(nn.functional.one_hot)),
                 (torch.Tensor, "__format__", _tensor_format(torch.Tensor.__format__)),
                 (torch.UntypedStorage, "resize_", _recorded_resize(torch.UntypedStorage.resize_, self._recorder)),
@@ -477,6 +496,7 @@ class FakeCapture(ExactCache):
                 on_import(hf_masks.MASKING, self._patch_module(hf_masks.patches)),
                 on_import(fake_wrappers.SHARDING, self._patch_module(fake_wrappers.sharding_patches)),
             ]
+            self._hooks = self.real_cpu.module_tensors_fake(self) if self.real_cpu is not None else []
             FOREACH_TYPES.append(FakeTensor)
         self._depth += 1
         return super().__enter__()
@@ -501,6 +521,8 @@ class FakeCapture(ExactCache):
         if self._depth == 0:
             while self._waiting:
                 self._waiting.pop().remove()
+            while self._hooks:
+                self._hooks.pop().remove()
             while self._originals:
                 owner, name, original = self._originals.pop()
                 setattr(owner, name, original)
@@ -510,6 +532,13 @@ class FakeCapture(ExactCache):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is DEVICE:  # C++ asking a fake tensor its device (the autograd engine, for each gradient)
             return _DISPATCH_META_HANDLERS[func](args)  # answered as FakeTensorMode answers it, first of all
+        if self.real_cpu is not None and not self._dispatching:
+            kwargs = kwargs or {}
+            tensors = tensor_arguments(args, kwargs)
+            if self.real_cpu.runs_real(func, args, kwargs, tensors):
+                return self.real_cpu.run(self, func, args, kwargs, tensors)
+            if not all(is_fake(t) for t in tensors):  # a fake op: its real CPU inputs as fake tensors of their layout
+                args, kwargs = self.real_cpu.as_fake(self, args, kwargs)
         if func.overloadpacket in RANDOM_FILLS:
             forget(args[0])
             return args[0]
@@ -549,7 +578,7 @@ class FakeCapture(ExactCache):
                     out = self._by_rule(func, args)
                 else:
                     if any(k is None for k in known):  # some inputs nobody knows, read as 0
-                        self.data_dependent[str(func.overloadpacket)] += 1
+                        self._unknown_read(func.overloadpacket)
                     if not isinstance(answer, (torch.Tensor, tuple, list)):
                         return answer  # a scalar read from known values
                     out, known = answer, None  # its values attached already
@@ -645,10 +674,19 @@ class FakeCapture(ExactCache):
         self._claim(output)
         return output
 
+    def _unknown_read(self, packet) -> None:
+        """Count a read of values nobody knows (DATA_RULE), and a scalar read's branch where the program's code
+        branches on it (traces/fake/branches.py)."""
+        self.data_dependent[str(packet)] += 1
+        if packet is aten._local_scalar_dense:
+            site = branch_site()
+            if site is not None:
+                self.branches[site] += 1
+
     def _by_rule(self, func, args):
         """DATA_RULE's output for `func`; DataDependentError for an op it does not cover."""
         packet = func.overloadpacket
-        self.data_dependent[str(packet)] += 1
+        self._unknown_read(packet)
         if packet is aten._local_scalar_dense:
             return False if args[0].dtype == torch.bool else 0.0 if args[0].is_floating_point() else 0
         if packet is aten.nonzero:
