@@ -8,14 +8,19 @@ returned (`print(loss.item())` and `x = loss.item()` are reads, not branches; a 
 
 from __future__ import annotations
 
+import bisect
 import dis
 import os
 import sys
 from types import CodeType, FrameType
 
 LIBRARIES = frozenset({"torch", "memplan"})  # packages whose frames are not the program's (by module name)
+# Instructions after which the value is no longer the one read: stored, discarded, returned, formatted into a string,
+# handed to a call or put in a container (a jump after them tests something else: `f"{x.item()} {a if b else c}"`).
 ENDS = frozenset({"STORE_FAST", "STORE_NAME", "STORE_GLOBAL", "STORE_DEREF", "STORE_ATTR", "STORE_SUBSCR", "POP_TOP",
-                  "RETURN_VALUE", "RETURN_CONST", "YIELD_VALUE"})  # fmt: skip
+                  "RETURN_VALUE", "RETURN_CONST", "YIELD_VALUE", "FORMAT_VALUE", "BUILD_STRING", "CALL", "PRECALL",
+                  "CALL_FUNCTION_EX", "BUILD_LIST", "BUILD_TUPLE", "BUILD_SET", "BUILD_MAP", "LIST_APPEND",
+                  "SET_ADD", "MAP_ADD"})  # fmt: skip
 _instructions: dict[CodeType, tuple[list[int], list[str]]] = {}  # code -> its instructions' offsets and names
 
 
@@ -35,16 +40,22 @@ def _jumps_on(frame: FrameType) -> bool:
         found = list(dis.get_instructions(code))
         _instructions[code] = ([i.offset for i in found], [i.opname for i in found])
     offsets, names = _instructions[code]
-    try:
-        start = offsets.index(frame.f_lasti)
-    except ValueError:
+    start = bisect.bisect_right(offsets, frame.f_lasti) - 1  # f_lasti may point into the instruction's inline caches
+    if start < 0:
         return False
-    for name in names[start:]:
-        if "JUMP" in name and "IF" in name:  # POP_JUMP_IF_FALSE, POP_JUMP_FORWARD_IF_TRUE, JUMP_IF_FALSE_OR_POP
+    if _conditional(names[start]):  # `if t:`: the jump itself asked for the value
+        return True
+    for name in names[start + 1 :]:  # the call that read it (`.item()`, `float(t)`) done: what the value meets next
+        if _conditional(name):
             return True
         if name in ENDS:
             return False
     return False
+
+
+def _conditional(name: str) -> bool:
+    """Whether an instruction jumps on the value it pops (POP_JUMP_IF_FALSE, POP_JUMP_FORWARD_IF_TRUE, ...)."""
+    return "JUMP" in name and "IF" in name
 
 
 def branch_site() -> str | None:
