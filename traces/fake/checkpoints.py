@@ -198,24 +198,35 @@ class _Stored:
             return base.as_strided(size, stride, offset).detach()
 
 
+class _Probe:
+    """What a map_location function gets in place of a storage (torch gives it the storage on the CPU): it says where
+    the function moves it (`cuda`, `cpu`, `to`), nothing made."""
+
+    def __init__(self, device="cpu"):
+        self.device = torch.device(device)
+
+    def cuda(self, device=None, non_blocking: bool = False) -> _Probe:
+        return _Probe(torch.device("cuda", device) if isinstance(device, int) else device or "cuda")
+
+    def cpu(self) -> _Probe:
+        return _Probe("cpu")
+
+    def to(self, device=None, non_blocking: bool = False) -> _Probe:
+        return _Probe(_device(device))
+
+
 def _restored_device(map_location, location: str) -> torch.device:
     """Where torch.load puts a storage saved at `location`, by `map_location` (None, a device, a dict of locations,
-    or a function: called with an empty meta storage; one that returns it keeps the storage on the CPU, one that
-    fails or returns None leaves the stored location)."""
+    or a function of a storage and its location, given a `_Probe`: one that returns None leaves the stored
+    location)."""
     if map_location is None:
         return torch.device(location)
     if isinstance(map_location, dict):
         return torch.device(map_location.get(location, location))
     if isinstance(map_location, (str, bytes, torch.device)):
         return torch.device(map_location.decode() if isinstance(map_location, bytes) else map_location)
-    probe = torch.UntypedStorage(0, device="meta")
-    try:
-        moved = map_location(probe, location)
-    except Exception:
-        moved = None
-    if moved is None or not hasattr(moved, "device"):
-        return torch.device(location)
-    return torch.device("cpu") if moved is probe or moved.device.type == "meta" else torch.device(moved.device)
+    moved = map_location(_Probe(), location)
+    return torch.device(location) if moved is None else torch.device(moved.device)
 
 
 def _rebuild(original: Callable) -> Callable:
