@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import safetensors
 import torch
 from click.testing import CliRunner
-import safetensors
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -54,7 +54,11 @@ def _saved_state(path: Path) -> dict:
     model(torch.ones(2, 16)).sum().backward()
     optimizer.step()
     weights = dict(model.state_dict())
-    weights |= {"tied": weights["0.weight"], "rows": weights["0.weight"][1:3], "f8": torch.zeros(4, 4).to(torch.float8_e4m3fn)}
+    weights |= {
+        "tied": weights["0.weight"],
+        "rows": weights["0.weight"][1:3],
+        "f8": torch.zeros(4, 4).to(torch.float8_e4m3fn),
+    }
     state = {"model": weights, "optimizer": optimizer.state_dict(), "epoch": 7, "name": "run-1"}
     torch.save(state, path)
     return torch.load(path)
@@ -282,7 +286,7 @@ def test_a_checkpoint_saved_tiny_is_loaded_by_shape_only_at_a_large_one(tmp_path
          "FileNotFoundError: [Errno 2] No such file or directory: '{tmp}/nothere.pt'"),
         ("from safetensors.torch import load_file\nload_file('{tmp}/nothere.safetensors')\n",
          "FileNotFoundError: [Errno 2] No such file or directory: '{tmp}/nothere.safetensors'"),
-        ("from transformers import AutoModelForCausalLM\nAutoModelForCausalLM.from_pretrained('memplan-tests/no-such')\n",
+        ("from transformers import AutoModelForCausalLM\nAutoModelForCausalLM.from_pretrained('memplan/none')\n",
          "OSError: We couldn't connect to 'https://huggingface.co' to load the files"),
     ],
 )  # fmt: skip

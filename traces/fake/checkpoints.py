@@ -212,7 +212,7 @@ class _Probe:
         return _Probe("cpu")
 
     def to(self, device=None, non_blocking: bool = False) -> _Probe:
-        return _Probe(_device(device))
+        return _Probe(self.device if device is None else _device(device))
 
 
 def _restored_device(map_location, location: str) -> torch.device:
@@ -353,4 +353,3 @@ def module_patches(mode) -> dict[str, Callable[[ModuleType], Iterator[tuple[obje
             yield module, "spawn_materialize", _serial(original)
 
     return {**{name: safe_open_in(name) for name in import_name}, HF_LOADING: loading}
-
