@@ -5,7 +5,8 @@ is a fake tensor, so nothing is computed and any size runs), recorded from its f
 (traces/program.py). PyTorch's caching allocator is simulated live at the GPU's memory less what lies outside it
 (planner/simulate/live.py): `torch.cuda`'s memory statistics answer from it, and a request it cannot serve raises
 `torch.OutOfMemoryError` in the script with PyTorch's message, so the script's own handling (a retry with a smaller
-batch) runs as it would there. After `steps` optimizer steps (counted as `Optimizer.step` returns) the script is
+batch) runs as it would there. Local checkpoints are read by shape (traces/fake/checkpoints.py), and HuggingFace's hub
+is offline (`_offline`). After `steps` optimizer steps (counted as `Optimizer.step` returns) the script is
 stopped, and the answer is whether the program ran: fits with its headroom, or the out-of-memory error it did not
 catch, at its op, module, phase and step.
 """
@@ -39,6 +40,7 @@ from memplan.traces.format import PHASES, Program, load, save
 from memplan.traces.program import step_view
 
 PYTHONS = ("python", "python3", Path(sys.executable).name)
+OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")  # HuggingFace's switches for its hub (the first is set here)
 
 
 class CheckError(MemplanError):
@@ -238,6 +240,25 @@ def _rank(rank: int, world: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _offline() -> Iterator[None]:
+    """HuggingFace's hub offline while the script runs, unless the user set HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE:
+    a script that would download a model fails at once with the hub's own error, never waiting on a network (its local
+    files and cache are read as usual). huggingface_hub reads the setting once, when imported: set there too."""
+    if any(name in os.environ for name in OFFLINE):
+        yield
+        return
+    os.environ[OFFLINE[0]] = "1"
+    if (constants := sys.modules.get("huggingface_hub.constants")) is not None:
+        constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        os.environ.pop(OFFLINE[0], None)
+        if (constants := sys.modules.get("huggingface_hub.constants")) is not None:
+            constants.HF_HUB_OFFLINE = False  # what it reads with neither set
+
+
+@contextlib.contextmanager
 def _stop_after(steps: int, counter: list[int]) -> Iterator[None]:
     """Count optimizer steps as they return; stop the program after `steps`."""
 
@@ -348,7 +369,7 @@ def _run(options: CheckOptions, command: tuple[str, ...], rank: int | None, worl
         real_cpu = RealCpu(options.cpu_limit)
         with recording_session("cuda", fake=True, gpu=options.gpu, torch_version=options.torch_version,
                                memory=live, meta=session_meta, watch=True, real_cpu=real_cpu) as session:  # fmt: skip
-            with _stop_after(options.steps, counter):
+            with _stop_after(options.steps, counter), _offline():
                 try:
                     if kind == "path":
                         runpy.run_path(target, run_name="__main__")

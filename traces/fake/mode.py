@@ -50,6 +50,9 @@
   optimizer made before `model.to("cuda")` keeps its parameters, and each buffer is replaced;
   `torch.tensor(data, device="cuda")` is made on the CPU and moved there, and pinning (a data loader's
   `pin_memory`, in its own thread too) copies in host memory.
+- Local checkpoints are read by shape (traces/fake/checkpoints.py): `torch.load`, safetensors and HuggingFace's
+  `from_pretrained` give fake tensors of the stored dtypes and shapes, allocated where they are loaded, and read
+  no tensor data.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ from torch.utils._pytree import tree_leaves
 
 from memplan.errors import MemplanError
 from memplan.routing import DEFAULT, Routing
-from memplan.traces.fake import hf_masks, quiet_logs
+from memplan.traces.fake import checkpoints, hf_masks, quiet_logs
 from memplan.traces.fake.branches import branch_site
 from memplan.traces.fake.dispatch_cache import ExactCache
 from memplan.traces.fake.known_values import ATTRIBUTE, INDEXED, KnownValues, check_bounds, forget, tensor_arguments
@@ -490,12 +493,12 @@ class FakeCapture(ExactCache):
                 *self.patches(),
                 *fake_wrappers.patches(),
                 *quiet_logs.patches(),
+                *checkpoints.patches(self),
             ):
                 self._patch(owner, name, method)
-            self._waiting = [
-                on_import(hf_masks.MASKING, self._patch_module(hf_masks.patches)),
-                on_import(fake_wrappers.SHARDING, self._patch_module(fake_wrappers.sharding_patches)),
-            ]
+            waiting = {hf_masks.MASKING: hf_masks.patches, fake_wrappers.SHARDING: fake_wrappers.sharding_patches,
+                       **checkpoints.module_patches(self)}  # fmt: skip
+            self._waiting = [on_import(name, self._patch_module(patches)) for name, patches in waiting.items()]
             self._hooks = self.real_cpu.module_tensors_fake(self) if self.real_cpu is not None else []
             FOREACH_TYPES.append(FakeTensor)
         self._depth += 1
