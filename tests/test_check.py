@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -164,3 +166,41 @@ def test_accelerates_batch_search_settles_at_most_at_fits_answer_for_the_same_st
         tried[0] == answer + 1 and settled == tried[-1] and len(json.loads(result.stdout)["failures"]) == len(tried) - 1
     )
     assert 0.95 * answer <= settled <= answer
+
+
+ACCELERATE = str(SCRIPTS / "accelerate_loop.py")
+TINY_LLAMA = str(SCRIPTS.parent / "configs" / "tiny-llama.json")
+
+
+def test_an_accelerate_loop_runs_unmodified_and_its_printed_peak_is_memplans():
+    """An Accelerate loop (prepare, accumulate, backward, bf16 from its command line): the optimizer steps counted
+    are the real ones (accelerate skips the step between accumulated micro-batches), and the max_memory_allocated it
+    prints after its last whole step is the program's peak allocated."""
+    args = ["--config", TINY_LLAMA, "--seq", "32", "--mixed-precision", "bf16", "--accumulate", "2", "--steps", "6"]
+    result = check("--gpu", "H100-80GB", "--json", "--", "python", ACCELERATE, *args)
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    assert answer["fits"] and answer["finished"] == "stopped" and answer["steps_run"] == 3
+    printed = [int(x.replace(",", "")) for x in re.findall(r"max_memory_allocated ([\d,]+) B", result.stderr)]
+    assert len(printed) == 2 and printed[-1] == answer["peak_allocated"]  # steps 0 and 1 print; step 2 is stopped
+
+
+def test_the_accelerate_loop_runs_plainly_on_the_cpu():
+    """The same script, no memplan: python runs it on this CPU at a tiny size, bf16 autocast and all."""
+    args = ["--config", TINY_LLAMA, "--seq", "16", "--mixed-precision", "bf16", "--steps", "2"]
+    done = subprocess.run([sys.executable, ACCELERATE, *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert re.findall(r"step (\d+): loss \d", done.stdout) == ["0", "1"] and "max_memory_allocated" not in done.stdout
+
+
+@pytest.mark.slow
+def test_accelerate_launch_runs_two_ranks_of_the_accelerate_loop():
+    """`accelerate launch --num_processes 2`: two ranks on the fake process group, DDP wrapped by prepare, the
+    DataLoader sharded (its generator's state broadcast moves nothing: each rank keeps its own)."""
+    args = ["--config", TINY_LLAMA, "--seq", "32", "--mixed-precision", "bf16"]
+    result = check("--gpu", "H100-80GB", "--json", "--", "accelerate", "launch", "--num_processes", "2", ACCELERATE,
+                   *args)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    assert answer["fits"] and answer["world_size"] == 2 and answer["ranks"] == [0, 1] and answer["alike"] is True
+    assert answer["steps_run"] == 3 and any(t["name"].startswith("NCCL") for t in answer["budget"]["outside"])

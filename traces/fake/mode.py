@@ -273,15 +273,21 @@ def module_to(model: nn.Module, device=None, dtype: torch.dtype | None = None) -
 
 
 def _tensor_to(original):
-    """Tensor.to that moves a fake tensor with aten._to_copy (no device is asked for)."""
+    """Tensor.to that moves a fake tensor with aten._to_copy (no device is asked for), and a real one to fake CUDA as
+    an empty fake tensor it is copied into."""
 
     def to(self, *args, **kwargs):
-        if not is_fake(self):
-            return original(self, *args, **kwargs)
         if args and isinstance(args[0], torch.Tensor):  # to(other): its device and dtype
             args = (args[0].device, args[0].dtype, *args[1:])
         copy = kwargs.pop("copy", False)  # to(..., copy=True): _parse_to takes every argument but this one
         device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if not is_fake(self):
+            if device is not None and device.type == "cuda" and not torch.backends.cuda.is_built():
+                # a real tensor (a generator's state) fake tensor mode would move for real: copied to an empty one
+                with torch.no_grad():
+                    moved = torch.empty(self.shape, dtype=dtype or self.dtype, device=device).copy_(self)
+                return moved.requires_grad_(self.requires_grad)
+            return original(self, *args, copy=copy, **kwargs)
         device, dtype = device or self.device, dtype or self.dtype
         if device == self.device and dtype == self.dtype and not copy:
             return self
@@ -473,7 +479,10 @@ class FakeCapture(ExactCache):
                 *quiet_logs.patches(),
             ):
                 self._patch(owner, name, method)
-            self._waiting = [on_import(hf_masks.MASKING, self._patch_module(hf_masks.patches))]
+            self._waiting = [
+                on_import(hf_masks.MASKING, self._patch_module(hf_masks.patches)),
+                on_import(fake_wrappers.ACCELERATE_RNG, self._patch_module(fake_wrappers.accelerate_patches)),
+            ]
             FOREACH_TYPES.append(FakeTensor)
         self._depth += 1
         return super().__enter__()
