@@ -204,3 +204,42 @@ def test_accelerate_launch_runs_two_ranks_of_the_accelerate_loop():
     answer = json.loads(result.stdout)
     assert answer["fits"] and answer["world_size"] == 2 and answer["ranks"] == [0, 1] and answer["alike"] is True
     assert answer["steps_run"] == 3 and any(t["name"].startswith("NCCL") for t in answer["budget"]["outside"])
+
+
+SPAWN = str(SCRIPTS / "spawn_ddp.py")
+SMALL_SPAWN = ["--world-size", "2", "--hidden", "64", "--vocab", "1024", "--seq", "32"]
+
+
+@pytest.mark.slow
+def test_a_script_that_spawns_its_own_ranks_runs_each_on_the_fake_process_group():
+    """`--nproc 2` for a script that calls torch.multiprocessing.spawn: each rank is a process memplan starts, whose
+    spawn runs that rank's function there (init_process_group joins the fake process group, DDP all-reduces nothing);
+    the first and last ranks compared, NCCL's buffers among the outside terms."""
+    result = check("--gpu", "H100-80GB", "--nproc", "2", "--json", "--", "python", SPAWN, *SMALL_SPAWN)
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    assert answer["fits"] and answer["world_size"] == 2 and answer["ranks"] == [0, 1] and answer["alike"] is True
+    assert answer["steps_run"] == 3 and answer["finished"] == "stopped" and answer["peak_allocated"] > 0
+    assert any(t["name"].startswith("NCCL") for t in answer["budget"]["outside"])
+
+
+@pytest.mark.parametrize(
+    "nproc,error",
+    [
+        ([], "Error: this script spawns 2 ranks; give --nproc 2"),
+        (["--nproc", "3"], "Error: rank 0 of 3: this script spawns 2 ranks; give --nproc 2 (--nproc 3 was given)"),
+    ],
+)
+def test_a_script_that_spawns_ranks_it_was_not_told_of_is_one_error(nproc, error):
+    result = CliRunner().invoke(main, ["check", *nproc, "--", "python", SPAWN, *SMALL_SPAWN])
+    assert result.exit_code == 1 and result.output.strip().splitlines()[-1] == error
+    assert sum(line.startswith("Error:") for line in result.output.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_the_spawning_script_runs_plainly_on_the_cpu():
+    """The same script, no memplan: two CPU processes, gloo, DDP."""
+    args = [*SMALL_SPAWN, "--steps", "2"]
+    done = subprocess.run([sys.executable, SPAWN, *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert re.findall(r"step (\d+): loss \d", done.stdout) == ["0", "1"]

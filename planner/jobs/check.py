@@ -36,6 +36,7 @@ from memplan.planner.simulate.verdict import Budget, outside_terms
 from memplan.traces.capture import recording_session
 from memplan.traces.format import PHASES, Program, load, save
 from memplan.traces.program import step_view
+from memplan.traces.ranks.spawned import spawned_here
 
 PYTHONS = ("python", "python3", Path(sys.executable).name)
 
@@ -298,10 +299,15 @@ def _spawn(options: CheckOptions, rank: int, world: int, folder: Path) -> CheckR
     ]
     command += ["--outside", str(options.gpu.outside)] if options.gpu.outside is not None else []
     command += ["--torch", options.torch_version] if options.torch_version else []
-    done = subprocess.run([*command, "--", *options.command], stdout=subprocess.PIPE, text=True)
-    if done.returncode not in (0, 3):
-        raise CheckError(f"rank {rank} of {world}: memplan check failed (exit code {done.returncode}; its error above)")
-    data = json.loads(done.stdout)
+    answer = folder / f"rank{rank}.json"
+    with answer.open("w") as out:
+        child = subprocess.Popen([*command, "--", *options.command], stdout=out, stderr=subprocess.PIPE, text=True)
+        errors = _relay(child.stderr)
+        code = child.wait()
+    if code not in (0, 3):
+        said = errors[-1] if errors else f"memplan check failed (exit code {code})"
+        raise CheckError(f"rank {rank} of {world}: {said}")
+    data = json.loads(answer.read_text())
     failures = [Failure(**f) for f in data.pop("failures")]
     known = {f.name for f in fields(CheckResult)}
     values = {k: v for k, v in data.items() if k in known}
@@ -309,6 +315,18 @@ def _spawn(options: CheckOptions, rank: int, world: int, folder: Path) -> CheckR
     result = CheckResult(**values)
     result.program = load(output).program if output.exists() else None
     return result
+
+
+def _relay(stream) -> list[str]:
+    """A rank's stderr passed on as it comes (the script's output), but for its `Error:` lines: those are returned,
+    so the rank's error is said once, as the check's own."""
+    errors = []
+    for line in stream:
+        if line.startswith("Error: "):
+            errors.append(line.removeprefix("Error: ").rstrip("\n"))
+        else:
+            sys.stderr.write(line)
+    return errors
 
 
 def _same_program(a: CheckResult, b: CheckResult) -> bool:
@@ -338,7 +356,7 @@ def _run(options: CheckOptions, command: tuple[str, ...], rank: int | None, worl
         session_meta.update({"rank": rank, "world_size": world} if world else {})
         with recording_session("cuda", fake=True, gpu=options.gpu, torch_version=options.torch_version,
                                memory=live, meta=session_meta, watch=True) as session:  # fmt: skip
-            with _stop_after(options.steps, counter):
+            with _stop_after(options.steps, counter), spawned_here(world):
                 try:
                     if kind == "path":
                         runpy.run_path(target, run_name="__main__")
