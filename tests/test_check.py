@@ -243,3 +243,76 @@ def test_the_spawning_script_runs_plainly_on_the_cpu():
     done = subprocess.run([sys.executable, SPAWN, *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert re.findall(r"step (\d+): loss \d", done.stdout) == ["0", "1"]
+
+
+NOT_FOLLOWED = """
+import torch
+from torch import nn
+from torch.utils.cpp_extension import load_inline
+
+@torch.library.custom_op("memplan_test::{op}", mutates_args=())
+def fused_act(x: torch.Tensor) -> torch.Tensor:
+    return x.relu()
+
+try:
+    twice = load_inline(name="my_kernels", cpp_sources="", cuda_sources="", functions=["twice"]).twice
+except {extension_caught}:
+    twice = lambda x: x * 2
+
+model = torch.compile(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).cuda())
+head = nn.Linear(64, 64).cuda()
+head.compile()
+
+@torch.compile(mode="max-autotune")
+def loss_of(x):
+    return x.square().mean()
+
+optimizer = torch.optim.AdamW([*model.parameters(), *head.parameters()])
+for _ in range(5):
+    hidden = head(model(torch.randn(8, 64, device="cuda")))
+    try:
+        hidden = fused_act(hidden)
+    except {op_caught}:
+        hidden = hidden.relu()
+    loss_of(twice(hidden)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+
+def test_compiled_code_runs_eager_and_what_cannot_run_is_named(tmp_path):
+    """torch.compile (a module, Module.compile, a decorator with options) returns what it was given: the program runs
+    eager and the answer says so; an extension load_inline would build and a custom op with no fake kernel are not
+    run, and a script that catches their errors and goes on has them named in its answer."""
+    from memplan.planner.report.check_text import render_check
+
+    script = tmp_path / "compiled.py"
+    script.write_text(NOT_FOLLOWED.format(op="act_caught", extension_caught="ImportError",
+                                          op_caught="NotImplementedError"))  # fmt: skip
+    result = check("--gpu", "H100-80GB", "--json", "--", "python", str(script))
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    assert answer["fits"] and answer["steps_run"] == 3
+    assert answer["compiled_eager"] == ["Sequential", "Linear", "loss_of"]
+    assert answer["not_run"] == ["extension my_kernels", "op memplan_test::act_caught"]
+    text = render_check(answer)
+    assert "torch.compile ran eager (compiled graphs need real tensors): Sequential, Linear, loss_of" in text
+    assert "the program went on without: extension my_kernels, op memplan_test::act_caught" in text
+
+
+@pytest.mark.parametrize(
+    "caught,error",
+    [
+        ({"op": "act_uncaught1", "extension_caught": "ValueError", "op_caught": "ValueError"},
+         "extension my_kernels (torch.utils.cpp_extension.load_inline) is not built under memplan check: its kernels "
+         "would need real tensors"),
+        ({"op": "act_uncaught2", "extension_caught": "ImportError", "op_caught": "ValueError"},
+         "op memplan_test::act_uncaught2 has no fake (meta) kernel, so it cannot run on fake tensors under memplan "
+         "check (give it one with torch.library.register_fake)"),
+    ],
+)  # fmt: skip
+def test_an_extension_or_op_that_cannot_run_is_one_error(tmp_path, caught, error):
+    script = tmp_path / "uncaught.py"
+    script.write_text(NOT_FOLLOWED.format(**caught))
+    result = CliRunner().invoke(main, ["check", "--", "python", str(script)])
+    assert result.exit_code == 1 and result.output.strip().splitlines()[-1] == f"Error: {script}: {error}"

@@ -385,6 +385,10 @@ class Recording:
         """A fake capture's reads of values nobody knew, by op (DATA_RULE); {} for a real one."""
         return dict(self._fake.data_dependent) if self._fake is not None else {}
 
+    def not_run(self) -> list[str]:
+        """The ops a fake capture could not run for want of a fake kernel, in order; [] for a real one."""
+        return list(self._fake.not_run) if self._fake is not None else []
+
     def announce(self, stage: str) -> None:
         """Name what runs now, before the recorded step (building the model, a warm-up step), in progress lines."""
         if self._progress is not None:

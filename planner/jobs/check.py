@@ -34,6 +34,7 @@ from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.live import LiveDevice
 from memplan.planner.simulate.verdict import Budget, outside_terms
 from memplan.traces.capture import recording_session
+from memplan.traces.fake.unfollowed import ExtensionNotBuilt, NoFakeKernel, Unfollowed, not_followed
 from memplan.traces.format import PHASES, Program, load, save
 from memplan.traces.program import step_view
 from memplan.traces.ranks.spawned import spawned_here
@@ -106,6 +107,8 @@ class CheckResult:
     rank: int | None = None  # the rank this answer is (the tightest of those run)
     ranks_run: list[int] = field(default_factory=list)  # the ranks run, each a program of its own
     alike: bool | None = None  # the first and last ranks ran the same program (so the rest are taken as alike)
+    compiled_eager: list[str] = field(default_factory=list)  # what torch.compile was given, run eager instead
+    not_run: list[str] = field(default_factory=list)  # extensions not built, ops with no fake kernel ("op NAME")
 
     @property
     def fits(self) -> bool:
@@ -342,7 +345,7 @@ def _same_program(a: CheckResult, b: CheckResult) -> bool:
 def _run(options: CheckOptions, command: tuple[str, ...], rank: int | None, world: int | None) -> CheckResult:
     """One process of the program (rank `rank` of `world` on the fake process group, or the only one)."""
     conf = parse_alloc_conf(options.alloc_conf)
-    counter, finished, escaped = [0], "exited", None
+    counter, finished, escaped, unfollowed = [0], "exited", None, Unfollowed()
     live: LiveDevice | None = None
     # 1. The budget: a fake CUDA capture allocates the cuBLAS workspaces itself; what lies outside is the GPU's
     # (with NCCL's buffers for a rank).
@@ -356,7 +359,7 @@ def _run(options: CheckOptions, command: tuple[str, ...], rank: int | None, worl
         session_meta.update({"rank": rank, "world_size": world} if world else {})
         with recording_session("cuda", fake=True, gpu=options.gpu, torch_version=options.torch_version,
                                memory=live, meta=session_meta, watch=True) as session:  # fmt: skip
-            with _stop_after(options.steps, counter), spawned_here(world):
+            with _stop_after(options.steps, counter), spawned_here(world), not_followed(unfollowed):
                 try:
                     if kind == "path":
                         runpy.run_path(target, run_name="__main__")
@@ -369,6 +372,8 @@ def _run(options: CheckOptions, command: tuple[str, ...], rank: int | None, worl
                 except SystemExit as e:
                     if e.code not in (None, 0):
                         raise CheckError(f"{target}: the script exited with status {e.code}") from None
+                except (ExtensionNotBuilt, NoFakeKernel) as e:  # named, not run
+                    raise CheckError(f"{target}: {e}") from None
                 except MemplanError:
                     raise
                 except Exception as e:  # the script's own error, in one line
@@ -401,4 +406,6 @@ def _run(options: CheckOptions, command: tuple[str, ...], rank: int | None, worl
         world_size=world,
         rank=rank,
         ranks_run=[] if rank is None else [rank],
+        compiled_eager=unfollowed.compiled_eager,
+        not_run=unfollowed.not_run + [f"op {op}" for op in session.not_run()],
     )

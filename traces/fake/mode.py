@@ -77,6 +77,7 @@ from memplan.routing import DEFAULT, Routing
 from memplan.traces.fake import hf_masks, quiet_logs
 from memplan.traces.fake.dispatch_cache import ExactCache
 from memplan.traces.fake.known_values import ATTRIBUTE, INDEXED, KnownValues, check_bounds, forget, tensor_arguments
+from memplan.traces.fake.unfollowed import no_fake_kernel
 from memplan.traces.on_import import Waiting, on_import
 from memplan.traces.ranks import fake_wrappers
 from memplan.traces.recorder import Recorder
@@ -448,6 +449,7 @@ class FakeCapture(ExactCache):
         self._recorder, self._claim, self._device_type = recorder, recorder.claim, device_type
         self._key = recorder.storage_key
         self.data_dependent: Counter[str] = Counter()  # op -> times DATA_RULE read values nobody knows as 0
+        self.not_run: Counter[str] = Counter()  # op -> times it was called with no fake kernel to run it
         self.known = KnownValues(routing)  # the values the step knows: constants, the routing rule's choices
         self._originals: list[tuple[type, str, object]] = []
         self._waiting: list[Waiting] = []  # patches of modules the program has not imported yet
@@ -559,6 +561,12 @@ class FakeCapture(ExactCache):
                     if not isinstance(answer, (torch.Tensor, tuple, list)):
                         return answer  # a scalar read from known values
                     out, known = answer, None  # its values attached already
+            except RuntimeError as e:  # an op with no fake kernel (a custom op's, an extension's): named, not run
+                refused = no_fake_kernel(func, e)
+                if refused is None:
+                    raise
+                self.not_run[refused.op] += 1
+                raise refused from None
             if known is not None:
                 self.known.after(func, args, kwargs, known, out)
         finally:
