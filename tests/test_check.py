@@ -185,6 +185,26 @@ def test_an_accelerate_loop_runs_unmodified_and_its_printed_peak_is_memplans():
     assert len(printed) == 2 and printed[-1] == answer["peak_allocated"]  # steps 0 and 1 print; step 2 is stopped
 
 
+@pytest.mark.slow
+def test_the_accelerate_loops_peaks_are_those_of_memplans_own_trace_of_the_same_step(tmp_path):
+    """Where the two are the same program (fp32, no accumulation: a forward whose outputs are held through the step,
+    the loss, backward, AdamW), the Accelerate loop's peaks under check are those of memplan's own fake CUDA trace of
+    the config's step, simulated on the caching allocator. (With bf16, accelerate keeps an fp32 copy of the logits,
+    which memplan's model-file step does not make.)"""
+    trace = tmp_path / "step.json.gz"
+    traced = CliRunner().invoke(main, ["trace", TINY_LLAMA, "--fake", "--device", "cuda", "--batch", "2", "--seq", "32",
+                                       "--layers", "as-built", "-o", str(trace)])  # fmt: skip
+    assert traced.exit_code == 0, traced.output
+    simulated = CliRunner().invoke(main, ["simulate", str(trace), "--json"])
+    assert simulated.exit_code == 0, simulated.output
+    caching = json.loads(simulated.stdout)["caching"]
+    args = ["--config", TINY_LLAMA, "--seq", "32", "--accumulate", "1", "--mixed-precision", "no"]
+    result = check("--gpu", "H100-80GB", "--json", "--", "python", ACCELERATE, *args)
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    assert (answer["peak_allocated"], answer["peak_reserved"]) == (caching["peak_allocated"], caching["peak_reserved"])
+
+
 def test_the_accelerate_loop_runs_plainly_on_the_cpu():
     """The same script, no memplan: python runs it on this CPU at a tiny size, bf16 autocast and all."""
     args = ["--config", TINY_LLAMA, "--seq", "16", "--mixed-precision", "bf16", "--steps", "2"]

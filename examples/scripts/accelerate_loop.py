@@ -39,7 +39,8 @@ model, optimizer, data = accelerator.prepare(model, optimizer, data)
 model.train()
 for micro, (batch,) in enumerate(data):
     with accelerator.accumulate(model):
-        loss = model(input_ids=batch, labels=batch).loss
+        outputs = model(input_ids=batch, labels=batch)
+        loss = outputs.loss
         accelerator.backward(loss)
         if accelerator.sync_gradients:
             accelerator.clip_grad_norm_(model.parameters(), 1.0)

@@ -36,6 +36,7 @@ from memplan.planner.simulate.verdict import Budget, outside_terms
 from memplan.traces.capture import recording_session
 from memplan.traces.fake.unfollowed import ExtensionNotBuilt, NoFakeKernel, Unfollowed, not_followed
 from memplan.traces.format import PHASES, Program, load, save
+from memplan.traces.process_state import as_own_process
 from memplan.traces.program import step_view
 from memplan.traces.ranks.spawned import spawned_here
 
@@ -359,7 +360,7 @@ def _run(options: CheckOptions, command: tuple[str, ...], rank: int | None, worl
         session_meta.update({"rank": rank, "world_size": world} if world else {})
         with recording_session("cuda", fake=True, gpu=options.gpu, torch_version=options.torch_version,
                                memory=live, meta=session_meta, watch=True) as session:  # fmt: skip
-            with _stop_after(options.steps, counter), spawned_here(world), not_followed(unfollowed):
+            with _stop_after(options.steps, counter), spawned_here(world), not_followed(unfollowed), as_own_process():
                 try:
                     if kind == "path":
                         runpy.run_path(target, run_name="__main__")
