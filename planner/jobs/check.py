@@ -408,5 +408,5 @@ def _run(options: CheckOptions, command: tuple[str, ...], rank: int | None, worl
         rank=rank,
         ranks_run=[] if rank is None else [rank],
         compiled_eager=unfollowed.compiled_eager,
-        not_run=unfollowed.not_run + [f"op {op}" for op in session.not_run()],
+        not_run=list(dict.fromkeys(unfollowed.not_run)) + [f"op {op}" for op in session.not_run()],
     )
