@@ -226,3 +226,173 @@ def test_a_cpu_tensor_over_the_limit_is_fake_and_counted_and_a_models_weights_st
         render_check(answer)
     )
     assert answer["branches"] == []
+
+
+ACCELERATE = str(SCRIPTS / "accelerate_loop.py")
+TINY_LLAMA = str(SCRIPTS.parent / "configs" / "tiny-llama.json")
+
+
+def test_an_accelerate_loop_runs_unmodified_and_its_printed_peak_is_memplans():
+    """An Accelerate loop (prepare, accumulate, backward, bf16 from its command line): the optimizer steps counted
+    are the real ones (accelerate skips the step between accumulated micro-batches), and the max_memory_allocated it
+    prints after its last whole step is the program's peak allocated."""
+    args = ["--config", TINY_LLAMA, "--seq", "32", "--mixed-precision", "bf16", "--accumulate", "2", "--steps", "6"]
+    result = check("--gpu", "H100-80GB", "--json", "--", "python", ACCELERATE, *args)
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    assert answer["fits"] and answer["finished"] == "stopped" and answer["steps_run"] == 3
+    printed = [int(x.replace(",", "")) for x in re.findall(r"max_memory_allocated ([\d,]+) B", result.stderr)]
+    assert len(printed) == 2 and printed[-1] == answer["peak_allocated"]  # steps 0 and 1 print; step 2 is stopped
+
+
+@pytest.mark.slow
+def test_the_accelerate_loops_peaks_are_those_of_memplans_own_trace_of_the_same_step(tmp_path):
+    """Where the two are the same program (fp32, no accumulation: a forward whose outputs are held through the step,
+    the loss, backward, AdamW), the Accelerate loop's peaks under check are those of memplan's own fake CUDA trace of
+    the config's step, simulated on the caching allocator. (With bf16, accelerate keeps an fp32 copy of the logits,
+    which memplan's model-file step does not make.)"""
+    trace = tmp_path / "step.json.gz"
+    traced = CliRunner().invoke(main, ["trace", TINY_LLAMA, "--fake", "--device", "cuda", "--batch", "2", "--seq", "32",
+                                       "--layers", "as-built", "-o", str(trace)])  # fmt: skip
+    assert traced.exit_code == 0, traced.output
+    simulated = CliRunner().invoke(main, ["simulate", str(trace), "--json"])
+    assert simulated.exit_code == 0, simulated.output
+    caching = json.loads(simulated.stdout)["caching"]
+    args = ["--config", TINY_LLAMA, "--seq", "32", "--accumulate", "1", "--mixed-precision", "no"]
+    result = check("--gpu", "H100-80GB", "--json", "--", "python", ACCELERATE, *args)
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    assert (answer["peak_allocated"], answer["peak_reserved"]) == (caching["peak_allocated"], caching["peak_reserved"])
+
+
+def test_the_accelerate_loop_runs_plainly_on_the_cpu():
+    """The same script, no memplan: python runs it on this CPU at a tiny size, bf16 autocast and all."""
+    args = ["--config", TINY_LLAMA, "--seq", "16", "--mixed-precision", "bf16", "--steps", "2"]
+    done = subprocess.run([sys.executable, ACCELERATE, *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert re.findall(r"step (\d+): loss \d", done.stdout) == ["0", "1"] and "max_memory_allocated" not in done.stdout
+
+
+@pytest.mark.slow
+def test_accelerate_launch_runs_two_ranks_of_the_accelerate_loop():
+    """`accelerate launch --num_processes 2`: two ranks on the fake process group, DDP wrapped by prepare, the
+    DataLoader sharded (its generator's state broadcast moves nothing: each rank keeps its own)."""
+    args = ["--config", TINY_LLAMA, "--seq", "32", "--mixed-precision", "bf16"]
+    result = check("--gpu", "H100-80GB", "--json", "--", "accelerate", "launch", "--num_processes", "2", ACCELERATE,
+                   *args)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    assert answer["fits"] and answer["world_size"] == 2 and answer["ranks"] == [0, 1] and answer["alike"] is True
+    assert answer["steps_run"] == 3 and any(t["name"].startswith("NCCL") for t in answer["budget"]["outside"])
+
+
+SPAWN = str(SCRIPTS / "spawn_ddp.py")
+SMALL_SPAWN = ["--world-size", "2", "--hidden", "64", "--vocab", "1024", "--seq", "32"]
+
+
+@pytest.mark.slow
+def test_a_script_that_spawns_its_own_ranks_runs_each_on_the_fake_process_group():
+    """`--nproc 2` for a script that calls torch.multiprocessing.spawn: each rank is a process memplan starts, whose
+    spawn runs that rank's function there (init_process_group joins the fake process group, DDP all-reduces nothing);
+    the first and last ranks compared, NCCL's buffers among the outside terms."""
+    result = check("--gpu", "H100-80GB", "--nproc", "2", "--json", "--", "python", SPAWN, *SMALL_SPAWN)
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    assert answer["fits"] and answer["world_size"] == 2 and answer["ranks"] == [0, 1] and answer["alike"] is True
+    assert answer["steps_run"] == 3 and answer["finished"] == "stopped" and answer["peak_allocated"] > 0
+    assert any(t["name"].startswith("NCCL") for t in answer["budget"]["outside"])
+
+
+@pytest.mark.parametrize(
+    "nproc,error",
+    [
+        ([], "Error: this script spawns 2 ranks; give --nproc 2"),
+        (["--nproc", "3"], "Error: rank 0 of 3: this script spawns 2 ranks; give --nproc 2 (--nproc 3 was given)"),
+    ],
+)
+def test_a_script_that_spawns_ranks_it_was_not_told_of_is_one_error(nproc, error):
+    result = CliRunner().invoke(main, ["check", *nproc, "--", "python", SPAWN, *SMALL_SPAWN])
+    assert result.exit_code == 1 and result.output.strip().splitlines()[-1] == error
+    assert sum(line.startswith("Error:") for line in result.output.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_the_spawning_script_runs_plainly_on_the_cpu():
+    """The same script, no memplan: two CPU processes, gloo, DDP."""
+    args = [*SMALL_SPAWN, "--steps", "2"]
+    done = subprocess.run([sys.executable, SPAWN, *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert re.findall(r"step (\d+): loss \d", done.stdout) == ["0", "1"]
+
+
+NOT_FOLLOWED = """
+import torch
+from torch import nn
+from torch.utils.cpp_extension import load_inline
+
+@torch.library.custom_op("memplan_test::{op}", mutates_args=())
+def fused_act(x: torch.Tensor) -> torch.Tensor:
+    return x.relu()
+
+try:
+    twice = load_inline(name="my_kernels", cpp_sources="", cuda_sources="", functions=["twice"]).twice
+except {extension_caught}:
+    twice = lambda x: x * 2
+
+model = torch.compile(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).cuda())
+head = nn.Linear(64, 64).cuda()
+head.compile()
+
+@torch.compile(mode="max-autotune")
+def loss_of(x):
+    return x.square().mean()
+
+optimizer = torch.optim.AdamW([*model.parameters(), *head.parameters()])
+for _ in range(5):
+    hidden = head(model(torch.randn(8, 64, device="cuda")))
+    try:
+        hidden = fused_act(hidden)
+    except {op_caught}:
+        hidden = hidden.relu()
+    loss_of(twice(hidden)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+
+def test_compiled_code_runs_eager_and_what_cannot_run_is_named(tmp_path):
+    """torch.compile (a module, Module.compile, a decorator with options) returns what it was given: the program runs
+    eager and the answer says so; an extension load_inline would build and a custom op with no fake kernel are not
+    run, and a script that catches their errors and goes on has them named in its answer."""
+    from memplan.planner.report.check_text import render_check
+
+    script = tmp_path / "compiled.py"
+    script.write_text(NOT_FOLLOWED.format(op="act_caught", extension_caught="ImportError",
+                                          op_caught="NotImplementedError"))  # fmt: skip
+    result = check("--gpu", "H100-80GB", "--json", "--", "python", str(script))
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    assert answer["fits"] and answer["steps_run"] == 3
+    assert answer["compiled_eager"] == ["Sequential", "Linear", "loss_of"]
+    assert answer["not_run"] == ["extension my_kernels", "op memplan_test::act_caught"]
+    text = render_check(answer)
+    assert "torch.compile ran eager (compiled graphs need real tensors): Sequential, Linear, loss_of" in text
+    assert "the program went on without: extension my_kernels, op memplan_test::act_caught" in text
+
+
+@pytest.mark.parametrize(
+    "caught,error",
+    [
+        ({"op": "act_uncaught1", "extension_caught": "ValueError", "op_caught": "ValueError"},
+         "extension my_kernels (torch.utils.cpp_extension.load_inline) is not built under memplan check: its kernels "
+         "would need real tensors"),
+        ({"op": "act_uncaught2", "extension_caught": "ImportError", "op_caught": "ValueError"},
+         "op memplan_test::act_uncaught2 has no fake (meta) kernel, so it cannot run on fake tensors under memplan "
+         "check (give it one with torch.library.register_fake)"),
+    ],
+)  # fmt: skip
+def test_an_extension_or_op_that_cannot_run_is_one_error(tmp_path, caught, error):
+    script = tmp_path / "uncaught.py"
+    script.write_text(NOT_FOLLOWED.format(**caught))
+    result = CliRunner().invoke(main, ["check", "--", "python", str(script)])
+    assert result.exit_code == 1 and result.output.strip().splitlines()[-1] == f"Error: {script}: {error}"

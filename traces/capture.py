@@ -390,6 +390,10 @@ class Recording:
         """Where the program's code branched on a value nobody knew (`file:line` -> times; traces/fake/branches.py)."""
         return dict(self._fake.branches) if self._fake is not None else {}
 
+    def not_run(self) -> list[str]:
+        """The ops a fake capture could not run for want of a fake kernel, in order; [] for a real one."""
+        return list(self._fake.not_run) if self._fake is not None else []
+
     def announce(self, stage: str) -> None:
         """Name what runs now, before the recorded step (building the model, a warm-up step), in progress lines."""
         if self._progress is not None:

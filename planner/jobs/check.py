@@ -36,8 +36,11 @@ from memplan.planner.simulate.live import LiveDevice
 from memplan.planner.simulate.verdict import Budget, outside_terms
 from memplan.traces.capture import recording_session
 from memplan.traces.fake.real_cpu import DEFAULT_LIMIT, REAL_CPU_RULE, RealCpu
+from memplan.traces.fake.unfollowed import ExtensionNotBuilt, NoFakeKernel, Unfollowed, not_followed
 from memplan.traces.format import PHASES, Program, load, save
+from memplan.traces.process_state import as_own_process
 from memplan.traces.program import step_view
+from memplan.traces.ranks.spawned import spawned_here
 
 PYTHONS = ("python", "python3", Path(sys.executable).name)
 OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")  # HuggingFace's switches for its hub (the first is set here)
@@ -113,6 +116,8 @@ class CheckResult:
     rank: int | None = None  # the rank this answer is (the tightest of those run)
     ranks_run: list[int] = field(default_factory=list)  # the ranks run, each a program of its own
     alike: bool | None = None  # the first and last ranks ran the same program (so the rest are taken as alike)
+    compiled_eager: list[str] = field(default_factory=list)  # what torch.compile was given, run eager instead
+    not_run: list[str] = field(default_factory=list)  # extensions not built, ops with no fake kernel ("op NAME")
 
     @property
     def fits(self) -> bool:
@@ -328,10 +333,15 @@ def _spawn(options: CheckOptions, rank: int, world: int, folder: Path) -> CheckR
     ]
     command += ["--outside", str(options.gpu.outside)] if options.gpu.outside is not None else []
     command += ["--torch", options.torch_version] if options.torch_version else []
-    done = subprocess.run([*command, "--", *options.command], stdout=subprocess.PIPE, text=True)
-    if done.returncode not in (0, 3):
-        raise CheckError(f"rank {rank} of {world}: memplan check failed (exit code {done.returncode}; its error above)")
-    data = json.loads(done.stdout)
+    answer = folder / f"rank{rank}.json"
+    with answer.open("w") as out:
+        child = subprocess.Popen([*command, "--", *options.command], stdout=out, stderr=subprocess.PIPE, text=True)
+        errors = _relay(child.stderr)
+        code = child.wait()
+    if code not in (0, 3):
+        said = errors[-1] if errors else f"memplan check failed (exit code {code})"
+        raise CheckError(f"rank {rank} of {world}: {said}")
+    data = json.loads(answer.read_text())
     failures = [Failure(**f) for f in data.pop("failures")]
     known = {f.name for f in fields(CheckResult)}
     values = {k: v for k, v in data.items() if k in known}
@@ -339,6 +349,18 @@ def _spawn(options: CheckOptions, rank: int, world: int, folder: Path) -> CheckR
     result = CheckResult(**values)
     result.program = load(output).program if output.exists() else None
     return result
+
+
+def _relay(stream) -> list[str]:
+    """A rank's stderr passed on as it comes (the script's output), but for its `Error:` lines: those are returned,
+    so the rank's error is said once, as the check's own."""
+    errors = []
+    for line in stream:
+        if line.startswith("Error: "):
+            errors.append(line.removeprefix("Error: ").rstrip("\n"))
+        else:
+            sys.stderr.write(line)
+    return errors
 
 
 def _same_program(a: CheckResult, b: CheckResult) -> bool:
@@ -354,7 +376,7 @@ def _same_program(a: CheckResult, b: CheckResult) -> bool:
 def _run(options: CheckOptions, command: tuple[str, ...], rank: int | None, world: int | None) -> CheckResult:
     """One process of the program (rank `rank` of `world` on the fake process group, or the only one)."""
     conf = parse_alloc_conf(options.alloc_conf)
-    counter, finished, escaped = [0], "exited", None
+    counter, finished, escaped, unfollowed = [0], "exited", None, Unfollowed()
     live: LiveDevice | None = None
     # 1. The budget: a fake CUDA capture allocates the cuBLAS workspaces itself; what lies outside is the GPU's
     # (with NCCL's buffers for a rank).
@@ -369,7 +391,13 @@ def _run(options: CheckOptions, command: tuple[str, ...], rank: int | None, worl
         real_cpu = RealCpu(options.cpu_limit)
         with recording_session("cuda", fake=True, gpu=options.gpu, torch_version=options.torch_version,
                                memory=live, meta=session_meta, watch=True, real_cpu=real_cpu) as session:  # fmt: skip
-            with _stop_after(options.steps, counter), _offline():
+            with (
+                _stop_after(options.steps, counter),
+                _offline(),
+                spawned_here(world),
+                not_followed(unfollowed),
+                as_own_process(),
+            ):
                 try:
                     if kind == "path":
                         runpy.run_path(target, run_name="__main__")
@@ -382,6 +410,8 @@ def _run(options: CheckOptions, command: tuple[str, ...], rank: int | None, worl
                 except SystemExit as e:
                     if e.code not in (None, 0):
                         raise CheckError(f"{target}: the script exited with status {e.code}") from None
+                except (ExtensionNotBuilt, NoFakeKernel) as e:  # named, not run
+                    raise CheckError(f"{target}: {e}") from None
                 except MemplanError:
                     raise
                 except Exception as e:  # the script's own error, in one line
@@ -416,4 +446,6 @@ def _run(options: CheckOptions, command: tuple[str, ...], rank: int | None, worl
         world_size=world,
         rank=rank,
         ranks_run=[] if rank is None else [rank],
+        compiled_eager=unfollowed.compiled_eager,
+        not_run=list(dict.fromkeys(unfollowed.not_run)) + [f"op {op}" for op in session.not_run()],
     )

@@ -36,6 +36,10 @@ def render_check(d: dict) -> str:
         if f["caught"]:
             lines.append(f"the program caught an out-of-memory error at {f['op'] or 'an allocation'} ({f['where']}, "
                          f"a request of {format_size(f['size'])}) and went on")  # fmt: skip
+    if d.get("compiled_eager"):
+        lines.append(f"torch.compile ran eager (compiled graphs need real tensors): {', '.join(d['compiled_eager'])}")
+    if d.get("not_run"):
+        lines.append(f"not run on fake tensors, and the program went on without: {', '.join(d['not_run'])}")
     if d["data_dependent"]:
         taken = ", ".join(f"{op} x{n}" for op, n in sorted(d["data_dependent"].items()))
         lines.append(f"values nobody knows on a fake GPU, read by rule (a scalar reads 0): {taken}")

@@ -82,6 +82,7 @@ from memplan.traces.fake.branches import branch_site
 from memplan.traces.fake.dispatch_cache import ExactCache
 from memplan.traces.fake.known_values import ATTRIBUTE, INDEXED, KnownValues, check_bounds, forget, tensor_arguments
 from memplan.traces.fake.real_cpu import RealCpu
+from memplan.traces.fake.unfollowed import no_fake_kernel
 from memplan.traces.on_import import Waiting, on_import
 from memplan.traces.ranks import fake_wrappers
 from memplan.traces.recorder import Recorder
@@ -278,15 +279,21 @@ def module_to(model: nn.Module, device=None, dtype: torch.dtype | None = None) -
 
 
 def _tensor_to(original):
-    """Tensor.to that moves a fake tensor with aten._to_copy (no device is asked for)."""
+    """Tensor.to that moves a fake tensor with aten._to_copy (no device is asked for), and a real one to fake CUDA as
+    an empty fake tensor it is copied into."""
 
     def to(self, *args, **kwargs):
-        if not is_fake(self):
-            return original(self, *args, **kwargs)
         if args and isinstance(args[0], torch.Tensor):  # to(other): its device and dtype
             args = (args[0].device, args[0].dtype, *args[1:])
         copy = kwargs.pop("copy", False)  # to(..., copy=True): _parse_to takes every argument but this one
         device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if not is_fake(self):
+            if device is not None and device.type == "cuda" and not torch.backends.cuda.is_built():
+                # a real tensor (a generator's state) fake tensor mode would move for real: copied to an empty one
+                with torch.no_grad():
+                    moved = torch.empty(self.shape, dtype=dtype or self.dtype, device=device).copy_(self)
+                return moved.requires_grad_(self.requires_grad)
+            return original(self, *args, copy=copy, **kwargs)
         device, dtype = device or self.device, dtype or self.dtype
         if device == self.device and dtype == self.dtype and not copy:
             return self
@@ -462,6 +469,7 @@ class FakeCapture(ExactCache):
         self.data_dependent: Counter[str] = Counter()  # op -> times DATA_RULE read values nobody knows as 0
         self.branches: Counter[str] = Counter()  # file:line -> times the program branched on such a value
         self.real_cpu = real_cpu  # CPU ops on real tensors run for real (traces/fake/real_cpu.py); None: all fake
+        self.not_run: Counter[str] = Counter()  # op -> times it was called with no fake kernel to run it
         self.known = KnownValues(routing)  # the values the step knows: constants, the routing rule's choices
         self._originals: list[tuple[type, str, object]] = []
         self._waiting: list[Waiting] = []  # patches of modules the program has not imported yet
@@ -497,6 +505,7 @@ class FakeCapture(ExactCache):
             ):
                 self._patch(owner, name, method)
             waiting = {hf_masks.MASKING: hf_masks.patches, fake_wrappers.SHARDING: fake_wrappers.sharding_patches,
+                       fake_wrappers.ACCELERATE_RNG: fake_wrappers.accelerate_patches,
                        **checkpoints.module_patches(self)}  # fmt: skip
             self._waiting = [on_import(name, self._patch_module(patches)) for name, patches in waiting.items()]
             self._hooks = self.real_cpu.module_tensors_fake(self) if self.real_cpu is not None else []
@@ -585,6 +594,12 @@ class FakeCapture(ExactCache):
                     if not isinstance(answer, (torch.Tensor, tuple, list)):
                         return answer  # a scalar read from known values
                     out, known = answer, None  # its values attached already
+            except RuntimeError as e:  # an op with no fake kernel (a custom op's, an extension's): named, not run
+                refused = no_fake_kernel(func, e)
+                if refused is None:
+                    raise
+                self.not_run[refused.op] += 1
+                raise refused from None
             if known is not None:
                 self.known.after(func, args, kwargs, known, out)
         finally:

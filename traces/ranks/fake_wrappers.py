@@ -20,6 +20,9 @@ from a collective's result, answered as the real ranks' would be, so a user's FS
   layout, in the program's fake tensor mode if there is one, else in a fresh one: on a GPU nothing is allocated, but
   in memplan's mode the capture would record those tensors, and only in the process's first program (the propagation
   is cached). It runs in a fresh mode under a capture, as it does on a GPU.
+- accelerate's synchronize_rng_state (a prepared DataLoader's first batch): rank 0's generator state broadcast to
+  every rank and set; on the fake process group the broadcast moves nothing and a fake state cannot be set, so each
+  rank keeps its own state (patched when accelerate is imported: `ACCELERATE_RNG`, `accelerate_patches`).
 """
 
 import functools
@@ -166,3 +169,20 @@ def patches() -> Iterator[tuple[object, str, object]]:
         held = _holding(getattr(c10d, name))
         yield c10d, name, held
         yield dist, name, held
+
+
+ACCELERATE_RNG = "accelerate.utils.random"
+
+
+def _own_rng_state(original):
+    def synchronize_rng_state(*args, **kwargs):
+        if dist.is_available() and dist.is_initialized():  # broadcast over the fake process group: nothing moves
+            return None
+        return original(*args, **kwargs)
+
+    return synchronize_rng_state
+
+
+def accelerate_patches(module) -> Iterator[tuple[object, str, object]]:
+    """(owner, name, replacement) for accelerate's random-state helpers (module `ACCELERATE_RNG`), once imported."""
+    yield module, "synchronize_rng_state", _own_rng_state(module.synchronize_rng_state)
