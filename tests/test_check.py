@@ -116,7 +116,9 @@ def test_a_script_that_watches_its_own_memory_gets_the_fake_gpus_answers(tmp_pat
     printed = re.findall(r"max_memory_allocated ([\d,]+) B, free ([\d,]+) of ([\d,]+) B", result.stderr)
     assert len(printed) == 2 and all(int(total.replace(",", "")) == gpu("H100").memory for *_, total in printed)
     assert int(printed[-1][0].replace(",", "")) <= answer["peak_allocated"]
-    imported = CliRunner().invoke(main, ["import", str(snapshot), "--json"])
+    imported = CliRunner().invoke(
+        main, ["import", str(snapshot), "-o", str(tmp_path / "memory.trace.json.gz"), "--json"]
+    )
     assert imported.exit_code == 0 and json.loads(imported.stdout)["buffers"] > 0
 
 
