@@ -279,8 +279,9 @@ def module_to(model: nn.Module, device=None, dtype: torch.dtype | None = None) -
 
 
 def _tensor_to(original):
-    """Tensor.to that moves a fake tensor with aten._to_copy (no device is asked for), and a real one to fake CUDA as
-    an empty fake tensor it is copied into."""
+    """Tensor.to that moves a fake tensor with aten._to_copy (no device is asked for), and a real one to CUDA as a
+    fake tensor of its layout moved so (fake tensor mode would move it for real: on a CPU-only torch, to a CUDA backend
+    there is none of; on a GPU, into memory the trace does not see)."""
 
     def to(self, *args, **kwargs):
         if args and isinstance(args[0], torch.Tensor):  # to(other): its device and dtype
@@ -288,11 +289,9 @@ def _tensor_to(original):
         copy = kwargs.pop("copy", False)  # to(..., copy=True): _parse_to takes every argument but this one
         device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
         if not is_fake(self):
-            if device is not None and device.type == "cuda" and not torch.backends.cuda.is_built():
-                # a real tensor (a generator's state) fake tensor mode would move for real: copied to an empty one
-                with torch.no_grad():
-                    moved = torch.empty(self.shape, dtype=dtype or self.dtype, device=device).copy_(self)
-                return moved.requires_grad_(self.requires_grad)
+            mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+            if mode is not None and device is not None and device.type == "cuda":
+                return to(mode.from_tensor(self), *args, copy=copy, **kwargs)  # aten::_to_copy, as a GPU's is
             return original(self, *args, copy=copy, **kwargs)
         device, dtype = device or self.device, dtype or self.dtype
         if device == self.device and dtype == self.dtype and not copy:
