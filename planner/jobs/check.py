@@ -1,14 +1,14 @@
 """`memplan check -- python train.py ARGS`: the user's own script, unmodified, run on a fake GPU for its first steps.
 
-The script runs in this process with CUDA as memplan's fake device of a GPU (traces/cuda/fake_device.py: every tensor
-is a fake tensor, so nothing is computed and any size runs), recorded from its first allocation as a whole program
-(traces/program.py). PyTorch's caching allocator is simulated live at the GPU's memory less what lies outside it
+The script runs in this process (check_script.py: its argv, a launcher's ranks, the hub offline) with CUDA as
+memplan's fake device of a GPU (traces/cuda/fake_device.py): CUDA tensors are fake, so nothing is computed there and
+any size runs, while CPU work is real (traces/fake/real_cpu.py) and checkpoints are read by shape
+(traces/fake/checkpoints.py). It is recorded from its first allocation as a whole program (traces/program.py).
+PyTorch's caching allocator is simulated live at the GPU's memory less what lies outside it
 (planner/simulate/live.py): `torch.cuda`'s memory statistics answer from it, and a request it cannot serve raises
 `torch.OutOfMemoryError` in the script with PyTorch's message, so the script's own handling (a retry with a smaller
-batch) runs as it would there. Local checkpoints are read by shape (traces/fake/checkpoints.py), and HuggingFace's hub
-is offline (`_offline`). After `steps` optimizer steps (counted as `Optimizer.step` returns) the script is
-stopped, and the answer is whether the program ran: fits with its headroom, or the out-of-memory error it did not
-catch, at its op, module, phase and step.
+batch) runs as it would there. After `steps` optimizer steps the script is stopped, and the answer is whether the
+program ran: fits with its headroom, or the out-of-memory error it did not catch, at its op, module, phase and step.
 """
 
 from __future__ import annotations
@@ -21,16 +21,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from memplan.errors import MemplanError
 from memplan.gpus import GPU
+from memplan.planner.jobs.check_script import (
+    CheckError,
+    Stopped,
+    arguments,
+    hub_offline,
+    launched,
+    rank_environment,
+    stop_after,
+)
 from memplan.planner.simulate.alloc_conf import parse_alloc_conf
 from memplan.planner.simulate.live import LiveDevice
 from memplan.planner.simulate.verdict import Budget, outside_terms
@@ -41,18 +47,6 @@ from memplan.traces.format import PHASES, Program, load, save
 from memplan.traces.process_state import as_own_process
 from memplan.traces.program import step_view
 from memplan.traces.ranks.spawned import spawned_here
-
-PYTHONS = ("python", "python3", Path(sys.executable).name)
-OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")  # HuggingFace's switches for its hub (the first is set here)
-
-
-class CheckError(MemplanError):
-    """A command `memplan check` cannot run: not a Python script, a script that fails on its own."""
-
-
-class _Stopped(BaseException):
-    """Thrown from an optimizer's step when the program has run its steps: a BaseException, so the script's own
-    `except Exception` does not catch it."""
 
 
 @dataclass(frozen=True)
@@ -148,135 +142,6 @@ def save_program(result: CheckResult, path: str | os.PathLike) -> None:
 def _budget(options: CheckOptions, meta: dict) -> Budget:
     """The GPU's budget for a fake CUDA program whose capture holds the cuBLAS workspaces (meta)."""
     return Budget(options.gpu, outside_terms(options.gpu, meta, lt=False))
-
-
-@contextlib.contextmanager
-def _arguments(command: tuple[str, ...]) -> Iterator[tuple[str, str]]:
-    """sys.argv and sys.path as the script would have them; yields ("path", script) or ("module", name)."""
-    words = list(command)
-    if Path(words[0]).name in PYTHONS:
-        words = words[1:]
-        while words and words[0] in ("-u", "-B", "-O"):
-            words = words[1:]
-    if not words:
-        raise CheckError(f"{' '.join(command)}: no script to run")
-    argv, path = sys.argv, list(sys.path)
-    if words[0] == "-m":
-        if len(words) < 2:
-            raise CheckError(f"{' '.join(command)}: -m names no module")
-        target = ("module", words[1])
-        sys.argv = [words[1], *words[2:]]
-        sys.path.insert(0, os.getcwd())
-    else:
-        script = Path(words[0])
-        if script.suffix != ".py" or not script.is_file():
-            raise CheckError(f"{words[0]}: not a Python script file; memplan check runs python SCRIPT.py ARGS")
-        target = ("path", str(script))
-        sys.argv = [str(script), *words[1:]]
-        sys.path.insert(0, str(script.resolve().parent))
-    try:
-        yield target
-    finally:
-        sys.argv, sys.path[:] = argv, path
-
-
-LAUNCHERS = ("torchrun", "torch.distributed.run", "accelerate")
-NPROC_FLAGS = ("--nproc-per-node", "--nproc_per_node", "--num_processes", "--num-processes")
-
-
-def launched(command: tuple[str, ...]) -> tuple[tuple[str, ...], int | None]:
-    """The script command a launcher runs and its number of ranks (`torchrun --nproc-per-node N SCRIPT ARGS`,
-    `python -m torch.distributed.run ...`, `accelerate launch --num_processes N SCRIPT ARGS`); a command without a
-    launcher is itself, with None."""
-    words = list(command)
-    if Path(words[0]).name in PYTHONS and words[1:3] == ["-m", "torch.distributed.run"]:
-        words = ["torchrun", *words[3:]]
-    if Path(words[0]).name == "accelerate" and words[1:2] == ["launch"]:
-        words = ["accelerate", *words[2:]]
-    if Path(words[0]).name not in ("torchrun", "accelerate"):
-        return command, None
-    nproc, rest = 1, words[1:]
-    while rest and rest[0].startswith("-"):
-        flag, _, value = rest.pop(0).partition("=")
-        if flag in ("--standalone", "--no-python", "--multi_gpu", "--multi-gpu", "--no_python"):
-            continue
-        value = value or (rest.pop(0) if rest else "")
-        if flag in NPROC_FLAGS:
-            if not value.isdigit() or int(value) < 1:
-                raise CheckError(f"{flag} {value!r}: a number of processes (memplan check runs them on the fake "
-                                 "process group)")  # fmt: skip
-            nproc = int(value)
-        elif flag in ("--nnodes", "--num_machines", "--num-machines") and value not in ("1", "1:1"):
-            raise CheckError(f"{flag} {value}: memplan check runs one node's ranks; give the ranks per node")
-    if not rest:
-        raise CheckError(f"{' '.join(command)}: the launcher names no script")
-    return ("python", *rest), nproc
-
-
-@contextlib.contextmanager
-def _rank(rank: int, world: int) -> Iterator[None]:
-    """The environment a launcher gives rank `rank` of `world`, each rank on its own node's one GPU (LOCAL_RANK 0:
-    the fake GPU is device 0), and torch.distributed.init_process_group on the fake process group whatever backend the
-    script asks for (collectives move nothing; what they hold is traced)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # importing it registers the "fake" backend
-
-    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-           "GROUP_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}  # fmt: skip
-    saved = {k: os.environ.get(k) for k in env}
-    original = dist.init_process_group
-
-    def init_process_group(backend=None, *args, **kwargs):
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("init_method", "store", "rank", "world_size")}
-        return original("fake", store=FakeStore(), rank=rank, world_size=world, **kwargs)
-
-    os.environ.update(env)
-    dist.init_process_group = init_process_group
-    try:
-        yield
-    finally:
-        dist.init_process_group = original
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextlib.contextmanager
-def _offline() -> Iterator[None]:
-    """HuggingFace's hub offline while the script runs, unless the user set HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE:
-    a script that would download a model fails at once with the hub's own error, never waiting on a network (its local
-    files and cache are read as usual). huggingface_hub reads the setting once, when imported: set there too."""
-    if any(name in os.environ for name in OFFLINE):
-        yield
-        return
-    os.environ[OFFLINE[0]] = "1"
-    if (constants := sys.modules.get("huggingface_hub.constants")) is not None:
-        constants.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        os.environ.pop(OFFLINE[0], None)
-        if (constants := sys.modules.get("huggingface_hub.constants")) is not None:
-            constants.HF_HUB_OFFLINE = False  # what it reads with neither set
-
-
-@contextlib.contextmanager
-def _stop_after(steps: int, counter: list[int]) -> Iterator[None]:
-    """Count optimizer steps as they return; stop the program after `steps`."""
-
-    def stepped(_optimizer, _args, _kwargs):
-        counter[0] += 1
-        if counter[0] >= steps:
-            raise _Stopped
-
-    handle = register_optimizer_step_post_hook(stepped)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 def check_program(options: CheckOptions) -> CheckResult:
@@ -380,7 +245,7 @@ def _run(options: CheckOptions, command: tuple[str, ...], rank: int | None, worl
     live: LiveDevice | None = None
     # 1. The budget: a fake CUDA capture allocates the cuBLAS workspaces itself; what lies outside is the GPU's
     # (with NCCL's buffers for a rank).
-    with _arguments(command) as (kind, target), _rank(rank, world) if world else contextlib.nullcontext():
+    with arguments(command) as (kind, target), rank_environment(rank, world) if world else contextlib.nullcontext():
         meta = {"device": "cuda", "fake": True, "cublas_workspace": 1, "cublaslt_workspace": 1,
                 "torch_rules": options.torch_version, **({"world_size": world} if world else {})}  # fmt: skip
         budget = _budget(options, meta)
@@ -392,8 +257,8 @@ def _run(options: CheckOptions, command: tuple[str, ...], rank: int | None, worl
         with recording_session("cuda", fake=True, gpu=options.gpu, torch_version=options.torch_version,
                                memory=live, meta=session_meta, watch=True, real_cpu=real_cpu) as session:  # fmt: skip
             with (
-                _stop_after(options.steps, counter),
-                _offline(),
+                stop_after(options.steps, counter),
+                hub_offline(),
                 spawned_here(world),
                 not_followed(unfollowed),
                 as_own_process(),
@@ -403,7 +268,7 @@ def _run(options: CheckOptions, command: tuple[str, ...], rank: int | None, worl
                         runpy.run_path(target, run_name="__main__")
                     else:
                         runpy.run_module(target, run_name="__main__", alter_sys=True)
-                except _Stopped:
+                except Stopped:
                     finished = "stopped"
                 except torch.OutOfMemoryError as e:
                     finished, escaped = "out of memory", e
