@@ -398,3 +398,38 @@ def test_an_extension_or_op_that_cannot_run_is_one_error(tmp_path, caught, error
     script.write_text(NOT_FOLLOWED.format(**caught))
     result = CliRunner().invoke(main, ["check", "--", "python", str(script)])
     assert result.exit_code == 1 and result.output.strip().splitlines()[-1] == f"Error: {script}: {error}"
+
+
+NUMPY_METRIC = """
+import torch
+model = torch.nn.Linear(16, 4).cuda()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    out = model(torch.randn(8, 16, device="cuda"))
+    out.square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    for refused in (lambda: out.numpy(), lambda: out.detach().numpy(), lambda: out.detach().cpu().bfloat16().numpy()):
+        try:
+            refused()
+        except (RuntimeError, TypeError) as e:
+            print("refused:", str(e).split(".")[0])
+    predictions = out.detach().cpu().numpy()
+    print("metric", predictions.shape, predictions.dtype, float((predictions.argmax(-1) == 0).mean()))
+"""
+
+
+def test_numpy_of_a_fake_tensor_reads_zeros_by_the_data_rule_and_refuses_what_pytorch_refuses(tmp_path):
+    """A metric computed in numpy from the model's output (`out.detach().cpu().numpy()`) reads the data rule's zeros
+    in the output's shape and dtype, counted as a read; what PyTorch refuses (a tensor that needs grad, one on the GPU,
+    bfloat16) is refused with PyTorch's words."""
+    script = tmp_path / "numpy_metric.py"
+    script.write_text(NUMPY_METRIC)
+    result = check("--gpu", "H100", "--json", "--", "python", str(script))
+    assert result.exit_code == 0, result.output
+    assert result.stderr.count("metric (8, 4) float32 1.0") == 2
+    refusals = [line for line in result.stderr.splitlines() if line.startswith("refused:")][:3]
+    assert refusals == ["refused: Can't call numpy() on Tensor that requires grad",
+                        "refused: can't convert cuda:0 device type tensor to numpy",
+                        "refused: Got unsupported ScalarType BFloat16"]  # fmt: skip
+    assert json.loads(result.stdout)["data_dependent"]["Tensor.numpy"] == 2

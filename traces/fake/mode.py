@@ -62,6 +62,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 
+import numpy as numpy_module
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import (
@@ -368,6 +369,27 @@ def _tensor_format(original):
     return format_
 
 
+def _tensor_numpy(original, capture: FakeCapture):
+    """Tensor.numpy that reads a fake CPU tensor by the data rule (its values are 0: a read-only array of zeros of its
+    shape and dtype that takes no memory, counted as a read), and refuses what PyTorch refuses (a tensor that needs
+    grad, one on a GPU, a dtype numpy lacks) with PyTorch's error; a real tensor is itself."""
+
+    def numpy(self, *, force=False):
+        if not is_fake(self):
+            return original(self, force=force)
+        if self.requires_grad and not force:
+            raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
+        if self.device.type != "cpu" and not force:
+            raise TypeError(f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() to copy the "
+                            "tensor to host memory first.")  # fmt: skip
+        with unset_fake_temporarily():
+            zero = original(torch.zeros((), dtype=self.dtype))  # a dtype numpy lacks (bfloat16) fails as a real one
+        capture.read_unknown("Tensor.numpy")
+        return numpy_module.broadcast_to(zero, tuple(self.shape))
+
+    return numpy
+
+
 def _recorded_resize(original, recorder: Recorder):
     """UntypedStorage.resize_ that tells the recorder: a fake tensor's (meta) storage changes its size in place, past
     the allocator that reports real ones (FSDP2 frees an unsharded parameter with resize_(0), then takes it back)."""
@@ -496,6 +518,7 @@ class FakeCapture(ExactCache):
                 (torch.Tensor, "pin_memory", _host_pin(torch.Tensor.pin_memory)),
                 (nn.functional, "one_hot", _one_hot(nn.functional.one_hot)),
                 (torch.Tensor, "__format__", _tensor_format(torch.Tensor.__format__)),
+                (torch.Tensor, "numpy", _tensor_numpy(torch.Tensor.numpy, self)),
                 (torch.UntypedStorage, "resize_", _recorded_resize(torch.UntypedStorage.resize_, self._recorder)),
                 *self.patches(),
                 *fake_wrappers.patches(),
@@ -589,7 +612,7 @@ class FakeCapture(ExactCache):
                     out = self._by_rule(func, args)
                 else:
                     if any(k is None for k in known):  # some inputs nobody knows, read as 0
-                        self._unknown_read(func.overloadpacket)
+                        self.read_unknown(func.overloadpacket)
                     if not isinstance(answer, (torch.Tensor, tuple, list)):
                         return answer  # a scalar read from known values
                     out, known = answer, None  # its values attached already
@@ -691,7 +714,7 @@ class FakeCapture(ExactCache):
         self._claim(output)
         return output
 
-    def _unknown_read(self, packet) -> None:
+    def read_unknown(self, packet) -> None:
         """Count a read of values nobody knows (DATA_RULE), and a scalar read's branch where the program's code
         branches on it (traces/fake/branches.py)."""
         self.data_dependent[str(packet)] += 1
@@ -703,7 +726,7 @@ class FakeCapture(ExactCache):
     def _by_rule(self, func, args):
         """DATA_RULE's output for `func`; DataDependentError for an op it does not cover."""
         packet = func.overloadpacket
-        self._unknown_read(packet)
+        self.read_unknown(packet)
         if packet is aten._local_scalar_dense:
             return False if args[0].dtype == torch.bool else 0.0 if args[0].is_floating_point() else 0
         if packet is aten.nonzero:
