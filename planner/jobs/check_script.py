@@ -58,7 +58,6 @@ def arguments(command: tuple[str, ...]) -> Iterator[tuple[str, str]]:
         sys.argv, sys.path[:] = argv, path
 
 
-LAUNCHERS = ("torchrun", "torch.distributed.run", "accelerate")
 NPROC_FLAGS = ("--nproc-per-node", "--nproc_per_node", "--num_processes", "--num-processes")
 
 

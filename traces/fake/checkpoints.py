@@ -330,26 +330,22 @@ def _serial(spawn_materialize: Callable) -> Callable:
 def module_patches(mode) -> dict[str, Callable[[ModuleType], Iterator[tuple[object, str, Callable]]]]:
     """Module name -> what patches it for a capture `mode` once imported: safetensors' safe_open (where
     safetensors.torch and transformers hold it too) by shape, transformers' loading on one thread."""
-    import_name = {SAFETENSORS: "safe_open", SAFETENSORS_TORCH: "safe_open", HF_MODELING: "safe_open"}
 
-    def safe_open_in(name: str):
-        def patch(module: ModuleType):
-            import safetensors
+    def safe_open_in(module: ModuleType):
+        import safetensors
 
-            original = getattr(module, import_name[name], None)
-            if getattr(original, "memplan_original", None) is not None:  # bound by an import inside the capture
-                original = original.memplan_original
-                setattr(module, import_name[name], original)  # what the capture restores when it ends
-            if original is not None:
-                replacement = _safe_open(mode, safetensors, original)
-                replacement.memplan_original = original
-                yield module, import_name[name], replacement
-
-        return patch
+        original = getattr(module, "safe_open", None)
+        if getattr(original, "memplan_original", None) is not None:  # bound by an import inside the capture
+            original = original.memplan_original
+            module.safe_open = original  # what the capture restores when it ends
+        if original is not None:
+            replacement = _safe_open(mode, safetensors, original)
+            replacement.memplan_original = original
+            yield module, "safe_open", replacement
 
     def loading(module: ModuleType):
         original = getattr(module, "spawn_materialize", None)
         if original is not None:
             yield module, "spawn_materialize", _serial(original)
 
-    return {**{name: safe_open_in(name) for name in import_name}, HF_LOADING: loading}
+    return {**dict.fromkeys((SAFETENSORS, SAFETENSORS_TORCH, HF_MODELING), safe_open_in), HF_LOADING: loading}

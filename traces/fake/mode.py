@@ -566,6 +566,8 @@ class FakeCapture(ExactCache):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is DEVICE:  # C++ asking a fake tensor its device (the autograd engine, for each gradient)
             return _DISPATCH_META_HANDLERS[func](args)  # answered as FakeTensorMode answers it, first of all
+        if func is aten._pin_memory.default:  # a pinned batch, real or fake: a copy in host memory, as pinning makes
+            func, args, kwargs = aten.clone.default, args[:1], {}
         if self.real_cpu is not None and not self._dispatching:
             kwargs = kwargs or {}
             tensors = tensor_arguments(args, kwargs)
@@ -576,8 +578,6 @@ class FakeCapture(ExactCache):
         if func.overloadpacket in RANDOM_FILLS:
             forget(args[0])
             return args[0]
-        if func is aten._pin_memory.default:  # a data loader's pinned batch: a copy in host memory, as pinning makes
-            func, args, kwargs = aten.clone.default, args[:1], {}
         if func is FUNCTIONAL_WAIT:  # the real wait hands back the collective's result; the meta kernel makes another
             return args[0]
         if func is FUNCTIONAL_ALL_REDUCE:  # the real kernel: a contiguous clone, reduced in place

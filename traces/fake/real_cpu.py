@@ -24,7 +24,6 @@ from torch.nn.modules.module import (
 )
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
-aten = torch.ops.aten
 DEFAULT_LIMIT = 256 << 20  # bytes: a real CPU tensor larger than this is fake (`memplan check --cpu-limit`)
 REAL_CPU_RULE = (
     "an op whose tensors are all real CPU tensors runs for real (a factory too, unless inside an nn.Module's "
@@ -93,10 +92,8 @@ class RealCpu:
             return 0
 
     def run(self, mode, func, args, kwargs: dict, tensors: list[torch.Tensor]):
-        """The op run on real CPU tensors (pinning copies in host memory, as on a machine without a GPU); an output
-        over the limit made fake by `mode`."""
-        if func is aten._pin_memory.default:
-            func, args, kwargs = aten.clone.default, args[:1], {}
+        """The op run on real CPU tensors (a factory's pinned memory as plain host memory, as on a machine without
+        a GPU; `mode` makes pinning a copy); an output over the limit made fake by `mode`."""
         if kwargs.get("pin_memory"):
             kwargs = {**kwargs, "pin_memory": False}
         with unset_fake_temporarily():
