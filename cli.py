@@ -493,11 +493,19 @@ def explain_command(snapshot, gpu_name, memory, outside, cuda_device, as_json):
     show_default=True,
     help="The largest real CPU tensor: CPU work runs for real, and a CPU tensor larger than this is fake (counted).",
 )
+@click.option(
+    "--html",
+    "page",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the whole program as one page: memory over time, reserved against the allocator's limit, each step "
+    "and each out-of-memory error marked (a .html file).",
+)
 @click.option("--rank", "rank_of", default=None, hidden=True, help="R/N: run rank R of N here (how ranks start).")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def check_command(
-    gpu_name, steps, alloc_conf, torch_version, output, nproc, cpu_limit, rank_of, as_json, command
+    gpu_name, steps, alloc_conf, torch_version, output, nproc, cpu_limit, page, rank_of, as_json, command
 ):  # fmt: skip
     """Run your own training script, unmodified, on a fake GPU for its first steps: does it fit, or where does it
     run out of memory? CUDA is memplan's fake device of that GPU (nothing is computed, any size runs); PyTorch's
@@ -510,11 +518,14 @@ def check_command(
     Example: memplan check --gpu H100 -- torchrun --nproc-per-node 8 train_fsdp.py
     """
     from memplan.planner.jobs.check import CheckOptions, check_program
+    from memplan.planner.jobs.check_page import page_path, write_page
     from memplan.planner.report.check_text import render_check
 
     target = find_gpu(gpu_name or "H100-80GB")
     rank = tuple(int(x) for x in rank_of.split("/")) if rank_of else None
-    options = CheckOptions(tuple(command), target, steps, alloc_conf, torch_version, nproc, rank, cpu_limit)
+    page = None if page is None else page_path(page)
+    options = CheckOptions(tuple(command), target, steps, alloc_conf, torch_version, nproc, rank, cpu_limit,
+                           html=page is not None)  # fmt: skip
     progress(f"running {' '.join(command)} on a fake {target.name} for {steps} optimizer steps")
     # with --json, stdout is the JSON document alone: the script's own output goes to stderr
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
@@ -523,6 +534,8 @@ def check_command(
         from memplan.planner.jobs.check import save_program
 
         save_program(result, output)
+    if page is not None:
+        write_page(result, page)
     summary = result.to_dict()
     emit(summary, as_json, render_check(summary))
     if not result.fits:

@@ -61,6 +61,7 @@ class CheckOptions:
     nproc: int | None = None  # ranks of a distributed script that starts its own (torchrun's are read from its command)
     rank: tuple[int, int] | None = None  # (rank, world): run this one rank in this process (how ranks are started)
     cpu_limit: int = DEFAULT_LIMIT  # bytes: a real CPU tensor larger than this is fake (traces/fake/real_cpu.py)
+    html: bool = False  # ranks run in processes of their own render the page there (check_page.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
@@ -80,6 +81,7 @@ class Failure:
     module: str
     phase: str
     where: str  # construction, step 2, ... (steps counted at the optimizer's step)
+    time: int  # the program's logical time of the request
     allocated: int
     reserved: int
     message: str  # PyTorch's error
@@ -112,6 +114,8 @@ class CheckResult:
     alike: bool | None = None  # the first and last ranks ran the same program (so the rest are taken as alike)
     compiled_eager: list[str] = field(default_factory=list)  # what torch.compile was given, run eager instead
     not_run: list[str] = field(default_factory=list)  # extensions not built, ops with no fake kernel ("op NAME")
+    series: tuple | None = None  # (allocated, reserved) at each logical time of the program, as it ran (not in JSON)
+    page: str | None = None  # the HTML page a rank's own process rendered (not in JSON)
 
     @property
     def fits(self) -> bool:
@@ -125,7 +129,7 @@ class CheckResult:
 
     def to_dict(self) -> dict:
         """The JSON document of `memplan check --json` (keys in docs/cli.md)."""
-        out = {k: v for k, v in asdict(self).items() if k != "program"}
+        out = {k: v for k, v in asdict(self).items() if k not in ("program", "series", "page")}
         out["ranks"] = out.pop("ranks_run")
         return {**out, "command": list(self.command), "fits": self.fits, "headroom": self.headroom}
 
@@ -198,6 +202,8 @@ def _spawn(options: CheckOptions, rank: int, world: int, folder: Path) -> CheckR
     ]
     command += ["--outside", str(options.gpu.outside)] if options.gpu.outside is not None else []
     command += ["--torch", options.torch_version] if options.torch_version else []
+    page = folder / f"rank{rank}.html"
+    command += ["--html", str(page)] if options.html else []
     answer = folder / f"rank{rank}.json"
     with answer.open("w") as out:
         child = subprocess.Popen([*command, "--", *options.command], stdout=out, stderr=subprocess.PIPE, text=True)
@@ -213,6 +219,7 @@ def _spawn(options: CheckOptions, rank: int, world: int, folder: Path) -> CheckR
     values.update(command=tuple(data["command"]), failures=failures, ranks_run=data["ranks"])
     result = CheckResult(**values)
     result.program = load(output).program if output.exists() else None
+    result.page = page.read_text(encoding="utf-8") if page.exists() else None
     return result
 
 
@@ -288,7 +295,7 @@ def _run(options: CheckOptions, command: tuple[str, ...], rank: int | None, worl
     # 3. The answer: each error raised, where in the program; the program itself.
     program, names = session.program, session.names()
     failures = [
-        Failure(oom.size, names[oom.op], names[oom.module], PHASES[oom.phase], program.where(oom.event),
+        Failure(oom.size, names[oom.op], names[oom.module], PHASES[oom.phase], program.where(oom.event), oom.event,
                 oom.allocated, oom.reserved, oom.message, caught=escaped is None or k < len(live.raised) - 1)
         for k, oom in enumerate(live.raised)
     ]  # fmt: skip
@@ -308,6 +315,7 @@ def _run(options: CheckOptions, command: tuple[str, ...], rank: int | None, worl
         branches=[{"where": w, "times": n} for w, n in sorted(session.branches().items())],
         cpu={**real_cpu.summary(), "rule": REAL_CPU_RULE},
         program=program,
+        series=live.series(program.trace.end),
         world_size=world,
         rank=rank,
         ranks_run=[] if rank is None else [rank],

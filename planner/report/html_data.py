@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import gzip
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -19,6 +20,17 @@ MAX_RECTANGLES = 20_000  # the plan's largest buffers drawn in the address space
 TOP_BUFFERS = 20  # rows of the largest buffers at the peak
 TOP_MODULES = 30  # rows of the per-module table
 INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Marks:
+    """What a panel marks beyond its trace (a whole program's, from `memplan check`): the program's training steps,
+    the out-of-memory errors raised in it, the memory the caching allocator had, and the answer in words."""
+
+    steps: tuple[tuple[int, int, str], ...] = ()  # (start, end, label) windows of logical time
+    events: tuple[tuple[int, str], ...] = ()  # (logical time, label): an error raised there
+    limit: int | None = None  # bytes the caching allocator could reserve (the GPU's memory less what lies outside)
+    text: str | None = None  # the answer, shown under the timeline
 
 
 def intern(labels: list[str]) -> tuple[list[str], np.ndarray]:
@@ -128,8 +140,8 @@ def address_space(m: Measurement, limit: int) -> dict | None:
     }
 
 
-def panel_data(m: Measurement) -> dict:
-    """Everything the page shows of one measured trace."""
+def panel_data(m: Measurement, marks: Marks | None = None) -> dict:
+    """Everything the page shows of one measured trace, with what `marks` adds."""
     trace = m.trace
     peak, peak_t = trace.peak()
     return {
@@ -147,4 +159,8 @@ def panel_data(m: Measurement) -> dict:
         "modules": module_rows(trace, peak_t, TOP_MODULES),
         "address": address_space(m, MAX_RECTANGLES),
         "verdict": None if m.verdict is None else m.verdict.to_dict(),
+        "steps": [] if marks is None else [list(s) for s in marks.steps],
+        "events": [] if marks is None else [list(e) for e in marks.events],
+        "limit": None if marks is None else marks.limit,
+        "text": None if marks is None else marks.text,
     }

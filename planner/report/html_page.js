@@ -180,10 +180,43 @@ function drawTimeline(view) {
     g.moveTo(X(p.peak_t) - 4, Y(p.peak) - 8); g.lineTo(X(p.peak_t) + 4, Y(p.peak) - 8); g.lineTo(X(p.peak_t), Y(p.peak));
     g.fill();
   }
+  view.canvas.dataset.marks = String(drawMarks(g, p, t0, t1, X, Y, width));
   axes(g, width, H, t0, t1, STATE.ymax, "live bytes");
   view.canvas.dataset.drawn = String(drawn);
   view.canvas.dataset.exact = String(s.exact);
   view.X = X; view.Y = Y; view.width = width;
+}
+
+// A whole program's marks (memplan check): its steps as labelled brackets along the top, each out-of-memory error
+// as a red line at its time, and the memory the caching allocator had as a line across; returns how many were drawn.
+function drawMarks(g, p, t0, t1, X, Y, width) {
+  let drawn = 0;
+  g.font = "11px system-ui"; g.textBaseline = "top";
+  for (const [a, z, label] of p.steps) {
+    if (z <= t0 || a >= t1) continue;
+    const x0 = X(Math.max(a, t0)), x1 = X(Math.min(z, t1));
+    g.strokeStyle = "#555"; g.lineWidth = 1; g.beginPath();
+    g.moveTo(x0, PAD.t + 12); g.lineTo(x0, PAD.t + 2); g.lineTo(x1, PAD.t + 2); g.lineTo(x1, PAD.t + 12); g.stroke();
+    g.fillStyle = "#333";
+    if (x1 - x0 > g.measureText(label).width + 4) g.fillText(label, x0 + 3, PAD.t + 4);
+    drawn++;
+  }
+  for (const [t, label] of p.events) {
+    if (t < t0 || t >= t1) continue;
+    g.strokeStyle = "#d00"; g.lineWidth = 1.5; g.beginPath();
+    g.moveTo(X(t), PAD.t); g.lineTo(X(t), H - PAD.b); g.stroke();
+    g.fillStyle = "#d00"; g.fillText(label, Math.min(X(t) + 3, width - PAD.r - g.measureText(label).width), PAD.t + 30);
+    drawn++;
+  }
+  if (p.limit !== null) {
+    g.strokeStyle = "#d00"; g.setLineDash([2, 3]); g.beginPath();
+    g.moveTo(PAD.l, Y(p.limit)); g.lineTo(width - PAD.r, Y(p.limit)); g.stroke(); g.setLineDash([]);
+    g.fillStyle = "#d00";
+    g.fillText(`the allocator's limit ${human(p.limit)}`, PAD.l + 4, Y(p.limit) + 2);
+    drawn++;
+  }
+  g.textBaseline = "alphabetic";
+  return drawn;
 }
 
 function drawAddress(view) {
@@ -302,6 +335,7 @@ function panel(p) {
     view.acanvas.addEventListener("mouseleave", hideTip);
   }
   if (p.verdict_text) box.appendChild($("pre", {class: "verdict"}, p.verdict_text));
+  if (p.text) box.appendChild($("pre", {class: "verdict"}, p.text));
   box.appendChild($("h4", {}, `Largest buffers at the peak (time ${num(p.peak_t)})`));
   box.appendChild(table(["buffer", "size", "category", "phase", "op", "module", "alloc", "free"],
     p.largest.map((i) => { const d = details(p, i);
@@ -322,7 +356,10 @@ function legend() {
   for (const [ph, col] of Object.entries(PHASE_COLORS)) {
     const s = $("span"); s.appendChild($("i", {style: `background:${col}`})); s.append(`${ph} phase`); l.appendChild(s);
   }
-  l.append(" dashed: caching allocator reserved · red: plan arena + outside it · drag to zoom, double-click to reset");
+  const lines = ["dashed: caching allocator reserved"];
+  if (DATA.panels.some((p) => p.plan_peak !== null)) lines.push("red: plan arena + outside it");
+  if (DATA.panels.some((p) => p.limit !== null)) lines.push("red dots: what the allocator can reserve");
+  l.append(` ${[...lines, "drag to zoom, double-click to reset"].join(" · ")}`);
   return l;
 }
 
@@ -342,6 +379,7 @@ function selftest() {
   const out = {errors: ERRORS, panels: STATE.panels.length, load_ms: STATE.load_ms,
                drawn: STATE.panels.map((w) => Number(w.canvas.dataset.drawn)),
                rects: STATE.panels.map((w) => (w.acanvas ? Number(w.acanvas.dataset.drawn) : 0)),
+               marks: STATE.panels.map((w) => Number(w.canvas.dataset.marks)),
                hover: {time: t, live: Object.fromEntries(CATS.map((c, k) => [c, hover.live[k]]).filter((e) => e[1])),
                        buffer: hover.found, tooltip},
                zoomed, reset: v.range.slice()};
@@ -352,7 +390,7 @@ async function main() {
   const t0 = performance.now();
   for (const p of DATA.panels) p.b = await unpack(p);
   STATE.ymax = Math.max(1, ...DATA.panels.map((p) => Math.max(p.peak, p.figures.caching_peak_reserved,
-                                                              p.plan_peak || 0))) * 1.05;
+                                                              p.plan_peak || 0, p.limit || 0))) * 1.05;
   const row = document.getElementById("panels");
   row.style.gridTemplateColumns = `repeat(${DATA.panels.length}, minmax(420px, 1fr))`;
   document.getElementById("legend").appendChild(legend());

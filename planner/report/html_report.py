@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import html
 import json
+from collections.abc import Sequence
 from importlib.resources import files
 
-from memplan.planner.report.html_data import panel_data
+from memplan.planner.report.html_data import Marks, panel_data
 from memplan.planner.report.plots import CATEGORY_COLORS, PHASE_COLORS, PLAN_COLOR, RESERVED_COLOR
 from memplan.planner.report.verdict_text import render_verdict
 from memplan.planner.simulate.measure import Measurement
@@ -32,16 +33,29 @@ pre{background:#f6f6f6;padding:6px;white-space:pre-wrap}
 """
 
 
+NOTE = (
+    "Device memory over one training step: live bytes stacked by category (exact figures and the buffer under the "
+    "pointer on hover), the caching allocator's reserved bytes, the plan's footprint and address space."
+)
+
+
 def embed_json(data: dict) -> str:
     """JSON safe inside a <script> element (no "</" to close it early)."""
     return json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
 
 
-def render_html(reports: list[Measurement], commands: list[str], title: str = "memplan report") -> str:
-    """The whole page for `reports` (one panel each, on one scale) and the `commands` that reproduce it."""
+def render_html(
+    reports: list[Measurement],
+    commands: list[str],
+    title: str = "memplan report",
+    marks: Sequence[Marks | None] = (),
+    note: str | None = None,
+) -> str:
+    """The whole page for `reports` (one panel each, on one scale, each with its `marks` when given) and the
+    `commands` that reproduce it; `note` replaces the line that says what the timelines show."""
     panels = []
-    for m in reports:
-        p = panel_data(m)
+    for k, m in enumerate(reports):
+        p = panel_data(m, marks[k] if k < len(marks) else None)
         p["verdict_text"] = None if p["verdict"] is None else render_verdict(p["verdict"])
         panels.append(p)
     present = {c for m in reports for c in m.trace.category}
@@ -63,8 +77,7 @@ style-src 'unsafe-inline'; img-src data:">
 <style>{STYLE}</style></head>
 <body>
 <h1>{html.escape(title)}</h1>
-<p class="note">Device memory over one training step: live bytes stacked by category (exact figures and the buffer \
-under the pointer on hover), the caching allocator's reserved bytes, the plan's footprint and address space.</p>
+<p class="note">{html.escape(note or NOTE)}</p>
 <div id="legend"></div>
 <div id="panels"></div>
 <h2>Reproduce</h2>

@@ -6,9 +6,11 @@ message, where the GPU would raise it. It implements traces.cuda.fake_device's D
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from memplan.errors import MemplanError
@@ -49,6 +51,8 @@ class LiveDevice:
         self.max_allocated = self.max_reserved = 0  # since the last reset
         self.peak_allocated = self.peak_reserved = 0  # over the whole program
         self._program: Callable[[], Program] | None = None  # the capture's program so far (attach)
+        # allocated and reserved bytes after each event fed, in order: what the program's memory did
+        self._allocated_after, self._reserved_after = array("q"), array("q")
 
     # -- the feed -----------------------------------------------------------------------------------
     def feed(self, events: Events) -> None:
@@ -56,20 +60,22 @@ class LiveDevice:
         torch.OutOfMemoryError after the rest are taken (its storage is dropped when the error unwinds the op)."""
         failed: RaisedOOM | None = None
         columns = (events.key, events.size, events.op, events.module, events.phase)
+        a, allocated_after, reserved_after = self.allocator, self._allocated_after, self._reserved_after
         for key, size, op, module, phase in zip(*(c.tolist() for c in columns)):
             self.events += 1
             if size < 0:
                 address = self._address.pop(key, None)
                 if address is not None:
-                    self.allocator.free(address)
-                continue
-            try:
-                self._address[key] = self.allocator.malloc(size)
-            except SimulatedOOM:
-                if failed is None:
-                    failed = self._raised(size, op, module, phase)
-                continue
-            self._peaks()
+                    a.free(address)
+            else:
+                try:
+                    self._address[key] = a.malloc(size)
+                    self._peaks()
+                except SimulatedOOM:
+                    if failed is None:
+                        failed = self._raised(size, op, module, phase)
+            allocated_after.append(a.allocated)
+            reserved_after.append(a.reserved)
         if failed is not None:
             raise torch.OutOfMemoryError(failed.message)
 
@@ -85,6 +91,17 @@ class LiveDevice:
         self.max_allocated, self.max_reserved = max(self.max_allocated, a.allocated), max(self.max_reserved, a.reserved)
         self.peak_allocated = max(self.peak_allocated, a.allocated)
         self.peak_reserved = max(self.peak_reserved, a.reserved)
+
+    def series(self, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Allocated and reserved bytes at each logical time of the program in [0, end) (event k, 1-based, is time k),
+        as the program met them: with what its caught out-of-memory errors and `empty_cache` calls released."""
+        done = min(len(self._reserved_after), max(end - 1, 0))
+        allocated, reserved = np.zeros(end, dtype=np.int64), np.zeros(end, dtype=np.int64)
+        allocated[1 : done + 1] = np.array(self._allocated_after[:done], dtype=np.int64)
+        reserved[1 : done + 1] = np.array(self._reserved_after[:done], dtype=np.int64)
+        if 0 < done + 1 < end:  # times after the last event keep its values
+            allocated[done + 1 :], reserved[done + 1 :] = allocated[done], reserved[done]
+        return allocated, reserved
 
     # -- traces.cuda.fake_device.DeviceMemory -----------------------------------------------------------------
     def allocated(self) -> int:
