@@ -37,6 +37,7 @@ from memplan.gpus import GPU
 from memplan.torch_versions import INSTALLED, TorchRules
 from memplan.traces.cuda.sdpa_dispatch import cuda_attention
 from memplan.traces.cuda.streams import StreamLedger
+from memplan.traces.patches import patched
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fake_cuda.cpp"
 
@@ -320,18 +321,8 @@ def _never_runs(*args, **kwargs):
 @contextlib.contextmanager
 def _replaced(replacements: dict[str, object], module=torch.cuda) -> Iterator[None]:
     """`module`'s functions of these names (torch.cuda's by default) replaced while the block runs."""
-    replacements = {name: _own_function(replacement) for name, replacement in replacements.items()}
-    originals = {name: getattr(module, name) for name in replacements if hasattr(module, name)}
-    try:
-        for name, replacement in replacements.items():
-            setattr(module, name, replacement)
+    with patched(*((module, name, _own_function(replacement)) for name, replacement in replacements.items())):
         yield
-    finally:
-        for name in replacements:
-            if name in originals:
-                setattr(module, name, originals[name])
-            elif hasattr(module, name):
-                delattr(module, name)
 
 
 @contextlib.contextmanager

@@ -85,6 +85,7 @@ from memplan.traces.fake.known_values import ATTRIBUTE, INDEXED, KnownValues, ch
 from memplan.traces.fake.real_cpu import RealCpu
 from memplan.traces.fake.unfollowed import no_fake_kernel
 from memplan.traces.on_import import Waiting, on_import
+from memplan.traces.patches import Patches
 from memplan.traces.ranks import fake_wrappers
 from memplan.traces.recorder import Recorder
 
@@ -492,7 +493,7 @@ class FakeCapture(ExactCache):
         self.real_cpu = real_cpu  # CPU ops on real tensors run for real (traces/fake/real_cpu.py); None: all fake
         self.not_run: Counter[str] = Counter()  # op -> times it was called with no fake kernel to run it
         self.known = KnownValues(routing)  # the values the step knows: constants, the routing rule's choices
-        self._originals: list[tuple[type, str, object]] = []
+        self._patches = Patches()
         self._waiting: list[Waiting] = []  # patches of modules the program has not imported yet
         self._hooks: list = []  # module registration hooks while the capture runs (real_cpu's)
         self._depth = 0  # fake tensor mode enters itself again inside ops: patch once, on the outermost
@@ -525,7 +526,7 @@ class FakeCapture(ExactCache):
                 *quiet_logs.patches(),
                 *checkpoints.patches(self),
             ):
-                self._patch(owner, name, method)
+                self._patches.set(owner, name, method)
             waiting = {hf_masks.MASKING: hf_masks.patches, fake_wrappers.SHARDING: fake_wrappers.sharding_patches,
                        fake_wrappers.ACCELERATE_RNG: fake_wrappers.accelerate_patches,
                        **checkpoints.module_patches(self)}  # fmt: skip
@@ -535,18 +536,13 @@ class FakeCapture(ExactCache):
         self._depth += 1
         return super().__enter__()
 
-    def _patch(self, owner: object, name: str, replacement: object) -> None:
-        """Set `owner.name` to `replacement` until the capture ends."""
-        self._originals.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, replacement)
-
     def _patch_module(self, patches: Callable) -> Callable:
         """What patches a module when it is (or once it is) imported: each of `patches(module)` until the capture
         ends."""
 
         def patch(module) -> None:
             for owner, name, replacement in patches(module):
-                self._patch(owner, name, replacement)
+                self._patches.set(owner, name, replacement)
 
         return patch
 
@@ -557,9 +553,7 @@ class FakeCapture(ExactCache):
                 self._waiting.pop().remove()
             while self._hooks:
                 self._hooks.pop().remove()
-            while self._originals:
-                owner, name, original = self._originals.pop()
-                setattr(owner, name, original)
+            self._patches.undo()
             FOREACH_TYPES.remove(FakeTensor)
         return super().__exit__(*exc)
 

@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import UnsupportedOperatorException
 
 from memplan.errors import MemplanError
 from memplan.traces.on_import import on_import
+from memplan.traces.patches import patched
 
 _NO_FAKE_IMPL = re.compile(r"There was no fake impl registered for <CustomOpDef\((?P<op>[^)]+)\)>")
 
@@ -86,18 +87,14 @@ def _unbuilt(record: Unfollowed, how: str, original: Callable) -> Callable:
 def not_followed(record: Unfollowed) -> Iterator[None]:
     """While a checked script runs: torch.compile returns what it is given (eager), and cpp_extension's load and
     load_inline (patched once the script imports it) raise ExtensionNotBuilt, each noted in `record`."""
-    saved = [(torch, "compile", torch.compile)]
-    torch.compile = _eager(record)
+    with patched((torch, "compile", _eager(record))) as patches:
 
-    def unbuilt(module) -> None:
-        for how in ("load", "load_inline"):
-            saved.append((module, how, getattr(module, how)))
-            setattr(module, how, _unbuilt(record, how, getattr(module, how)))
+        def unbuilt(module) -> None:
+            for how in ("load", "load_inline"):
+                patches.set(module, how, _unbuilt(record, how, getattr(module, how)))
 
-    waiting = on_import("torch.utils.cpp_extension", unbuilt)
-    try:
-        yield
-    finally:
-        waiting.remove()
-        for owner, name, original in reversed(saved):
-            setattr(owner, name, original)
+        waiting = on_import("torch.utils.cpp_extension", unbuilt)
+        try:
+            yield
+        finally:
+            waiting.remove()

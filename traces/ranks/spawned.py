@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import torch.multiprocessing as mp
 
 from memplan.errors import MemplanError
+from memplan.traces.patches import patched
 
 mp_spawn = importlib.import_module("torch.multiprocessing.spawn")  # the module (the package's `spawn` is its function)
 
@@ -52,11 +53,6 @@ def spawned_here(world: int | None) -> Iterator[None]:
     def spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
         return start_processes(fn, args, nprocs, join, daemon, start_method)
 
-    saved = [(owner, name, getattr(owner, name)) for owner in (mp, mp_spawn) for name in ("spawn", "start_processes")]
-    for owner, name, _ in saved:
-        setattr(owner, name, spawn if name == "spawn" else start_processes)
-    try:
+    with patched(*((owner, name, spawn if name == "spawn" else start_processes)
+                   for owner in (mp, mp_spawn) for name in ("spawn", "start_processes"))):  # fmt: skip
         yield
-    finally:
-        for owner, name, original in saved:
-            setattr(owner, name, original)
