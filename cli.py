@@ -501,11 +501,19 @@ def explain_command(snapshot, gpu_name, memory, outside, cuda_device, as_json):
     help="Write the whole program as one page: memory over time, reserved against the allocator's limit, each step "
     "and each out-of-memory error marked (a .html file).",
 )
+@click.option(
+    "--largest",
+    "vary",
+    metavar="NAME",
+    default=None,
+    help="The largest value of the script's own integer option NAME (batch-size for --batch-size) that fits: each "
+    "value checked in a process of its own, from the command's value, doubled or halved, then bisected.",
+)
 @click.option("--rank", "rank_of", default=None, hidden=True, help="R/N: run rank R of N here (how ranks start).")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def check_command(
-    gpu_name, steps, alloc_conf, torch_version, output, nproc, cpu_limit, page, rank_of, as_json, command
+    gpu_name, steps, alloc_conf, torch_version, output, nproc, cpu_limit, page, vary, rank_of, as_json, command
 ):  # fmt: skip
     """Run your own training script, unmodified, on a fake GPU for its first steps: does it fit, or where does it
     run out of memory? CUDA is memplan's fake device of that GPU (nothing is computed, any size runs); PyTorch's
@@ -516,8 +524,9 @@ def check_command(
     Example: memplan check --gpu H100 -- python train.py --batch-size 8
     Example: memplan check --gpu H200 --steps 2 --alloc-conf expandable_segments:True -- train.py
     Example: memplan check --gpu H100 -- torchrun --nproc-per-node 8 train_fsdp.py
+    Example: memplan check --gpu H100 --largest batch-size -- python train.py --batch-size 8
     """
-    from memplan.planner.jobs.check import CheckOptions, check_program
+    from memplan.planner.jobs.check import CheckOptions, check_program, save_program
     from memplan.planner.jobs.check_page import page_path, write_page
     from memplan.planner.report.check_text import render_check
 
@@ -526,13 +535,22 @@ def check_command(
     page = None if page is None else page_path(page)
     options = CheckOptions(tuple(command), target, steps, alloc_conf, torch_version, nproc, rank, cpu_limit,
                            html=page is not None)  # fmt: skip
+    if vary is not None:
+        from memplan.planner.jobs.check_search import largest
+        from memplan.planner.report.check_text import render_search
+
+        search = largest(options, vary, progress)
+        if output is not None and search.largest is not None:
+            save_program(search.answer, output)
+        if page is not None:
+            write_page(search.answer, page)
+        emit(search.to_dict(), as_json, render_search(search.to_dict()))
+        sys.exit(0 if search.largest is not None else 3)
     progress(f"running {' '.join(command)} on a fake {target.name} for {steps} optimizer steps")
     # with --json, stdout is the JSON document alone: the script's own output goes to stderr
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
         result = check_program(options)
     if output is not None:
-        from memplan.planner.jobs.check import save_program
-
         save_program(result, output)
     if page is not None:
         write_page(result, page)

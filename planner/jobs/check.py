@@ -180,38 +180,27 @@ def check_program(options: CheckOptions) -> CheckResult:
 
 def _spawn(options: CheckOptions, rank: int, world: int, folder: Path) -> CheckResult:
     """Rank `rank` of `world` checked by `memplan check --rank` in a process of its own; its answer and program."""
-    output = folder / f"rank{rank}.json.gz"
-    command = [
-        sys.executable,
-        "-m",
-        "memplan.cli",
-        "check",
-        "--gpu",
-        options.gpu.name,
-        "--steps",
-        str(options.steps),
-        "--alloc-conf",
-        options.alloc_conf,
-        "--rank",
-        f"{rank}/{world}",
-        "--cpu-limit",
-        str(options.cpu_limit),
-        "--json",
-        "-o",
-        str(output),
-    ]
-    command += ["--outside", str(options.gpu.outside)] if options.gpu.outside is not None else []
-    command += ["--torch", options.torch_version] if options.torch_version else []
-    page = folder / f"rank{rank}.html"
-    command += ["--html", str(page)] if options.html else []
-    answer = folder / f"rank{rank}.json"
+    return checked_apart(options, folder, f"rank{rank}", ["--rank", f"{rank}/{world}"], f"rank {rank} of {world}: ")
+
+
+def checked_apart(options: CheckOptions, folder: Path, tag: str, extra: list[str] = (), said: str = "",
+                  command: tuple[str, ...] | None = None) -> CheckResult:  # fmt: skip
+    """`command` (the options' by default) checked by `memplan check EXTRA` in a process of its own, its files named
+    `tag` in `folder`; its answer, program and page. Its error is a CheckError prefixed with `said`."""
+    output, page, answer = folder / f"{tag}.json.gz", folder / f"{tag}.html", folder / f"{tag}.json"
+    child = [sys.executable, "-m", "memplan.cli", "check", "--gpu", options.gpu.name, "--steps", str(options.steps),
+             "--alloc-conf", options.alloc_conf, *extra, "--cpu-limit", str(options.cpu_limit), "--json",
+             "-o", str(output)]  # fmt: skip
+    child += ["--outside", str(options.gpu.outside)] if options.gpu.outside is not None else []
+    child += ["--torch", options.torch_version] if options.torch_version else []
+    child += ["--html", str(page)] if options.html else []
     with answer.open("w") as out:
-        child = subprocess.Popen([*command, "--", *options.command], stdout=out, stderr=subprocess.PIPE, text=True)
-        errors = _relay(child.stderr)
-        code = child.wait()
+        process = subprocess.Popen([*child, "--", *(command or options.command)], stdout=out, stderr=subprocess.PIPE,
+                                   text=True)  # fmt: skip
+        errors = _relay(process.stderr)
+        code = process.wait()
     if code not in (0, 3):
-        said = errors[-1] if errors else f"memplan check failed (exit code {code})"
-        raise CheckError(f"rank {rank} of {world}: {said}")
+        raise CheckError(said + (errors[-1] if errors else f"memplan check failed (exit code {code})"))
     data = json.loads(answer.read_text())
     failures = [Failure(**f) for f in data.pop("failures")]
     known = {f.name for f in fields(CheckResult)}

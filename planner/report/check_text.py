@@ -51,3 +51,26 @@ def render_check(d: dict) -> str:
         made = ", ".join(f"{op} x{n}" for op, n in sorted(over.items()))
         lines.append(f"CPU tensors over the limit of {format_size(d['cpu']['limit'])} made fake (--cpu-limit): {made}")
     return "\n".join(lines)
+
+
+def render_search(d: dict) -> str:
+    """`memplan check --largest`: the largest value that fits first, then each value tried, then the check of that
+    value (of the smallest tried when none fits)."""
+    option, answer = d["argument"], d["answer"]
+    gpu = f"{answer['gpu']} ({format_size(answer['memory'])})"
+    if d["largest"] is None:
+        head = f"no {option} tried fits {gpu}: {d['smallest_failing']} runs out of memory"
+    elif d["smallest_failing"] is None:
+        head = f"{option} {d['largest']} fits {gpu}, the largest tried (not searched further)"
+    else:
+        head = f"largest {option} that fits {gpu}: {d['largest']} ({d['smallest_failing']} runs out of memory)"
+    lines = [head, f"{'value':>9}  {'fits':4}  {'peak reserved':>13}  {'headroom':>10}  where it ran out"]
+    for t in sorted(d["trials"], key=lambda t: t["value"]):
+        room = format_size(t["headroom"]) if t["fits"] else ""  # a program that ran out has none
+        lines.append(f"{t['value']:>9}  {'yes' if t['fits'] else 'no':4}  {format_size(t['peak_reserved']):>13}  "
+                     f"{room:>10}  {t['failure'] or ''}".rstrip())  # fmt: skip
+    if not d["monotone"]:
+        lines.append(f"a larger {option} fit where a smaller one ran out: the program's memory is not monotone in it")
+    label = d["largest"] if d["largest"] is not None else min(t["value"] for t in d["trials"])
+    lines += ["", f"{option} {label}:", render_check(answer)]
+    return "\n".join(lines)
