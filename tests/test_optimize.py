@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
+from shared_steps import shared_steps
 
 import memplan
 import memplan.planner.jobs.optimize as optimize_job
@@ -19,6 +20,7 @@ from memplan.planner.layers.patch import STATE as PATCHED
 from memplan.planner.optimize.choice_file import ChoiceError
 from memplan.planner.optimize.choose import recompute_of
 from memplan.planner.problem import problem_from_trace
+from memplan.planner.simulate.measure import measure
 from memplan.solvers import solve
 from memplan.step import StepSpec
 from memplan.traces.format import trace_digest
@@ -48,7 +50,15 @@ def step_of(model_file, assignment):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def measured_once():
+def steps():
+    """Each step traced and counted once in this module: the brute force's traces are those optimize takes of the
+    same assignments, and the FLOP counts per mode are its too (the test's own check of a choice file traces afresh)."""
+    with shared_steps(optimize_job) as steps:
+        yield steps
+
+
+@pytest.fixture(scope="module", autouse=True)
+def measured_once(steps):
     """optimize measures a batch (its traces and FLOP counts) from the model file and shape alone, not from the
     memory size: each batch is measured once here for all the sizes and commands this module asks (a traced
     step is the same every time), and everything after the measurement runs afresh for each."""
@@ -66,22 +76,42 @@ def measured_once():
         yield measured
 
 
+@pytest.fixture(scope="module", autouse=True)
+def plans():
+    """Each trace's plan solved once in this module, by its digest and time limit: the brute force solves the
+    traces that optimize verifies and offers as alternatives at every memory size, at the same time limit."""
+    solved = {}
+
+    def plan(trace, time_limit):
+        key = (trace_digest(trace), time_limit)
+        if key not in solved:
+            solved[key] = solve(problem_from_trace(trace), time_limit=time_limit)
+        return solved[key]
+
+    def measured(trace, name="trace", *, time_limit=10.0, **options):
+        return measure(trace, name, plan=plan(trace, time_limit), **options)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(optimize_job, "measure", measured)
+        yield plan
+
+
 @pytest.fixture(scope="module")
-def brute(model_file):
+def brute(model_file, steps, plans):
     """Plan arena of every one of the 5^3 assignments, each traced for real and solved. Three layers, not more:
     optimize measures only the uniform and alternating (m, n, m) assignments (25), so the other 100 test its
     memory model where it predicts; four layers (625 traces and solves) took 7.5 minutes."""
     arenas = {}
     for assignment in itertools.product(OPTIMIZE_MODES, repeat=len(LAYERS)):
-        trace = trace_step(step_of(model_file, assignment))
-        arenas[assignment] = solve(problem_from_trace(trace), time_limit=2).arena
+        trace = steps.trace(step_of(model_file, assignment))
+        arenas[assignment] = plans(trace, 2).arena
     return arenas
 
 
 @pytest.fixture(scope="module")
-def layer_costs(model_file):
+def layer_costs(model_file, steps):
     """Recompute FLOPs per (layer, mode), from one count per mode on every layer."""
-    counts = {m: count_step_flops(step_of(model_file, (m,) * len(LAYERS))) for m in OPTIMIZE_MODES}
+    counts = {m: steps.count(step_of(model_file, (m,) * len(LAYERS))) for m in OPTIMIZE_MODES}
     return {
         (j, m): counts[m].by_module[path] - counts["as-built"].by_module[path]
         for j, path in enumerate(LAYERS)
@@ -142,9 +172,10 @@ def test_nothing_fits_is_an_error(model_file, brute):
 
 @pytest.mark.slow
 def test_max_batch_json(model_file):
-    # 4.4 MiB: batch 5, found by doubling (1, 2, 4, 8) and bisection (6, 5); 8 MiB took ten batches' traces
-    memory = int(4.4 * (1 << 20))
-    args = ["optimize", model_file, "--memory", "4.4MiB", "--max-batch", "--seq", "32", "--capture", "real", "--json"]
+    # 6.5 MiB: batch 3, found by doubling (1, 2, 4) and bisection (3), at the other tests' shape so that batch 1 is
+    # their measurement (4.4 MiB at s 32 took six batches' traces: batch 5, its activations small beside the state)
+    memory = int(6.5 * (1 << 20))
+    args = ["optimize", model_file, "--memory", "6.5MiB", "--max-batch", "--seq", "128", "--capture", "real", "--json"]
     result = CliRunner().invoke(main, [*args, "--time-limit", "2"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
@@ -152,7 +183,7 @@ def test_max_batch_json(model_file):
     assert batch >= 1 and summary["chosen"]["fits"] and summary["chosen"]["plan_arena"] <= memory
     # one more sample does not fit with any assignment, by the model
     with pytest.raises(OptimizeError, match=f"no assignment of modes and actions fits batch {batch + 1}"):
-        optimize(OptimizeOptions(StepSpec(model_file, batch=batch + 1, seq=32), memory=memory, capture="real"))
+        optimize(OptimizeOptions(StepSpec(model_file, batch=batch + 1, seq=128), memory=memory, capture="real"))
 
 
 def step_columns(trace) -> tuple[list, list]:

@@ -10,7 +10,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from shared_steps import shared_steps
 
+import memplan.planner.jobs.optimize as optimize_job
 from memplan.modes import AS_BUILT
 from memplan.planner.jobs.optimize import (
     OptimizeError,
@@ -27,7 +29,6 @@ from memplan.planner.optimize.terms import assignments_to_trace, memory_terms, o
 from memplan.planner.problem import align_up
 from memplan.step import StepSpec
 from memplan.traces.format import live_bytes
-from memplan.traces.inputs.trace_model import trace_step
 
 pytestmark = pytest.mark.slow  # about a minute: some 60 real traces of an 8-layer model
 MODES = (AS_BUILT, "tempo", "selective", "full", "tempo+offload")  # in place, recompute, checkpoint, offload
@@ -65,27 +66,33 @@ def traced_peak(trace) -> int:
     return int(live_bytes(size, trace.alloc, trace.free, trace.end).max())
 
 
-class Traces:
-    """Real traces of one model file's steps at batch 2, s 64, each taken once."""
+@pytest.fixture(scope="module", autouse=True)
+def steps():
+    """Each step traced and counted once in this module: by the tests, and by the optimize runs that trace the
+    same assignments again (the uniform ones, the walks, the pairs) at the same batch and shape."""
+    with shared_steps(optimize_job) as steps:
+        yield steps
 
-    def __init__(self, path: str):
+
+class Traces:
+    """Real traces of one model file's steps at batch 2, s 64, each taken once (in `steps`)."""
+
+    def __init__(self, path: str, steps):
         torch.set_num_threads(1)
         self.opts = OptimizeOptions(StepSpec(path, batch=2, seq=64), memory=1 << 40, capture="real")
         self.layers = model_layers(self.opts)
-        self.taken = {}
+        self.steps = steps
 
     def __call__(self, assignment):
-        if assignment not in self.taken:
-            self.taken[assignment] = trace_step(step_of(self.opts, self.layers, assignment, 2, False))
-        return self.taken[assignment]
+        return self.steps.trace(step_of(self.opts, self.layers, assignment, 2, False))
 
     def of(self, assignments):
         return {a: self(a) for a in assignments}
 
 
 @pytest.fixture(scope="module")
-def alike(tmp_path_factory):
-    return Traces(model_file(tmp_path_factory.mktemp("alike")))
+def alike(tmp_path_factory, steps):
+    return Traces(model_file(tmp_path_factory.mktemp("alike")), steps)
 
 
 def uniform(layers):
@@ -123,8 +130,8 @@ def test_the_walks_model_bounds_the_pairs_model_and_every_traced_assignment(alik
         assert traced <= model.peak(assignment) <= traced * 1.01, assignment
 
 
-def test_layers_that_differ_are_told_apart(tmp_path):
-    unlike = Traces(model_file(tmp_path, wider=(3,)))
+def test_layers_that_differ_are_told_apart(tmp_path, steps):
+    unlike = Traces(model_file(tmp_path, wider=(3,)), steps)
     assert not layers_alike(unlike.of(uniform(unlike.layers)[:2]), unlike.layers)
 
 

@@ -3,7 +3,6 @@ greedy placement cut short by its work or its ceiling still ends in a verified p
 
 from __future__ import annotations
 
-import itertools
 import time
 
 import numpy as np
@@ -80,7 +79,9 @@ def test_plans_verify_and_respect_the_bound(method, data):
 def brute_optimum(p) -> int:
     """Min arena over every order of the items (groups as rigid blocks, fixed buffers placed first), each
     item dropped to the lowest offset where no member shares a byte with a conflicting placed buffer.
-    Every buffer of positive size counts in the arena, also one never live."""
+    Every buffer of positive size counts in the arena, also one never live. The orders are walked as a tree of
+    their prefixes (a prefix's placement is the same in every order it starts), and a prefix whose arena is
+    already no less than the best order's is not extended: the arena only grows as items are placed."""
     groups = [list(g) for g in p.groups]
     grouped = {i for g in groups for i in g}
     pinned = {}
@@ -93,23 +94,34 @@ def brute_optimum(p) -> int:
     items = [g for g in groups if g[0] not in pinned] + [
         [i] for i in range(len(p)) if i not in grouped and i not in pinned
     ]
-    best = None
-    for perm in itertools.permutations(items):
-        off = dict(pinned)
-        for item in perm:
-            rel = np.concatenate([[0], np.cumsum(p.size[item])[:-1]])
-            tops = sorted({0} | {off[j] + int(p.size[j]) - int(r) for j in off for r in rel})
-            for base in (t for t in tops if t >= 0):
-                if not any(
-                    p.conflict(i, j) and base + r < off[j] + p.size[j] and off[j] < base + r + p.size[i]
-                    for i, r in zip(item, rel)
-                    for j in off
-                ):
-                    off.update({i: base + int(r) for i, r in zip(item, rel)})
-                    break
-        arena = max([off[i] + int(p.size[i]) for i in off if p.size[i] > 0], default=0)
-        best = arena if best is None else min(best, arena)
-    return best
+    size = [int(s) for s in p.size]
+    conflict = [[p.conflict(i, j) for j in range(len(p))] for i in range(len(p))]
+    rels = [[int(r) for r in np.concatenate([[0], np.cumsum(p.size[item])[:-1]])] for item in items]
+
+    def drop(off: dict, item: list, rel: list) -> dict:
+        tops = sorted({0} | {off[j] + size[j] - r for j in off for r in rel})
+        for base in (t for t in tops if t >= 0):
+            if not any(
+                conflict[i][j] and base + r < off[j] + size[j] and off[j] < base + r + size[i]
+                for i, r in zip(item, rel)
+                for j in off
+            ):
+                return {**off, **{i: base + r for i, r in zip(item, rel)}}
+        return off
+
+    def arena(off: dict) -> int:
+        return max([off[i] + size[i] for i in off if size[i] > 0], default=0)
+
+    def best_after(off: dict, left: tuple, best: int | None) -> int | None:
+        if not left:
+            return arena(off) if best is None else min(best, arena(off))
+        for k in left:
+            placed = drop(off, items[k], rels[k])
+            if best is None or arena(placed) < best:
+                best = best_after(placed, tuple(m for m in left if m != k), best)
+        return best
+
+    return best_after(dict(pinned), tuple(range(len(items))), None)
 
 
 @pytest.mark.slow
