@@ -201,13 +201,15 @@ def held_between_steps(trace: Trace) -> int:
     return int(trace.size[trace.alloc == 0].sum())
 
 
-def measure_point(opts: TradeoffOptions, config: Configuration, progress) -> tuple[TradeoffPoint, int]:
-    """Trace, measure and count one configuration; returns its point (untimed) and the bytes its workload holds
-    between steps."""
+def measure_point(
+    opts: TradeoffOptions, config: Configuration, progress, capture: CaptureChoice | None = None
+) -> tuple[TradeoffPoint, int]:
+    """Trace (through `capture`, which may hold the step's trace already), measure and count one configuration;
+    returns its point (untimed) and the bytes its workload holds between steps."""
     name, step, variant, fake = config.name, config.step, config.variant, config.step.fake
     budget, mode = step.compile, step.mode_name
     progress(f"[{name}] tracing one training step ({'fake' if fake else 'real'} tensors)")
-    trace = trace_step(step, progress=progress)
+    trace = capture.trace(step, progress) if capture is not None else trace_step(step, progress=progress)
     measured = measure(trace, name, time_limit=opts.time_limit)
     progress(f"[{name}] counting FLOPs")
     flops = count_step_flops(step)
@@ -337,7 +339,7 @@ def tradeoff(opts: TradeoffOptions, progress: Callable[[str], None] = lambda m: 
     configs = [configuration(opts, name, None, capture.fake) for name in SWEPT_MODES]
     configs += [configuration(opts, AS_BUILT, budget, capture.fake) for budget in budgets]
     configs += [configuration(opts, AS_BUILT, None, capture.fake, variant) for variant in opts.variants]
-    measured = [measure_point(opts, c, progress) for c in configs]
+    measured = [measure_point(opts, c, progress, capture) for c in configs]
     # 3. Each action alone on the model as built, where it applies.
     actions, action_notes = action_configurations(opts, capture.fake) if opts.actions else ([], [])
     notes += action_notes

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -88,10 +88,18 @@ class CaptureChoice:
 
     fake: bool
     reason: str
+    sizing: tuple[StepSpec, Trace] | None = field(default=None, compare=False, repr=False)  # auto's trace, and its step
 
     @property
     def name(self) -> str:
         return "fake" if self.fake else "real"
+
+    def trace(self, step: StepSpec, progress: Callable[[str], None] | None = None) -> Trace:
+        """trace_step(step), or the trace auto took to size the steps when `step` is that one (a command tracing the
+        model as built on fake tensors need not trace it twice)."""
+        if self.sizing is not None and self.sizing[0] == step:
+            return self.sizing[1]
+        return trace_step(step, progress=progress)
 
 
 def sized_capture(capture: str, step: StepSpec, progress: Callable[[str], None] | None = None) -> CaptureChoice:
@@ -100,7 +108,9 @@ def sized_capture(capture: str, step: StepSpec, progress: Callable[[str], None] 
     if capture != "auto":
         return choose_capture(capture, 0, step.device)
     sizing = step.replace(mode=AS_BUILT, fake=True, compile=None)
-    return choose_capture(capture, trace_step(sizing, progress=progress).peak()[0], step.device)
+    trace = trace_step(sizing, progress=progress)
+    choice = choose_capture(capture, trace.peak()[0], step.device)
+    return CaptureChoice(choice.fake, choice.reason, (sizing, trace) if choice.fake else None)
 
 
 def rank_capture(capture: str, device: str = "cpu") -> CaptureChoice:
