@@ -15,8 +15,8 @@ from memplan.planner.jobs.run import RunOptions, RunResult
 from memplan.planner.plan import load_plan
 from memplan.planner.report.run_report import step_sentence
 from memplan.step import StepSpec
-from memplan.traces.format import load
-from memplan.traces.inputs.trace_model import CaptureChoice
+from memplan.traces.format import load, to_dict
+from memplan.traces.inputs.trace_model import CaptureChoice, as_built_patch, as_built_trace, trace_step
 
 
 @pytest.mark.slow  # 3-10 s: out of the fast lane, which stays under 3 minutes
@@ -86,6 +86,23 @@ def test_run_on_fake_traces_says_so_and_replays_nothing(tmp_path):
         assert v["headroom"] == v["memory"] - v["peak_reserved"] - v["outside_bytes"]
         whole = "the whole program (2 training steps, construction included)"
         assert f"- **{row['mode']}**: {whole} fits L4 (21.99 GiB): peak reserved" in report
+
+
+def test_a_mode_that_leaves_the_model_as_built_takes_the_as_built_trace():
+    """`run` traces baseline on memplan's BERT (built with baseline's layers) no more: the as-built trace relabelled is
+    the trace baseline's own capture makes, but for the original addresses, which no two captures share."""
+    step = StepSpec("examples/bert.py", batch=1, seq=8)
+    patch = as_built_patch(step.replace(mode="baseline"))
+    assert patch is not None and patch["mode"] == "baseline" and not patch["changed"]
+    assert as_built_patch(step.replace(mode="tempo")) is None  # it swaps layers: traced
+    assert as_built_patch(step.replace(mode="selective")) is None  # it recomputes the attention core: traced
+    assert as_built_patch(step.replace(mode="baseline", fake=True)) is None  # fake traces are traced, each
+    relabelled = to_dict(as_built_trace(trace_step(step), "baseline", patch))
+    traced = to_dict(trace_step(step.replace(mode="baseline")))
+    assert relabelled["meta"]["layers"] == "baseline" and relabelled["program"]["meta"]["layers"] == "baseline"
+    for document in (relabelled, traced):
+        document["buffers"].pop("addr")
+    assert relabelled == traced
 
 
 def test_run_with_a_missing_model_file_is_one_line(tmp_path):

@@ -32,7 +32,14 @@ from memplan.planner.simulate.measure import Measurement, measure
 from memplan.step import StepSpec
 from memplan.traces.compile import Compile, CompileError, require_real_tensors
 from memplan.traces.format import Trace, save
-from memplan.traces.inputs.trace_model import CaptureChoice, choose_capture, rank_capture, trace_step
+from memplan.traces.inputs.trace_model import (
+    CaptureChoice,
+    as_built_patch,
+    as_built_trace,
+    choose_capture,
+    rank_capture,
+    trace_step,
+)
 from memplan.traces.ranks.family import load_family, rank_path, ranks_label, remove_stale
 from memplan.traces.ranks.launch import trace_ranks
 
@@ -248,6 +255,21 @@ def run_mode(
     return measured, row
 
 
+def as_built_again(
+    opts: RunOptions, mode: str, fake: bool, as_built: Trace | None, progress: Callable[[str], None]
+) -> Trace | None:
+    """The as-built trace, as `mode`'s, when the mode leaves the model exactly as built (baseline on a model built
+    with baseline's layers): the same step, so it is not traced again; None when it changes the model, the traces are
+    fake (trace_model.as_built_patch), or as-built was not traced before it."""
+    if as_built is None or mode == AS_BUILT:
+        return None
+    patch = as_built_patch(opts.step.replace(mode=mode, fake=fake))
+    if patch is None:
+        return None
+    progress(f"[{mode}] leaves the model as built: its trace is the as-built step's")
+    return as_built_trace(as_built, mode, patch)
+
+
 def run_mode_ranks(
     opts: RunOptions, mode: str, work: Path, out: Path, fake: bool, progress: Callable[[str], None]
 ) -> list[tuple[Measurement, ModeRow]]:
@@ -284,7 +306,12 @@ def run(opts: RunOptions, progress: Callable[[str], None] = lambda m: None) -> R
         reports, rows = [], []
         for mode in opts.modes:
             if opts.nproc is None:
-                measured = [run_mode(opts, mode, work, out, capture.fake, traced.get(mode), progress)]
+                trace = traced.get(mode)
+                if trace is None:
+                    trace = as_built_again(opts, mode, capture.fake, traced.get(AS_BUILT), progress)
+                measured = [run_mode(opts, mode, work, out, capture.fake, trace, progress)]
+                if mode == AS_BUILT:
+                    traced[AS_BUILT] = measured[0][0].trace
             else:
                 measured = run_mode_ranks(opts, mode, work, out, capture.fake, progress)
             reports += [report for report, _ in measured]

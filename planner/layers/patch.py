@@ -398,6 +398,18 @@ def idle_notes(model: nn.Module) -> list[str]:
     return notes
 
 
+def leaves_as_built(model: nn.Module) -> bool:
+    """Whether `patch` left `model` exactly as built: nothing swapped, checkpointed, offloaded or set, and no module
+    that `idle_notes` speaks of. Its step is then the model as built's, allocation for allocation (`memplan run` takes
+    the as-built trace for such a mode instead of tracing the same step again)."""
+    state: PatchState | None = model.__dict__.get(STATE)
+    if state is not None and (
+        state.replaced or state.checkpointing or state.hf_attention or state.routed or state.offloading or state.host
+    ):
+        return False
+    return not any(isinstance(m, (InplaceGELU, InplaceSiLU)) for m in model.modules())
+
+
 def unpatch(model: nn.Module) -> int:
     """Put back every module `patch` replaced, the checkpointing and HuggingFace's attention setting (and the
     function each attention module named); returns how many modules."""

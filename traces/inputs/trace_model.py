@@ -4,17 +4,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from memplan.errors import MemplanError
 from memplan.modes import AS_BUILT
+from memplan.planner.layers.patch import leaves_as_built
 from memplan.step import StepSpec
 from memplan.traces.capture import capture_step
 from memplan.traces.compile import Compile, compile_model, require_real_tensors
 from memplan.traces.format import Trace
-from memplan.traces.inputs.model_file import build_workload, import_model_file, require_device
+from memplan.traces.inputs.model_file import build_workload, import_model_file, load_workload, require_device
 from memplan.units import human_bytes
 
 
@@ -62,6 +63,31 @@ def trace_step(step: StepSpec, meta: dict | None = None, progress: Callable[[str
     for compilation in compilations:
         compilation.require_steady(step.model_file, steps=2 if step.warmup else 1)
     return trace
+
+
+def as_built_patch(step: StepSpec) -> dict | None:
+    """The patch report (a trace's meta "patch") of the step's layer mode when the mode leaves the model exactly as
+    built (planner.layers.patch.leaves_as_built), so that its trace is the as-built step's but for the meta naming the
+    mode; None when the mode changes anything, or the step is compiled or fake (a fake capture's program differs in
+    the order two alike buffers of its warm-up are freed between the first capture of a process and later ones).
+    Builds the model and runs no step: a build costs far less than the two steps of a trace."""
+    if step.compile is not None or step.fake:
+        return None
+    workload = load_workload(step)
+    return workload.patch if leaves_as_built(workload.model) else None
+
+
+def as_built_trace(trace: Trace, mode: str, patch: dict) -> Trace:
+    """`trace` (of the model as built) as a trace of `mode`, which leaves the model as built (`as_built_patch` gave
+    `patch`): the same buffers and program, the meta's "layers" and "patch" (and the program's) naming the mode."""
+
+    def relabel(meta: dict) -> dict:
+        return {**meta, **{k: v for k, v in (("layers", mode), ("patch", patch)) if k in meta}}
+
+    program = trace.program
+    if program is not None:
+        program = replace(program, trace=replace(program.trace, meta=relabel(program.trace.meta)))
+    return replace(trace, meta=relabel(trace.meta), program=program)
 
 
 CAPTURES = ("auto", "real", "fake")
