@@ -8,7 +8,8 @@ moment tensors every step (the old ones die inside it). The snapshots judge the 
 step makes the snapshot's allocations in the same order with the same sizes (benchmarks/fidelity.py).
 
 MEMPLAN_PRESET picks the shape: medium (default, GPT-2-medium size: d_model 1024, 24 layers, 16 heads,
-d_ff 4096) or xl (2560, 32, 32, 10240; 3.4 B parameters, --fake here). CS336_AUTOCAST=bf16 runs forward and
+d_ff 4096), xl (2560, 32, 32, 10240; 3.4 B parameters, --fake here) or tiny (64, 2, 4, 256: the same program
+small enough for a real CPU step in a test). CS336_AUTOCAST=bf16 runs forward and
 loss under torch.autocast(bfloat16) on the model's device type, as the context-512 snapshot was recorded.
 examples/cs336_xl.py is the xl snapshots' step: this model with PyTorch's AdamW and cross-entropy.
 Example: memplan trace examples/cs336_lm.py --batch 4 --seq 128 --fake
@@ -26,8 +27,9 @@ ROPE_THETA = 10_000.0
 PRESETS = {
     "medium": dict(d_model=1024, num_layers=24, num_heads=16, d_ff=4096),
     "xl": dict(d_model=2560, num_layers=32, num_heads=32, d_ff=10240),
+    "tiny": dict(d_model=64, num_layers=2, num_heads=4, d_ff=256),  # the same program at a test's size
 }
-NAMES = {"medium": "cs336-gpt2-medium", "xl": "cs336-xl"}
+NAMES = {"medium": "cs336-gpt2-medium", "xl": "cs336-xl", "tiny": "cs336-tiny"}
 # The shared snapshots these model files rebuild (PROGRAMS.md, sections 2 and 3), each at batch 4:
 # snapshot file -> (model file in examples/, context, CS336_AUTOCAST).
 SNAPSHOTS = {

@@ -42,6 +42,7 @@ SIZES = {  # the config keys (under their many names) made small; others keep th
     "num_experts_per_tok": 2,
     "first_k_dense_replace": 1,
     "sliding_window": 8,
+    "mamba_chunk_size": 16,  # the sequence, one chunk, as 256 was (which padded it to 256: Falcon-H1 took 16 s)
 }
 MAX_PARAMETERS = 12_000_000  # larger even at these sizes (a vision tower, an audio codec): not a decoder sweep's
 BATCH, SEQUENCE = 2, 16

@@ -44,7 +44,9 @@ def held(
         loss = lambda out, _: out.loss  # noqa: E731
         return Workload(model, {"input_ids": ids, "labels": ids}, optimizer, loss, "llama", holds_output=False)
 
-    return held_for_backward(capture_step(build))
+    # the step with no warm-up before it: what a layer keeps for backward is its forward's, made anew each step (the
+    # warm-up makes the optimizer's state); every case here measured the same bytes either way
+    return held_for_backward(capture_step(build, warmup=False))
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
