@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -41,6 +42,9 @@ from memplan.traces.ranks.family import rank_path, remove_stale
 from memplan.traces.summary import summarize
 
 TIMEOUT_S = 300  # a collective waiting longer than this fails the rank
+# The environment this module was imported under. The launcher forks each rank from a forkserver that imported this
+# module (torch, the tracer) once, when it started: in a rank, this is that server's environment (`_take_environment`).
+_IMPORT_ENVIRONMENT = dict(os.environ)
 
 
 class RankError(MemplanError):
@@ -56,8 +60,19 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _rank_main(fn: Callable, args: tuple, device: str, workdir: str) -> None:
+def _take_environment(launching: dict[str, str]) -> None:
+    """A rank forked from the forkserver inherited the server's environment, from when the server started: it takes
+    the launching process's environment of now (MEMPLAN_* settings read by model files), with what the launcher set
+    for this rank (RANK, MASTER_PORT, ...: what differs from the environment this module was imported under)."""
+    launcher = {k: v for k, v in os.environ.items() if _IMPORT_ENVIRONMENT.get(k) != v}
+    os.environ.clear()
+    os.environ.update(launching)
+    os.environ.update(launcher)
+
+
+def _rank_main(fn: Callable, args: tuple, device: str, workdir: str, environment: dict[str, str]) -> None:
     """One process: join the group, run fn(workdir, *args), leave its result or its error in workdir."""
+    _take_environment(environment)
     work = Path(workdir)
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -153,7 +168,10 @@ def _trace_rank(work: Path, step: StepSpec, top: int) -> dict:
 
 
 def _spawned_ranks(fn: Callable, args: tuple, nproc: int, device: str, work: Path) -> list[Any]:
-    """Run fn(work, *args) on `nproc` processes started by torch.distributed's elastic launcher."""
+    """Run fn(work, *args) on `nproc` processes started by torch.distributed's elastic launcher. Each is forked from
+    multiprocessing's forkserver, a fresh process that imported this module (torch and the tracer) once, when this
+    process first launched ranks: a spawned rank spent seconds importing them, every rank of every launch."""
+    multiprocessing.set_forkserver_preload([__name__])  # no effect once the server runs: it already has them
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -163,11 +181,11 @@ def _spawned_ranks(fn: Callable, args: tuple, nproc: int, device: str, work: Pat
         rdzv_endpoint="localhost:0",
         max_restarts=0,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method="forkserver",
     )
     with _launcher_quiet():
         try:
-            elastic_launch(config, _rank_main)(fn, args, device, str(work))
+            elastic_launch(config, _rank_main)(fn, args, device, str(work), dict(os.environ))
         except ChildFailedError as e:
             codes = {rank: failure.exitcode for rank, failure in e.failures.items()}
             raise RankError(_first_error(work, codes)) from None
