@@ -17,11 +17,11 @@ import contextlib
 import json
 import os
 import runpy
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
@@ -46,6 +46,7 @@ from memplan.traces.fake.unfollowed import ExtensionNotBuilt, NoFakeKernel, Unfo
 from memplan.traces.format import PHASES, Program, load, save
 from memplan.traces.process_state import as_own_process
 from memplan.traces.program import step_view
+from memplan.traces.ranks.launch import forkserver, take_environment
 from memplan.traces.ranks.spawned import spawned_here
 
 
@@ -178,9 +179,6 @@ def _spawn(options: CheckOptions, rank: int, world: int, folder: Path) -> CheckR
     """Rank `rank` of `world` checked by `memplan check --rank` in a process of its own; its answer and program."""
     output = folder / f"rank{rank}.json.gz"
     command = [
-        sys.executable,
-        "-m",
-        "memplan.cli",
         "check",
         "--gpu",
         options.gpu.name,
@@ -199,10 +197,16 @@ def _spawn(options: CheckOptions, rank: int, world: int, folder: Path) -> CheckR
     command += ["--outside", str(options.gpu.outside)] if options.gpu.outside is not None else []
     command += ["--torch", options.torch_version] if options.torch_version else []
     answer = folder / f"rank{rank}.json"
-    with answer.open("w") as out:
-        child = subprocess.Popen([*command, "--", *options.command], stdout=out, stderr=subprocess.PIPE, text=True)
-        errors = _relay(child.stderr)
-        code = child.wait()
+    context = forkserver()
+    reader, writer = context.Pipe(duplex=False)
+    child = context.Process(target=_rank_process, args=([*command, "--", *options.command], dict(os.environ),
+                                                         str(answer), writer))  # fmt: skip
+    child.start()
+    writer.close()
+    with reader, open(reader.fileno(), closefd=False) as stderr:
+        errors = _relay(stderr)
+    child.join()
+    code = child.exitcode
     if code not in (0, 3):
         said = errors[-1] if errors else f"memplan check failed (exit code {code})"
         raise CheckError(f"rank {rank} of {world}: {said}")
@@ -214,6 +218,20 @@ def _spawn(options: CheckOptions, rank: int, world: int, folder: Path) -> CheckR
     result = CheckResult(**values)
     result.program = load(output).program if output.exists() else None
     return result
+
+
+def _rank_process(argv: list[str], environment: dict[str, str], answer: str, stderr: Connection) -> None:
+    """`python -m memplan.cli ARGV` in a process of its own, forked from the forkserver (torch and the tracer imported
+    there once, where a new interpreter imported them again for each rank): the launching process's environment, the
+    standard output into `answer`, the standard error into the pipe the launching process relays."""
+    take_environment(environment)
+    out = os.open(answer, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(out, 1)
+    os.dup2(stderr.fileno(), 2)
+    os.close(out)
+    stderr.close()
+    sys.argv = ["memplan", *argv]  # run_module puts the module's path first, as `python -m` does
+    runpy.run_module("memplan.cli", run_name="__main__", alter_sys=True)
 
 
 def _relay(stream) -> list[str]:

@@ -43,7 +43,7 @@ from memplan.traces.summary import summarize
 
 TIMEOUT_S = 300  # a collective waiting longer than this fails the rank
 # The environment this module was imported under. The launcher forks each rank from a forkserver that imported this
-# module (torch, the tracer) once, when it started: in a rank, this is that server's environment (`_take_environment`).
+# module (torch, the tracer) once, when it started: in a rank, this is that server's environment (`take_environment`).
 _IMPORT_ENVIRONMENT = dict(os.environ)
 
 
@@ -60,10 +60,19 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _take_environment(launching: dict[str, str]) -> None:
-    """A rank forked from the forkserver inherited the server's environment, from when the server started: it takes
-    the launching process's environment of now (MEMPLAN_* settings read by model files), with what the launcher set
-    for this rank (RANK, MASTER_PORT, ...: what differs from the environment this module was imported under)."""
+def forkserver() -> multiprocessing.context.ForkServerContext:
+    """multiprocessing's forkserver, its server preloaded with this module (torch and the tracer): a process started
+    from it begins with them imported, where a spawned one spends seconds of CPU importing them again. The server
+    starts with this process's first such process and serves every later one."""
+    multiprocessing.set_forkserver_preload([__name__])  # no effect once the server runs: it already has them
+    return multiprocessing.get_context("forkserver")
+
+
+def take_environment(launching: dict[str, str]) -> None:
+    """In a process forked from the forkserver, which inherited the server's environment from when the server
+    started: take the launching process's environment of now (the MEMPLAN_* settings model files read), with what a
+    launcher set for this process (RANK, MASTER_PORT, ...: what differs from the environment this module was imported
+    under, the server's)."""
     launcher = {k: v for k, v in os.environ.items() if _IMPORT_ENVIRONMENT.get(k) != v}
     os.environ.clear()
     os.environ.update(launching)
@@ -72,7 +81,7 @@ def _take_environment(launching: dict[str, str]) -> None:
 
 def _rank_main(fn: Callable, args: tuple, device: str, workdir: str, environment: dict[str, str]) -> None:
     """One process: join the group, run fn(workdir, *args), leave its result or its error in workdir."""
-    _take_environment(environment)
+    take_environment(environment)
     work = Path(workdir)
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -170,8 +179,9 @@ def _trace_rank(work: Path, step: StepSpec, top: int) -> dict:
 def _spawned_ranks(fn: Callable, args: tuple, nproc: int, device: str, work: Path) -> list[Any]:
     """Run fn(work, *args) on `nproc` processes started by torch.distributed's elastic launcher. Each is forked from
     multiprocessing's forkserver, a fresh process that imported this module (torch and the tracer) once, when this
-    process first launched ranks: a spawned rank spent seconds importing them, every rank of every launch."""
-    multiprocessing.set_forkserver_preload([__name__])  # no effect once the server runs: it already has them
+    process first launched ranks (`forkserver`): a spawned rank spent seconds importing them, every rank of every
+    launch."""
+    forkserver()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
