@@ -1,7 +1,8 @@
 """Run a function on N processes with torch.distributed, and `memplan trace --nproc N`: one trace per rank.
 
 `launch` starts the ranks with torch.distributed's own launcher (the elastic launcher behind torchrun, on
-this machine only: c10d rendezvous on localhost, spawned workers, no restarts), so every rank sees the
+this machine only: c10d rendezvous on localhost, workers forked from multiprocessing's forkserver, which imported
+torch and the tracer once (`forkserver`), no restarts), so every rank sees the
 environment torchrun gives (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); each joins one
 process group (gloo on the CPU, NCCL on CUDA) and leaves a JSON result in a private temporary folder.
 When a rank fails, the launcher stops the others and RankError carries the first failing rank's one-line
