@@ -122,20 +122,28 @@ def test_a_script_that_watches_its_own_memory_gets_the_fake_gpus_answers(tmp_pat
     assert imported.exit_code == 0 and json.loads(imported.stdout)["buffers"] > 0
 
 
+FSDP2_SCRIPT = str(SCRIPTS / "fsdp2_train.py")
+
+
+@pytest.fixture(scope="module")
+def fsdp2_single():
+    """The FSDP2 script checked as one process (`--nproc 1`): its answer, read by each world size's case."""
+    return json.loads(check("--gpu", "H100", "--json", "--nproc", "1", "--", FSDP2_SCRIPT).stdout)
+
+
 @pytest.mark.parametrize("ranks", [2, 8])
-def test_an_fsdp2_torchrun_script_runs_its_ranks_on_the_fake_process_group(ranks):
+def test_an_fsdp2_torchrun_script_runs_its_ranks_on_the_fake_process_group(ranks, fsdp2_single):
     """`torchrun --nproc-per-node N SCRIPT`: each rank in a process of its own on the fake process group (the script
     asks for NCCL), the first and last compared; FSDP2 shards the parameters, so more ranks hold less each, and NCCL's
     buffers are among the outside terms."""
-    script = str(SCRIPTS / "fsdp2_train.py")
+    script = FSDP2_SCRIPT
     result = check("--gpu", "H100", "--json", "--", "torchrun", f"--nproc-per-node={ranks}", script)
     assert result.exit_code == 0, result.output
     answer = json.loads(result.stdout)
     assert answer["fits"] and answer["world_size"] == ranks and answer["ranks"] == [0, ranks - 1]
     assert answer["alike"] is True and answer["steps_run"] == 3
     assert any(t["name"].startswith("NCCL") for t in answer["budget"]["outside"])
-    single = json.loads(check("--gpu", "H100", "--json", "--nproc", "1", "--", script).stdout)
-    assert answer["peak_allocated"] < single["peak_allocated"]  # the shards: less per rank than one process holds
+    assert answer["peak_allocated"] < fsdp2_single["peak_allocated"]  # the shards: less per rank than one process holds
 
 
 @pytest.mark.parametrize(

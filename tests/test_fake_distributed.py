@@ -31,11 +31,11 @@ DDP = str(ROOT / "examples" / "gpt2_ddp.py")
 SCALARS = 16
 
 
-def ranks(model_file: str, nproc: int, folder: Path, fake: bool, seq: int = 32):
-    """Each rank's trace of the model file's step on `nproc` ranks: fake (one process) or real gloo processes."""
-    output = folder / ("fake" if fake else "gloo") / "trace.json.gz"
-    trace_ranks(StepSpec(model_file, 2, seq, fake=fake), output, nproc)
-    return traces_by_rank(output)
+def ranks(model_file: str, nproc: int, traced_ranks, fake: bool, seq: int = 32):
+    """Each rank's trace of the model file's step on `nproc` ranks: fake (one process) or real gloo processes, traced
+    once for the tests that read it (conftest.traced_ranks: the sharding's bytes and the gloo comparison read the
+    same fake FSDP2 ranks)."""
+    return traced_ranks(StepSpec(model_file, 2, seq, fake=fake), nproc)
 
 
 def known(alive: dict[str, int]) -> dict[str, int]:
@@ -43,7 +43,7 @@ def known(alive: dict[str, int]) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_fsdp2_ranks_hold_the_sharding_s_bytes(tmp_path, monkeypatch, world):
+def test_fsdp2_ranks_hold_the_sharding_s_bytes(traced_ranks, monkeypatch, world):
     """Each rank's parameters are 1/N of each parameter, padded to equal shards (plus the unsharded rotary buffer),
     and AdamW's state twice that plus one step counter a parameter."""
     monkeypatch.setenv("MEMPLAN_PRESET", "tiny")
@@ -53,7 +53,7 @@ def test_fsdp2_ranks_hold_the_sharding_s_bytes(tmp_path, monkeypatch, world):
     )
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     counters = 4 * len(list(model.parameters()))  # fp32 step counters, on the CPU beside CPU parameters
-    traces = ranks(FSDP2, world, tmp_path, fake=True)
+    traces = ranks(FSDP2, world, traced_ranks, fake=True)
     for trace in traces:
         alive = state_bytes(trace)
         assert alive["parameter"] == shards + buffers
@@ -63,7 +63,7 @@ def test_fsdp2_ranks_hold_the_sharding_s_bytes(tmp_path, monkeypatch, world):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_file", [FSDP2, DDP], ids=["fsdp2", "ddp"])
-def test_fake_ranks_match_gloo_ranks(tmp_path, monkeypatch, model_file):
+def test_fake_ranks_match_gloo_ranks(traced_ranks, monkeypatch, model_file):
     """The same program on two real gloo processes and on the fake process group: the same state when the step
     begins, every allocation of the fake rank made, in order and with its size, by the real one (which also holds
     gloo's own staging buffers), and the fake peak never above the real one (gloo's CPU scalars aside). The real
@@ -72,7 +72,7 @@ def test_fake_ranks_match_gloo_ranks(tmp_path, monkeypatch, model_file):
     loaded machine, equal when idle); on NCCL (tests/test_cuda_snapshots.py) the
     fake FSDP2 and DDP ranks' peaks equal the real ones."""
     monkeypatch.setenv("MEMPLAN_PRESET", "tiny")
-    fake, real = ranks(model_file, 2, tmp_path, fake=True), ranks(model_file, 2, tmp_path, fake=False)
+    fake, real = ranks(model_file, 2, traced_ranks, fake=True), ranks(model_file, 2, traced_ranks, fake=False)
     for predicted, measured in zip(fake, real):
         # gloo's held buffers aside: unnamed, what gloo's threads have not released when the step begins (a DDP
         # bucket its rebuild replaced); the buckets it keeps are named (communication) on both
@@ -135,5 +135,6 @@ def test_a_torch_without_the_pipeline_warm_up_hook_still_traces_fake_ranks(tmp_p
 
     monkeypatch.delattr(_PipelineSchedule, "_warmup_p2p")
     monkeypatch.setenv("MEMPLAN_PRESET", "tiny")
-    traced = ranks(DDP, 1, tmp_path, fake=True)
-    assert traced[0].peak()[0] > 0
+    output = tmp_path / "fake" / "trace.json.gz"  # traced here, under the patch: not the session's shared traces
+    trace_ranks(StepSpec(DDP, 2, 32, fake=True), output, 1)
+    assert traces_by_rank(output)[0].peak()[0] > 0

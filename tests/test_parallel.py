@@ -128,12 +128,21 @@ def build(batch_size, seq_len, dtype, device):
 """
 
 
-@pytest.mark.slow
-def test_trace_nproc_writes_one_trace_per_rank(tmp_path):
-    model = tmp_path / "tp_sp.py"
+@pytest.fixture(scope="module")
+def gloo_traced(tmp_path_factory):
+    """`memplan trace --nproc 2` of the TP x SP model file on two gloo processes: (the CLI's result, the output path),
+    traced once for the tests that read it (they only read the files)."""
+    folder = tmp_path_factory.mktemp("gloo")
+    model = folder / "tp_sp.py"
     model.write_text(textwrap.dedent(MODEL_FILE))
-    out = tmp_path / "out" / "g.json.gz"
+    out = folder / "out" / "g.json.gz"
     result = CliRunner().invoke(main, ["trace", str(model), "--nproc", "2", "--seq", "16", "-o", str(out), "--json"])
+    return result, out
+
+
+@pytest.mark.slow
+def test_trace_nproc_writes_one_trace_per_rank(tmp_path, gloo_traced):
+    result, out = gloo_traced
     assert result.exit_code == 0, result.output
     traces = [load(rank_path(out, r)) for r in range(2)]
     for r, trace in enumerate(traces):
@@ -171,18 +180,19 @@ def test_a_failing_rank_fails_the_command_and_leaves_no_files(tmp_path, monkeypa
 
 
 @pytest.mark.slow
-def test_fake_ranks_hold_what_the_gloo_ranks_hold(tmp_path):
+def test_fake_ranks_hold_what_the_gloo_ranks_hold(tmp_path, gloo_traced):
     """--nproc --fake: every rank in this process on the fake process group, under fake tensors; each
     rank holds the gloo rank's buffers in the same order with the same sizes and labels but for the op
     of a reduce-scatter (on gloo an all-reduce and a clone of the slice, on the others a new_empty
     written by the collective). The gloo rank also holds its CPU kernels' scratch and gloo's staging
     buffers on its worker threads, marked internal."""
+    traced, real = gloo_traced
+    assert traced.exit_code == 0, traced.output
     model = tmp_path / "tp_sp.py"
     model.write_text(textwrap.dedent(MODEL_FILE))
-    real, fake = tmp_path / "real" / "g.json.gz", tmp_path / "fake" / "g.json.gz"
-    for out, extra in ((real, []), (fake, ["--fake"])):
-        result = CliRunner().invoke(main, ["trace", str(model), "--nproc", "2", "--seq", "16", "-o", str(out), *extra])
-        assert result.exit_code == 0, result.output
+    fake = tmp_path / "fake" / "g.json.gz"
+    result = CliRunner().invoke(main, ["trace", str(model), "--nproc", "2", "--seq", "16", "-o", str(fake), "--fake"])
+    assert result.exit_code == 0, result.output
     for r, faked in enumerate(traces_by_rank(fake)):
         gloo = load(rank_path(real, r))
         assert faked.meta["backend"] == "fake" and faked.meta["fake"] and faked.meta["ranks"] == [0, 1]

@@ -55,9 +55,10 @@ def test_fake_ranks_equal_gloo_ranks_buffer_for_buffer(traced_ranks, monkeypatch
     """A 1F1B pipeline of 4 micro-batches on real gloo processes and on the fake process group: every rank holds the
     same buffers when the step begins and allocates and frees the same ones, in the same order, with the same sizes
     and labels (gloo's staging buffers, kernels' scratch and CPU scalars aside: internal), so the peaks are equal
-    but for those scalars. Stage k keeps world - k micro-batches in flight, stage 0 the most. (At 2 ranks, the step
-    test_a_schedule_s_micro_batches_in_flight reads: traced once.)"""
-    fake = same_on_gloo(traced_ranks, monkeypatch, "1f1b", world, layers=2 * world, microbatches=4)
+    but for those scalars. Stage k keeps world - k micro-batches in flight, stage 0 the most. A Llama of 4 layers:
+    two a stage at 2 ranks (the step test_a_schedule_s_micro_batches_in_flight reads: traced once), one at 4 (the
+    micro-batches a stage holds do not depend on its layers)."""
+    fake = same_on_gloo(traced_ranks, monkeypatch, "1f1b", world, layers=4, microbatches=4)
     assert [in_flight(trace, 4) for trace in fake] == [world - k for k in range(world)]
     assert activations_in_flight(fake[0]) > max(activations_in_flight(trace) for trace in fake[1:])
 

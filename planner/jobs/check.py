@@ -17,11 +17,11 @@ import contextlib
 import json
 import os
 import runpy
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
@@ -46,6 +46,7 @@ from memplan.traces.fake.unfollowed import ExtensionNotBuilt, NoFakeKernel, Unfo
 from memplan.traces.format import PHASES, Program, load, save
 from memplan.traces.process_state import as_own_process
 from memplan.traces.program import step_view
+from memplan.traces.ranks.launch import forkserver, take_environment
 from memplan.traces.ranks.spawned import spawned_here
 
 
@@ -188,17 +189,21 @@ def checked_apart(options: CheckOptions, folder: Path, tag: str, extra: list[str
     """`command` (the options' by default) checked by `memplan check EXTRA` in a process of its own, its files named
     `tag` in `folder`; its answer, program and page. Its error is a CheckError prefixed with `said`."""
     output, page, answer = folder / f"{tag}.json.gz", folder / f"{tag}.html", folder / f"{tag}.json"
-    child = [sys.executable, "-m", "memplan.cli", "check", "--gpu", options.gpu.name, "--steps", str(options.steps),
-             "--alloc-conf", options.alloc_conf, *extra, "--cpu-limit", str(options.cpu_limit), "--json",
-             "-o", str(output)]  # fmt: skip
+    child = ["check", "--gpu", options.gpu.name, "--steps", str(options.steps), "--alloc-conf", options.alloc_conf,
+             *extra, "--cpu-limit", str(options.cpu_limit), "--json", "-o", str(output)]  # fmt: skip
     child += ["--outside", str(options.gpu.outside)] if options.gpu.outside is not None else []
     child += ["--torch", options.torch_version] if options.torch_version else []
     child += ["--html", str(page)] if options.html else []
-    with answer.open("w") as out:
-        process = subprocess.Popen([*child, "--", *(command or options.command)], stdout=out, stderr=subprocess.PIPE,
-                                   text=True)  # fmt: skip
-        errors = _relay(process.stderr)
-        code = process.wait()
+    context = forkserver()
+    reader, writer = context.Pipe(duplex=False)
+    process = context.Process(target=_check_process, args=([*child, "--", *(command or options.command)],
+                                                           dict(os.environ), str(answer), writer))  # fmt: skip
+    process.start()
+    writer.close()
+    with reader, open(reader.fileno(), closefd=False) as stderr:
+        errors = _relay(stderr)
+    process.join()
+    code = process.exitcode
     if code not in (0, 3):
         raise CheckError(said + (errors[-1] if errors else f"memplan check failed (exit code {code})"))
     data = json.loads(answer.read_text())
@@ -210,6 +215,20 @@ def checked_apart(options: CheckOptions, folder: Path, tag: str, extra: list[str
     result.program = load(output).program if output.exists() else None
     result.page = page.read_text(encoding="utf-8") if page.exists() else None
     return result
+
+
+def _check_process(argv: list[str], environment: dict[str, str], answer: str, stderr: Connection) -> None:
+    """`python -m memplan.cli ARGV` in a process of its own, forked from the forkserver (torch and the tracer imported
+    there once, where a new interpreter imported them again for each rank): the launching process's environment, the
+    standard output into `answer`, the standard error into the pipe the launching process relays."""
+    take_environment(environment)
+    out = os.open(answer, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(out, 1)
+    os.dup2(stderr.fileno(), 2)
+    os.close(out)
+    stderr.close()
+    sys.argv = ["memplan", *argv]  # run_module puts the module's path first, as `python -m` does
+    runpy.run_module("memplan.cli", run_name="__main__", alter_sys=True)
 
 
 def _relay(stream) -> list[str]:

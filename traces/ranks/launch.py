@@ -1,7 +1,8 @@
 """Run a function on N processes with torch.distributed, and `memplan trace --nproc N`: one trace per rank.
 
 `launch` starts the ranks with torch.distributed's own launcher (the elastic launcher behind torchrun, on
-this machine only: c10d rendezvous on localhost, spawned workers, no restarts), so every rank sees the
+this machine only: c10d rendezvous on localhost, workers forked from multiprocessing's forkserver, which imported
+torch and the tracer once (`forkserver`), no restarts), so every rank sees the
 environment torchrun gives (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); each joins one
 process group (gloo on the CPU, NCCL on CUDA) and leaves a JSON result in a private temporary folder.
 When a rank fails, the launcher stops the others and RankError carries the first failing rank's one-line
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -41,6 +43,9 @@ from memplan.traces.ranks.family import rank_path, remove_stale
 from memplan.traces.summary import summarize
 
 TIMEOUT_S = 300  # a collective waiting longer than this fails the rank
+# The environment this module was imported under. The launcher forks each rank from a forkserver that imported this
+# module (torch, the tracer) once, when it started: in a rank, this is that server's environment (`take_environment`).
+_IMPORT_ENVIRONMENT = dict(os.environ)
 
 
 class RankError(MemplanError):
@@ -56,8 +61,28 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _rank_main(fn: Callable, args: tuple, device: str, workdir: str) -> None:
+def forkserver() -> multiprocessing.context.ForkServerContext:
+    """multiprocessing's forkserver, its server preloaded with this module (torch and the tracer): a process started
+    from it begins with them imported, where a spawned one spends seconds of CPU importing them again. The server
+    starts with this process's first such process and serves every later one."""
+    multiprocessing.set_forkserver_preload([__name__])  # no effect once the server runs: it already has them
+    return multiprocessing.get_context("forkserver")
+
+
+def take_environment(launching: dict[str, str]) -> None:
+    """In a process forked from the forkserver, which inherited the server's environment from when the server
+    started: take the launching process's environment of now (the MEMPLAN_* settings model files read), with what a
+    launcher set for this process (RANK, MASTER_PORT, ...: what differs from the environment this module was imported
+    under, the server's)."""
+    launcher = {k: v for k, v in os.environ.items() if _IMPORT_ENVIRONMENT.get(k) != v}
+    os.environ.clear()
+    os.environ.update(launching)
+    os.environ.update(launcher)
+
+
+def _rank_main(fn: Callable, args: tuple, device: str, workdir: str, environment: dict[str, str]) -> None:
     """One process: join the group, run fn(workdir, *args), leave its result or its error in workdir."""
+    take_environment(environment)
     work = Path(workdir)
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -153,7 +178,11 @@ def _trace_rank(work: Path, step: StepSpec, top: int) -> dict:
 
 
 def _spawned_ranks(fn: Callable, args: tuple, nproc: int, device: str, work: Path) -> list[Any]:
-    """Run fn(work, *args) on `nproc` processes started by torch.distributed's elastic launcher."""
+    """Run fn(work, *args) on `nproc` processes started by torch.distributed's elastic launcher. Each is forked from
+    multiprocessing's forkserver, a fresh process that imported this module (torch and the tracer) once, when this
+    process first launched ranks (`forkserver`): a spawned rank spent seconds importing them, every rank of every
+    launch."""
+    forkserver()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -163,11 +192,11 @@ def _spawned_ranks(fn: Callable, args: tuple, nproc: int, device: str, work: Pat
         rdzv_endpoint="localhost:0",
         max_restarts=0,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method="forkserver",
     )
     with _launcher_quiet():
         try:
-            elastic_launch(config, _rank_main)(fn, args, device, str(work))
+            elastic_launch(config, _rank_main)(fn, args, device, str(work), dict(os.environ))
         except ChildFailedError as e:
             codes = {rank: failure.exitcode for rank, failure in e.failures.items()}
             raise RankError(_first_error(work, codes)) from None
