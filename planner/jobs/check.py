@@ -232,8 +232,8 @@ def _check_process(argv: list[str], environment: dict[str, str], answer: str, st
 
 
 def _relay(stream) -> list[str]:
-    """A rank's stderr passed on as it comes (the script's output), but for its `Error:` lines: those are returned,
-    so the rank's error is said once, as the check's own."""
+    """A checking process's stderr (a rank's, a value's of --largest) passed on as it comes (the script's output), but
+    for its `Error:` lines: those are returned, so its error is said once, as the check's own."""
     errors = []
     for line in stream:
         if line.startswith("Error: "):

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from memplan.errors import MemplanError
+from memplan.traces.patches import patched
 
 PYTHONS = ("python", "python3", Path(sys.executable).name)
 OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")  # HuggingFace's switches for its hub (the first is set here)
@@ -107,11 +108,10 @@ def rank_environment(rank: int, world: int) -> Iterator[None]:
         return original("fake", store=FakeStore(), rank=rank, world_size=world, **kwargs)
 
     os.environ.update(env)
-    dist.init_process_group = init_process_group
     try:
-        yield
+        with patched((dist, "init_process_group", init_process_group)):
+            yield
     finally:
-        dist.init_process_group = original
         if dist.is_initialized():
             dist.destroy_process_group()
         for k, v in saved.items():

@@ -95,9 +95,11 @@ def largest(options: CheckOptions, name: str, progress: Callable[[str], None] = 
         # 1. Bracket: double while the value fits, halve while it does not.
         low, high = (start, None) if fits(start) else (None, start)
         while low is not None and high is None and low < MOST:
-            low, high = (min(2 * low, MOST), None) if fits(min(2 * low, MOST)) else (low, min(2 * low, MOST))
+            up = min(2 * low, MOST)
+            low, high = (up, None) if fits(up) else (low, up)
         while high is not None and low is None and high > 1:
-            low, high = (high // 2, high) if fits(high // 2) else (None, high // 2)
+            down = high // 2
+            low, high = (down, high) if fits(down) else (None, down)
         # 2. Bisect between the largest that fits and the smallest that ran out.
         while low is not None and high is not None and high - low > 1:
             middle = (low + high) // 2
